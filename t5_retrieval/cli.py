@@ -1,0 +1,62 @@
+"""`t5r`: one entry point, one subcommand per pipeline stage.
+
+Each stage lives in its own module and exposes ``main(argv: list[str]) -> int``; this file only
+maps names to modules, importing a stage lazily so that `t5r --help` stays fast and a stage's
+heavy dependencies (TensorFlow, ScaNN) load only when that stage runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> ("module:function", one-line help). Two-word commands ("data kb") are written with a space.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("t5_retrieval.train:main", "Train a dual encoder (gin-configured)."),
+    "data kb": ("t5_retrieval.data.cli:kb_main", "Chunk a KILT knowledge source into passages."),
+    "data tasks": ("t5_retrieval.data.cli:tasks_main", "Turn KILT task files into examples."),
+    "data negatives": ("t5_retrieval.data.cli:negatives_main", "Mine BM25 hard negatives."),
+    "data demo": ("t5_retrieval.data.cli:demo_main", "Write the built-in synthetic KILT-format data."),
+    "data download-kilt": ("t5_retrieval.data.cli:download_main", "Download official KILT files."),
+    "vocab train": ("t5_retrieval.data.cli:vocab_main", "Train a sentencepiece vocabulary on a KB."),
+    "analyze": ("t5_retrieval.multitask.analysis:main", "TACO task-specialisation figures and numbers."),
+    "encode": ("t5_retrieval.retrieval.encode:main", "Embed the KB with a checkpoint into shards."),
+    "index": ("t5_retrieval.retrieval.index:main", "Build a ScaNN index from embedding shards."),
+    "eval": ("t5_retrieval.retrieval.evaluate:main", "Retrieve and score with the KILT metrics."),
+    "mine": ("t5_retrieval.retrieval.mine:main", "Mine hard negatives with the current model."),
+    "ance": ("t5_retrieval.ance:main", "Warm-up, then ANCE episodes of (mine, train, eval)."),
+    "serve": ("t5_retrieval.retrieval.serve:main", "HTTP search API over an index."),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: t5r COMMAND [args...]   (t5r COMMAND --help for a command's flags)", ""]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def resolve(argv: list[str]) -> tuple[str, list[str]]:
+    """Splits argv into the longest command name that matches and the remaining arguments."""
+    for words in (2, 1):
+        name = " ".join(argv[:words])
+        if len(argv) >= words and name in COMMANDS:
+            return name, argv[words:]
+    known = ", ".join(sorted(COMMANDS))
+    raise SystemExit(f"t5r: unknown command {' '.join(argv[:2])!r}; known commands: {known}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = resolve(argv)
+    target, _ = COMMANDS[name]
+    module_name, function_name = target.split(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    return int(function(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

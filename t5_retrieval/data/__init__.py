@@ -1,0 +1,1 @@
+"""KILT data: knowledge base passages, task examples, negatives, seqio preprocessors and batching."""

@@ -1,0 +1,121 @@
+"""The records every stage exchanges (passages, examples, negatives) and their jsonl I/O.
+
+Kept in one small module so that the data pipeline, training, mining and evaluation agree on one
+shape, and so that a malformed line is always reported the same way: file, line and field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, the line and the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Passage:
+    """A ~100-word chunk of one knowledge-base page."""
+
+    id: str
+    wikipedia_id: str
+    title: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One KILT query with its relevance labels.
+
+    `gold_pages` holds one tuple of distinct page ids per evidence set (KILT `output` entry with
+    provenance); R-precision and recall@k are defined over these sets. `positive_passages` are the
+    passages used as training positives (from provenance spans, or the gold page's best BM25
+    passage when only the page is known).
+    """
+
+    id: str
+    task: str
+    query: str
+    gold_pages: tuple[tuple[str, ...], ...]
+    positive_passages: tuple[str, ...] = ()
+    answers: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> "Example":
+        return cls(
+            id=str(row["id"]), task=str(row["task"]), query=str(row["query"]),
+            gold_pages=tuple(tuple(str(p) for p in s) for s in row["gold_pages"]),
+            positive_passages=tuple(str(p) for p in row.get("positive_passages", ())),
+            answers=tuple(str(a) for a in row.get("answers", ())),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Negatives:
+    """Hard negatives for one example, best (hardest) first; BM25 and model-mined share this form."""
+
+    id: str
+    negatives: tuple[str, ...]
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yields (line number, object) for each non-empty line; a bad line raises DataError with file:line."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: malformed json ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{line_no}: expected a json object, got {type(obj).__name__}")
+            yield line_no, obj
+
+
+def require(obj: dict[str, Any], field: str, path: str | os.PathLike[str], line_no: int) -> Any:
+    """Returns obj[field] or raises DataError naming file:line and the missing field."""
+    if field not in obj:
+        raise DataError(f"{path}:{line_no}: missing field {field!r}")
+    return obj[field]
+
+
+def write_jsonl_atomic(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> int:
+    """Writes rows to path via a temporary file and a rename, so a crash never leaves a half file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    count = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            count += 1
+    os.replace(tmp, path)
+    return count
+
+
+def read_examples(path: str | os.PathLike[str]) -> list[Example]:
+    examples = []
+    for line_no, row in read_jsonl(path):
+        try:
+            examples.append(Example.from_json(row))
+        except KeyError as e:
+            raise DataError(f"{path}:{line_no}: missing field {e.args[0]!r}") from None
+    return examples
+
+
+def write_negatives(path: str | os.PathLike[str], rows: Iterable[Negatives]) -> int:
+    return write_jsonl_atomic(path, ({"id": r.id, "negatives": list(r.negatives)} for r in rows))
+
+
+def read_negatives(path: str | os.PathLike[str]) -> dict[str, tuple[str, ...]]:
+    out = {}
+    for line_no, row in read_jsonl(path):
+        negatives = require(row, "negatives", path, line_no)
+        out[str(require(row, "id", path, line_no))] = tuple(str(n) for n in negatives)
+    return out

@@ -1,0 +1,70 @@
+"""Sentence-T5 dual encoder: one shared T5 embeds queries and passages the same way.
+
+ST5-EncDec (the TACO model, default): the encoder reads the text, the decoder runs one step from the
+start token (id 0) cross-attending to it, and the embedding is the decoder's final-norm hidden state
+(before any LM head). ST5-Enc: mean of the encoder states over non-padding tokens. GTR/ST5 options
+(projection, L2 normalisation) are switches; TACO uses raw dot products with none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+from t5_retrieval.models.t5 import T5, T5Config, param_init, with_constraint
+
+POOLINGS = ("encdec", "mean")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DualEncoderConfig:
+    pooling: str = "encdec"  # "encdec" (ST5-EncDec) or "mean" (ST5-Enc)
+    projection_dim: int | None = None  # a bias-free linear map after pooling (ST5/GTR), or none
+    l2_normalize: bool = False
+    logit_scale: float = 1.0  # similarity multiplier in the loss (1/temperature); TACO: 1.0
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"DualEncoderConfig.pooling: expected one of {POOLINGS}, got {self.pooling!r}")
+
+
+class DualEncoder(nn.Module):
+    """Shared-tower text encoder: [b, l] token ids (0 = padding) -> [b, dim] float32 embeddings."""
+
+    t5_config: T5Config
+    config: DualEncoderConfig = DualEncoderConfig()
+
+    def setup(self) -> None:
+        self.t5 = T5(self.t5_config)
+        if self.config.projection_dim:
+            self.projection = nn.Dense(
+                self.config.projection_dim, use_bias=False, dtype=self.t5_config.compute_dtype,
+                param_dtype=jnp.float32,
+                kernel_init=param_init(("embed", "projection"),
+                                       nn.initializers.normal(self.t5_config.d_model ** -0.5)))
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.config.projection_dim or self.t5_config.d_model
+
+    def __call__(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
+        mask = tokens != 0
+        encoded = self.t5.encode(tokens, deterministic)
+        if self.config.pooling == "encdec":
+            start = jnp.zeros((tokens.shape[0], 1), dtype=tokens.dtype)
+            pooled = self.t5.decode(start, encoded, mask, deterministic)[:, 0]
+        else:
+            weights = mask.astype(jnp.float32)[..., None]
+            pooled = jnp.sum(encoded.astype(jnp.float32) * weights, axis=1) / jnp.maximum(
+                jnp.sum(weights, axis=1), 1.0)
+        if self.config.projection_dim:
+            pooled = self.projection(pooled)
+        pooled = pooled.astype(jnp.float32)
+        if self.config.l2_normalize:
+            pooled = pooled * jax.lax.rsqrt(jnp.sum(jnp.square(pooled), axis=-1, keepdims=True) + 1e-12)
+        return with_constraint(pooled, ("batch", "embed"))

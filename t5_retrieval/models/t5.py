@@ -1,0 +1,306 @@
+"""T5 v1.0 / v1.1 encoder-decoder in Flax linen, with logical axis names for `jax.sharding`.
+
+The layer layout follows the T5 paper (Raffel et al. 2020) and the v1.1 release: pre-norm RMSNorm
+residual blocks, relative position buckets shared by all layers of a stack, no attention scaling
+(folded into the initialisation), ReLU (v1.0) or gated-GELU (v1.1) MLPs, tied or untied output
+embeddings. Every parameter carries logical axis names and the main activations carry logical
+constraints, so a mesh plus rules (`t5_retrieval.sharding`) decides data/FSDP/tensor parallelism.
+
+Logical names: parameters use 'vocab', 'embed', 'heads', 'kv', 'mlp', 'relpos_buckets';
+activations use 'batch', 'length', 'embed', 'heads', 'kv', 'mlp'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+NEG_INF = -1e10  # masked attention logit; finite so fully-masked rows stay NaN-free
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+    """Architecture of one T5 model; gin files in gin_configs/models/ set these per size."""
+
+    vocab_size: int = 32128
+    d_model: int = 512
+    num_heads: int = 8
+    d_kv: int = 64
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    dropout_rate: float = 0.1
+    layer_norm_epsilon: float = 1e-6
+    mlp_activation: str = "gated-gelu"  # "relu" (T5 v1.0) or "gated-gelu" (T5 v1.1)
+    tie_word_embeddings: bool = False  # True in T5 v1.0
+    dtype: str = "float32"  # compute dtype; "bfloat16" for bf16 activations (params stay fp32)
+    remat: bool = False  # recompute each layer in the backward pass to save activation memory
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+
+def with_constraint(x: Array, names: tuple[str | None, ...]) -> Array:
+    """Annotates an activation with logical axes; a no-op outside a mesh/rules context."""
+    return nn.with_logical_constraint(x, names)
+
+
+def param_init(names: tuple[str, ...], init: Callable) -> Callable:
+    return nn.with_logical_partitioning(init, names)
+
+
+class RMSNorm(nn.Module):
+    """T5 layer norm: scale only, no mean subtraction, no bias; statistics in float32."""
+
+    epsilon: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param("scale", param_init(("embed",), nn.initializers.ones), (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        return (x32 * scale).astype(self.dtype)
+
+
+def relative_position_bucket(relative_position: Array, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> Array:
+    """Maps key-minus-query offsets to buckets: exact for small offsets, log-spaced up to max_distance."""
+    bucket = jnp.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (relative_position > 0).astype(jnp.int32) * num_buckets
+        distance = jnp.abs(relative_position)
+    else:
+        distance = jnp.maximum(-relative_position, 0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    log_ratio = jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).astype(jnp.int32)
+    large = jnp.minimum(large, num_buckets - 1)
+    return bucket + jnp.where(is_small, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+    """Learned per-head scalar bias for each relative-position bucket (computed once per stack)."""
+
+    config: T5Config
+    bidirectional: bool
+
+    @nn.compact
+    def __call__(self, query_length: int, key_length: int) -> Array:
+        cfg = self.config
+        table = self.param(
+            "rel_embedding", param_init(("relpos_buckets", "heads"), nn.initializers.normal(1.0)),
+            (cfg.relative_attention_num_buckets, cfg.num_heads), jnp.float32)
+        context = jnp.arange(query_length)[:, None]
+        memory = jnp.arange(key_length)[None, :]
+        buckets = relative_position_bucket(memory - context, self.bidirectional,
+                                           cfg.relative_attention_num_buckets,
+                                           cfg.relative_attention_max_distance)
+        bias = jnp.take(table, buckets, axis=0)  # [q, k, heads]
+        return jnp.transpose(bias, (2, 0, 1))[None]  # [1, heads, q, k]
+
+
+class Attention(nn.Module):
+    """Multi-head attention without the 1/sqrt(d) scaling (T5 folds it into the query init).
+
+    Kernels are declared directly in their [embed, heads, kv] / [heads, kv, embed] shapes (rather than
+    through nn.DenseGeneral, whose flat-then-reshape init clashes with logical-axis boxing).
+    """
+
+    config: T5Config
+
+    def _kernel(self, name: str, names: tuple[str, ...], shape: tuple[int, ...], stddev: float) -> Array:
+        kernel = self.param(name, param_init(names, nn.initializers.normal(stddev)), shape, jnp.float32)
+        return kernel.astype(self.config.compute_dtype)
+
+    @nn.compact
+    def __call__(self, inputs_q: Array, inputs_kv: Array, bias: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        d, h, dk = cfg.d_model, cfg.num_heads, cfg.d_kv
+        in_names, in_shape = ("embed", "heads", "kv"), (d, h, dk)
+        wq = self._kernel("query", in_names, in_shape, (d * dk) ** -0.5)
+        wk = self._kernel("key", in_names, in_shape, d ** -0.5)
+        wv = self._kernel("value", in_names, in_shape, d ** -0.5)
+        wo = self._kernel("out", ("heads", "kv", "embed"), (h, dk, d), (h * dk) ** -0.5)
+        names = ("batch", "length", "heads", "kv")
+        q = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_q, wq), names)
+        k = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wk), names)
+        v = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wv), names)
+        logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + bias
+        weights = jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype)
+        weights = nn.Dropout(cfg.dropout_rate)(weights, deterministic=deterministic)
+        out = jnp.einsum("bhqs,bshk->bqhk", weights, v)
+        out = jnp.einsum("bqhk,hkd->bqd", out, wo)
+        return with_constraint(out, ("batch", "length", "embed"))
+
+
+class MLP(nn.Module):
+    """ReLU (v1.0) or gated-GELU (v1.1, tanh-approximated GELU as in the release) feed-forward block."""
+
+    config: T5Config
+
+    @nn.compact
+    def __call__(self, x: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        dense = functools.partial(nn.Dense, use_bias=False, dtype=cfg.compute_dtype, param_dtype=jnp.float32)
+        init_in = param_init(("embed", "mlp"), nn.initializers.normal(cfg.d_model ** -0.5))
+        if cfg.mlp_activation == "relu":
+            h = jax.nn.relu(dense(cfg.d_ff, name="wi", kernel_init=init_in)(x))
+        elif cfg.mlp_activation == "gated-gelu":
+            gate = jax.nn.gelu(dense(cfg.d_ff, name="wi_0", kernel_init=init_in)(x), approximate=True)
+            h = gate * dense(cfg.d_ff, name="wi_1", kernel_init=init_in)(x)
+        else:
+            raise ValueError(f"T5Config.mlp_activation: expected 'relu' or 'gated-gelu', got {cfg.mlp_activation!r}")
+        h = with_constraint(h, ("batch", "length", "mlp"))
+        h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+        init_out = param_init(("mlp", "embed"), nn.initializers.normal(cfg.d_ff ** -0.5))
+        return dense(cfg.d_model, name="wo", kernel_init=init_out)(h)
+
+
+class EncoderLayer(nn.Module):
+    config: T5Config
+
+    @nn.compact
+    def __call__(self, x: Array, bias: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        drop = nn.Dropout(cfg.dropout_rate)
+        h = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="pre_attention_norm")(x)
+        x = x + drop(Attention(cfg, name="attention")(h, h, bias, deterministic), deterministic=deterministic)
+        h = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="pre_mlp_norm")(x)
+        x = x + drop(MLP(cfg, name="mlp")(h, deterministic), deterministic=deterministic)
+        return with_constraint(x, ("batch", "length", "embed"))
+
+
+class DecoderLayer(nn.Module):
+    config: T5Config
+
+    @nn.compact
+    def __call__(self, x: Array, encoded: Array, self_bias: Array, cross_bias: Array,
+                 deterministic: bool) -> Array:
+        cfg = self.config
+        drop = nn.Dropout(cfg.dropout_rate)
+        h = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="pre_self_attention_norm")(x)
+        x = x + drop(Attention(cfg, name="self_attention")(h, h, self_bias, deterministic),
+                     deterministic=deterministic)
+        h = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="pre_cross_attention_norm")(x)
+        x = x + drop(Attention(cfg, name="cross_attention")(h, encoded, cross_bias, deterministic),
+                     deterministic=deterministic)
+        h = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="pre_mlp_norm")(x)
+        x = x + drop(MLP(cfg, name="mlp")(h, deterministic), deterministic=deterministic)
+        return with_constraint(x, ("batch", "length", "embed"))
+
+
+def padding_bias(query_mask: Array, key_mask: Array) -> Array:
+    """[b, 1, q, k] additive bias that hides padded keys (and rows of padded queries)."""
+    allowed = query_mask[:, None, :, None] & key_mask[:, None, None, :]
+    return jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)
+
+
+def _layer(cls: type[nn.Module], cfg: T5Config) -> type[nn.Module]:
+    # The `deterministic` flag (last argument) must stay static under rematerialisation.
+    return nn.remat(cls, static_argnums=(-1,)) if cfg.remat else cls
+
+
+class Encoder(nn.Module):
+    config: T5Config
+    embedder: nn.Module
+
+    @nn.compact
+    def __call__(self, tokens: Array, mask: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        x = self.embedder(tokens).astype(cfg.compute_dtype)
+        x = with_constraint(x, ("batch", "length", "embed"))
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        length = tokens.shape[1]
+        bias = RelativePositionBias(cfg, bidirectional=True, name="relpos_bias")(length, length)
+        bias = bias + padding_bias(mask, mask)
+        layer_cls = _layer(EncoderLayer, cfg)
+        for i in range(cfg.num_encoder_layers):
+            x = layer_cls(cfg, name=f"layers_{i}")(x, bias, deterministic)
+        x = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="final_norm")(x)
+        return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+
+
+class Decoder(nn.Module):
+    config: T5Config
+    embedder: nn.Module
+
+    @nn.compact
+    def __call__(self, tokens: Array, encoded: Array, encoder_mask: Array, deterministic: bool) -> Array:
+        """Teacher-forced causal decoding; returns the final-norm hidden states [b, t, d_model]."""
+        cfg = self.config
+        x = self.embedder(tokens).astype(cfg.compute_dtype)
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        length = tokens.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        self_bias = RelativePositionBias(cfg, bidirectional=False, name="relpos_bias")(length, length)
+        self_bias = self_bias + jnp.where(causal, 0.0, NEG_INF)[None, None]
+        decoder_mask = jnp.ones(tokens.shape, dtype=bool)
+        cross_bias = padding_bias(decoder_mask, encoder_mask)
+        layer_cls = _layer(DecoderLayer, cfg)
+        for i in range(cfg.num_decoder_layers):
+            x = layer_cls(cfg, name=f"layers_{i}")(x, encoded, self_bias, cross_bias, deterministic)
+        x = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="final_norm")(x)
+        return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+
+
+class T5(nn.Module):
+    """Encoder-decoder T5 with a shared token embedding.
+
+    `encode` and `decode` are separate entry points so that a dual encoder can run the decoder for a
+    single step; `logits` gives the LM head (tied embeddings are scaled by d_model^-0.5 as in T5 v1.0).
+    """
+
+    config: T5Config
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.token_embedder = nn.Embed(
+            cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=jnp.float32,
+            embedding_init=param_init(("vocab", "embed"), nn.initializers.normal(1.0)))
+        self.encoder = Encoder(cfg, self.token_embedder)
+        self.decoder = Decoder(cfg, self.token_embedder)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
+                                    param_dtype=jnp.float32,
+                                    kernel_init=param_init(("embed", "vocab"),
+                                                           nn.initializers.normal(cfg.d_model ** -0.5)))
+
+    def encode(self, tokens: Array, deterministic: bool = True) -> Array:
+        """[b, l] token ids (0 = padding) -> [b, l, d_model] final-norm encoder states."""
+        return self.encoder(tokens, tokens != 0, deterministic)
+
+    def decode(self, decoder_tokens: Array, encoded: Array, encoder_mask: Array,
+               deterministic: bool = True) -> Array:
+        return self.decoder(decoder_tokens, encoded, encoder_mask, deterministic)
+
+    def logits(self, hidden: Array) -> Array:
+        if self.config.tie_word_embeddings:
+            return self.token_embedder.attend(hidden * self.config.d_model ** -0.5)
+        return self.lm_head(hidden)
+
+    def __call__(self, tokens: Array, decoder_tokens: Array, deterministic: bool = True) -> Array:
+        """Teacher-forced LM logits [b, t, vocab]; used by the generative auxiliary loss."""
+        encoded = self.encode(tokens, deterministic)
+        hidden = self.decode(decoder_tokens, encoded, tokens != 0, deterministic)
+        return self.logits(hidden)
+
+
+def abstract_params(module: nn.Module, *init_args: Array, **init_kwargs) -> dict:
+    """Parameter shapes/dtypes of `module` (unboxed ShapeDtypeStructs), without allocating them."""
+    variables = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), *init_args, **init_kwargs))
+    return nn.unbox(variables["params"])

@@ -1,0 +1,219 @@
+"""`t5r train`: the training program, top to bottom.
+
+mesh -> data -> model + sharded init -> optimiser -> restore -> jitted step -> loop (log, checkpoint).
+
+    t5r train --gin_file=models/t5_tiny.gin --gin_file=runs/train_demo.gin \
+        --gin.train.model_dir="'/tmp/run'"
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Protocol
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from t5_retrieval import checkpoint, gin_utils, sharding
+from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
+from t5_retrieval.models.t5 import T5Config
+from t5_retrieval.optim import make_optimizer
+from t5_retrieval.train_step import TrainState, make_train_step
+
+log = logging.getLogger(__name__)
+# On CPU, more than ~50 dispatched steps with collectives can deadlock; never run further ahead.
+MAX_STEPS_IN_FLIGHT = 20
+
+
+class BatchIterator(Protocol):
+    """What the trainer needs from the data pipeline (see t5_retrieval.data.batches)."""
+
+    task_names: list[str]
+
+    def __next__(self) -> dict[str, dict[str, np.ndarray]]: ...
+    def state(self) -> dict[str, Any]: ...
+    def restore(self, state: dict[str, Any]) -> None: ...
+
+
+@gin.configurable
+def model_config(t5: T5Config | None = None, dual_encoder: DualEncoderConfig | None = None
+                 ) -> dict[str, Any]:
+    """The architecture as plain data: stored with checkpoints, rebuilt by `build_model`."""
+    t5 = t5 or T5Config()  # constructed here, so that gin bindings of T5Config apply
+    dual_encoder = dual_encoder or DualEncoderConfig()
+    return {"t5": dataclasses.asdict(t5), "dual_encoder": dataclasses.asdict(dual_encoder)}
+
+
+def build_model(config: dict[str, Any]) -> DualEncoder:
+    return DualEncoder(T5Config(**config["t5"]), DualEncoderConfig(**config["dual_encoder"]))
+
+
+def init_params(model: nn.Module, rng: jax.Array, mesh: jax.sharding.Mesh, rules: sharding.Rules
+                ) -> tuple[Any, Any]:
+    """Initialises parameters directly into their shardings; returns (params, shardings)."""
+
+    def boxed_init(key: jax.Array) -> Any:
+        return model.init({"params": key}, jnp.ones((1, 4), jnp.int32))["params"]
+
+    logical_specs = nn.get_partition_spec(jax.eval_shape(boxed_init, rng))
+    shardings = sharding.tree_shardings(mesh, rules, logical_specs)
+    params = jax.jit(lambda key: nn.unbox(boxed_init(key)), out_shardings=shardings)(rng)
+    return params, shardings
+
+
+def opt_state_shardings(abstract_opt_state: Any, params: Any, param_shardings: Any,
+                        mesh: jax.sharding.Mesh) -> Any:
+    """Optimiser-state leaves that mirror a parameter get its sharding (with an unsharded leading
+    task axis for per-task states such as TACO's EMA); everything else is replicated."""
+    by_path = {tuple(path): s for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+    depths = sorted({len(p) for p in by_path}, reverse=True)
+    param_ndim = {tuple(path): np.ndim(x) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    def leaf_sharding(path: tuple, leaf: Any) -> jax.sharding.NamedSharding:
+        for depth in depths:
+            key = tuple(path[-depth:])
+            if len(path) >= depth and key in by_path:
+                spec = by_path[key].spec
+                if leaf.ndim == param_ndim[key]:
+                    return by_path[key]
+                if leaf.ndim == param_ndim[key] + 1:
+                    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec))
+        return sharding.replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt_state)
+
+
+class MetricsLog:
+    """Scalars to TensorBoard and to metrics.jsonl (process 0 only)."""
+
+    def __init__(self, directory: str):
+        self.enabled = jax.process_index() == 0
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(directory, "tb"))
+            self.jsonl = open(os.path.join(directory, "metrics.jsonl"), "a")
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        for name, value in scalars.items():
+            self.tb.add_scalar(name, value, step)
+        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
+            self.jsonl.close()
+
+
+@gin.configurable(denylist=["model_dir"])
+def train(model_dir: str,
+          batches: Callable[..., BatchIterator] = gin.REQUIRED,
+          num_steps: int = gin.REQUIRED,
+          per_device_batch: int = 8,
+          seed: int = 0,
+          log_every: int = 10,
+          checkpoint_every: int = 500,
+          keep_checkpoints: int = 3,
+          multitask: Callable[..., optax.GradientTransformation] | None = None,
+          multitask_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None,
+          ) -> TrainState:
+    """Trains (or resumes) a dual encoder in `model_dir`; returns the final state.
+
+    Args:
+      batches: factory of the multi-task batch iterator, called with per_device_batch,
+        local_data_devices, host_index, host_count and seed (gin: `@batches.make_train_iterator`).
+      num_steps: total optimiser steps (the schedule's length).
+      per_device_batch: queries per device per step, split over the tasks by the mixture rates.
+      multitask: factory of a multi-task gradient transform (TACO, PCGrad, ...), called with
+        num_tasks and total_steps; None sums the task losses (naive multi-task).
+      multitask_metrics: optional opt_state -> scalars (e.g. TACO's weighting statistics).
+    """
+    mesh = sharding.make_mesh()
+    rules = sharding.logical_axis_rules()
+    config = model_config()
+    checkpoint.write_config(model_dir, config)
+
+    data = batches(per_device_batch=per_device_batch, local_data_devices=sharding.local_data_devices(mesh),
+                   host_index=jax.process_index(), host_count=jax.process_count(), seed=seed)
+    task_names = list(data.task_names)
+
+    model = build_model(config)
+    params_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
+    params, param_shardings = init_params(model, params_rng, mesh, rules)
+    optimizer = make_optimizer(total_steps=num_steps, num_tasks=len(task_names), multitask=multitask)
+    opt_shardings = opt_state_shardings(jax.eval_shape(optimizer.init, params), params, param_shardings, mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    replicated = sharding.replicated(mesh)
+    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params,
+                       opt_state=opt_state, rng=jax.device_put(train_rng, replicated))
+    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                                 rng=replicated)
+
+    mngr = checkpoint.manager(model_dir, max_to_keep=keep_checkpoints)
+    restored = checkpoint.restore(mngr, checkpoint.abstract_like(state))
+    if restored is not None:
+        state, data_state = restored
+        data.restore(data_state)
+        log.info("resumed %s at step %d", model_dir, int(state.step))
+
+    step_fn = make_train_step(model, optimizer, task_names, per_task=multitask is not None,
+                              logit_scale=config["dual_encoder"]["logit_scale"],
+                              extra_metrics=multitask_metrics)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        first = next(data)
+        batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, np.ndim(x)), first)
+        jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
+                         out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+        return _loop(jitted, state, data, first, mesh, mngr, model_dir, num_steps, log_every,
+                     checkpoint_every)
+
+
+def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch: Any,
+          mesh: jax.sharding.Mesh, mngr: Any, model_dir: str, num_steps: int, log_every: int,
+          checkpoint_every: int) -> TrainState:
+    metrics_log = MetricsLog(model_dir)
+    start = int(state.step)
+    batch = first_batch
+    progress = tqdm(total=num_steps, initial=start, desc="train", unit="step",
+                    disable=jax.process_index() != 0, mininterval=5.0)
+    last_time, last_step = time.time(), start
+    for step in range(start + 1, num_steps + 1):
+        state, metrics = step_fn(state, sharding.global_batch(mesh, batch))
+        if step % min(log_every, MAX_STEPS_IN_FLIGHT) == 0 or step == num_steps:
+            scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}  # also bounds the queue
+            if step % log_every == 0 or step == num_steps:
+                now = time.time()
+                scalars["steps_per_second"] = (step - last_step) / max(now - last_time, 1e-9)
+                last_time, last_step = now, step
+                metrics_log.write(step, scalars)
+                progress.set_postfix(loss=f"{scalars['loss']:.3f}")
+        progress.update(1)
+        if step % checkpoint_every == 0 or step == num_steps:
+            checkpoint.save(mngr, step, state, data.state())
+        if step < num_steps:
+            batch = next(data)
+    progress.close()
+    metrics_log.close()
+    return state
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="t5r train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_dir", required=True, help="where checkpoints, config and metrics go")
+    args = gin_utils.parse_args(parser, argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    train(args.model_dir)
+    return 0
