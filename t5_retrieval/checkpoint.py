@@ -78,3 +78,23 @@ def read_config(directory: str) -> dict[str, Any]:
         raise CheckpointError(f"{directory}: no {CONFIG_FILE}; is this a t5r model directory?")
     with open(path) as f:
         return json.load(f)
+
+
+def restore_params(directory: str, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
+    """Restores only the parameters of the latest (or given) checkpoint, for inference.
+
+    Returns (params, step). The optimiser state is not read, so inference needs no more memory
+    than the model itself.
+    """
+    mngr = manager(directory)
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"{directory}: no checkpoint found")
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding) if getattr(x, "sharding", None)
+                                else ocp.RestoreArgs(), abstract_params)
+    try:
+        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise CheckpointError(f"checkpoint {directory}/{step} does not fit this model: {e}") from e
+    return restored["state"]["params"], step

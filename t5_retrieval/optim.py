@@ -6,6 +6,7 @@ and emits one ordinary gradient, so everything after it is the standard single-t
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import gin
@@ -22,6 +23,22 @@ def linear_warmup_decay(peak_value: float, total_steps: int, warmup_fraction: fl
         boundaries=[warmup_steps])
 
 
+def build_multitask(factory: Callable[..., optax.GradientTransformation], num_tasks: int, total_steps: int,
+                    burn_in_fraction: float) -> optax.GradientTransformation:
+    """Calls a multi-task transform factory with the run-level arguments it declares.
+
+    `num_tasks` comes from the data; TACO's `burn_in_steps` is `burn_in_fraction` of this run's
+    (episode's) steps, so one run file serves episodes of any length.
+    """
+    accepted = inspect.signature(factory).parameters
+    kwargs = {}
+    if "num_tasks" in accepted:
+        kwargs["num_tasks"] = num_tasks
+    if "burn_in_steps" in accepted:
+        kwargs["burn_in_steps"] = int(round(burn_in_fraction * total_steps))
+    return factory(**kwargs)
+
+
 @gin.configurable(denylist=["total_steps", "num_tasks", "multitask"])
 def make_optimizer(total_steps: int,
                    num_tasks: int,
@@ -29,9 +46,10 @@ def make_optimizer(total_steps: int,
                    warmup_fraction: float = 0.1,
                    weight_decay: float = 0.0,
                    clip_norm: float = 1.0,
+                   burn_in_fraction: float = 0.1,
                    multitask: Callable[..., optax.GradientTransformation] | None = None,
                    ) -> optax.GradientTransformationExtraArgs:
-    """Builds the chain; `multitask` is a factory called as multitask(num_tasks=..., total_steps=...).
+    """[multitask] -> clip_by_global_norm -> AdamW with linear warm-up then linear decay to 0.
 
     With `multitask=None` the train step sums the task losses and no per-task gradients are formed.
     """
@@ -39,4 +57,4 @@ def make_optimizer(total_steps: int,
     tail = [optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay)]
     if multitask is None:
         return optax.chain(*tail)
-    return optax.chain(multitask(num_tasks=num_tasks, total_steps=total_steps), *tail)
+    return optax.chain(build_multitask(multitask, num_tasks, total_steps, burn_in_fraction), *tail)

@@ -25,7 +25,9 @@ import optax
 from tqdm import tqdm
 
 from t5_retrieval import checkpoint, gin_utils, sharding
+from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
 from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
+from t5_retrieval.multitask import multitask_metrics
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.optim import make_optimizer
 from t5_retrieval.train_step import TrainState, make_train_step
@@ -39,6 +41,7 @@ class BatchIterator(Protocol):
     """What the trainer needs from the data pipeline (see t5_retrieval.data.batches)."""
 
     task_names: list[str]
+    features: dict[str, Any]  # vocabulary, lengths, task prefixes: recorded for inference
 
     def __next__(self) -> dict[str, dict[str, np.ndarray]]: ...
     def state(self) -> dict[str, Any]: ...
@@ -69,6 +72,20 @@ def init_params(model: nn.Module, rng: jax.Array, mesh: jax.sharding.Mesh, rules
     shardings = sharding.tree_shardings(mesh, rules, logical_specs)
     params = jax.jit(lambda key: nn.unbox(boxed_init(key)), out_shardings=shardings)(rng)
     return params, shardings
+
+
+def initial_params(source: str, like: Any) -> Any:
+    """Weights to start from: a t5r model directory's latest checkpoint, or a Hugging Face T5 directory."""
+    abstract = checkpoint.abstract_like(like)
+    if os.path.exists(os.path.join(source, checkpoint.CONFIG_FILE)):
+        params, step = checkpoint.restore_params(source, abstract)
+        log.info("initialised from %s step %d", source, step)
+        return params
+    if os.path.exists(os.path.join(source, "config.json")):
+        from t5_retrieval.models import hf_import
+        return {**like, "t5": hf_import.load_t5(source, abstract["t5"])}
+    raise checkpoint.CheckpointError(f"init_from={source!r}: neither a t5r model directory "
+                                     f"({checkpoint.CONFIG_FILE}) nor a Hugging Face T5 directory (config.json)")
 
 
 def opt_state_shardings(abstract_opt_state: Any, params: Any, param_shardings: Any,
@@ -117,41 +134,53 @@ class MetricsLog:
             self.jsonl.close()
 
 
-@gin.configurable(denylist=["model_dir"])
+@gin.configurable(denylist=["model_dir", "data_overrides"])
 def train(model_dir: str,
           batches: Callable[..., BatchIterator] = gin.REQUIRED,
-          num_steps: int = gin.REQUIRED,
+          num_steps: int | None = None,
+          num_epochs: float | None = None,
           per_device_batch: int = 8,
           seed: int = 0,
           log_every: int = 10,
           checkpoint_every: int = 500,
           keep_checkpoints: int = 3,
           multitask: Callable[..., optax.GradientTransformation] | None = None,
-          multitask_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None,
+          init_from: str | None = None,
+          data_overrides: dict[str, Any] | None = None,
           ) -> TrainState:
     """Trains (or resumes) a dual encoder in `model_dir`; returns the final state.
 
     Args:
       batches: factory of the multi-task batch iterator, called with per_device_batch,
-        local_data_devices, host_index, host_count and seed (gin: `@batches.make_train_iterator`).
-      num_steps: total optimiser steps (the schedule's length).
+        local_data_devices, host_index, host_count and seed (gin: `@make_train_iterator`).
+      num_steps / num_epochs: the run's length (exactly one), in optimiser steps or in epochs of
+        the largest task; the learning-rate schedule and TACO's burn-in are fractions of it.
       per_device_batch: queries per device per step, split over the tasks by the mixture rates.
-      multitask: factory of a multi-task gradient transform (TACO, PCGrad, ...), called with
-        num_tasks and total_steps; None sums the task losses (naive multi-task).
-      multitask_metrics: optional opt_state -> scalars (e.g. TACO's weighting statistics).
+      multitask: factory of a multi-task gradient transform (gin: `@multitask.taco`, `@multitask.pcgrad`,
+        ...); None sums the task losses (naive multi-task). Its statistics (e.g. whether TACO's
+        weighting is active, the mean task entropy) are logged with the other metrics.
+      init_from: start from these weights instead of a random init: a t5r model directory (its
+        latest checkpoint; a fresh optimiser, as between ANCE episodes) or a Hugging Face T5
+        directory (config.json + safetensors). Ignored when model_dir already has a checkpoint.
+      data_overrides: extra arguments for `batches` (e.g. the negatives of an ANCE episode).
     """
     mesh = sharding.make_mesh()
     rules = sharding.logical_axis_rules()
-    config = model_config()
-    checkpoint.write_config(model_dir, config)
-
     data = batches(per_device_batch=per_device_batch, local_data_devices=sharding.local_data_devices(mesh),
-                   host_index=jax.process_index(), host_count=jax.process_count(), seed=seed)
+                   host_index=jax.process_index(), host_count=jax.process_count(), seed=seed,
+                   **(data_overrides or {}))
     task_names = list(data.task_names)
+    if (num_steps is None) == (num_epochs is None):
+        raise ValueError(f"train: set exactly one of num_steps ({num_steps}) and num_epochs ({num_epochs})")
+    num_steps = num_steps or max(1, int(round(num_epochs * data.steps_per_epoch)))
+    config = {**model_config(), "features": data.features}
+    checkpoint.write_config(model_dir, config)
 
     model = build_model(config)
     params_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
     params, param_shardings = init_params(model, params_rng, mesh, rules)
+    if init_from:
+        params = jax.device_put(initial_params(init_from, params), param_shardings)
     optimizer = make_optimizer(total_steps=num_steps, num_tasks=len(task_names), multitask=multitask)
     opt_shardings = opt_state_shardings(jax.eval_shape(optimizer.init, params), params, param_shardings, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
@@ -170,7 +199,7 @@ def train(model_dir: str,
 
     step_fn = make_train_step(model, optimizer, task_names, per_task=multitask is not None,
                               logit_scale=config["dual_encoder"]["logit_scale"],
-                              extra_metrics=multitask_metrics)
+                              extra_metrics=None if multitask is None else multitask_metrics)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         first = next(data)
         batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, np.ndim(x)), first)

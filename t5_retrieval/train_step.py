@@ -89,7 +89,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params, task_losses=losses)
         params = optax.apply_updates(state.params, updates)
         metrics["loss"] = jnp.sum(losses)
-        metrics["update_norm"] = optax.global_norm(updates)
+        metrics["update_norm"] = optax.tree.norm(updates)
         if extra_metrics is not None:
             metrics.update(extra_metrics(opt_state))
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics

@@ -1,0 +1,227 @@
+"""Per-task training batches: one sub-batch per task per step, exact and cheap to save/restore.
+
+Each task's (host-local) examples are tokenised once into numpy; batching then only indexes
+arrays. Task t's examples form an endless stream of permutations (permutation c seeded by
+(seed, task, host, c)), and step s takes stream positions [s * b_t, (s + 1) * b_t). Everything is a
+function of (seed, step), so the saved state is just the step and restoring reproduces the exact
+following batches. An epoch is one pass over the largest task (floor(n / b) steps); smaller tasks
+simply wrap into their next permutation.
+
+Queries are formatted exactly as the registered seqio Tasks do (same spec and functions in
+`registry`/`text`); the batcher reads the processed examples directly rather than through
+tf.data, which keeps the position exact and TensorFlow out of the training loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import gin
+import numpy as np
+
+from t5_retrieval.data import layout, registry
+from t5_retrieval.data.kb import PassageStore, passage_text
+from t5_retrieval.data.mixing import sizes_from_rates, temperature_rates
+from t5_retrieval.data.records import DataError, Example, read_examples, read_negatives
+from t5_retrieval.data.text import format_query
+from t5_retrieval.data.tokenize import Vocabulary, tokenize, to_fixed_length, encode_with_eos_markers
+
+Batch = dict[str, dict[str, np.ndarray]]
+_FILL_STREAM = 7919  # separates the random-negative RNG stream from the permutation streams
+
+
+@dataclasses.dataclass
+class _TaskData:
+    name: str
+    query_tokens: np.ndarray      # int32[n, query_len]
+    positives: np.ndarray         # int64[n] store indices
+    negatives: np.ndarray         # int64[n, N] store indices, -1 = missing (filled at random)
+    gold_pages: list[frozenset[str]]
+    size: int                     # host-local sub-batch size
+    skipped: int                  # examples without any positive passage in the KB
+    missing_negatives: int        # negative slots that will be filled at random
+
+
+class TrainIterator:
+    """Yields `{task: {"query_tokens", "passage_tokens", "task_ids"}}` per step (see make_train_iterator)."""
+
+    def __init__(self, tasks: list[_TaskData], store: PassageStore, vocab: Vocabulary, passage_len: int,
+                 num_negatives: int, seed: int, host_index: int, host_count: int,
+                 features: dict[str, Any] | None = None):
+        self._tasks = tasks
+        # How queries and passages become model inputs; recorded with checkpoints for inference.
+        self.features = features or {}
+        self._store = store
+        self._vocab = vocab
+        self._passage_len = passage_len
+        self._num_negatives = num_negatives
+        self._seed = seed
+        self._host = (host_index, host_count)
+        self._pages = [store.page_of(pid) for pid in store.ids()]
+        self._passage_cache: dict[int, np.ndarray] = {}
+        self._perm_cache: dict[tuple[int, int], np.ndarray] = {}
+        self.task_names = [t.name for t in tasks]
+        self.subbatch_sizes = [t.size for t in tasks]
+        largest = max(tasks, key=lambda t: len(t.positives))
+        self.steps_per_epoch = max(1, len(largest.positives) // largest.size)
+        self.step = 0
+
+    # -- position ------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """JSON-able position; save it with the checkpoint."""
+        return {"step": self.step, "seed": self._seed, "tasks": self.task_names,
+                "sizes": self.subbatch_sizes, "host_index": self._host[0], "host_count": self._host[1]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continues from a saved position; the configuration must match the one that saved it."""
+        mine = self.state()
+        for key in ("seed", "tasks", "sizes", "host_index", "host_count"):
+            if list(np.atleast_1d(state.get(key))) != list(np.atleast_1d(mine[key])):
+                raise ValueError(f"iterator state has {key}={state.get(key)!r}, this iterator has {mine[key]!r}; "
+                                 "restore with the same tasks, batch sizes, seed and host layout")
+        self.step = int(state["step"])
+
+    @property
+    def epoch(self) -> int:
+        return self.step // self.steps_per_epoch
+
+    # -- batches -------------------------------------------------------------------------------
+    def __iter__(self) -> "TrainIterator":
+        return self
+
+    def __next__(self) -> Batch:
+        batch = {t.name: self._subbatch(i, t, self.step) for i, t in enumerate(self._tasks)}
+        self.step += 1
+        return batch
+
+    def _permutation(self, task_index: int, cycle: int) -> np.ndarray:
+        key = (task_index, cycle)
+        if key not in self._perm_cache:
+            if len(self._perm_cache) > 4 * len(self._tasks):
+                self._perm_cache.clear()
+            n = len(self._tasks[task_index].positives)
+            rng = np.random.default_rng([self._seed, task_index, *self._host, cycle])
+            self._perm_cache[key] = rng.permutation(n)
+        return self._perm_cache[key]
+
+    def _rows(self, task_index: int, step: int) -> np.ndarray:
+        task = self._tasks[task_index]
+        n = len(task.positives)
+        positions = np.arange(step * task.size, (step + 1) * task.size)
+        return np.array([self._permutation(task_index, int(p // n))[p % n] for p in positions])
+
+    def _subbatch(self, task_index: int, task: _TaskData, step: int) -> dict[str, np.ndarray]:
+        rows = self._rows(task_index, step)
+        fill_rng = np.random.default_rng([self._seed, _FILL_STREAM, task_index, *self._host, step])
+        passage_ids = []
+        for row in rows:
+            negs = [int(x) for x in task.negatives[row] if x >= 0]
+            if len(negs) < self._num_negatives:
+                negs += self._random_negatives(fill_rng, task.gold_pages[row], int(task.positives[row]),
+                                               negs, self._num_negatives - len(negs))
+            passage_ids += [int(task.positives[row]), *negs]
+        return {"query_tokens": task.query_tokens[rows],
+                "passage_tokens": np.stack([self._passage_tokens(i) for i in passage_ids]),
+                "task_ids": np.full(len(rows), task_index, np.int32)}
+
+    def _random_negatives(self, rng: np.random.Generator, gold: frozenset[str], positive: int,
+                          taken: list[int], count: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(100 * count + 100):
+            if len(out) == count:
+                break
+            i = int(rng.integers(len(self._pages)))
+            if self._pages[i] not in gold and i != positive and i not in taken and i not in out:
+                out.append(i)
+        if len(out) < count:
+            raise DataError(f"could not draw {count} random negatives outside the gold pages from a KB of "
+                            f"{len(self._pages)} passages")
+        return out
+
+    def _passage_tokens(self, index: int) -> np.ndarray:
+        tokens = self._passage_cache.get(index)
+        if tokens is None:
+            passage = self._store.get(self._store.ids()[index])
+            tokens = to_fixed_length(encode_with_eos_markers(self._vocab, passage_text(passage)), self._passage_len)
+            self._passage_cache[index] = tokens
+        return tokens
+
+
+def _load_vocabulary(vocabulary: Vocabulary | str) -> Vocabulary:
+    if isinstance(vocabulary, str):
+        import seqio
+
+        return seqio.SentencePieceVocabulary(vocabulary, extra_ids=100)
+    return vocabulary
+
+
+def _task_data(spec: registry.KiltTaskSpec, examples: list[Example], negatives: dict[str, tuple[str, ...]],
+               store: PassageStore, vocab: Vocabulary, query_len: int, num_negatives: int, size: int,
+               negatives_file: str) -> _TaskData:
+    usable = [e for e in examples if e.positive_passages]
+    if not usable:
+        raise DataError(f"task {spec.name}: none of its {len(examples)} host-local examples has a positive "
+                        "passage in the KB")
+    negs = np.full((len(usable), num_negatives), -1, np.int64)
+    missing = 0
+    for r, e in enumerate(usable):
+        if e.id not in negatives:
+            raise DataError(f"{negatives_file}: no negatives for example {e.id!r} of task {spec.name}")
+        ids = [store.index_of(pid) for pid in negatives[e.id][:num_negatives]]
+        negs[r, : len(ids)] = ids
+        missing += num_negatives - len(ids)
+    return _TaskData(
+        name=spec.name,
+        query_tokens=tokenize(vocab, [format_query(e.query, spec.prefix) for e in usable], query_len),
+        positives=np.array([store.index_of(e.positive_passages[0]) for e in usable], np.int64),
+        negatives=negs,
+        gold_pages=[frozenset(p for s in e.gold_pages for p in s) for e in usable],
+        size=size, skipped=len(examples) - len(usable), missing_negatives=missing)
+
+
+@gin.configurable
+def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: str, negatives: str | None,
+                        vocabulary: Vocabulary | str, query_len: int, passage_len: int, num_negatives: int,
+                        per_device_batch: int, local_data_devices: int = 1, host_index: int = 0,
+                        host_count: int = 1, seed: int = 0, temperature: float = registry.TEMPERATURE,
+                        split: str = "train") -> TrainIterator:
+    """Builds the per-task training iterator over `<data_dir>/examples` and a negatives directory.
+
+    `negatives` is a directory of `{dataset}-{split}.jsonl` negatives files (default
+    `<data_dir>/negatives/bm25`); the first `num_negatives` of each example are used, and when an
+    example has fewer, the rest are random KB passages outside its gold pages, drawn
+    deterministically from (seed, task, host, step). Examples without a positive passage in the KB
+    are skipped and counted (logged). Per-device sub-batch sizes come from the temperature-scaled
+    rates of the tasks' declared sizes; host-local sizes are those times `local_data_devices`.
+    Each host reads examples i with i % host_count == host_index (seqio.ShardInfo style).
+    """
+    import tasks  # noqa: F401  (registers the task specs)
+
+    specs = registry.resolve(mixture_or_task_names)
+    if not 0 <= host_index < host_count:
+        raise ValueError(f"host_index {host_index} not in [0, {host_count})")
+    sizes = sizes_from_rates(temperature_rates([s.num_train for s in specs], temperature), per_device_batch)
+    vocab = _load_vocabulary(vocabulary)
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    negatives_dir = negatives or layout.negatives_dir(data_dir, "bm25")
+    task_data = []
+    for spec, size in zip(specs, sizes):
+        examples = read_examples(layout.examples_path(data_dir, spec.dataset, split))[host_index::host_count]
+        negatives_file = layout.negatives_path(negatives_dir, spec.dataset, split)
+        if not os.path.exists(negatives_file):
+            raise DataError(f"{negatives_file}: missing; run `t5r data negatives` (or mining) for {spec.dataset}")
+        data = _task_data(spec, examples, read_negatives(negatives_file), store, vocab, query_len,
+                          num_negatives, size * local_data_devices, negatives_file)
+        if data.skipped or data.missing_negatives:
+            logging.warning("task %s: skipped %d examples without a positive in the KB; %d negative slots "
+                            "will be filled with random passages", spec.name, data.skipped, data.missing_negatives)
+        task_data.append(data)
+    features = {"vocabulary": os.path.abspath(vocabulary) if isinstance(vocabulary, str) else None,
+                "query_len": query_len, "passage_len": passage_len,
+                "tasks": {spec.name: {"dataset": spec.dataset, "prefix": spec.prefix} for spec in specs}}
+    return TrainIterator(task_data, store, vocab, passage_len, num_negatives, seed, host_index, host_count,
+                         features)

@@ -1,0 +1,115 @@
+"""`t5r data ...` and `t5r vocab train`: flag parsing over the stage functions in `prepare` & co."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from t5_retrieval.gin_utils import parse_args
+
+
+def _csv(value: str) -> list[str]:
+    return [v for v in value.split(",") if v]
+
+
+def _report(obj) -> None:
+    print(json.dumps(obj, indent=1, default=lambda o: o.to_json() if hasattr(o, "to_json") else str(o)))
+
+
+def kb_main(argv: list[str]) -> int:
+    from t5_retrieval.data.prepare import prepare_kb
+
+    p = argparse.ArgumentParser("t5r data kb", description="Knowledge source -> passage store <data_dir>/kb.")
+    p.add_argument("--source", required=True,
+                   help="KILT knowledge source jsonl (pages), a passages jsonl, or DPR psgs_w100.tsv")
+    p.add_argument("--data_dir", required=True)
+    p.add_argument("--words_per_passage", type=int, default=100)
+    p.add_argument("--passages_per_shard", type=int, default=1_000_000)
+    p.add_argument("--overwrite", action="store_true")
+    a = parse_args(p, argv)
+    manifest = prepare_kb(a.source, a.data_dir, words_per_passage=a.words_per_passage,
+                          passages_per_shard=a.passages_per_shard, overwrite=a.overwrite)
+    print(f"kb: {manifest['num_passages']} passages from {manifest['num_pages']} pages "
+          f"in {len(manifest['shards'])} shard(s)")
+    return 0
+
+
+def tasks_main(argv: list[str]) -> int:
+    from t5_retrieval.data.prepare import prepare_tasks
+
+    p = argparse.ArgumentParser("t5r data tasks", description="KILT task files -> <data_dir>/examples.")
+    p.add_argument("--input_dir", required=True, help="directory with {task}-{split}-kilt.jsonl files")
+    p.add_argument("--data_dir", required=True)
+    p.add_argument("--tasks", type=_csv, required=True, help="comma-separated task names (file stems)")
+    p.add_argument("--splits", type=_csv, default=["train", "dev"])
+    p.add_argument("--min_bleu", type=float, default=None, help="drop provenance with bleu_score below this")
+    p.add_argument("--max_train_examples", type=int, default=None, help="downsample train to N examples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strict", action="store_true", help="fail when a gold page is missing from the KB")
+    a = parse_args(p, argv)
+    stats = prepare_tasks(a.input_dir, a.data_dir, a.tasks, a.splits, min_bleu=a.min_bleu,
+                          max_train_examples=a.max_train_examples, seed=a.seed, strict=a.strict)
+    _report(stats)
+    return 0
+
+
+def negatives_main(argv: list[str]) -> int:
+    from t5_retrieval.data.prepare import prepare_negatives
+
+    p = argparse.ArgumentParser("t5r data negatives", description="BM25 hard negatives -> <data_dir>/negatives/bm25.")
+    p.add_argument("--data_dir", required=True)
+    p.add_argument("--tasks", type=_csv, required=True)
+    p.add_argument("--splits", type=_csv, default=["train"])
+    p.add_argument("--top_k", type=int, default=100)
+    a = parse_args(p, argv)
+    _report(prepare_negatives(a.data_dir, a.tasks, a.splits, top_k=a.top_k))
+    return 0
+
+
+def demo_main(argv: list[str]) -> int:
+    from t5_retrieval.data.demo import write_demo
+
+    p = argparse.ArgumentParser("t5r data demo", description="Write the SYNTHETIC KILT-format demo data.")
+    p.add_argument("--out", required=True)
+    p.add_argument("--num_pages", type=int, default=300)
+    p.add_argument("--train_per_task", type=int, default=160)
+    p.add_argument("--dev_per_task", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+    a = parse_args(p, argv)
+    _report(write_demo(a.out, num_pages=a.num_pages, train_per_task=a.train_per_task,
+                       dev_per_task=a.dev_per_task, seed=a.seed, overwrite=a.overwrite))
+    return 0
+
+
+def download_main(argv: list[str]) -> int:
+    from t5_retrieval.data.download import KILT_BASE_URL, download_kilt
+
+    p = argparse.ArgumentParser("t5r data download-kilt", description="Download official KILT files (resumable).")
+    p.add_argument("--out", required=True)
+    p.add_argument("--files", type=_csv, default=[],
+                   help="file names, e.g. fever-train-kilt.jsonl,fever-dev-kilt.jsonl")
+    p.add_argument("--knowledge_source", action="store_true", help="also fetch kilt_knowledgesource.json")
+    p.add_argument("--base_url", default=KILT_BASE_URL)
+    a = parse_args(p, argv)
+    names = list(a.files) + (["kilt_knowledgesource.json"] if a.knowledge_source else [])
+    if not names:
+        print("nothing to download: pass --files and/or --knowledge_source", file=sys.stderr)
+        return 2
+    _report(download_kilt(names, a.out, base_url=a.base_url))
+    return 0
+
+
+def vocab_main(argv: list[str]) -> int:
+    from t5_retrieval.data.vocab import train_vocabulary
+
+    p = argparse.ArgumentParser("t5r vocab train", description="Train a T5-convention sentencepiece model on a KB.")
+    p.add_argument("--kb", required=True, help="passage store directory (<data_dir>/kb)")
+    p.add_argument("--out", required=True, help="model path prefix; writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--vocab_size", type=int, default=8000)
+    p.add_argument("--max_sentences", type=int, default=1_000_000)
+    a = parse_args(p, argv)
+    path = train_vocabulary(a.kb, a.out, vocab_size=a.vocab_size, max_sentences=a.max_sentences)
+    print(f"vocabulary: {path}")
+    return 0

@@ -1,0 +1,350 @@
+"""Knowledge base: KILT pages -> ~100-word passages, stored as sharded jsonl with a manifest.
+
+Layout of a passage store directory (written by `t5r data kb`)::
+
+    manifest.json               counts, shard names, chunking settings (written last)
+    passages-00000.jsonl        {"id", "wikipedia_id", "title", "text", "span"} in id order
+    passages-00000.offsets.npy  byte offset of every line, for random access by `get`
+    page_map.tsv                passage_id <TAB> wikipedia_id, in id order (the passage -> page map)
+
+Writes stream page by page into a temporary directory that is renamed into place only after the
+manifest is written, so an interrupted run never leaves something that looks finished. The same
+layout holds the 36M-passage KILT KB (sharded files, no whole-KB list in memory while writing).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from t5_retrieval.data.records import DataError, Passage, read_jsonl, require
+from t5_retrieval.data.text import format_passage
+
+MANIFEST = "manifest.json"
+PAGE_MAP = "page_map.tsv"
+FORMAT = "t5r.passages/1"
+SECTION = "Section::::"
+BULLET = "BULLET::::"
+
+# A chunk span: (first paragraph index, last paragraph index) in the page's `text` list, inclusive.
+Span = tuple[int, int]
+
+
+def passage_text(p: Passage) -> str:
+    """The passage string the model sees: `"Title: {title} Text: {text}"`."""
+    return format_passage(p.title, p.text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunking
+
+
+def _clean_paragraph(paragraph: str) -> str:
+    paragraph = paragraph.strip()
+    if paragraph.startswith(BULLET):
+        paragraph = paragraph[len(BULLET):].lstrip("- ").strip()
+    return paragraph
+
+
+def chunk_page(wikipedia_id: str, title: str, paragraphs: list[str],
+               words_per_passage: int = 100) -> list[tuple[Passage, Span]]:
+    """Splits one page into passages of about `words_per_passage` words that never cross a section.
+
+    "Section::::" paragraphs start a new section and are not passage text; a first paragraph equal
+    to the title (the KILT knowledge source stores the title as paragraph 0) is skipped. A section
+    of n words becomes ceil(n / words_per_passage) chunks of near-equal length, so there are no
+    tiny trailing passages. Paragraph indices in the spans refer to the original `paragraphs`
+    list, which is what KILT provenance `start_paragraph_id`/`end_paragraph_id` index.
+    """
+    sections: list[list[tuple[int, list[str]]]] = [[]]
+    for index, raw in enumerate(paragraphs):
+        if raw.startswith(SECTION):
+            sections.append([])
+            continue
+        if index == 0 and raw.strip() == title.strip():
+            continue
+        words = _clean_paragraph(raw).split()
+        if words:
+            sections[-1].append((index, words))
+    out: list[tuple[Passage, Span]] = []
+    for section in sections:
+        tagged = [(index, word) for index, words in section for word in words]
+        if not tagged:
+            continue
+        n_chunks = -(-len(tagged) // words_per_passage)
+        bounds = [round(i * len(tagged) / n_chunks) for i in range(n_chunks + 1)]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            chunk = tagged[lo:hi]
+            passage = Passage(id=f"{wikipedia_id}_{len(out)}", wikipedia_id=wikipedia_id, title=title,
+                              text=" ".join(w for _, w in chunk))
+            out.append((passage, (chunk[0][0], chunk[-1][0])))
+    return out
+
+
+def iter_knowledge_source(path: str, words_per_passage: int = 100) -> Iterator[tuple[Passage, Span]]:
+    """Streams passages from a KILT knowledge source (jsonl: wikipedia_id, wikipedia_title, text)."""
+    for line_no, row in read_jsonl(path):
+        wikipedia_id = str(require(row, "wikipedia_id", path, line_no))
+        title = str(require(row, "wikipedia_title", path, line_no))
+        text = require(row, "text", path, line_no)
+        if not isinstance(text, list) or not all(isinstance(p, str) for p in text):
+            raise DataError(f"{path}:{line_no}: field 'text' must be a list of paragraph strings")
+        yield from chunk_page(wikipedia_id, title, text, words_per_passage)
+
+
+def iter_dpr_tsv(path: str) -> Iterator[tuple[Passage, Span | None]]:
+    """Streams passages from DPR's `psgs_w100.tsv` (id, text, title; header line optional).
+
+    DPR passages carry no page id: the title is the page key, as in DPR's own evaluation.
+    """
+    csv.field_size_limit(sys.maxsize)
+    with open(path, encoding="utf-8", newline="") as f:
+        for line_no, fields in enumerate(csv.reader(f, delimiter="\t"), start=1):
+            if line_no == 1 and fields[:3] == ["id", "text", "title"]:
+                continue
+            if not fields:
+                continue
+            if len(fields) != 3:
+                raise DataError(f"{path}:{line_no}: expected 3 tab-separated fields (id, text, title), "
+                                f"got {len(fields)}")
+            pid, text, title = fields
+            if text.startswith('"') and text.endswith('"'):
+                text = text[1:-1].replace('""', '"')
+            yield Passage(id=pid, wikipedia_id=title, title=title, text=text), None
+
+
+def iter_passages_jsonl(path: str) -> Iterator[tuple[Passage, Span | None]]:
+    """Streams already-chunked passages (jsonl: id, wikipedia_id, title, text), e.g. mini-KILT's
+    `kb/passages.jsonl`; they are stored as they are."""
+    for line_no, row in read_jsonl(path):
+        fields = [str(require(row, f, path, line_no)) for f in ("id", "wikipedia_id", "title", "text")]
+        span = row.get("span")
+        yield Passage(*fields), (int(span[0]), int(span[1])) if isinstance(span, list) else None
+
+
+def source_format(path: str) -> str:
+    """"dpr_tsv" for `.tsv`; for jsonl, "passages" when the first row has a string `text` and an `id`,
+    else "knowledge_source" (KILT pages with a list of paragraphs)."""
+    if path.endswith(".tsv"):
+        return "dpr_tsv"
+    for _, row in read_jsonl(path):
+        return "passages" if isinstance(row.get("text"), str) and "id" in row else "knowledge_source"
+    raise DataError(f"{path}: empty knowledge source")
+
+
+def iter_source(path: str, words_per_passage: int = 100) -> Iterator[tuple[Passage, Span | None]]:
+    """Reads any supported knowledge source layout (see `source_format`)."""
+    kind = source_format(path)
+    if kind == "dpr_tsv":
+        return iter_dpr_tsv(path)
+    if kind == "passages":
+        return iter_passages_jsonl(path)
+    return iter_knowledge_source(path, words_per_passage)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+def _shard_name(index: int) -> str:
+    return f"passages-{index:05d}.jsonl"
+
+
+def write_passage_store(passages: Iterable[tuple[Passage, Span | None]], out_dir: str, *,
+                        passages_per_shard: int = 1_000_000, overwrite: bool = False,
+                        metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Streams passages into a store at out_dir; returns the manifest.
+
+    Everything goes to `out_dir.tmp-<pid>` first; the manifest is written last and the directory
+    renamed into place, so a crash leaves no directory with a manifest. Duplicate ids are an error.
+    """
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists (pass overwrite=True / --overwrite to replace it)")
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    seen: set[str] = set()
+    pages: set[str] = set()
+    shards: list[dict[str, Any]] = []
+    shard_file = None
+    offsets: list[int] = []
+
+    def close_shard() -> None:
+        nonlocal shard_file
+        if shard_file is not None:
+            shard_file.close()
+            name = shards[-1]["file"]
+            np.save(os.path.join(tmp, name.replace(".jsonl", ".offsets.npy")), np.asarray(offsets, np.int64))
+            shard_file = None
+
+    with open(os.path.join(tmp, PAGE_MAP), "w", encoding="utf-8") as page_map:
+        for passage, span in passages:
+            if passage.id in seen:
+                raise DataError(f"duplicate passage id {passage.id!r} (page {passage.wikipedia_id!r})")
+            if "\t" in passage.id or "\n" in passage.id or "\t" in passage.wikipedia_id:
+                raise DataError(f"passage id {passage.id!r} / page id {passage.wikipedia_id!r} contains a tab or newline")
+            seen.add(passage.id)
+            pages.add(passage.wikipedia_id)
+            if shard_file is None or shards[-1]["num_passages"] >= passages_per_shard:
+                close_shard()
+                shards.append({"file": _shard_name(len(shards)), "num_passages": 0})
+                shard_file = open(os.path.join(tmp, shards[-1]["file"]), "wb")
+                offsets = []
+            row = {"id": passage.id, "wikipedia_id": passage.wikipedia_id, "title": passage.title,
+                   "text": passage.text, "span": list(span) if span is not None else None}
+            offsets.append(shard_file.tell())
+            shard_file.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+            shards[-1]["num_passages"] += 1
+            page_map.write(f"{passage.id}\t{passage.wikipedia_id}\n")
+        close_shard()
+    if not seen:
+        shutil.rmtree(tmp)
+        raise DataError("the knowledge source produced no passages")
+    manifest = {"format": FORMAT, "num_passages": len(seen), "num_pages": len(pages), "shards": shards,
+                "page_map": PAGE_MAP, **(metadata or {})}
+    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return manifest
+
+
+def build_kb(source: str, out_dir: str, *, words_per_passage: int = 100, passages_per_shard: int = 1_000_000,
+             overwrite: bool = False) -> dict[str, Any]:
+    """`t5r data kb`: knowledge source (KILT pages, passages jsonl or DPR tsv) -> passage store."""
+    return write_passage_store(
+        iter_source(source, words_per_passage), out_dir, passages_per_shard=passages_per_shard,
+        overwrite=overwrite,
+        metadata={"source": os.path.abspath(source), "source_format": source_format(source),
+                  "words_per_passage": words_per_passage})
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+class PassageStore:
+    """Read access to a passage store: streaming iteration, id order, page map, random access.
+
+    The id list and page map load lazily on first use (two strings per passage); `get` seeks into
+    the shard with the byte offsets written at build time, so no shard is ever held in memory.
+    """
+
+    def __init__(self, directory: str, manifest: dict[str, Any]):
+        self.directory = directory
+        self.manifest = manifest
+        self._ids: list[str] | None = None
+        self._page: dict[str, str] | None = None
+        self._index: dict[str, int] | None = None
+        self._offsets: list[np.ndarray] | None = None
+        self._shard_starts: np.ndarray | None = None
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str]) -> "PassageStore":
+        directory = os.fspath(directory)
+        path = os.path.join(directory, MANIFEST)
+        if not os.path.exists(path):
+            raise DataError(f"{directory}: no {MANIFEST}; not a passage store, or its build did not finish "
+                            "(rebuild it with `t5r data kb`)")
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        if manifest.get("format") != FORMAT:
+            raise DataError(f"{path}: field 'format' is {manifest.get('format')!r}, expected {FORMAT!r}")
+        return cls(directory, manifest)
+
+    def __len__(self) -> int:
+        return int(self.manifest["num_passages"])
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.manifest["num_pages"])
+
+    def iter_rows(self) -> Iterator[dict[str, Any]]:
+        """Raw rows in id order, including the paragraph `span`."""
+        for shard in self.manifest["shards"]:
+            path = os.path.join(self.directory, shard["file"])
+            for _, row in read_jsonl(path):
+                yield row
+
+    def __iter__(self) -> Iterator[Passage]:
+        for row in self.iter_rows():
+            yield _passage(row)
+
+    def _load_map(self) -> None:
+        if self._ids is not None:
+            return
+        ids, page = [], {}
+        with open(os.path.join(self.directory, self.manifest["page_map"]), encoding="utf-8") as f:
+            for line in f:
+                pid, _, wikipedia_id = line.rstrip("\n").partition("\t")
+                ids.append(pid)
+                page[pid] = wikipedia_id
+        self._ids, self._page = ids, page
+
+    def ids(self) -> list[str]:
+        """Passage ids in store order."""
+        self._load_map()
+        assert self._ids is not None
+        return self._ids
+
+    def page_of(self, passage_id: str) -> str:
+        """wikipedia_id of the page a passage came from (KeyError names the unknown id)."""
+        self._load_map()
+        assert self._page is not None
+        try:
+            return self._page[passage_id]
+        except KeyError:
+            raise KeyError(f"passage {passage_id!r} is not in the store at {self.directory}") from None
+
+    def index_of(self, passage_id: str) -> int:
+        """Position of a passage in id order."""
+        if self._index is None:
+            self._index = {pid: i for i, pid in enumerate(self.ids())}
+        try:
+            return self._index[passage_id]
+        except KeyError:
+            raise KeyError(f"passage {passage_id!r} is not in the store at {self.directory}") from None
+
+    def _read_row(self, index: int) -> dict[str, Any]:
+        if self._offsets is None:
+            shards = self.manifest["shards"]
+            self._offsets = [np.load(os.path.join(self.directory, s["file"].replace(".jsonl", ".offsets.npy")))
+                             for s in shards]
+            self._shard_starts = np.cumsum([0] + [s["num_passages"] for s in shards])
+        assert self._shard_starts is not None
+        shard = int(np.searchsorted(self._shard_starts, index, side="right")) - 1
+        offset = int(self._offsets[shard][index - self._shard_starts[shard]])
+        with open(os.path.join(self.directory, self.manifest["shards"][shard]["file"]), "rb") as f:
+            f.seek(offset)
+            return json.loads(f.readline())
+
+    def get(self, passage_id: str) -> Passage:
+        return _passage(self._read_row(self.index_of(passage_id)))
+
+    def span_of(self, passage_id: str) -> Span | None:
+        """Paragraph span (first, last) of a KILT-built passage; None for DPR tsv passages."""
+        span = self._read_row(self.index_of(passage_id))["span"]
+        return (int(span[0]), int(span[1])) if span is not None else None
+
+    def passages_by_page(self) -> dict[str, list[str]]:
+        """wikipedia_id -> its passage ids in order (built from the page map, no shard reads)."""
+        out: dict[str, list[str]] = {}
+        self._load_map()
+        assert self._ids is not None and self._page is not None
+        for pid in self._ids:
+            out.setdefault(self._page[pid], []).append(pid)
+        return out
+
+
+def _passage(row: dict[str, Any]) -> Passage:
+    return Passage(id=str(row["id"]), wikipedia_id=str(row["wikipedia_id"]), title=str(row["title"]),
+                   text=str(row["text"]))

@@ -1,0 +1,86 @@
+"""The data stages as functions over one data directory (layout in `layout.py`, docs/data.md).
+
+`t5r data kb|tasks|negatives` are thin flag parsers over these; tests and `make demo` call them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import gin
+
+from t5_retrieval.data import layout
+from t5_retrieval.data.bm25 import BM25Index
+from t5_retrieval.data.kb import PassageStore, build_kb
+from t5_retrieval.data.kilt import ConversionStats, convert_task_file, kilt_file
+from t5_retrieval.data.negatives import bm25_query, mine_bm25_negatives
+from t5_retrieval.data.records import read_examples, write_jsonl_atomic, write_negatives
+
+
+@gin.configurable
+def prepare_kb(source: str, data_dir: str, words_per_passage: int = 100, passages_per_shard: int = 1_000_000,
+               overwrite: bool = False) -> dict[str, Any]:
+    return build_kb(source, layout.kb_dir(data_dir), words_per_passage=words_per_passage,
+                    passages_per_shard=passages_per_shard, overwrite=overwrite)
+
+
+class _LazyBM25:
+    """Builds the BM25 index only if some example needs a page-only positive on a multi-passage page."""
+
+    def __init__(self, store: PassageStore):
+        self.store, self._index = store, None
+
+    @property
+    def index(self) -> BM25Index:
+        if self._index is None:
+            self._index = BM25Index(self.store)
+        return self._index
+
+    def best_passage(self, query: str, candidates: Sequence[str]) -> str:
+        positions = [self.store.index_of(pid) for pid in candidates]
+        scores = self.index.score_subset(bm25_query(query), positions)
+        return candidates[int(scores.argmax())]  # argmax keeps the first passage on ties
+
+
+@gin.configurable
+def prepare_tasks(input_dir: str, data_dir: str, tasks: Sequence[str], splits: Sequence[str] = ("train", "dev"),
+                  min_bleu: float | None = None, max_train_examples: int | None = None, seed: int = 0,
+                  strict: bool = False, bm25: _LazyBM25 | None = None) -> dict[str, ConversionStats]:
+    """KILT files `{input_dir}/{task}-{split}-kilt.jsonl` -> `{data_dir}/examples/{task}-{split}.jsonl`.
+
+    Downsampling (`max_train_examples`) applies to the train split only.
+    """
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    bm25 = bm25 or _LazyBM25(store)
+    paths = {(t, s): kilt_file(input_dir, t, s) for t in tasks for s in splits}  # fail early on unknown names
+    os.makedirs(os.path.join(data_dir, "examples"), exist_ok=True)
+    out = {}
+    for (task, split), path in paths.items():
+        examples, stats = convert_task_file(
+            path, task, store, bm25.best_passage, min_bleu=min_bleu, strict=strict, seed=seed,
+            max_examples=max_train_examples if split == "train" else None)
+        with open(layout.stats_path(data_dir, task, split), "w", encoding="utf-8") as f:
+            json.dump(stats.to_json(), f, indent=1)
+        write_jsonl_atomic(layout.examples_path(data_dir, task, split), (e.to_json() for e in examples))
+        out[f"{task}-{split}"] = stats
+    return out
+
+
+@gin.configurable
+def prepare_negatives(data_dir: str, tasks: Sequence[str], splits: Sequence[str] = ("train",), top_k: int = 100,
+                      index: BM25Index | None = None) -> dict[str, int]:
+    """BM25 negatives for each task/split -> `{data_dir}/negatives/bm25/{task}-{split}.jsonl`."""
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    index = index or BM25Index(store)
+    directory = layout.negatives_dir(data_dir, "bm25")
+    os.makedirs(directory, exist_ok=True)
+    counts = {}
+    for task in tasks:
+        for split in splits:
+            examples = read_examples(layout.examples_path(data_dir, task, split))
+            counts[f"{task}-{split}"] = write_negatives(layout.negatives_path(directory, task, split),
+                                                        mine_bm25_negatives(examples, index, top_k))
+    return counts

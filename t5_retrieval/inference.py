@@ -1,0 +1,119 @@
+"""A trained dual encoder as one object: text in, embeddings out.
+
+Encode, index, eval, mine and serve all go through `load_encoder`, so every stage formats queries
+(task prefix, `[SEP]` -> `</s>`), tokenizes and pads exactly as training did: the features recorded
+with the checkpoint say how. Batches are sharded over the mesh's data axis; the last partial batch
+is padded so one compiled shape serves the whole corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t5_retrieval import checkpoint, sharding
+from t5_retrieval.data.records import Passage
+from t5_retrieval.data.text import format_passage, format_query
+from t5_retrieval.data.tokenize import tokenize
+from t5_retrieval.models.dual_encoder import DualEncoder
+from t5_retrieval.models.t5 import T5Config
+from t5_retrieval.train import build_model
+
+
+def fingerprint_of(config: dict[str, Any], params: Any, step: int) -> str:
+    """Identifies a model: its config, its checkpoint step and a cheap digest of every weight."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    digest.update(str(step).encode())
+    sums = jax.device_get(jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32) ** 2), params))
+    for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]:
+        digest.update(f"{jax.tree_util.keystr(path)}={float(value):.9e}".encode())
+    return digest.hexdigest()[:16]
+
+
+class DualEncoderInference:
+    """Implements the retrieval `Encoder` protocol with a trained (or freshly built) dual encoder."""
+
+    def __init__(self, model: DualEncoder, params: Any, config: dict[str, Any], fingerprint: str,
+                 mesh: jax.sharding.Mesh, batch_size: int = 64, vocabulary: Any = None):
+        self.model = model
+        self.params = params
+        self.config = config
+        self.features = config.get("features", {})
+        self.fingerprint = fingerprint
+        self.dim = model.embedding_dim
+        self._mesh = mesh
+        data_devices = mesh.shape["data"]
+        self.batch_size = -(-batch_size // data_devices) * data_devices
+        self._vocab = vocabulary
+        self._embed = jax.jit(lambda p, tokens: model.apply({"params": p}, tokens),
+                              in_shardings=(None, sharding.batch_sharding(mesh, 2)))
+
+    @property
+    def task_names(self) -> list[str]:
+        return sorted(self.features.get("tasks", {}))
+
+    @property
+    def vocabulary(self) -> Any:
+        if self._vocab is None:
+            path = self.features.get("vocabulary")
+            if not path:
+                raise ValueError("this model records no vocabulary path (trained on synthetic token batches?)")
+            import seqio
+
+            self._vocab = seqio.SentencePieceVocabulary(path, extra_ids=100)
+        return self._vocab
+
+    def prefix_of(self, task: str) -> str | None:
+        tasks = self.features.get("tasks", {})
+        if task not in tasks:
+            raise KeyError(f"unknown task {task!r}; this model was trained on: {', '.join(sorted(tasks))}")
+        return tasks[task]["prefix"]
+
+    def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
+        prefix = self.prefix_of(task)
+        for i, text in enumerate(texts):
+            if not text or not text.strip():
+                raise ValueError(f"query {i} is empty")
+        strings = [format_query(t, prefix) for t in texts]
+        return self.encode_tokens(tokenize(self.vocabulary, strings, self.features["query_len"]))
+
+    def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
+        strings = [format_passage(p.title, p.text) for p in passages]
+        return self.encode_tokens(tokenize(self.vocabulary, strings, self.features["passage_len"]))
+
+    def encode_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """[n, length] token ids -> [n, dim] float32, in fixed-size batches sharded over devices."""
+        out = np.empty((len(tokens), self.dim), np.float32)
+        with jax.set_mesh(self._mesh), nn.logical_axis_rules(sharding.logical_axis_rules()):
+            for start in range(0, len(tokens), self.batch_size):
+                chunk = tokens[start:start + self.batch_size]
+                padded = np.zeros((self.batch_size, tokens.shape[1]), np.int32)
+                padded[:len(chunk)] = chunk
+                padded[len(chunk):, 0] = 1  # EOS-only rows: never all-padding
+                out[start:start + len(chunk)] = np.asarray(self._embed(self.params, padded))[:len(chunk)]
+        return out
+
+
+def load_encoder(checkpoint_dir: str, step: int | None = None, batch_size: int = 64) -> DualEncoderInference:
+    """Rebuilds the model from `checkpoint_dir`'s config and restores its parameters (only)."""
+    config = checkpoint.read_config(checkpoint_dir)
+    model = build_model(config)
+    mesh = sharding.make_mesh()
+    rules = sharding.logical_axis_rules()
+    boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))["params"])
+    shardings = sharding.tree_shardings(mesh, rules, nn.get_partition_spec(boxed))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            nn.unbox(boxed), shardings)
+    params, restored_step = checkpoint.restore_params(checkpoint_dir, abstract, step)
+    return DualEncoderInference(model, params, config, fingerprint_of(config, params, restored_step), mesh,
+                                batch_size)
+
+
+__all__ = ["DualEncoderInference", "load_encoder", "fingerprint_of", "T5Config"]

@@ -1,0 +1,32 @@
+"""The one helper `tasks/*` use: a dataset family -> Tasks in three query-prefix variants + Mixtures.
+
+Variants (TACO ablations): `{family}_{dataset}` with the dataset prefix ("FEVER <extra_id_1> ..."),
+`..._noprefix`, and `..._typed` with one of 5 task-type markers (QA, FC, SF, EL, DIAL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from t5_retrieval.data.registry import TASK_TYPES, register_kilt_task, register_mixture
+
+
+class Dataset(NamedTuple):
+    dataset: str     # file stem of the processed examples
+    prefix: str      # TACO prefix name
+    task_type: str   # one of TASK_TYPES
+    num_train: int
+    num_dev: int
+
+
+def register_family(family: str, datasets: Sequence[Dataset]) -> None:
+    variants = {"": lambda d: d.prefix, "_noprefix": lambda d: None, "_typed": lambda d: d.task_type}
+    for suffix, prefix_of in variants.items():
+        names = []
+        for d in datasets:
+            assert d.task_type in TASK_TYPES, d
+            name = f"{family}_{d.dataset}{suffix}"
+            register_kilt_task(name, d.dataset, prefix_of(d), d.num_train, d.num_dev)
+            names.append(name)
+        register_mixture(f"{family}{suffix}", names)

@@ -1,0 +1,140 @@
+"""Per-task batches on the demo data: layout, exact save/restore, host sharding, seqio agreement."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import seqio
+
+from t5_retrieval.data import layout, registry
+from t5_retrieval.data.batches import make_train_iterator
+from t5_retrieval.data.demo import TASKS, write_demo
+from t5_retrieval.data.kb import PassageStore, passage_text
+from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
+from t5_retrieval.data.records import Negatives, read_examples, write_negatives
+from t5_retrieval.data.text import format_query
+from t5_retrieval.data.tokenize import encode_with_eos_markers, to_fixed_length, tokenize
+
+SPM = os.path.join(os.path.dirname(seqio.__file__), "test_data", "sentencepiece", "sentencepiece.model")
+QLEN, PLEN, NNEG = 24, 48, 2
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    write_demo(str(root / "raw"), num_pages=60, train_per_task=24, dev_per_task=4)
+    out = str(root / "data")
+    prepare_kb(str(root / "raw" / "kb" / "pages.jsonl"), out)
+    prepare_tasks(str(root / "raw"), out, TASKS, ("train",))
+    prepare_negatives(out, TASKS, top_k=20)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return seqio.SentencePieceVocabulary(SPM, extra_ids=100)
+
+
+def _iterator(data_dir, vocab, names=("demo_trex", "demo_hotpotqa", "demo_wow"), **kw):
+    args = dict(negatives=None, vocabulary=vocab, query_len=QLEN, passage_len=PLEN, num_negatives=NNEG,
+                per_device_batch=6, local_data_devices=2, seed=1)
+    args.update(kw)
+    return make_train_iterator(list(names), data_dir, **args)
+
+
+def test_batch_layout_is_positive_then_negatives_per_query(data_dir, vocab):
+    it = _iterator(data_dir, vocab)
+    store = PassageStore.open(os.path.join(data_dir, "kb"))
+    batch = next(it)
+    assert list(batch) == ["demo_trex", "demo_hotpotqa", "demo_wow"] == it.task_names
+    for t, (name, sub) in enumerate(batch.items()):
+        spec = registry.TASK_SPECS[name]
+        b = it.subbatch_sizes[t]
+        assert sub["query_tokens"].shape == (b, QLEN) and sub["query_tokens"].dtype == np.int32
+        assert sub["passage_tokens"].shape == (b * (1 + NNEG), PLEN)
+        assert (sub["task_ids"] == t).all()
+        for rows in (sub["query_tokens"], sub["passage_tokens"]):
+            lengths = (rows != 0).sum(1)
+            assert (rows[np.arange(len(rows)), lengths - 1] == 1).all(), "every row must end with EOS then pads"
+        examples = read_examples(layout.examples_path(data_dir, spec.dataset, "train"))
+        by_query = {}
+        for e in examples:
+            key = tokenize(vocab, [format_query(e.query, spec.prefix)], QLEN)[0].tobytes()
+            by_query.setdefault(key, []).append(e)
+        for i, q in enumerate(sub["query_tokens"]):
+            candidates = by_query[q.tobytes()]
+            pos_row = sub["passage_tokens"][i * (1 + NNEG)]
+            expected = [to_fixed_length(encode_with_eos_markers(vocab, passage_text(store.get(e.positive_passages[0]))),
+                                        PLEN) for e in candidates]
+            assert any((pos_row == x).all() for x in expected), f"row {i * (1 + NNEG)} is not query {i}'s positive"
+
+
+def test_restored_iterator_reproduces_the_following_batches(data_dir, vocab):
+    it = _iterator(data_dir, vocab)
+    for _ in range(7):
+        next(it)
+    state = json.loads(json.dumps(it.state()))
+    expected = [next(it) for _ in range(12)]
+    fresh = _iterator(data_dir, vocab)
+    fresh.restore(state)
+    for want, got in zip(expected, (next(fresh) for _ in range(12))):
+        for name in want:
+            for key in want[name]:
+                np.testing.assert_array_equal(got[name][key], want[name][key], err_msg=f"{name}/{key} differs")
+    with pytest.raises(ValueError, match="seed"):
+        _iterator(data_dir, vocab, seed=2).restore(state)
+
+
+def test_an_epoch_over_all_hosts_visits_every_example_of_the_largest_task_exactly_once(data_dir, vocab):
+    from collections import Counter
+
+    seen = Counter()
+    for host in range(2):
+        it = _iterator(data_dir, vocab, names=("demo_trex",), per_device_batch=3, local_data_devices=1,
+                       host_index=host, host_count=2)
+        assert it.steps_per_epoch == 12 // 3, "24 examples over 2 hosts at 3 per step"
+        for _ in range(it.steps_per_epoch):
+            seen.update(r.tobytes() for r in next(it)["demo_trex"]["query_tokens"])
+    examples = read_examples(layout.examples_path(data_dir, "trex", "train"))
+    want = Counter(r.tobytes() for r in tokenize(vocab, [format_query(e.query, "TREX") for e in examples], QLEN))
+    assert seen == want, "hosts must partition the examples and one epoch must visit each once"
+
+
+def test_missing_hard_negatives_are_filled_with_random_non_gold_passages(data_dir, vocab, tmp_path):
+    examples = read_examples(layout.examples_path(data_dir, "trex", "train"))
+    write_negatives(tmp_path / "trex-train.jsonl", [Negatives(e.id, ()) for e in examples])
+    it = _iterator(data_dir, vocab, names=("demo_trex",), negatives=str(tmp_path))
+    a = next(it)["demo_trex"]["passage_tokens"]
+    again = next(_iterator(data_dir, vocab, names=("demo_trex",), negatives=str(tmp_path)))["demo_trex"]["passage_tokens"]
+    np.testing.assert_array_equal(a, again, err_msg="random fills must be deterministic for a seed")
+    for i in range(0, len(a), 1 + NNEG):
+        negs = a[i + 1:i + 1 + NNEG]
+        assert not any((n == a[i]).all() for n in negs), "a random negative repeated the positive"
+
+
+def test_seqio_task_tokenizes_queries_like_the_batcher(data_dir, vocab, monkeypatch):
+    registry.set_data_dir(data_dir)
+    monkeypatch.setenv("T5R_VOCAB", SPM)
+    task = seqio.get_mixture_or_task("demo_trex")
+    ds = task.get_dataset({"query": QLEN}, split="train", shuffle=False)
+    got = [ex["query"] for ex in ds.as_numpy_iterator()]
+    examples = read_examples(layout.examples_path(data_dir, "trex", "train"))
+    want = tokenize(vocab, [format_query(e.query, "TREX") for e in examples], QLEN)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w[: len(g)], err_msg="seqio Task and batcher disagree on a query")
+        assert 1 in g[:-1], "[SEP] must become an EOS id inside the query"
+
+
+def test_mixtures_and_unknown_names(data_dir, vocab):
+    import tasks  # noqa: F401
+
+    assert registry.MIXTURES["mini_kilt"][4] == "mini_kilt_entityquestions"
+    assert registry.TASK_SPECS["mini_kilt_entityquestions"].prefix == "ZSRE"
+    assert registry.TASK_SPECS["mini_kilt_entity_linking_typed"].prefix == "EL"
+    assert registry.TASK_SPECS["kilt_nq_noprefix"].prefix is None
+    assert seqio.get_mixture_or_task("kilt").get_rate(seqio.get_mixture_or_task("kilt_trex")) == pytest.approx(
+        2_284_168 ** 0.25)
+    with pytest.raises(KeyError, match="unknown task or mixture 'demo_nope'; known: .*demo_fever"):
+        _iterator(data_dir, vocab, names=("demo_nope",))

@@ -1,0 +1,42 @@
+"""Real data: the commands run on mini-KILT, and our BM25 matches its reference R-precision."""
+
+import json
+import os
+
+import pytest
+
+from t5_retrieval.data import layout
+from t5_retrieval.data.bm25 import BM25Index
+from t5_retrieval.data.kb import PassageStore
+from t5_retrieval.data.negatives import bm25_query
+from t5_retrieval.data.prepare import prepare_kb, prepare_tasks
+from t5_retrieval.data.records import read_examples
+
+MINI_KILT = "/work/shared/data/mini_kilt"
+TASKS = ["fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking"]
+pytestmark = pytest.mark.skipif(not os.path.isdir(MINI_KILT), reason="mini-KILT is not on this machine")
+
+
+def r_precision(gold_sets, predicted_pages):
+    """KILT page-level R-precision of one query (max over evidence sets)."""
+    return max(len(set(predicted_pages[: len(set(s))]) & set(s)) / len(set(s)) for s in gold_sets)
+
+
+def test_bm25_dev_r_precision_matches_the_mini_kilt_reference(tmp_path):
+    data_dir = str(tmp_path)
+    # The reference indexes mini-KILT's one-passage-per-paragraph file, so we build the KB from it.
+    prepare_kb(os.path.join(MINI_KILT, "kb", "passages.jsonl"), data_dir)
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    index = BM25Index(store)
+    prepare_tasks(MINI_KILT, data_dir, TASKS, ("dev",), strict=True)
+    with open(os.path.join(MINI_KILT, "bm25_reference_dev.json")) as f:
+        reference = json.load(f)
+    ours = {}
+    for task in TASKS:
+        examples = read_examples(layout.examples_path(data_dir, task, "dev"))
+        assert len(examples) == reference[f"{task}/dev"]["n"]
+        scores = [r_precision(e.gold_pages, index.search_pages(bm25_query(e.query), 5, 200)) for e in examples]
+        ours[task] = sum(scores) / len(scores)
+    off = {t: (round(ours[t], 3), reference[f"{t}/dev"]["r_prec"]) for t in TASKS
+           if abs(ours[t] - reference[f"{t}/dev"]["r_prec"]) > 0.03}
+    assert not off, f"BM25 R-precision (ours, reference) differs by more than 0.03: {off}"

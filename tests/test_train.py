@@ -1,0 +1,82 @@
+"""The training program end to end on a tiny model: learning, exact resume, config checks, inference."""
+
+import json
+import os
+import shutil
+
+import gin
+import jax
+import numpy as np
+import pytest
+
+from t5_retrieval import checkpoint, gin_utils
+from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.inference import load_encoder
+from t5_retrieval.train import train
+
+TINY = ["models/t5_tiny.gin", ]
+BINDINGS = ["VOCAB_SIZE = 128", "D_MODEL = 32", "D_FF = 64", "DROPOUT = 0.0",
+            "train.batches = @RandomBatches", "RandomBatches.num_negatives = 1",
+            "make_optimizer.learning_rate = 1e-3", "train.per_device_batch = 16", "train.log_every = 5"]
+
+
+def run(model_dir, *extra):
+    gin.clear_config()
+    gin_utils.parse_gin(TINY, BINDINGS + list(extra))
+    return train(str(model_dir))
+
+
+def metrics(model_dir):
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("run") / "model"
+    state = run(model_dir, "train.num_steps = 60", "train.checkpoint_every = 20")
+    yield model_dir, jax.device_get(state.params)
+    gin.clear_config()
+
+
+def test_loss_falls_on_learnable_batches(finished_run):
+    model_dir, _ = finished_run
+    rows = metrics(model_dir)
+    first, last = np.mean([r["loss"] for r in rows[:2]]), np.mean([r["loss"] for r in rows[-2:]])
+    assert last < 0.5 * first, f"loss should fall by half in 60 steps: first {first:.3f}, last {last:.3f}"
+    assert {"loss/task_a", "accuracy/task_b", "steps_per_second"} <= set(rows[-1]), sorted(rows[-1])
+
+
+def test_resume_from_checkpoint_reaches_identical_parameters(finished_run, tmp_path):
+    model_dir, final_params = finished_run
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(model_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "60")  # as if killed between the checkpoints at 40 and 60
+    assert checkpoint.manager(str(resumed_dir)).latest_step() == 40
+    state = run(resumed_dir, "train.num_steps = 60", "train.checkpoint_every = 20")
+    assert int(state.step) == 60
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(final_params)[0],
+                            jax.tree.leaves(jax.device_get(state.params))):
+        np.testing.assert_array_equal(a, b, err_msg=f"resumed run differs at {jax.tree_util.keystr(path)}")
+
+
+def test_model_dir_with_another_architecture_is_refused(finished_run, tmp_path):
+    model_dir, _ = finished_run
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other)
+    with pytest.raises(checkpoint.CheckpointError, match=r"model config differs.*'t5'"):
+        run(other, "train.num_steps = 60", "D_FF = 96")
+
+
+def test_load_encoder_restores_the_trained_parameters(finished_run):
+    model_dir, final_params = finished_run
+    encoder = load_encoder(str(model_dir))
+    tokens = next(RandomBatches(per_device_batch=2, local_data_devices=1))["task_a"]["passage_tokens"]
+    expected = encoder.model.apply({"params": final_params}, tokens)
+    np.testing.assert_allclose(encoder.encode_tokens(tokens), np.asarray(expected), rtol=1e-5, atol=1e-5,
+                               err_msg="restored encoder does not embed like the trained parameters")
+    assert encoder.dim == 32
+    earlier = load_encoder(str(model_dir), step=40)
+    assert earlier.fingerprint != encoder.fingerprint, "different checkpoints must have different fingerprints"
+    with pytest.raises(KeyError, match="unknown task 'nope'.*task_a"):
+        encoder.encode_queries(["q"], task="nope")
