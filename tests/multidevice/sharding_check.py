@@ -1,0 +1,104 @@
+"""Run with 8 forced CPU devices (by tests/test_sharding.py): prints a JSON report comparing one
+sharded train step per layout with the same step on one device, and where parameters landed."""
+
+import json
+import os
+import sys
+
+assert "--xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS", ""), "needs 8 CPU devices"
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from t5_retrieval import sharding  # noqa: E402
+from t5_retrieval.data.random_batches import RandomBatches  # noqa: E402
+from t5_retrieval.models.dual_encoder import DualEncoder  # noqa: E402
+from t5_retrieval.models.t5 import T5Config  # noqa: E402
+from t5_retrieval.train import init_params, opt_state_shardings  # noqa: E402
+from t5_retrieval.train_step import TrainState, make_train_step  # noqa: E402
+
+CFG = T5Config(vocab_size=128, d_model=32, num_heads=4, d_kv=8, d_ff=64, num_encoder_layers=1,
+               num_decoder_layers=1, dropout_rate=0.0)
+TASKS = ["a", "b"]
+LAYOUTS = {"data_parallel": 1, "fsdp": 1, "tensor_parallel": 2, "fsdp_tensor_parallel": 2}
+# SGD with lr 1: the step's parameter change is exactly minus the gradient, so comparing parameters
+# after one step compares gradients (Adam's first step would be ~sign(g), hiding differences).
+OPTIMIZER = optax.sgd(1.0, momentum=0.9)
+
+
+def spec(x) -> list:
+    """PartitionSpec as a list without trailing Nones (P() and P(None, None) are the same layout)."""
+    entries = list(x.sharding.spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return entries
+
+
+def batch_for(data_devices: int) -> dict:
+    # The global batch is the same for every mesh: 8 queries per task.
+    return next(RandomBatches(per_device_batch=16 // data_devices, local_data_devices=data_devices,
+                              task_names=TASKS, vocab_size=128, query_len=8, passage_len=12, num_negatives=1))
+
+
+def step_on(mesh, rules, model):
+    params, param_shardings = init_params(model, jax.random.PRNGKey(0), mesh, rules)
+    opt_shardings = opt_state_shardings(jax.eval_shape(OPTIMIZER.init, params), params, param_shardings, mesh)
+    opt_state = jax.jit(OPTIMIZER.init, out_shardings=opt_shardings)(params)
+    replicated = sharding.replicated(mesh)
+    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params,
+                       opt_state=opt_state, rng=jax.device_put(jax.random.PRNGKey(1), replicated))
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        batch = sharding.global_batch(mesh, batch_for(mesh.shape["data"]))
+        step = jax.jit(make_train_step(model, OPTIMIZER, TASKS, per_task=False),
+                       in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
+                       out_shardings=(shardings, replicated))
+        new_state, metrics = step(state, batch)
+    return params, batch, new_state, metrics
+
+
+def run_layout(layout: str, model_parallelism: int, reference: tuple) -> dict:
+    model = DualEncoder(CFG)
+    mesh = sharding.make_mesh(model_parallelism)
+    params, batch, new_state, metrics = step_on(mesh, sharding.LAYOUTS[layout], model)
+    ref_params, ref_metrics = reference
+    diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+             for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_params))]
+    t5 = params["t5"]
+    kernel = ("t5", "encoder", "layers_0", "mlp", "wi_0", "kernel")
+
+    def at(tree, path):
+        for key in path:
+            tree = tree[key]
+        return tree
+
+    return {
+        "losses": [float(metrics[f"loss/{t}"]) for t in TASKS],
+        "ref_losses": [float(ref_metrics[f"loss/{t}"]) for t in TASKS],
+        "param_max_abs_diff_after_step": max(diffs),
+        "param_sharding_kept": all(spec(a) == spec(b) for a, b in zip(jax.tree.leaves(params),
+                                                                         jax.tree.leaves(new_state.params))),
+        "momentum_spec": spec(at(new_state.opt_state[0].trace, kernel)),
+        "specs": {
+            "embedding": spec(t5["token_embedder"]["embedding"]),
+            "wi_0": spec(t5["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]),
+            "query": spec(t5["encoder"]["layers_0"]["attention"]["query"]),
+            "batch": spec(batch["a"]["passage_tokens"]),
+        },
+    }
+
+
+def main() -> None:
+    assert jax.device_count() == 8
+    one_device = sharding.make_mesh(devices=jax.devices()[:1])
+    _, _, ref_state, ref_metrics = step_on(one_device, sharding.LAYOUTS["data_parallel"], DualEncoder(CFG))
+    reference = (jax.device_get(ref_state.params), jax.device_get(ref_metrics))
+    report = {name: run_layout(name, mp, reference) for name, mp in LAYOUTS.items()}
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Sharded training on 8 forced CPU devices equals the single-device computation, per layout.
+
+The multi-device part runs in a subprocess so that XLA_FLAGS never leaks into other tests.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from t5_retrieval import sharding
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "multidevice", "sharding_check.py")
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, f"8-device check failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("layout", sorted(sharding.LAYOUTS))
+def test_sharded_train_step_equals_single_device(report, layout):
+    r = report[layout]
+    np.testing.assert_allclose(r["losses"], r["ref_losses"], rtol=1e-5,
+                               err_msg=f"{layout}: per-task losses (cross-device in-batch negatives) differ "
+                                       f"from the 1-device computation")
+    assert r["param_max_abs_diff_after_step"] <= 1e-5, (
+        f"{layout}: one SGD step (= the gradient) differs from 1-device by {r['param_max_abs_diff_after_step']:.3g}")
+    assert r["param_sharding_kept"], f"{layout}: the train step changed a parameter's sharding"
+
+
+EXPECTED_SPECS = {
+    # name: (embedding [vocab, embed], wi_0 [embed, mlp], query [embed, heads, kv])
+    # (PartitionSpecs without trailing Nones)
+    "data_parallel": ([], [], []),
+    "fsdp": ([None, "data"], ["data"], ["data"]),
+    "tensor_parallel": (["model"], [None, "model"], [None, "model"]),
+    "fsdp_tensor_parallel": (["model", "data"], ["data", "model"], ["data", "model"]),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(EXPECTED_SPECS))
+def test_parameters_and_batches_land_with_the_layouts_shardings(report, layout):
+    specs = report[layout]["specs"]
+    embedding, wi_0, query = EXPECTED_SPECS[layout]
+    got = (specs["embedding"], specs["wi_0"], specs["query"])
+    assert got == (embedding, wi_0, query), f"{layout}: expected {(embedding, wi_0, query)}, got {got}"
+    assert specs["batch"][0] == "data", f"{layout}: batch not sharded over 'data': {specs['batch']}"
+    assert report[layout]["momentum_spec"] == wi_0, (
+        f"{layout}: optimiser moments should be sharded like their parameter {wi_0}, got {report[layout]['momentum_spec']}")
