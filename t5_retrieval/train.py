@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from t5_retrieval import checkpoint, gin_utils, sharding
+from t5_retrieval import checkpoint, gin_utils, logs, sharding
 from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
 from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
 from t5_retrieval.multitask import multitask_metrics
@@ -243,6 +243,6 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_dir", required=True, help="where checkpoints, config and metrics go")
     args = gin_utils.parse_args(parser, argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logs.setup()
     train(args.model_dir)
     return 0

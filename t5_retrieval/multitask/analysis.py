@@ -1,0 +1,198 @@
+"""TACO task-specialisation analysis (TACO paper Fig. 1-2): figures and numbers from an EMA state.
+
+From the EMA of normalised sensitivities (leaves with a leading task axis K) this computes, per
+parameter, the task weights W = softmax_k(ema / tau) and their entropy (natural log), then
+writes:
+
+  entropy_histogram.png         histogram of per-parameter task entropy, with the "task specific"
+                                (entropy < 0.3) and "not activated" (all sensitivities ~0) bins
+  sensitivity_distributions.png per-task distribution of log10 sensitivity (activated params)
+  analysis.json                 the same numbers
+
+``t5r analyze --state_npz STATE.npz --out DIR`` runs it on a file written by
+:func:`save_state_npz` (one array per flattened EMA leaf path, plus ``task_names``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from t5_retrieval import gin_utils
+
+TASK_NAMES_KEY = "task_names"
+ENTROPY_BINS = 50
+
+
+def _leaf_path(path) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def save_state_npz(ema: Any, task_names: Sequence[str], path: str) -> None:
+    """Writes the EMA pytree (leaves [K, ...]) as one float32 array per leaf path, plus names."""
+    flat = jax.tree_util.tree_flatten_with_path(ema)[0]
+    arrays = {_leaf_path(p): np.asarray(x, np.float32) for p, x in flat}
+    if TASK_NAMES_KEY in arrays:
+        raise ValueError(f"an EMA leaf is named {TASK_NAMES_KEY!r}, which is reserved")
+    for name, x in arrays.items():
+        if x.ndim == 0 or x.shape[0] != len(task_names):
+            raise ValueError(f"EMA leaf {name!r} has shape {x.shape}; expected a leading task axis "
+                             f"of {len(task_names)} ({', '.join(task_names)})")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    np.savez(path, **arrays, **{TASK_NAMES_KEY: np.array(list(task_names))})
+
+
+def load_state_npz(path: str) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Reads a file written by :func:`save_state_npz`: ({leaf path: [K, ...]}, task names)."""
+    with np.load(path) as data:
+        if TASK_NAMES_KEY not in data:
+            raise ValueError(
+                f"{path}: no {TASK_NAMES_KEY!r} array; was it written by save_state_npz?")
+        names = [str(n) for n in data[TASK_NAMES_KEY]]
+        ema = {k: data[k] for k in data.files if k != TASK_NAMES_KEY}
+    for leaf, x in ema.items():
+        if x.ndim == 0 or x.shape[0] != len(names):
+            raise ValueError(f"{path}: leaf {leaf!r} has shape {x.shape}, expected leading axis "
+                             f"{len(names)} (one per task in {TASK_NAMES_KEY})")
+    return ema, names
+
+
+def _flat_ema(ema: Any) -> np.ndarray:
+    leaves = [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(ema)]
+    if not leaves:
+        raise ValueError("empty EMA state")
+    k = leaves[0].shape[0]
+    return np.concatenate([x.reshape(k, -1) for x in leaves], axis=1)
+
+
+def task_weights_and_entropy(ema: Any, tau: float) -> tuple[np.ndarray, np.ndarray]:
+    """W = softmax_k(ema / tau) as [K, P] and its per-parameter entropy [P] (natural log)."""
+    z = _flat_ema(ema).astype(np.float64) / tau
+    z -= z.max(axis=0, keepdims=True)
+    log_w = z - np.log(np.exp(z).sum(axis=0, keepdims=True))
+    w = np.exp(log_w)
+    return w, -(w * log_w).sum(axis=0)
+
+
+def summarize(ema: Any, task_names: Sequence[str], tau: float,
+              entropy_threshold: float = 0.3, inactive_threshold: float = 1e-6) -> dict[str, Any]:
+    """The numbers behind the figures.
+
+    "Not activated": every task's sensitivity is <= ``inactive_threshold`` (the EMA is normalised
+    by the median, so typical values are ~1). "Task specific": activated and entropy below
+    ``entropy_threshold``; each is attributed to its highest-weight task.
+    """
+    s = _flat_ema(ema)
+    k, p = s.shape
+    if len(task_names) != k:
+        raise ValueError(f"{len(task_names)} task names for an EMA with {k} tasks")
+    w, entropy = task_weights_and_entropy(ema, tau)
+    inactive = np.all(s <= inactive_threshold, axis=0)
+    specific = (~inactive) & (entropy < entropy_threshold)
+    owner = np.argmax(w, axis=0)
+    counts, edges = np.histogram(entropy, bins=ENTROPY_BINS, range=(0.0, max(np.log(k), 1e-9)))
+    per_task = {}
+    for i, name in enumerate(task_names):
+        active_s = s[i][~inactive]
+        log_s = np.log10(np.maximum(active_s, 1e-30))
+        q = np.quantile(log_s, [0.01, 0.25, 0.5, 0.75, 0.99]) if log_s.size else [np.nan] * 5
+        per_task[name] = {
+            "mean_weight": float(w[i].mean()),
+            "task_specific_fraction": float(np.mean(specific & (owner == i))),
+            "log10_sensitivity_quantiles": dict(zip(["q01", "q25", "q50", "q75", "q99"],
+                                                    map(float, q))),
+        }
+    return {
+        "num_params": int(p),
+        "num_tasks": int(k),
+        "tau": float(tau),
+        "entropy_threshold": float(entropy_threshold),
+        "inactive_threshold": float(inactive_threshold),
+        "max_entropy": float(np.log(k)),
+        "mean_entropy": float(entropy.mean()),
+        "task_specific_fraction": float(specific.mean()),
+        "not_activated_fraction": float(inactive.mean()),
+        "entropy_histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
+        "tasks": per_task,
+    }
+
+
+def write_analysis(ema: Any, task_names: Sequence[str], tau: float, out_dir: str,
+                   entropy_threshold: float = 0.3, inactive_threshold: float = 1e-6
+                   ) -> dict[str, Any]:
+    """Writes entropy_histogram.png, sensitivity_distributions.png and analysis.json to out_dir."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    summary = summarize(ema, task_names, tau, entropy_threshold, inactive_threshold)
+    s = _flat_ema(ema)
+    _, entropy = task_weights_and_entropy(ema, tau)
+    inactive = np.all(s <= inactive_threshold, axis=0)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    edges = np.asarray(summary["entropy_histogram"]["edges"])
+    ax.hist([entropy[~inactive], entropy[inactive]], bins=edges, stacked=True,
+            label=["activated", "not activated"], color=["tab:blue", "tab:gray"])
+    ax.axvline(entropy_threshold, color="tab:red", linestyle="--",
+               label=f"task specific (< {entropy_threshold:g}): "
+                     f"{100 * summary['task_specific_fraction']:.1f}%")
+    ax.set_xlabel("task entropy of parameter (nats)")
+    ax.set_ylabel("parameters")
+    ax.set_title(f"TACO task entropy (tau={tau:g}, not activated "
+                 f"{100 * summary['not_activated_fraction']:.1f}%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "entropy_histogram.png"), dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, name in enumerate(task_names):
+        values = np.log10(np.maximum(s[i][~inactive], 1e-30))
+        if values.size:
+            ax.hist(values, bins=60, histtype="step", density=True, label=name)
+    ax.set_xlabel("log10 normalised sensitivity (EMA)")
+    ax.set_ylabel("density")
+    ax.set_title("Per-task parameter sensitivity")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "sensitivity_distributions.png"), dpi=120)
+    plt.close(fig)
+
+    with open(os.path.join(out_dir, "analysis.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="t5r analyze", description=__doc__.splitlines()[0])
+    parser.add_argument("--state_npz", required=True,
+                        help="EMA state written by save_state_npz (leaf arrays + task_names).")
+    parser.add_argument("--out", required=True, help="output directory for figures and JSON.")
+    parser.add_argument("--tau", type=float, default=2.0, help="TACO softmax temperature.")
+    parser.add_argument("--entropy_threshold", type=float, default=0.3)
+    parser.add_argument("--inactive_threshold", type=float, default=1e-6)
+    args = gin_utils.parse_args(parser, argv)
+    ema, names = load_state_npz(args.state_npz)
+    summary = write_analysis(ema, names, args.tau, args.out, args.entropy_threshold,
+                             args.inactive_threshold)
+    print(f"analyze: {summary['num_params']} params, {summary['num_tasks']} tasks: "
+          f"task specific {100 * summary['task_specific_fraction']:.2f}%, not activated "
+          f"{100 * summary['not_activated_fraction']:.2f}%, mean entropy "
+          f"{summary['mean_entropy']:.3f} nats -> {args.out}")
+    return 0

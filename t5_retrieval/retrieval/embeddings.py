@@ -1,0 +1,270 @@
+"""KB embeddings on disk: fixed-size float shards plus a manifest, written resumably by many hosts.
+
+Layout of an embeddings directory:
+
+    manifest.json                 format, model fingerprint, dim, dtype, counts, ids digest, meta
+    passage_ids.txt               one passage id per line, in row order
+    shard-00000-of-00012.npy      rows [0, shard_size) as a [rows, dim] array
+    ...
+
+Shard i always holds rows [i * shard_size, (i + 1) * shard_size), so every process can compute the
+plan alone: process p of P writes its own contiguous range of shards (`process_shards`). A shard is
+written to a temporary file and renamed, so a shard file that exists is complete; resuming skips
+those and recomputes nothing. A manifest that disagrees with the run (another model, another KB,
+another dim or shard size) is refused instead of mixing embeddings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from t5_retrieval.data.records import Passage
+from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.retrieval.passages import ids_digest
+
+FORMAT = "t5r-embeddings-v1"
+MANIFEST = "manifest.json"
+IDS_FILE = "passage_ids.txt"
+DTYPES = ("float32", "float16")
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddingsError(ValueError):
+    """An embeddings directory that is missing, incomplete or inconsistent with the run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    fingerprint: str
+    dim: int
+    dtype: str
+    num_passages: int
+    shard_size: int
+    ids_sha256: str
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.num_passages // self.shard_size)
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        start = shard * self.shard_size
+        return start, min(start + self.shard_size, self.num_passages)
+
+    def shard_name(self, shard: int) -> str:
+        return f"shard-{shard:05d}-of-{self.num_shards:05d}.npy"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, **dataclasses.asdict(self), "num_shards": self.num_shards, "ids_file": IDS_FILE}
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any], path: str) -> "Manifest":
+        if row.get("format") != FORMAT:
+            raise EmbeddingsError(f"{path}: field 'format' is {row.get('format')!r}, expected {FORMAT!r}")
+        try:
+            return cls(fingerprint=str(row["fingerprint"]), dim=int(row["dim"]), dtype=str(row["dtype"]),
+                       num_passages=int(row["num_passages"]), shard_size=int(row["shard_size"]),
+                       ids_sha256=str(row["ids_sha256"]), meta=dict(row.get("meta", {})))
+        except KeyError as e:
+            raise EmbeddingsError(f"{path}: missing field {e.args[0]!r}") from None
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: str) -> Manifest:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        raise EmbeddingsError(f"{path}: no embeddings manifest (run `t5r encode` first)")
+    with open(path, encoding="utf-8") as f:
+        try:
+            row = json.load(f)
+        except json.JSONDecodeError as e:
+            raise EmbeddingsError(f"{path}: malformed json ({e.msg})") from None
+    return Manifest.from_json(row, path)
+
+
+def read_ids(directory: str) -> list[str]:
+    path = os.path.join(directory, IDS_FILE)
+    with open(path, encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
+def prepare(directory: str, manifest: Manifest, passage_ids: Sequence[str]) -> None:
+    """Writes the manifest and ids, or checks that an existing run in `directory` is the same run."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, MANIFEST)
+    if os.path.exists(path):
+        existing = read_manifest(directory)
+        for field in ("fingerprint", "dim", "dtype", "num_passages", "shard_size", "ids_sha256"):
+            old, new = getattr(existing, field), getattr(manifest, field)
+            if old != new:
+                raise EmbeddingsError(
+                    f"{path}: field {field!r} is {old!r} but this run has {new!r}; "
+                    "refusing to mix embeddings: use a fresh output directory")
+        return
+    _write_atomic(os.path.join(directory, IDS_FILE), "".join(f"{pid}\n" for pid in passage_ids).encode("utf-8"))
+    _write_atomic(path, json.dumps(manifest.to_json(), indent=1).encode("utf-8"))
+
+
+def process_shards(num_shards: int, process_index: int, process_count: int) -> range:
+    """The contiguous range of shards that process `process_index` of `process_count` writes."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    per, extra = divmod(num_shards, process_count)
+    start = process_index * per + min(process_index, extra)
+    return range(start, start + per + (process_index < extra))
+
+
+def shard_done(directory: str, manifest: Manifest, shard: int) -> bool:
+    """A shard counts as done when its file exists with the planned shape (renames are atomic)."""
+    path = os.path.join(directory, manifest.shard_name(shard))
+    if not os.path.exists(path):
+        return False
+    start, stop = manifest.shard_rows(shard)
+    try:
+        shape = np.load(path, mmap_mode="r").shape
+    except (ValueError, OSError):
+        return False
+    return shape == (stop - start, manifest.dim)
+
+
+def missing_shards(directory: str, manifest: Manifest) -> list[int]:
+    return [s for s in range(manifest.num_shards) if not shard_done(directory, manifest, s)]
+
+
+def _batches(items: list[Passage], size: int) -> Iterator[list[Passage]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeReport:
+    shards_written: tuple[int, ...]
+    shards_skipped: tuple[int, ...]
+    complete: bool
+
+
+def write_embeddings(
+    encoder: Encoder,
+    passages: Iterable[Passage],
+    passage_ids: Sequence[str],
+    directory: str,
+    *,
+    shard_size: int = 50_000,
+    batch_size: int = 256,
+    dtype: str = "float32",
+    process_index: int = 0,
+    process_count: int = 1,
+    meta: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> EncodeReport:
+    """Embeds this process's shards of the KB into `directory`, skipping shards already on disk.
+
+    `passages` iterates the KB in the order of `passage_ids` (a `PassageStore` or a list); only this
+    process's rows are encoded, in batches of `batch_size`, and each finished shard is renamed into
+    place before the next begins, so an interrupted run resumes at the first missing shard.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if shard_size < 1 or batch_size < 1:
+        raise ValueError(f"shard_size and batch_size must be >= 1, got {shard_size}, {batch_size}")
+    if not passage_ids:
+        raise EmbeddingsError("the KB has no passages to encode")
+    manifest = Manifest(fingerprint=encoder.fingerprint, dim=encoder.dim, dtype=dtype,
+                        num_passages=len(passage_ids), shard_size=shard_size,
+                        ids_sha256=ids_digest(passage_ids), meta=dict(meta or {}))
+    prepare(directory, manifest, passage_ids)
+    mine = process_shards(manifest.num_shards, process_index, process_count)
+    todo = [s for s in mine if not shard_done(directory, manifest, s)]
+    skipped = tuple(s for s in mine if s not in todo)
+    if skipped:
+        log.info("resuming: %d of this process's %d shards already on disk", len(skipped), len(mine))
+
+    from tqdm import tqdm  # Imported here: only encoding shows progress.
+
+    rows_todo = sum(manifest.shard_rows(s)[1] - manifest.shard_rows(s)[0] for s in todo)
+    bar = tqdm(total=rows_todo, unit="passage", desc=f"encode p{process_index}", disable=not progress)
+    todo_set = set(todo)
+    iterator = iter(passages)
+    row = 0
+    for shard in range(mine.start, mine.stop) if todo else ():
+        start, stop = manifest.shard_rows(shard)
+        chunk = []
+        while row < stop:
+            try:
+                passage = next(iterator)
+            except StopIteration:
+                raise EmbeddingsError(f"the KB ended at row {row}, but its ids list {manifest.num_passages}") from None
+            if passage.id != passage_ids[row]:
+                raise EmbeddingsError(
+                    f"KB row {row}: passage id {passage.id!r} differs from ids list entry {passage_ids[row]!r}")
+            if row >= start and shard in todo_set:
+                chunk.append(passage)
+            row += 1
+        if shard not in todo_set:
+            continue
+        out = np.empty((stop - start, manifest.dim), dtype)
+        offset = 0
+        for batch in _batches(chunk, batch_size):
+            vectors = np.asarray(encoder.encode_passages(batch))
+            if vectors.shape != (len(batch), manifest.dim):
+                raise EmbeddingsError(
+                    f"encoder returned shape {vectors.shape} for {len(batch)} passages, expected "
+                    f"({len(batch)}, {manifest.dim})")
+            out[offset:offset + len(batch)] = vectors
+            offset += len(batch)
+            bar.update(len(batch))
+        path = os.path.join(directory, manifest.shard_name(shard))
+        tmp = f"{path}.tmp-{os.getpid()}.npy"
+        np.save(tmp, out)
+        os.replace(tmp, path)
+    bar.close()
+    return EncodeReport(tuple(todo), skipped, complete=not missing_shards(directory, manifest))
+
+
+def check_complete(directory: str, manifest: Manifest | None = None) -> Manifest:
+    manifest = manifest or read_manifest(directory)
+    missing = missing_shards(directory, manifest)
+    if missing:
+        names = ", ".join(manifest.shard_name(s) for s in missing[:5])
+        raise EmbeddingsError(
+            f"{directory}: {len(missing)} of {manifest.num_shards} shards missing ({names}"
+            f"{', ...' if len(missing) > 5 else ''}); finish `t5r encode` on every process first")
+    return manifest
+
+
+def iter_shards(directory: str, manifest: Manifest | None = None) -> Iterator[tuple[int, np.ndarray]]:
+    """Yields (first row, memory-mapped shard) in row order; reads nothing until sliced."""
+    manifest = check_complete(directory, manifest)
+    for shard in range(manifest.num_shards):
+        yield manifest.shard_rows(shard)[0], np.load(os.path.join(directory, manifest.shard_name(shard)), mmap_mode="r")
+
+
+def load_matrix(directory: str, out: np.ndarray | None = None) -> np.ndarray:
+    """All embeddings as one float32 [num_passages, dim] matrix, filled shard by shard into `out`.
+
+    Pass a preallocated array (e.g. an `np.lib.format.open_memmap`) to control where the single
+    copy lives; only one shard is paged in beyond it at a time.
+    """
+    manifest = check_complete(directory)
+    shape = (manifest.num_passages, manifest.dim)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif out.shape != shape:
+        raise ValueError(f"out has shape {out.shape}, expected {shape}")
+    for start, shard in iter_shards(directory, manifest):
+        out[start:start + len(shard)] = shard
+    return out

@@ -1,0 +1,121 @@
+"""What the retrieval stages need from a model: the `Encoder` protocol, plus a real lexical one.
+
+Encoding, indexing, evaluation, mining and serving only ever see this protocol, so they are tested
+with `HashedBagOfWordsEncoder` (deterministic, no parameters, fast) and run unchanged with the
+trained dual encoder returned by `t5_retrieval.inference.load_encoder`. The hashed encoder is also
+a lexical baseline: a dot product of L2-normalised hashed term-frequency vectors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from t5_retrieval.data.kb import passage_text
+from t5_retrieval.data.records import Passage
+
+
+@runtime_checkable
+class Encoder(Protocol):
+    """A dual encoder seen from the retrieval side.
+
+    `fingerprint` identifies the model (config + parameters): an index built with one fingerprint
+    is refused for queries encoded by another. `encode_queries` applies the task's query prefix.
+    Both encode methods return float32 [n, dim] arrays whose dot products are the scores.
+    """
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray: ...
+
+    def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray: ...
+
+
+_WORD = re.compile(r"\w+")
+# Function words carry no topic and, without IDF weights, would dominate every vector.
+_STOPWORDS = frozenset(
+    "a an and are as at be by for from has he in is it its of on or that the to was were will with title text "
+    "what which who whom when where why how this these those there their they i you we she his her not no".split())
+
+
+class HashedBagOfWordsEncoder:
+    """Signed feature hashing of lower-cased non-stopwords with log term frequency, L2-normalised.
+
+    Queries and passages share the map (task is ignored: a lexical model has no task prefix), so
+    the score of a query and a passage is the cosine of their hashed term-frequency vectors.
+    Words are hashed with blake2b, not Python's `hash`, so vectors are identical across processes.
+    """
+
+    def __init__(self, dim: int = 4096):
+        if dim < 1:
+            raise ValueError(f"dim must be >= 1, got {dim}")
+        self._dim = dim
+        self._buckets: dict[str, tuple[int, float]] = {}
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def fingerprint(self) -> str:
+        return f"hashed-bow-v2-dim{self._dim}"
+
+    def _bucket(self, word: str) -> tuple[int, float]:
+        hit = self._buckets.get(word)
+        if hit is None:
+            digest = int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest(), "little")
+            hit = (digest % self._dim, 1.0 if (digest >> 63) & 1 else -1.0)
+            self._buckets[word] = hit
+        return hit
+
+    def _encode(self, texts: Sequence[str]) -> np.ndarray:
+        rows, cols, values = [], [], []
+        bucket = self._bucket
+        for row, text in enumerate(texts):
+            counts = Counter(_WORD.findall(text.lower()))
+            for word, count in counts.items():
+                if word not in _STOPWORDS:
+                    col, sign = bucket(word)
+                    rows.append(row)
+                    cols.append(col)
+                    values.append(sign * (1.0 + math.log(count)))
+        out = np.zeros((len(texts), self._dim), np.float32)
+        np.add.at(out, (np.asarray(rows, np.int64), np.asarray(cols, np.int64)), np.asarray(values, np.float32))
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        return out / np.maximum(norms, 1e-12)
+
+    def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
+        del task  # A lexical model has no task prefix.
+        return self._encode(texts)
+
+    def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
+        return self._encode([passage_text(p) for p in passages])
+
+
+def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every retrieval CLI uses to choose its query/passage encoder."""
+    parser.add_argument("--checkpoint_dir", help="trained model checkpoint (t5r train)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--lexical_baseline_dim", type=int, default=None,
+                        help="use the hashed bag-of-words baseline of this dim instead of a checkpoint")
+
+
+def encoder_from_flags(args: argparse.Namespace) -> Encoder:
+    if (args.checkpoint_dir is None) == (args.lexical_baseline_dim is None):
+        raise SystemExit("give exactly one of --checkpoint_dir and --lexical_baseline_dim")
+    if args.lexical_baseline_dim is not None:
+        return HashedBagOfWordsEncoder(args.lexical_baseline_dim)
+    from t5_retrieval.inference import load_encoder  # The model stack loads only when a checkpoint is used.
+
+    return load_encoder(args.checkpoint_dir, step=args.step)

@@ -1,0 +1,184 @@
+"""Evaluation: retrieve top passages per query, map them to pages, score with the KILT metrics.
+
+Per task this reports page-level R-precision, precision@k, recall@k and success_rate@k exactly as
+the official KILT scorer (`metrics.kilt_scores`), plus passage-level R-precision (examples with
+gold passages) and answer-in-passage recall@k (examples with answer strings, for tasks whose
+answers are strings to find: not FEVER labels nor WoW replies). It also writes the predictions in
+the official KILT format, so `kilt/eval_retrieval.py` can re-score them independently.
+
+`t5r eval --index_dir=... --data_dir=... --output_dir=... (--checkpoint_dir=... | --lexical_baseline_dim=N)`
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import gin
+import numpy as np
+
+from t5_retrieval.data.records import Example, write_jsonl_atomic
+from t5_retrieval.retrieval import metrics
+from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.retrieval.index import Index, IndexMismatchError
+from t5_retrieval.retrieval.passages import PassageLookup
+
+
+def retrieve(encoder: Encoder, index: Index, queries: Sequence[str], task: str, k: int,
+             batch_size: int = 128) -> list[tuple[list[str], np.ndarray]]:
+    """Top-k (passage ids, scores) per query, best first, encoding queries in batches."""
+    out: list[tuple[list[str], np.ndarray]] = []
+    for start in range(0, len(queries), batch_size):
+        vectors = encoder.encode_queries(list(queries[start:start + batch_size]), task)
+        rows, scores = index.search(np.asarray(vectors, np.float32), k)
+        out += [([index.passage_ids[r] for r in row], score) for row, score in zip(rows, scores)]
+    return out
+
+
+def kilt_prediction(example: Example, pages: Sequence[str]) -> dict[str, Any]:
+    """One official KILT-format prediction row: the ranked pages as provenance of one output."""
+    return {"id": example.id, "input": example.query,
+            "output": [{"provenance": [{"wikipedia_id": page} for page in pages]}]}
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Per-task mean metrics (plus counts) and per-task KILT prediction rows."""
+
+    tables: dict[str, dict[str, float]]
+    predictions: dict[str, list[dict[str, Any]]]
+
+
+@gin.configurable(denylist=["encoder", "index", "examples_by_task", "passages"])
+def evaluate(
+    encoder: Encoder,
+    index: Index,
+    examples_by_task: Mapping[str, Sequence[Example]],
+    passages: PassageLookup,
+    ks: Sequence[int] = (1, 5, 20, 100),
+    depth: int = 100,
+    batch_size: int = 128,
+    skip_answer_recall: Sequence[str] = ("fever", "wow"),
+) -> EvalResult:
+    """Scores every task's examples; `depth` passages are retrieved per query before page dedup."""
+    if depth < 1 or any(k < 1 for k in ks):
+        raise ValueError(f"depth and ks must be >= 1, got depth={depth}, ks={ks}")
+    ks = sorted(set(ks))
+    tables: dict[str, dict[str, float]] = {}
+    predictions: dict[str, list[dict[str, Any]]] = {}
+    tokens: dict[str, list[str]] = {}  # Normalised passage tokens, shared by every query and task.
+
+    def tokens_of(pid: str) -> list[str]:
+        if pid not in tokens:
+            tokens[pid] = metrics.normalize_answer_tokens(passages.get(pid).text)
+        return tokens[pid]
+
+    for task, examples in examples_by_task.items():
+        hits = retrieve(encoder, index, [e.query for e in examples], task, depth, batch_size)
+        page_scores, passage_scores, answer_scores, rows = [], [], [], []
+        for example, (pids, _) in zip(examples, hits):
+            pages = metrics.dedup_keep_first(passages.page_of(pid) for pid in pids)
+            rows.append(kilt_prediction(example, pages))
+            page_scores.append(metrics.kilt_scores(example.gold_pages, pages, ks))
+            if example.positive_passages:
+                passage_scores.append({"passage_Rprec": metrics.passage_r_precision(example.positive_passages, pids)})
+            if example.answers and task not in skip_answer_recall:
+                rank = metrics.first_answer_rank((tokens_of(pid) for pid in pids[:max(ks)]), example.answers)
+                answer_scores.append({f"answer_recall@{k}": float(rank is not None and rank <= k) for k in ks})
+        table: dict[str, float] = {"n": len(examples), **metrics.mean_scores(page_scores)}
+        table.update(metrics.mean_scores(passage_scores))
+        table["n_passage_gold"] = len(passage_scores)
+        if answer_scores:
+            table.update(metrics.mean_scores(answer_scores))
+            table["n_answers"] = len(answer_scores)
+        tables[task] = table
+        predictions[task] = rows
+    return EvalResult(tables, predictions)
+
+
+def format_table(tables: Mapping[str, Mapping[str, float]]) -> str:
+    """A fixed-width text table, one row per task, metrics as columns (missing values as '-')."""
+    columns: list[str] = []
+    for table in tables.values():
+        columns += [c for c in table if c not in columns]
+    width = max([len(t) for t in tables] + [4])
+    head = f"{'task':<{width}} " + " ".join(f"{c:>{max(len(c), 6)}}" for c in columns)
+    lines = [head]
+    for task, table in tables.items():
+        cells = []
+        for c in columns:
+            value = table.get(c)
+            text = "-" if value is None else (f"{int(value)}" if c.startswith("n") else f"{value:.4f}")
+            cells.append(f"{text:>{max(len(c), 6)}}")
+        lines.append(f"{task:<{width}} " + " ".join(cells))
+    return "\n".join(lines) + "\n"
+
+
+def write_results(result: EvalResult, output_dir: str) -> None:
+    """results.json, results.txt and predictions/{task}.jsonl (official KILT format)."""
+    os.makedirs(os.path.join(output_dir, "predictions"), exist_ok=True)
+    for task, rows in result.predictions.items():
+        write_jsonl_atomic(os.path.join(output_dir, "predictions", f"{task}.jsonl"), rows)
+    with open(os.path.join(output_dir, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(result.tables, f, indent=1)
+    with open(os.path.join(output_dir, "results.txt"), "w", encoding="utf-8") as f:
+        f.write(format_table(result.tables))
+
+
+def load_task_examples(data_dir: str, split: str, tasks: Sequence[str] | None) -> dict[str, list[Example]]:
+    """Examples per task from `<data_dir>/examples/{task}-{split}.jsonl` (all tasks when None)."""
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.records import DataError, read_examples
+
+    if not tasks:
+        suffix = f"-{split}.jsonl"
+        found = sorted(glob.glob(layout.examples_path(data_dir, "*", split)))
+        tasks = [os.path.basename(p)[:-len(suffix)] for p in found]
+        if not tasks:
+            raise DataError(f"{os.path.dirname(layout.examples_path(data_dir, 'x', split))}: no *{suffix} "
+                            "files (run `t5r data tasks`)")
+    out = {}
+    for task in tasks:
+        path = layout.examples_path(data_dir, task, split)
+        if not os.path.exists(path):
+            raise DataError(f"{path}: no examples for task {task!r}, split {split!r}")
+        out[task] = read_examples(path)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """`t5r eval`: KILT metrics per task for an index and a query encoder."""
+    from t5_retrieval import gin_utils
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.records import DataError
+    from t5_retrieval.retrieval.encoder import add_encoder_flags, encoder_from_flags
+
+    parser = argparse.ArgumentParser(prog="t5r eval", description=__doc__.splitlines()[0])
+    add_encoder_flags(parser)
+    parser.add_argument("--index_dir", required=True, help="output of `t5r index`")
+    parser.add_argument("--data_dir", required=True, help="processed data (examples/, kb/)")
+    parser.add_argument("--kb_dir", default=None, help="passage store (default: <data_dir>/kb)")
+    parser.add_argument("--tasks", default="", help="comma-separated tasks (default: all found)")
+    parser.add_argument("--split", default="dev")
+    parser.add_argument("--output_dir", required=True)
+    args = gin_utils.parse_args(parser, argv)
+    try:
+        store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
+        examples = load_task_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
+        index = Index.load(args.index_dir)
+        encoder = encoder_from_flags(args)
+        index.check(encoder, store.ids())
+    except (DataError, IndexMismatchError) as e:
+        print(f"t5r eval: error: {e}", file=sys.stderr)
+        return 2
+    result = evaluate(encoder, index, examples, store)
+    write_results(result, args.output_dir)
+    print(format_table(result.tables), end="")
+    return 0

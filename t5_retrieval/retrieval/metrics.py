@@ -1,0 +1,184 @@
+"""KILT retrieval metrics, as defined by the official scorer (`kilt/eval_retrieval.py`).
+
+Plain functions over (gold evidence sets, ranked ids), independent of models, indexes and files,
+so that every number this project reports can be checked against the KILT definitions by reading
+one page. The definitions (DESIGN.md §6):
+
+* Guesses are deduplicated keeping the first occurrence (`dedup_keep_first`), best first.
+* **R-precision**: for each evidence set with R distinct ids, |top-R guesses in the set| / R;
+  the max over evidence sets.
+* **rank slots**: walking the guesses best first, a guess in no evidence set takes one slot
+  (`False`); a guess in an evidence set moves that set's slot to the guess's position, and the
+  slot becomes `True` when the set's last id is found. Identical evidence sets count once.
+* **precision@k** = |True slots in the first k| / k; **recall@k** (k > 1) = |True slots in the
+  first k| / number of distinct evidence sets; **success@k** (k > 1) = any True slot in the first k.
+
+Passage-level R-precision (Maillard et al., 2021) is the same R-precision over passage ids, with
+the gold passages as one evidence set. Answer-in-passage recall@k (DPR; Sciavolino 2022) asks
+whether any of the top-k passage texts contains a normalised answer string.
+"""
+
+from __future__ import annotations
+
+import string
+import unicodedata
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+Id = TypeVar("Id", bound=Hashable)
+
+# A slot in the rank: True (a completed evidence set), False (a non-gold guess) or
+# ("partial", set_index) for an evidence set that has been started but not completed.
+Slot = bool | tuple[str, int]
+
+
+def dedup_keep_first(ids: Iterable[Id]) -> list[Id]:
+    """Removes repeated ids keeping the first (best) occurrence, as KILT does for pages."""
+    seen: set[Id] = set()
+    out = []
+    for i in ids:
+        if i not in seen:
+            seen.add(i)
+            out.append(i)
+    return out
+
+
+def r_precision(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id]) -> float:
+    """Max over evidence sets of |top-R guesses in the set| / R (0 for an empty set)."""
+    if not gold_sets:
+        raise ValueError("r_precision needs at least one evidence set")
+    guesses = dedup_keep_first(guesses)
+    best = 0.0
+    for gold in gold_sets:
+        gold = set(gold)
+        if gold:
+            best = max(best, sum(g in gold for g in guesses[:len(gold)]) / len(gold))
+    return best
+
+
+def rank_slots(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id]) -> tuple[list[Slot], int]:
+    """The KILT rank: one slot per non-gold guess and one per evidence set (see module doc).
+
+    Returns (slots, number of distinct evidence sets).
+    """
+    distinct: list[frozenset[Id]] = []
+    for gold in gold_sets:
+        gold = frozenset(gold)
+        if gold not in distinct:
+            distinct.append(gold)
+    remaining = [set(s) for s in distinct]
+    slots: list[Slot] = []
+    for guess in dedup_keep_first(guesses):
+        found = False
+        for index, missing in enumerate(remaining):
+            if guess not in missing:
+                continue
+            found = True
+            partial = ("partial", index)
+            if partial in slots:
+                slots.remove(partial)
+            missing.discard(guess)
+            slots.append(True if not missing else partial)
+        if not found:
+            slots.append(False)
+    return slots, len(distinct)
+
+
+def _check_k(k: int, minimum: int) -> None:
+    if k < minimum:
+        raise ValueError(f"k must be >= {minimum}, got {k}")
+
+
+def precision_at_k(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id], k: int) -> float:
+    _check_k(k, 1)
+    slots, num_sets = rank_slots(gold_sets, guesses)
+    return slots[:k].count(True) / k if num_sets else 0.0
+
+
+def recall_at_k(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id], k: int) -> float:
+    _check_k(k, 2)
+    slots, num_sets = rank_slots(gold_sets, guesses)
+    return slots[:k].count(True) / num_sets if num_sets else 0.0
+
+
+def success_at_k(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id], k: int) -> float:
+    _check_k(k, 2)
+    slots, num_sets = rank_slots(gold_sets, guesses)
+    return float(True in slots[:k]) if num_sets else 0.0
+
+
+def kilt_scores(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id], ks: Sequence[int]) -> dict[str, float]:
+    """All page-level KILT metrics for one query, with the official key names.
+
+    precision@k for every k >= 1; recall@k and success_rate@k for k > 1 (as the official scorer).
+    """
+    gold_sets = [tuple(s) for s in gold_sets]
+    slots, num_sets = rank_slots(gold_sets, guesses)
+    out = {"Rprec": r_precision(gold_sets, guesses)}
+    for k in sorted(set(ks)):
+        _check_k(k, 1)
+        true_slots = slots[:k].count(True)
+        out[f"precision@{k}"] = true_slots / k if num_sets else 0.0
+        if k > 1:
+            out[f"recall@{k}"] = true_slots / num_sets if num_sets else 0.0
+            out[f"success_rate@{k}"] = float(true_slots > 0) if num_sets else 0.0
+    return out
+
+
+def mean_scores(per_query: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Averages per-query metric dicts key by key (the official scorer's average over queries)."""
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for scores in per_query:
+        for key, value in scores.items():
+            totals[key] = totals.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+    return {key: totals[key] / counts[key] for key in totals}
+
+
+def passage_r_precision(gold_passages: Iterable[Id], ranked_passages: Sequence[Id]) -> float:
+    """Passage-level R-precision (Maillard et al.): the gold passages form one evidence set."""
+    return r_precision([tuple(gold_passages)], ranked_passages)
+
+
+_PUNCT_TO_SPACE = str.maketrans({c: " " for c in string.punctuation})
+
+
+def normalize_answer_tokens(text: str) -> list[str]:
+    """Lower-cased, accent-stripped, punctuation-free word tokens (DPR's has_answer normalisation)."""
+    if not text.isascii():
+        text = "".join(c for c in unicodedata.normalize("NFD", text) if not unicodedata.combining(c))
+    return text.lower().translate(_PUNCT_TO_SPACE).split()
+
+
+def answer_in_tokens(tokens: Sequence[str], answers_tokens: Iterable[Sequence[str]]) -> bool:
+    """True when some (normalised) answer occurs as a contiguous run of the (normalised) tokens."""
+    for needle in answers_tokens:
+        n = len(needle)
+        if n and any(tokens[i:i + n] == needle for i in range(len(tokens) - n + 1) if tokens[i] == needle[0]):
+            return True
+    return False
+
+
+def has_answer(text: str, answers: Iterable[str]) -> bool:
+    """True when some answer's token sequence occurs contiguously in the text's tokens."""
+    return answer_in_tokens(normalize_answer_tokens(text), [normalize_answer_tokens(a) for a in answers])
+
+
+def first_answer_rank(passage_tokens: Iterable[Sequence[str]], answers: Iterable[str]) -> int | None:
+    """1-based rank of the first passage (given as normalised tokens) holding an answer, or None.
+
+    answer-in-passage recall@k is then `rank is not None and rank <= k` for every k at once.
+    """
+    needles = [list(t) for t in (normalize_answer_tokens(a) for a in answers) if t]
+    for rank, tokens in enumerate(passage_tokens, start=1):
+        if answer_in_tokens(tokens, needles):
+            return rank
+    return None
+
+
+def answer_recall_at_k(passage_texts: Sequence[str], answers: Iterable[str], k: int) -> float:
+    """1.0 when one of the top-k passage texts contains an answer, else 0.0."""
+    _check_k(k, 1)
+    rank = first_answer_rank((normalize_answer_tokens(t) for t in passage_texts[:k]), answers)
+    return float(rank is not None)

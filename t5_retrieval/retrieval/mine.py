@@ -1,0 +1,94 @@
+"""Model-mined hard negatives (ANCE): the current model's top-k passages minus every gold page.
+
+The output is the shared negatives format (`records.write_negatives`, best first), the same as the
+BM25 negatives, so the next training episode reads them without knowing their source. With
+`exclude_answers`, passages that contain an answer string are dropped too: MT-DPR's
+"adversarial confounders" for answer-checkable QA, where such a passage may well be relevant.
+
+`t5r mine --index_dir=... --data_dir=... --source=ance-1 (--checkpoint_dir=... | --lexical_baseline_dim=N)`
+writes `<data_dir>/negatives/<source>/{task}-{split}.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import gin
+
+from t5_retrieval.data.records import Example, Negatives
+from t5_retrieval.retrieval import metrics
+from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.retrieval.evaluate import retrieve
+from t5_retrieval.retrieval.index import Index, IndexMismatchError
+from t5_retrieval.retrieval.passages import PassageLookup
+
+
+@gin.configurable(denylist=["encoder", "index", "examples", "passages"])
+def mine_negatives(
+    encoder: Encoder,
+    index: Index,
+    examples: Sequence[Example],
+    passages: PassageLookup,
+    k: int = 110,
+    exclude_answers: bool = False,
+    batch_size: int = 128,
+) -> list[Negatives]:
+    """For each example (all of one task): top-k passages, in rank order, off every gold page.
+
+    Positive passages are excluded as well (they are on gold pages whenever the data is consistent,
+    but a positive must never come back as a negative).
+    """
+    by_task: dict[str, list[int]] = {}
+    for i, example in enumerate(examples):
+        by_task.setdefault(example.task, []).append(i)
+    out: list[Negatives | None] = [None] * len(examples)
+    for task, positions in by_task.items():
+        hits = retrieve(encoder, index, [examples[i].query for i in positions], task, k, batch_size)
+        for i, (pids, _) in zip(positions, hits):
+            example = examples[i]
+            gold_pages = {p for s in example.gold_pages for p in s}
+            positives = set(example.positive_passages)
+            negatives = [pid for pid in pids if pid not in positives and passages.page_of(pid) not in gold_pages]
+            if exclude_answers and example.answers:
+                negatives = [pid for pid in negatives if not metrics.has_answer(passages.get(pid).text, example.answers)]
+            out[i] = Negatives(example.id, tuple(negatives))
+    return [n for n in out if n is not None]
+
+
+def main(argv: list[str]) -> int:
+    """`t5r mine`: hard negatives for every training query with the current model."""
+    from t5_retrieval import gin_utils
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.records import DataError, write_negatives
+    from t5_retrieval.retrieval.encoder import add_encoder_flags, encoder_from_flags
+    from t5_retrieval.retrieval.evaluate import load_task_examples
+
+    parser = argparse.ArgumentParser(prog="t5r mine", description=__doc__.splitlines()[0])
+    add_encoder_flags(parser)
+    parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
+    parser.add_argument("--data_dir", required=True, help="processed data (examples/, kb/, negatives/)")
+    parser.add_argument("--kb_dir", default=None, help="passage store (default: <data_dir>/kb)")
+    parser.add_argument("--tasks", default="", help="comma-separated tasks (default: all found)")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--source", required=True, help="negatives name, e.g. ance-1 (bm25 is the data stage's)")
+    args = gin_utils.parse_args(parser, argv)
+    try:
+        store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
+        examples = load_task_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
+        index = Index.load(args.index_dir)
+        encoder = encoder_from_flags(args)
+        index.check(encoder, store.ids())
+    except (DataError, IndexMismatchError) as e:
+        print(f"t5r mine: error: {e}", file=sys.stderr)
+        return 2
+    out_dir = layout.negatives_dir(args.data_dir, args.source)
+    os.makedirs(out_dir, exist_ok=True)
+    for task, task_examples in examples.items():
+        path = layout.negatives_path(out_dir, task, args.split)
+        count = write_negatives(path, mine_negatives(encoder, index, task_examples, store))
+        print(f"t5r mine: {task}: {count} queries -> {path}")
+    return 0

@@ -1,0 +1,125 @@
+"""ScaNN index: exactness of brute force, recall of tree+AH, save/load, mismatch refusal, CLI."""
+
+import json
+
+import gin
+import numpy as np
+import pytest
+
+from t5_retrieval.data.records import Passage
+from t5_retrieval.retrieval import embeddings, index
+from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
+
+
+class MatrixEncoder:
+    """A real (lookup-table) encoder: passage i embeds to row i of a fixed matrix."""
+
+    def __init__(self, matrix: np.ndarray, fingerprint: str = "matrix-v1"):
+        self.matrix = matrix.astype(np.float32)
+        self.fingerprint = fingerprint
+        self.dim = matrix.shape[1]
+
+    def encode_queries(self, texts, task):
+        return np.stack([self.matrix[int(t)] for t in texts])
+
+    def encode_passages(self, passages):
+        return self.matrix[[int(p.id[1:]) for p in passages]]
+
+
+def clustered(n: int, dim: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(max(4, n // 200), dim))
+    x = centers[rng.integers(0, len(centers), n)] + 0.5 * rng.normal(size=(n, dim))
+    return x.astype(np.float32)
+
+
+def write(tmp_path, matrix: np.ndarray, fingerprint: str = "matrix-v1") -> tuple[str, list[Passage]]:
+    passages = [Passage(f"p{i}", f"w{i // 3}", f"T{i // 3}", "text") for i in range(len(matrix))]
+    out = str(tmp_path / "emb")
+    embeddings.write_embeddings(MatrixEncoder(matrix, fingerprint), passages, [p.id for p in passages], out,
+                                shard_size=max(1, len(matrix) // 3), progress=False,
+                                meta={"checkpoint_dir": "ckpt", "step": 7})
+    return out, passages
+
+
+def exact_top_k(matrix: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+    return np.argsort(-(queries @ matrix.T), axis=1, kind="stable")[:, :k]
+
+
+def test_tiny_sets_fall_back_to_exact_brute_force(tmp_path):
+    matrix = clustered(40, 8)
+    built = index.build_index(write(tmp_path, matrix)[0], index.ScannConfig())
+    assert built.config.mode == "brute_force", "40 points are too few to partition"
+    queries = clustered(5, 8, seed=1)
+    rows, scores = built.search(queries, k=7)
+    expected = exact_top_k(matrix, queries, 7)
+    for q in range(5):
+        np.testing.assert_array_equal(rows[q], expected[q], err_msg=f"query {q}: brute force must be exact")
+        np.testing.assert_allclose(scores[q], (queries[q] @ matrix.T)[expected[q]], rtol=1e-5)
+
+
+def test_k_beyond_the_index_size_returns_every_passage_once(tmp_path):
+    matrix = clustered(6, 4)
+    built = index.build_index(write(tmp_path, matrix)[0], index.ScannConfig(mode="brute_force"))
+    rows, _ = built.search(clustered(2, 4, seed=3), k=50)
+    assert all(sorted(r.tolist()) == list(range(6)) for r in rows), rows
+
+
+def test_tree_ah_recall_against_exact_search(tmp_path):
+    matrix = clustered(6000, 32)
+    built = index.build_index(write(tmp_path, matrix)[0], index.ScannConfig(mode="tree_ah"))
+    assert built.config.mode == "tree_ah" and built.config.num_leaves == 77, built.config
+    queries = clustered(50, 32, seed=2)
+    rows, _ = built.search(queries, k=10)
+    expected = exact_top_k(matrix, queries, 10)
+    recall = np.mean([len(set(r.tolist()) & set(e.tolist())) / 10 for r, e in zip(rows, expected)])
+    assert recall >= 0.9, f"tree+AH+reorder recall@10 against exact = {recall:.3f}, expected >= 0.9"
+
+
+def test_saved_index_loads_back_with_identical_results(tmp_path):
+    matrix = clustered(300, 8)
+    built = index.build_index(write(tmp_path, matrix)[0], index.ScannConfig(mode="brute_force"))
+    built.save(str(tmp_path / "idx"))
+    loaded = index.Index.load(str(tmp_path / "idx"))
+    assert loaded.passage_ids == built.passage_ids and loaded.fingerprint == "matrix-v1" and loaded.dim == 8
+    assert loaded.meta == {"checkpoint_dir": "ckpt", "step": 7}, "the embeddings' provenance travels with the index"
+    queries = clustered(4, 8, seed=5)
+    for a, b in zip(built.search(queries, 5)[0], loaded.search(queries, 5)[0]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_index_refuses_another_model_or_another_kb(tmp_path):
+    matrix = clustered(30, 8)
+    emb_dir, passages = write(tmp_path, matrix)
+    built = index.build_index(emb_dir, index.ScannConfig(mode="brute_force"))
+    built.check(MatrixEncoder(matrix), [p.id for p in passages])  # The matching pair passes.
+    with pytest.raises(index.IndexMismatchError, match="model fingerprint 'matrix-v1'.*'hashed-bow-v2-dim8'"):
+        built.check(HashedBagOfWordsEncoder(dim=8))
+    with pytest.raises(index.IndexMismatchError, match="first difference at row 29"):
+        built.check(passage_ids=[p.id for p in passages[:-1]] + ["other"])
+    with pytest.raises(index.IndexMismatchError, match="30 indexed vs 29 in the KB"):
+        built.check(passage_ids=[p.id for p in passages[:-1]])
+
+
+def test_incomplete_embeddings_and_missing_index_are_clear_errors(tmp_path):
+    emb_dir, _ = write(tmp_path, clustered(30, 8))
+    manifest = embeddings.read_manifest(emb_dir)
+    (tmp_path / "emb" / manifest.shard_name(1)).unlink()
+    with pytest.raises(embeddings.EmbeddingsError, match="1 of 3 shards missing"):
+        index.build_index(emb_dir)
+    with pytest.raises(index.IndexMismatchError, match="not an index directory"):
+        index.Index.load(str(tmp_path))
+
+
+def test_cli_builds_an_index_with_gin_overrides(tmp_path):
+    emb_dir, _ = write(tmp_path, clustered(30, 8))
+    out = tmp_path / "cli_idx"
+    try:
+        code = index.main(["--embeddings_dir", emb_dir, "--output_dir", str(out),
+                           "--gin.ScannConfig.reorder_num_neighbors=50"])
+    finally:
+        gin.clear_config()
+    assert code == 0
+    meta = json.loads((out / "index.json").read_text())
+    assert meta["scann"]["mode"] == "brute_force" and meta["scann"]["reorder_num_neighbors"] == 50, meta
+    assert index.main(["--embeddings_dir", str(tmp_path), "--output_dir", str(out)]) == 2, "no manifest -> exit 2"
