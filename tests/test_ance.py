@@ -1,0 +1,91 @@
+"""`t5r ance` end to end at toy scale: BM25 warm-up, one TACO episode with mined negatives, eval;
+and a rerun that finds every stage done."""
+
+import json
+import os
+
+import gin
+import pytest
+
+from t5_retrieval import gin_utils
+from t5_retrieval.ance import ance
+from t5_retrieval.data import layout
+from t5_retrieval.data.demo import write_demo
+from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
+from t5_retrieval.data.records import read_negatives
+from t5_retrieval.data.vocab import train_vocabulary
+
+TASKS = ["fever", "trex"]
+
+
+@pytest.fixture(scope="module")
+def ance_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ance")
+    raw, data_dir = str(root / "raw"), str(root / "data")
+    write_demo(raw, num_pages=60, train_per_task=24, dev_per_task=8)
+    prepare_kb(os.path.join(raw, "kb", "pages.jsonl"), data_dir)
+    prepare_tasks(raw, data_dir, TASKS)
+    prepare_negatives(data_dir, TASKS)
+    vocabulary = train_vocabulary(layout.kb_dir(data_dir), os.path.join(data_dir, "spm"), vocab_size=400)
+    bindings = [
+        f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'", "MIXTURE = ['demo_fever', 'demo_trex']",
+        "WARMUP_MIXTURE = ['demo_fever_noprefix', 'demo_trex_noprefix']", "VOCAB_SIZE = 512",
+        "D_MODEL = 32", "D_FF = 64", "PER_DEVICE_BATCH = 4", "QUERY_LEN = 24", "PASSAGE_LEN = 48",
+        "warmup/train.num_epochs = None", "warmup/train.num_steps = 8",
+        "episode/train.num_epochs = None", "episode/train.num_steps = 10",
+        "make_optimizer.burn_in_fraction = 0.3", "train.log_every = 1", "ance.mine_depth = 12",
+    ]
+    gin.clear_config()
+    gin_utils.parse_gin(["runs/demo.gin"], bindings)
+    work_dir = str(root / "work")
+    tables = ance(work_dir)
+    yield work_dir, data_dir, tables
+    gin.clear_config()
+
+
+def test_every_stage_is_marked_done(ance_run):
+    work_dir, _, _ = ance_run
+    for stage in ("warmup/model", "warmup/index", "warmup/eval", "episode_1/negatives", "episode_1/model",
+                  "episode_1/index", "episode_1/eval"):
+        assert os.path.exists(os.path.join(work_dir, stage, "DONE")), f"stage {stage} did not finish"
+
+
+def test_episode_trains_on_model_mined_negatives_without_gold_pages(ance_run):
+    work_dir, data_dir, _ = ance_run
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.records import read_examples
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    mined = read_negatives(layout.negatives_path(os.path.join(work_dir, "episode_1", "negatives"), "fever"))
+    bm25 = read_negatives(layout.negatives_path(layout.negatives_dir(data_dir), "fever"))
+    assert mined.keys() == bm25.keys(), "every training query gets mined negatives"
+    assert any(mined[k][:2] != bm25[k][:2] for k in mined), "mined negatives should differ from BM25's"
+    for example in read_examples(layout.examples_path(data_dir, "fever", "train")):
+        gold = {p for s in example.gold_pages for p in s}
+        assert not gold & {store.page_of(p) for p in mined[example.id]}, f"{example.id}: gold page mined as negative"
+
+
+def test_taco_weighting_switches_on_after_burn_in(ance_run):
+    work_dir, _, _ = ance_run
+    with open(os.path.join(work_dir, "episode_1", "model", "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    active = [r["taco/active"] for r in rows]
+    assert active[:2] == [0.0, 0.0] and active[-1] == 1.0, f"taco/active per step: {active}"
+    with open(os.path.join(work_dir, "warmup", "model", "metrics.jsonl")) as f:
+        assert "taco/active" not in json.loads(f.readline()), "warm-up is the naive sum, without TACO"
+
+
+def test_eval_table_and_kilt_predictions_are_written(ance_run):
+    work_dir, _, tables = ance_run
+    assert sorted(tables) == ["demo_fever", "demo_trex"]
+    for task, row in tables.items():
+        assert row["n"] == 8 and 0.0 <= row["Rprec"] <= 1.0 and "recall@5" in row, row
+        with open(os.path.join(work_dir, "episode_1", "eval", "predictions", f"{task}.jsonl")) as f:
+            prediction = json.loads(f.readline())
+        assert prediction["output"][0]["provenance"][0]["wikipedia_id"], prediction
+
+
+def test_rerun_resumes_with_every_stage_done(ance_run):
+    work_dir, _, tables = ance_run
+    before = {p: os.path.getmtime(p) for p in (os.path.join(work_dir, s, "DONE") for s in ("warmup/model", "episode_1/eval"))}
+    assert ance(work_dir) == tables
+    assert before == {p: os.path.getmtime(p) for p in before}, "a finished stage was run again"
