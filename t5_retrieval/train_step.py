@@ -1,13 +1,17 @@
-"""One training step over a multi-task batch: per-task losses, per-task gradients, one update.
+"""One training step over a multi-task batch: per-task losses, then one optimiser update.
 
 A batch holds one sub-batch per task (dict keyed by task name). Each task's loss is the in-batch
-softmax loss over that task's *global* sub-batch. Tasks are processed one after another, chained by
-`optimization_barrier`, so that only one task's activations are alive at a time: the next task's
-forward pass cannot start before the previous task's gradient exists.
+softmax loss over that task's *global* sub-batch (its negatives come from every device, but never
+from another task).
 
-With a multi-task optimiser (TACO, PCGrad, ...) the K gradients are stacked on a leading task axis
-and handed to the optimiser; without one, they are summed as they come (the naive multi-task sum,
-with memory for one gradient).
+Two ways to get gradients, same losses:
+- naive multi-task (no multi-task transform): all tasks' queries go through the model in one call
+  and all passages in another, the task losses are summed, and one backward pass gives the
+  gradient of the sum. Few large matmuls instead of 2K small ones.
+- per-task gradients (TACO, PCGrad, ...): tasks are processed one after another, chained by
+  `optimization_barrier`, so that only one task's activations are alive at a time (the next task's
+  forward pass cannot start before the previous task's gradient exists); the K gradients are
+  stacked on a leading task axis for the optimiser.
 """
 
 from __future__ import annotations
@@ -50,11 +54,10 @@ def task_loss_fn(model: nn.Module, logit_scale: float) -> Callable:
 
 
 def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_names: Sequence[str],
-                       rng: jax.Array, stack: bool) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
-    """Gradients of each task's loss, one task's activations alive at a time.
+                       rng: jax.Array) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+    """Each task's gradient, one task's activations alive at a time.
 
-    Returns (gradients, losses[K], metrics): gradients stacked on a leading task axis when `stack`,
-    else summed over tasks.
+    Returns (gradients stacked on a leading task axis, losses [K], metrics).
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     rngs = jax.random.split(rng, len(task_names))
@@ -64,15 +67,41 @@ def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_nam
         (loss, aux), grad = grad_fn(task_params, batch[name], rngs[k])
         # The next task reads params only after this task's gradient is complete.
         grad, task_params = jax.lax.optimization_barrier((grad, params))
-        if stack or not grads:
-            grads.append(grad)
-        else:
-            grads[0] = jax.tree.map(jnp.add, grads[0], grad)
+        grads.append(grad)
         losses.append(loss)
         metrics[f"loss/{name}"] = loss
         metrics.update({f"{key}/{name}": value for key, value in aux.items()})
-    combined = jax.tree.map(lambda *g: jnp.stack(g), *grads) if stack else grads[0]
-    return combined, jnp.stack(losses), metrics
+    return jax.tree.map(lambda *g: jnp.stack(g), *grads), jnp.stack(losses), metrics
+
+
+def summed_gradient(model: nn.Module, logit_scale: float, params: Params, batch: Batch,
+                    task_names: Sequence[str], rng: jax.Array) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+    """Gradient of the sum of task losses, embedding every task's texts in one model call.
+
+    Returns (gradient, losses [K], metrics).
+    """
+
+    def total_loss(params: Params):
+        query_rng, passage_rng = jax.random.split(rng)
+        queries = jnp.concatenate([batch[t]["query_tokens"] for t in task_names])
+        passages = jnp.concatenate([batch[t]["passage_tokens"] for t in task_names])
+        query_emb = model.apply({"params": params}, queries, deterministic=False, rngs={"dropout": query_rng})
+        passage_emb = model.apply({"params": params}, passages, deterministic=False, rngs={"dropout": passage_rng})
+        losses, metrics = [], {}
+        q_start = p_start = 0
+        for name in task_names:
+            q_rows, p_rows = batch[name]["query_tokens"].shape[0], batch[name]["passage_tokens"].shape[0]
+            loss, aux = in_batch_softmax_loss(query_emb[q_start:q_start + q_rows],
+                                              passage_emb[p_start:p_start + p_rows], logit_scale)
+            q_start, p_start = q_start + q_rows, p_start + p_rows
+            losses.append(loss)
+            metrics[f"loss/{name}"] = loss
+            metrics.update({f"{key}/{name}": value for key, value in aux.items()})
+        losses = jnp.stack(losses)
+        return jnp.sum(losses), (losses, metrics)
+
+    (_, (losses, metrics)), grad = jax.value_and_grad(total_loss, has_aux=True)(params)
+    return grad, losses, metrics
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExtraArgs,
@@ -84,8 +113,10 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         rng, step_rng = jax.random.split(state.rng)
-        grads, losses, metrics = per_task_gradients(loss_fn, state.params, batch, task_names, step_rng,
-                                                    stack=per_task)
+        if per_task:
+            grads, losses, metrics = per_task_gradients(loss_fn, state.params, batch, task_names, step_rng)
+        else:
+            grads, losses, metrics = summed_gradient(model, logit_scale, state.params, batch, task_names, step_rng)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params, task_losses=losses)
         params = optax.apply_updates(state.params, updates)
         metrics["loss"] = jnp.sum(losses)

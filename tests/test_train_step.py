@@ -1,0 +1,32 @@
+"""The two gradient paths of the train step agree: per-task (stacked) gradients sum to the naive one."""
+
+import jax
+import numpy as np
+
+from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.models.dual_encoder import DualEncoder
+from t5_retrieval.models.t5 import T5Config
+from t5_retrieval.train_step import per_task_gradients, summed_gradient, task_loss_fn
+
+CFG = T5Config(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_encoder_layers=1,
+               num_decoder_layers=1, dropout_rate=0.0)
+TASKS = ["a", "b", "c"]
+
+
+def test_per_task_gradients_sum_to_the_gradient_of_the_summed_loss():
+    model = DualEncoder(CFG)
+    data = RandomBatches(per_device_batch=7, local_data_devices=1, task_names=TASKS, vocab_size=64,
+                         query_len=6, passage_len=10, num_negatives=2)
+    batch = next(data)
+    assert [batch[t]["query_tokens"].shape[0] for t in TASKS] == [3, 2, 2], "uneven sub-batches on purpose"
+    params = model.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"]
+    rng = jax.random.PRNGKey(1)
+    stacked, losses, _ = jax.jit(lambda p: per_task_gradients(task_loss_fn(model, 1.0), p, batch, TASKS, rng))(params)
+    summed, summed_losses, metrics = jax.jit(lambda p: summed_gradient(model, 1.0, p, batch, TASKS, rng))(params)
+    np.testing.assert_allclose(np.asarray(losses), np.asarray(summed_losses), rtol=1e-5,
+                               err_msg="per-task losses differ between the two paths")
+    assert set(metrics) >= {"loss/a", "accuracy/c"}
+    for (path, g_k), g in zip(jax.tree_util.tree_flatten_with_path(stacked)[0], jax.tree.leaves(summed)):
+        assert g_k.shape == (3, *g.shape), f"{jax.tree_util.keystr(path)}: expected a leading task axis of 3"
+        np.testing.assert_allclose(np.asarray(g_k).sum(0), np.asarray(g), rtol=1e-4, atol=1e-6,
+                                   err_msg=f"{jax.tree_util.keystr(path)}: sum of task gradients != naive gradient")
