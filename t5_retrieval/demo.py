@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import sys
 import time
@@ -17,6 +18,14 @@ import time
 from t5_retrieval import gin_utils, logs
 
 FAMILIES = {"demo": "demo", "mini_kilt": "mini_kilt"}
+SUMMARY_COLUMNS = ("n", "Rprec", "recall@5", "recall@20")
+
+
+def summary(tables: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The headline KILT columns per task, plus their unweighted mean over tasks."""
+    rows = {task: {c: row[c] for c in SUMMARY_COLUMNS} for task, row in tables.items()}
+    rows["mean"] = {c: sum(r[c] for r in rows.values()) / len(rows) for c in SUMMARY_COLUMNS}
+    return rows
 
 
 def _tasks_in(raw_dir: str) -> list[str]:
@@ -69,10 +78,16 @@ def main(argv: list[str] | None = None) -> int:
 
     gin_utils.parse_gin(["runs/demo.gin"], [f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'",
                                             f"MIXTURE = '{family}'", f"WARMUP_MIXTURE = '{family}_noprefix'"])
-    tables = ance(os.path.join(args.out, "ance"))
-    print(f"\nDev set, page-level KILT metrics after warm-up + 1 TACO episode ({'SYNTHETIC demo data' if args.data == 'demo' else args.data}):")
-    print(format_table(tables), end="")
-    print(f"(total {time.time() - start:.0f} s; per-stage outputs under {args.out}/ance)")
+    work_dir = os.path.join(args.out, "ance")
+    tables = ance(work_dir)
+    with open(os.path.join(work_dir, "warmup", "eval", "results.json")) as f:
+        warmup = summary(json.load(f))["mean"]
+    source = "SYNTHETIC demo data" if args.data == "demo" else args.data
+    print(f"\nDev set, page-level KILT metrics after BM25 warm-up + 1 ANCE episode with TACO ({source}):")
+    print(format_table(summary(tables)), end="")
+    print(f"(after warm-up only: mean Rprec {warmup['Rprec']:.4f}, recall@20 {warmup['recall@20']:.4f})")
+    print(f"(all metrics: {args.out}/ance/episode_1/eval/results.txt; every stage's output under "
+          f"{args.out}/ance; total {time.time() - start:.0f} s)")
     return 0
 
 

@@ -15,6 +15,14 @@ def test_every_command_resolves_to_an_importable_main():
         assert callable(getattr(importlib.import_module(module), function)), f"{name} -> {target}"
 
 
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_every_command_has_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*name.split(), "--help"])
+    assert exit_info.value.code == 0, f"t5r {name} --help exited with {exit_info.value.code}"
+    assert "usage:" in capsys.readouterr().out, f"t5r {name} --help printed no usage"
+
+
 def test_two_word_commands_are_resolved_before_one_word_ones():
     assert cli.resolve(["data", "kb", "--x"]) == ("data kb", ["--x"])
     assert cli.resolve(["train", "--model_dir", "d"]) == ("train", ["--model_dir", "d"])
