@@ -196,6 +196,8 @@ def train(model_dir: str,
         state, data_state = restored
         data.restore(data_state)
         log.info("resumed %s at step %d", model_dir, int(state.step))
+        if int(state.step) >= num_steps:
+            return state
 
     step_fn = make_train_step(model, optimizer, task_names, per_task=multitask is not None,
                               logit_scale=config["dual_encoder"]["logit_scale"],
