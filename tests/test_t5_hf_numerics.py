@@ -21,6 +21,10 @@ HF_CONFIGS = {
 }
 
 
+# Teacher-forced decoder input starting with the start token 0; position 0 is the dual encoder's step.
+DECODER_TOKENS = np.array([[0, 5, 9], [0, 7, 7], [0, 3, 1], [0, 40, 2]], np.int32)
+
+
 def save_random_hf_t5(directory: str, version: str, seed: int = 0) -> transformers.T5ForConditionalGeneration:
     torch.manual_seed(seed)
     config = transformers.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=48, num_layers=2,
@@ -61,18 +65,17 @@ def test_encoder_and_first_decoder_step_match_transformers(tmp_path, version):
     mask = tokens != 0
     with torch.no_grad():
         out = hf(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
-                 decoder_input_ids=torch.zeros((4, 1), dtype=torch.long), output_hidden_states=True)
+                 decoder_input_ids=torch.tensor(DECODER_TOKENS, dtype=torch.long), output_hidden_states=True)
     ref_encoded = out.encoder_last_hidden_state.numpy()
     ref_first_step = out.decoder_hidden_states[-1][:, 0].numpy()
-    ref_logits = out.logits[:, 0].numpy()
+    ref_logits = out.logits.numpy()
 
     encoded = model.apply({"params": params}, jnp.asarray(tokens), method=T5.encode)
     np.testing.assert_allclose(np.asarray(encoded)[mask], ref_encoded[mask], atol=1e-4, rtol=1e-4,
                                err_msg="encoder states differ from transformers")
-    start = jnp.zeros((4, 1), jnp.int32)
-    logits = model.apply({"params": params}, jnp.asarray(tokens), start)
-    np.testing.assert_allclose(np.asarray(logits)[:, 0], ref_logits, atol=1e-4, rtol=1e-4,
-                               err_msg="LM logits of the first decoder step differ from transformers")
+    logits = model.apply({"params": params}, jnp.asarray(tokens), jnp.asarray(DECODER_TOKENS))
+    np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-4, rtol=1e-4,
+                               err_msg="teacher-forced LM logits (3 decoder steps) differ from transformers")
 
     dual = DualEncoder(cfg, DualEncoderConfig(pooling="encdec"))
     embedding = dual.apply({"params": {"t5": params}}, jnp.asarray(tokens))

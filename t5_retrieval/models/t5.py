@@ -138,12 +138,23 @@ class Attention(nn.Module):
         wo = self._kernel("out", ("heads", "kv", "embed"), (h, dk, d), (h * dk) ** -0.5)
         names = ("batch", "length", "heads", "kv")
         q = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_q, wq), names)
-        k = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wk), names)
-        v = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wv), names)
-        logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + bias
-        weights = jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype)
-        weights = nn.Dropout(cfg.dropout_rate)(weights, deterministic=deterministic)
-        out = jnp.einsum("bhqs,bshk->bqhk", weights, v)
+        dropout = nn.Dropout(cfg.dropout_rate)
+        if inputs_q.shape[1] == 1:
+            # One query position (the dual encoder's single decoder step): fold the key and value
+            # projections into the query side instead of projecting every memory state. Same
+            # result up to float reassociation, O(L*d*h) instead of O(L*d*h*d_kv) per layer.
+            q_in_memory_space = jnp.einsum("bqhk,dhk->bqhd", q, wk)
+            logits = jnp.einsum("bqhd,bsd->bhqs", q_in_memory_space, inputs_kv,
+                                preferred_element_type=jnp.float32) + bias
+            weights = dropout(jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype), deterministic=deterministic)
+            context = jnp.einsum("bhqs,bsd->bqhd", weights, inputs_kv)
+            out = jnp.einsum("bqhd,dhk->bqhk", context, wv)
+        else:
+            k = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wk), names)
+            v = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wv), names)
+            logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + bias
+            weights = dropout(jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype), deterministic=deterministic)
+            out = jnp.einsum("bhqs,bshk->bqhk", weights, v)
         out = jnp.einsum("bqhk,hkd->bqd", out, wo)
         return with_constraint(out, ("batch", "length", "embed"))
 

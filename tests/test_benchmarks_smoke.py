@@ -1,0 +1,79 @@
+"""The foundation benchmarks run end to end at tiny sizes and write complete results (so they can't rot).
+
+Each runs as a script in its own subprocess, exactly as documented, writing to a temporary file
+instead of benchmarks/results/. The speed numbers are not judged here (timings are not tests);
+what must hold is that every field exists, times are positive, and both sides of each comparison
+computed the same thing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+XLA_CACHE = os.path.join(REPO, ".pytest_cache", "xla")
+
+
+def run_benchmark(name: str, args: list[str], out: str, extra_env: dict[str, str] | None = None) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+               **(extra_env or {}))
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", f"bench_{name}.py"), *args,
+                           "--out", out], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"bench_{name}.py failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"bench_{name}: "), \
+        f"expected one summary line 'bench_{name}: ...', got {lines}"
+    with open(out) as f:
+        return json.load(f), lines[0]
+
+
+def assert_positive_timing(section: dict, rate_key: str, where: str) -> None:
+    for key in ("median_s", "min_s", "max_s", rate_key):
+        assert section.get(key, 0) > 0, f"{where}.{key}: expected a positive number, got {section.get(key)}"
+
+
+def test_encode_benchmark_writes_throughputs_of_matching_embeddings_and_profiles(tmp_path):
+    result, _ = run_benchmark("encode", ["--sizes", "tiny", "--batch", "2", "--length", "8", "--repeats", "2",
+                                         "--profile"], str(tmp_path / "encode.json"))
+    row = result["by_size"]["tiny"]
+    assert_positive_timing(row["ours"], "texts_per_s", "ours")
+    assert_positive_timing(row["transformers"], "texts_per_s", "transformers")
+    assert row["compile_s"] > 0 and row["speedup"]["ratio_of_medians"] > 0, row
+    assert row["ours"]["repeats"] == row["transformers"]["repeats"] == 2, "expected 2 interleaved repeats each"
+    assert row["embeddings_match"], f"ours and transformers embed differently: max diff {row['embeddings_max_abs_diff']}"
+    assert result["torch"]["threads"] >= 1 and result["torch"]["blas_info"], result["torch"]
+    ours_profile = row["time_breakdown"]["ours_xla_op_time"]
+    assert 0 < ours_profile["matmul_share"] <= 1, f"profile found no matmul time: {ours_profile}"
+    assert any(part.startswith("encoder/") for part in ours_profile["top"]), ours_profile["top"]
+    torch_profile = row["time_breakdown"]["transformers_aten_self_time"]
+    assert torch_profile and all(op.startswith("aten::") for op in torch_profile), torch_profile
+    assert 0 < sum(torch_profile.values()) <= 1 + 1e-6, f"shares of total time must sum to <= 1: {torch_profile}"
+
+
+def test_train_step_benchmark_writes_step_times_with_equal_first_losses(tmp_path):
+    result, _ = run_benchmark("train_step", ["--sizes", "tiny", "--queries", "2", "--tasks", "2",
+                                             "--query_len", "8", "--passage_len", "8", "--repeats", "1"],
+                              str(tmp_path / "train_step.json"))
+    row = result["by_size"]["tiny"]
+    assert_positive_timing(row["ours"], "steps_per_s", "ours")
+    assert_positive_timing(row["transformers"], "steps_per_s", "transformers")
+    assert row["batch"]["queries_per_task"] == [1, 1], f"2 queries over 2 tasks, got {row['batch']}"
+    loss = row["first_step_loss"]
+    assert loss["match"] and loss["ours"] > 0, f"same weights and batch must give the same loss: {loss}"
+    assert row["compile_s"] > 0 and row["speedup"]["ratio_of_medians"] > 0, row
+
+
+def test_flops_benchmark_counts_what_xla_counts_and_records_cleared_blas_env(tmp_path):
+    result, line = run_benchmark("flops", ["--size", "tiny", "--batch", "2", "--length", "8", "--gemm", "64",
+                                           "--repeats", "2"], str(tmp_path / "flops.json"),
+                                 extra_env={"OPENBLAS_CORETYPE": "Haswell"})
+    assert result["blas_env_at_start"]["OPENBLAS_CORETYPE"] == "Haswell", result["blas_env_at_start"]
+    for part in ("encoder", "gemm", "torch_gemm"):
+        assert result[part]["flops_per_s"] > 0, f"{part}.flops_per_s: expected > 0, got {result[part]}"
+    assert result["fraction_of_gemm"] > 0 and "of GEMM" in line, line
+    analytic, xla = result["encoder_flops"]["total"], result["xla_cost_analysis_flops"]
+    # XLA also counts norms, softmax and activations, so it is a little above the matmul count.
+    assert analytic <= xla <= 1.2 * analytic, f"analytic matmul FLOPs {analytic} vs XLA's {xla}: count is off"
+
