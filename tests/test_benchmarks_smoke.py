@@ -77,3 +77,12 @@ def test_flops_benchmark_counts_what_xla_counts_and_records_cleared_blas_env(tmp
     # XLA also counts norms, softmax and activations, so it is a little above the matmul count.
     assert analytic <= xla <= 1.2 * analytic, f"analytic matmul FLOPs {analytic} vs XLA's {xla}: count is off"
 
+
+
+def test_encode_devices_benchmark_runs_each_device_count_in_its_own_process(tmp_path):
+    result, line = run_benchmark("encode_devices", ["--devices", "1,2", "--passages", "16", "--length", "8",
+                                                    "--batch", "8", "--repeats", "1"], str(tmp_path / "dev.json"))
+    assert sorted(result["runs"]) == ["1", "2"], result["runs"].keys()
+    assert [result["runs"][n]["devices"] for n in ("1", "2")] == [1, 2], "XLA_FLAGS did not reach the workers"
+    assert all(r["passages_per_s"] > 0 for r in result["runs"].values())
+    assert result["efficiency_vs_1_device"]["1"] == 1.0 and "2 dev" in line
