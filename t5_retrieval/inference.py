@@ -52,8 +52,8 @@ class DualEncoderInference:
         data_devices = mesh.shape["data"]
         self.batch_size = -(-batch_size // data_devices) * data_devices
         self._vocab = vocabulary
-        self._embed = jax.jit(lambda p, tokens: model.apply({"params": p}, tokens),
-                              in_shardings=(None, sharding.batch_sharding(mesh, 2)))
+        self._embed = jax.jit(lambda p, tokens, tower: model.apply({"params": p}, tokens, tower=tower),
+                              in_shardings=(None, sharding.batch_sharding(mesh, 2)), static_argnums=2)
 
     @property
     def task_names(self) -> list[str]:
@@ -82,14 +82,17 @@ class DualEncoderInference:
             if not text or not text.strip():
                 raise ValueError(f"query {i} is empty")
         strings = [format_query(t, prefix) for t in texts]
-        return self.encode_tokens(tokenize(self.vocabulary, strings, self.features["query_len"]))
+        tower = list(self.features["tasks"]).index(task) if self.model.config.query_towers else None
+        return self.encode_tokens(tokenize(self.vocabulary, strings, self.features["query_len"]), tower)
 
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
         strings = [format_passage(p.title, p.text) for p in passages]
         return self.encode_tokens(tokenize(self.vocabulary, strings, self.features["passage_len"]))
 
-    def encode_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        """[n, length] token ids -> [n, dim] float32, in fixed-size batches sharded over devices."""
+    def encode_tokens(self, tokens: np.ndarray, tower: int | None = None) -> np.ndarray:
+        """[n, length] token ids -> [n, dim] float32, in fixed-size batches sharded over devices.
+
+        `tower` selects a task's own query encoder (models with per-task query towers)."""
         out = np.empty((len(tokens), self.dim), np.float32)
         with jax.set_mesh(self._mesh), nn.logical_axis_rules(sharding.logical_axis_rules()):
             for start in range(0, len(tokens), self.batch_size):
@@ -97,7 +100,7 @@ class DualEncoderInference:
                 padded = np.zeros((self.batch_size, tokens.shape[1]), np.int32)
                 padded[:len(chunk)] = chunk
                 padded[len(chunk):, 0] = 1  # EOS-only rows: never all-padding
-                out[start:start + len(chunk)] = np.asarray(self._embed(self.params, padded))[:len(chunk)]
+                out[start:start + len(chunk)] = np.asarray(self._embed(self.params, padded, tower))[:len(chunk)]
         return out
 
 

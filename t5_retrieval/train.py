@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from t5_retrieval import checkpoint, gin_utils, logs, sharding
 from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
 from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
-from t5_retrieval.multitask import multitask_metrics
+from t5_retrieval.multitask import find_taco_state, multitask_metrics
+from t5_retrieval.multitask.analysis import save_state_npz
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.optim import make_optimizer
 from t5_retrieval.train_step import TrainState, make_train_step
@@ -35,6 +37,7 @@ from t5_retrieval.train_step import TrainState, make_train_step
 log = logging.getLogger(__name__)
 # On CPU, more than ~50 dispatched steps with collectives can deadlock; never run further ahead.
 MAX_STEPS_IN_FLIGHT = 20
+TACO_STATE_FILE = "taco_state.npz"
 
 
 class BatchIterator(Protocol):
@@ -174,6 +177,10 @@ def train(model_dir: str,
         raise ValueError(f"train: set exactly one of num_steps ({num_steps}) and num_epochs ({num_epochs})")
     num_steps = num_steps or max(1, int(round(num_epochs * data.steps_per_epoch)))
     config = {**model_config(), "features": data.features}
+    towers = config["dual_encoder"]["query_towers"]
+    if towers and towers != len(task_names):
+        raise ValueError(f"DualEncoderConfig.query_towers={towers} but the mixture has {len(task_names)} tasks "
+                         f"({', '.join(task_names)}); set one query tower per task")
     checkpoint.write_config(model_dir, config)
 
     model = build_model(config)
@@ -207,8 +214,19 @@ def train(model_dir: str,
         batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, np.ndim(x)), first)
         jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
-        return _loop(jitted, state, data, first, mesh, mngr, model_dir, num_steps, log_every,
-                     checkpoint_every)
+        state = _loop(jitted, state, data, first, mesh, mngr, model_dir, num_steps, log_every, checkpoint_every)
+    export_taco_state(state.opt_state, task_names, model_dir)
+    return state
+
+
+def export_taco_state(opt_state: Any, task_names: list[str], model_dir: str) -> None:
+    """Writes the final TACO EMA as `taco_state.npz` for `t5r analyze` (when the run used TACO)."""
+    taco_state = find_taco_state(opt_state)
+    if taco_state is None:
+        return
+    ema = multihost_utils.process_allgather(taco_state.ema, tiled=True)
+    if jax.process_index() == 0:
+        save_state_npz(ema, task_names, os.path.join(model_dir, TACO_STATE_FILE))
 
 
 def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch: Any,

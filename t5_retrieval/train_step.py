@@ -39,13 +39,18 @@ class TrainState:
     rng: jax.Array
 
 
-def task_loss_fn(model: nn.Module, logit_scale: float) -> Callable:
-    """(params, task_batch, rng) -> (loss, metrics) for one task's sub-batch."""
+def query_tower(model: nn.Module, task_index: int) -> int | None:
+    """The query encoder of a task: its own tower when the model has per-task towers, else shared."""
+    return task_index if model.config.query_towers else None
 
-    def loss_fn(params: Params, task_batch: dict[str, jax.Array], rng: jax.Array):
+
+def task_loss_fn(model: nn.Module, logit_scale: float) -> Callable:
+    """(params, task_batch, rng, task_index) -> (loss, metrics) for one task's sub-batch."""
+
+    def loss_fn(params: Params, task_batch: dict[str, jax.Array], rng: jax.Array, task_index: int = 0):
         query_rng, passage_rng = jax.random.split(rng)
         queries = model.apply({"params": params}, task_batch["query_tokens"], deterministic=False,
-                              rngs={"dropout": query_rng})
+                              rngs={"dropout": query_rng}, tower=query_tower(model, task_index))
         passages = model.apply({"params": params}, task_batch["passage_tokens"], deterministic=False,
                                rngs={"dropout": passage_rng})
         return in_batch_softmax_loss(queries, passages, logit_scale)
@@ -59,12 +64,12 @@ def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_nam
 
     Returns (gradients stacked on a leading task axis, losses [K], metrics).
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True, argnums=0)
     rngs = jax.random.split(rng, len(task_names))
     grads, losses, metrics = [], [], {}
     task_params = params
     for k, name in enumerate(task_names):
-        (loss, aux), grad = grad_fn(task_params, batch[name], rngs[k])
+        (loss, aux), grad = grad_fn(task_params, batch[name], rngs[k], k)
         # The next task reads params only after this task's gradient is complete.
         grad, task_params = jax.lax.optimization_barrier((grad, params))
         grads.append(grad)
@@ -83,9 +88,15 @@ def summed_gradient(model: nn.Module, logit_scale: float, params: Params, batch:
 
     def total_loss(params: Params):
         query_rng, passage_rng = jax.random.split(rng)
-        queries = jnp.concatenate([batch[t]["query_tokens"] for t in task_names])
         passages = jnp.concatenate([batch[t]["passage_tokens"] for t in task_names])
-        query_emb = model.apply({"params": params}, queries, deterministic=False, rngs={"dropout": query_rng})
+        if model.config.query_towers:  # each task's queries through its own tower
+            query_emb = jnp.concatenate([
+                model.apply({"params": params}, batch[t]["query_tokens"], deterministic=False,
+                            rngs={"dropout": jax.random.fold_in(query_rng, k)}, tower=k)
+                for k, t in enumerate(task_names)])
+        else:
+            queries = jnp.concatenate([batch[t]["query_tokens"] for t in task_names])
+            query_emb = model.apply({"params": params}, queries, deterministic=False, rngs={"dropout": query_rng})
         passage_emb = model.apply({"params": params}, passages, deterministic=False, rngs={"dropout": passage_rng})
         losses, metrics = [], {}
         q_start = p_start = 0

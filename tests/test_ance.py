@@ -7,7 +7,7 @@ import os
 import gin
 import pytest
 
-from t5_retrieval import gin_utils
+from t5_retrieval import cli, gin_utils
 from t5_retrieval.ance import ance
 from t5_retrieval.data import layout
 from t5_retrieval.data.demo import write_demo
@@ -72,6 +72,17 @@ def test_taco_weighting_switches_on_after_burn_in(ance_run):
     assert active[:2] == [0.0, 0.0] and active[-1] == 1.0, f"taco/active per step: {active}"
     with open(os.path.join(work_dir, "warmup", "model", "metrics.jsonl")) as f:
         assert "taco/active" not in json.loads(f.readline()), "warm-up is the naive sum, without TACO"
+
+
+def test_taco_state_is_exported_and_analyzed(ance_run, tmp_path):
+    work_dir, _, _ = ance_run
+    state_npz = os.path.join(work_dir, "episode_1", "model", "taco_state.npz")
+    assert not os.path.exists(os.path.join(work_dir, "warmup", "model", "taco_state.npz"))
+    assert cli.main(["analyze", "--state_npz", state_npz, "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "analysis.json") as f:
+        summary = json.load(f)
+    assert summary["num_tasks"] == 2 and 0.0 <= summary["task_specific_fraction"] <= 1.0, summary
+    assert {p.name for p in tmp_path.glob("*.png")}, "analysis figures were not written"
 
 
 def test_eval_table_and_kilt_predictions_are_written(ance_run):

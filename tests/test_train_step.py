@@ -30,3 +30,23 @@ def test_per_task_gradients_sum_to_the_gradient_of_the_summed_loss():
         assert g_k.shape == (3, *g.shape), f"{jax.tree_util.keystr(path)}: expected a leading task axis of 3"
         np.testing.assert_allclose(np.asarray(g_k).sum(0), np.asarray(g), rtol=1e-4, atol=1e-6,
                                    err_msg=f"{jax.tree_util.keystr(path)}: sum of task gradients != naive gradient")
+
+
+def test_task_specific_query_towers_get_gradient_only_from_their_task():
+    from t5_retrieval.models.dual_encoder import DualEncoderConfig
+
+    model = DualEncoder(CFG, DualEncoderConfig(query_towers=3))
+    data = RandomBatches(per_device_batch=6, local_data_devices=1, task_names=TASKS, vocab_size=64,
+                         query_len=6, passage_len=10, num_negatives=1)
+    batch = next(data)
+    params = model.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"]
+    assert {"t5", "query_t5_0", "query_t5_1", "query_t5_2"} <= set(params), sorted(params)
+    rng = jax.random.PRNGKey(1)
+    stacked, _, _ = jax.jit(lambda p: per_task_gradients(task_loss_fn(model, 1.0), p, batch, TASKS, rng))(params)
+    summed, _, _ = jax.jit(lambda p: summed_gradient(model, 1.0, p, batch, TASKS, rng))(params)
+    for k in range(3):
+        for j in range(3):
+            norm = sum(float(np.abs(np.asarray(x[j])).sum()) for x in jax.tree.leaves(stacked[f"query_t5_{k}"]))
+            assert (norm > 0) == (j == k), f"task {j}'s loss should reach query tower {k} only if j == k"
+    for g_k, g in zip(jax.tree.leaves(stacked), jax.tree.leaves(summed)):
+        np.testing.assert_allclose(np.asarray(g_k).sum(0), np.asarray(g), rtol=1e-4, atol=1e-6)

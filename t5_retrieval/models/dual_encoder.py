@@ -27,6 +27,8 @@ class DualEncoderConfig:
     projection_dim: int | None = None  # a bias-free linear map after pooling (ST5/GTR), or none
     l2_normalize: bool = False
     logit_scale: float = 1.0  # similarity multiplier in the loss (1/temperature); TACO: 1.0
+    # > 0: one separate query encoder per task (TACO/MT-DPR ablation); passages keep the shared one.
+    query_towers: int = 0
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLINGS:
@@ -41,6 +43,7 @@ class DualEncoder(nn.Module):
 
     def setup(self) -> None:
         self.t5 = T5(self.t5_config)
+        self.query_t5 = [T5(self.t5_config, name=f"query_t5_{k}") for k in range(self.config.query_towers)]
         if self.config.projection_dim:
             self.projection = nn.Dense(
                 self.config.projection_dim, use_bias=False, dtype=self.t5_config.compute_dtype,
@@ -52,12 +55,19 @@ class DualEncoder(nn.Module):
     def embedding_dim(self) -> int:
         return self.config.projection_dim or self.t5_config.d_model
 
-    def __call__(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
+    def __call__(self, tokens: jax.Array, deterministic: bool = True, tower: int | None = None) -> jax.Array:
+        """Embeds texts with the shared T5, or with query tower `tower` (a static task index)."""
+        if self.is_initializing() and tower is None:
+            for k in range(self.config.query_towers):  # create every tower's parameters at init
+                self(tokens, deterministic, tower=k)
+        if tower is not None and not 0 <= tower < self.config.query_towers:
+            raise ValueError(f"query tower {tower} requested, but the model has {self.config.query_towers}")
+        t5 = self.t5 if tower is None else self.query_t5[tower]
         mask = tokens != 0
-        encoded = self.t5.encode(tokens, deterministic)
+        encoded = t5.encode(tokens, deterministic)
         if self.config.pooling == "encdec":
             start = jnp.zeros((tokens.shape[0], 1), dtype=tokens.dtype)
-            pooled = self.t5.decode(start, encoded, mask, deterministic)[:, 0]
+            pooled = t5.decode(start, encoded, mask, deterministic)[:, 0]
         else:
             weights = mask.astype(jnp.float32)[..., None]
             pooled = jnp.sum(encoded.astype(jnp.float32) * weights, axis=1) / jnp.maximum(
