@@ -21,6 +21,7 @@ compiles) takes ~30-40 minutes; ``--sizes tiny --tasks 6`` is a ~12-minute check
 written after every (size, K).
 
     .venv/bin/python benchmarks/bench_taco_step.py [--sizes tiny small] [--tasks 6 8] [--repeats 3]
+        [--batch recipe|reduced]
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ from t5_retrieval.train import init_params, opt_state_shardings  # noqa: E402
 from t5_retrieval.train_step import TrainState, make_train_step  # noqa: E402
 
 TARGET_RATIO = 1.15  # the issue's target: TACO step time <= 1.15x the naive step
+
+# Per-device batch shapes. TACO's cost is O(K x params) per step whatever the batch, so its
+# overhead relative to the step depends on the batch: ``recipe`` is what a run trains with
+# (gin_configs/runs/base.gin: 64 queries per device split over the tasks, 2 hard negatives,
+# queries 64 and passages 256 tokens), ``reduced`` a small CPU-sized batch (the worst case).
+BATCHES = {
+    "recipe": {"per_device_batch": 64, "query_len": 64, "passage_len": 256, "hard_negatives": 2},
+    "reduced": {"per_device_batch": 12, "query_len": 32, "passage_len": 64, "hard_negatives": 1},
+}
 
 
 def t5_config(size: str, small_vocab: int) -> T5Config:
@@ -111,14 +121,15 @@ def bench(size: str, k: int, args) -> dict:
     model = DualEncoder(cfg)
     mesh, rules = sharding.make_mesh(), sharding.logical_axis_rules()
     task_names = [f"task_{i}" for i in range(k)]
-    passage_len = args.passage_len or (64 if size == "tiny" else 128)
-    data = RandomBatches(per_device_batch=args.queries_per_task * k, local_data_devices=1,
-                         task_names=task_names, vocab_size=cfg.vocab_size, query_len=args.query_len,
-                         passage_len=passage_len, num_negatives=args.negatives)
+    batch_shape = BATCHES[args.batch]
+    passage_len = batch_shape["passage_len"]
+    data = RandomBatches(per_device_batch=batch_shape["per_device_batch"], local_data_devices=1,
+                         task_names=task_names, vocab_size=cfg.vocab_size,
+                         query_len=batch_shape["query_len"], passage_len=passage_len,
+                         num_negatives=batch_shape["hard_negatives"])
     row: dict = {"config": {"d_model": cfg.d_model, "num_heads": cfg.num_heads, "d_ff": cfg.d_ff,
                             "layers": cfg.num_encoder_layers, "vocab_size": cfg.vocab_size},
-                 "batch": {"queries_per_task": args.queries_per_task, "query_len": args.query_len,
-                           "passage_len": passage_len, "hard_negatives": args.negatives}}
+                 "batch": {"preset": args.batch, **batch_shape}}
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         batch = sharding.global_batch(mesh, next(data))
         steps = {}
@@ -150,10 +161,8 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
     parser.add_argument("--tasks", type=int, nargs="+", default=[6, 8])
     parser.add_argument("--small_vocab", type=int, default=8192)
-    parser.add_argument("--queries_per_task", type=int, default=2)
-    parser.add_argument("--query_len", type=int, default=32)
-    parser.add_argument("--passage_len", type=int, default=None, help="default 64 tiny / 128 small")
-    parser.add_argument("--negatives", type=int, default=1)
+    parser.add_argument("--batch", choices=sorted(BATCHES), default="recipe",
+                        help="recipe: gin_configs/runs/base.gin's per-device batch; reduced: a CPU-sized one")
     parser.add_argument("--median_samples", type=int, default=1 << 18)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="results JSON (default results/taco_step.json)")

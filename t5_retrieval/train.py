@@ -28,7 +28,7 @@ from tqdm import tqdm
 from t5_retrieval import checkpoint, gin_utils, logs, sharding
 from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
 from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
-from t5_retrieval.multitask import find_taco_state, multitask_metrics
+from t5_retrieval.multitask import find_taco_state, multitask_metrics, taco_metrics
 from t5_retrieval.multitask.analysis import save_state_npz
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.optim import make_optimizer
@@ -238,6 +238,7 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
     progress = tqdm(total=num_steps, initial=start, desc="train", unit="step",
                     disable=jax.process_index() != 0, mininterval=5.0)
     last_time, last_step = time.time(), start
+    log_only_metrics = jax.jit(taco_metrics)  # a pass over the TACO state: logging steps only
     for step in range(start + 1, num_steps + 1):
         state, metrics = step_fn(state, sharding.global_batch(mesh, batch))
         if step % min(log_every, MAX_STEPS_IN_FLIGHT) == 0 or step == num_steps:
@@ -245,6 +246,7 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
             if step % log_every == 0 or step == num_steps:
                 now = time.time()
                 scalars["steps_per_second"] = (step - last_step) / max(now - last_time, 1e-9)
+                scalars.update({k: float(v) for k, v in log_only_metrics(state.opt_state).items()})
                 last_time, last_step = now, step
                 metrics_log.write(step, scalars)
                 progress.set_postfix(loss=f"{scalars['loss']:.3f}")

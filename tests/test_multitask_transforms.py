@@ -138,6 +138,24 @@ def test_taco_equal_sensitivities_give_uniform_weights():
     assert bool(metrics["taco/active"]), "burn_in_steps=0: weighting is active from step 0"
 
 
+def test_taco_logged_weight_statistics_match_the_analysis_of_the_same_state():
+    from t5_retrieval.multitask import analysis
+    rng = np.random.default_rng(5)
+    k = 3
+    params = _tree(rng)
+    grads = _tree(rng, lead=(k,))
+    tx = mt.taco(num_tasks=k, burn_in_steps=0, beta=0.5, tau=0.5)
+    state = tx.init(params)
+    for _ in range(2):
+        _, state = tx.update(grads, state, params)
+    metrics = multitask.taco_metrics(state)
+    weights, entropy = analysis.task_weights_and_entropy(state.ema, 0.5)
+    np.testing.assert_allclose(float(metrics["taco/mean_entropy"]), entropy.mean(), rtol=1e-5)
+    assert float(metrics["taco/mean_entropy"]) < np.log(k) - 0.05, "random tasks: weights not uniform"
+    for i in range(k):
+        np.testing.assert_allclose(float(metrics[f"taco/weight_mean/{i}"]), weights[i].mean(), rtol=1e-5)
+
+
 def test_taco_exact_median_is_lower_median_like_torch():
     x = jnp.array([[4.0, 1.0, 3.0, 2.0], [0.0, 10.0, 30.0, 20.0]])
     med = mt.taco_global_median({"a": x[:, :2], "b": x[:, 2:]}, "exact")

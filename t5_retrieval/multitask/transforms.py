@@ -132,13 +132,17 @@ def naive_sum() -> optax.GradientTransformation:
 
 
 class TacoState(NamedTuple):
-    """TACO state. ``ema`` is K x (params), sharded like the params with an unsharded task axis."""
+    """TACO state. ``ema`` is K x (params), sharded like the params with an unsharded task axis.
+
+    ``tau`` is kept so that the weights can be recomputed exactly from the state alone (for
+    logging with :func:`taco_weight_statistics` and for the analysis) without the update
+    paying for statistics every step.
+    """
 
     step: jax.Array  # int32 []: finite steps seen since the last reset
     ema: Any  # leaves [K, *param.shape] in the configured state dtype
     active: jax.Array  # bool []: whether the last step used the softmax weights (step >= burn-in)
-    mean_entropy: jax.Array  # f32 []: mean over parameters of the task entropy of the weights
-    task_weight_mean: jax.Array  # f32 [K]: mean over parameters of each task's weight
+    tau: jax.Array  # f32 []: the softmax temperature over tasks
 
 
 def _lower_median_sorted(x: jax.Array) -> jax.Array:
@@ -292,8 +296,7 @@ def taco(
         ema = jax.tree_util.tree_map(
             lambda p: jnp.zeros((num_tasks,) + jnp.shape(p), state_dtype), params)
         return TacoState(step=jnp.zeros([], jnp.int32), ema=ema, active=jnp.zeros([], bool),
-                         mean_entropy=jnp.zeros([], jnp.float32),
-                         task_weight_mean=jnp.full([num_tasks], 1.0 / num_tasks, jnp.float32))
+                         tau=jnp.asarray(tau, jnp.float32))
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -306,40 +309,67 @@ def taco(
         ema_leaves = treedef.flatten_up_to(state.ema)
         active_scale = float(k) if keep_naive_scale else 1.0 / k
         burn_in_scale = 1.0 if keep_naive_scale else 1.0 / k
-        total = sum(p.size for p in param_leaves)
 
-        def weighted_step():
-            # |theta * G| is recomputed wherever it is needed (XLA fuses it into each consumer)
-            # rather than materialised as a K x P array.
-            sensitivity = [jnp.abs(p.astype(jnp.float32)[None] * g.astype(jnp.float32))
-                           for g, p in zip(grad_leaves, param_leaves)]
-            inv_median = 1.0 / (taco_global_median(sensitivity, median, median_samples,
-                                                   median_seed) + MEDIAN_EPS)
-            active = state.step >= burn_in_steps
-            combined, new_ema, entropy, weight_mean = [], [], 0.0, 0.0
-            for g, s, e in zip(grad_leaves, sensitivity, ema_leaves):
-                ema = (beta * e.astype(jnp.float32)
-                       + (1.0 - beta) * s * inv_median.reshape((k,) + (1,) * (s.ndim - 1)))
-                w, log_w = _softmax_tasks(ema / tau)
-                coeff = jnp.where(active, w * active_scale, burn_in_scale)
-                combined.append(_sum_tasks(coeff * g.astype(jnp.float32)).astype(g.dtype))
-                new_ema.append(ema.astype(state_dtype))
-                # Logging statistics as whole-leaf reductions (cheap row sums on XLA:CPU).
-                entropy += -jnp.sum(w * log_w) / total
-                weight_mean += jnp.sum(w.reshape(k, -1), axis=1) / total
-            return treedef.unflatten(combined), TacoState(
-                step=state.step + 1, ema=treedef.unflatten(new_ema), active=active,
-                mean_entropy=jnp.asarray(entropy, jnp.float32), task_weight_mean=weight_mean)
-
-        def skipped_step():  # non-finite gradients: the plain mean, state untouched
-            return jax.tree_util.tree_map(
-                lambda g: (_sum_tasks(g) / (1.0 if keep_naive_scale else k)).astype(g.dtype),
-                updates), state
-
-        # A conditional rather than a select: only the taken branch runs.
-        return jax.lax.cond(_all_finite(updates), weighted_step, skipped_step)
+        # Non-finite gradients: the plain (burn-in) sum and the state untouched. Selects rather
+        # than a lax.cond: they fuse into the one elementwise pass per leaf, and the donated
+        # state buffers are updated in place (a cond's outputs are fresh buffers).
+        finite = _all_finite(updates)
+        # |theta * G| is recomputed wherever it is needed (XLA fuses it into each consumer)
+        # rather than materialised as a K x P array.
+        sensitivity = [jnp.abs(p.astype(jnp.float32)[None] * g.astype(jnp.float32))
+                       for g, p in zip(grad_leaves, param_leaves)]
+        inv_median = 1.0 / (taco_global_median(sensitivity, median, median_samples, median_seed)
+                            + MEDIAN_EPS)
+        active = state.step >= burn_in_steps
+        weighted = finite & active
+        combined, new_ema = [], []
+        for g, p, e in zip(grad_leaves, param_leaves, ema_leaves):
+            ema, weighted_sum = _taco_leaf(g, p.astype(jnp.float32), e, inv_median, beta, tau)
+            plain_sum = _sum_tasks(g.astype(jnp.float32)) * burn_in_scale
+            combined.append(jnp.where(weighted, weighted_sum * active_scale, plain_sum).astype(g.dtype))
+            new_ema.append(jnp.where(finite, ema.astype(state_dtype), e))
+        return treedef.unflatten(combined), TacoState(
+            step=jnp.where(finite, state.step + 1, state.step), ema=treedef.unflatten(new_ema),
+            active=jnp.where(finite, active, state.active), tau=state.tau)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _taco_leaf(g: jax.Array, theta: jax.Array, ema: jax.Array, inv_median: jax.Array,
+               beta: float, tau: float) -> tuple[jax.Array, jax.Array]:
+    """One leaf of the TACO update: (new EMA [K, ...] in f32, sum_k softmax_k(ema / tau) * g_k).
+
+    The EMA is one whole-leaf expression (updated in place when the state is donated); the
+    softmax-weighted sum reads its task slices in one fused pass as sum_k e_k g_k / sum_k e_k
+    with e_k = exp(z_k - max_k z_k): K exps per parameter and no other [K, ...] intermediate.
+    On XLA:CPU this is ~5x faster than a stacked softmax with separate weights.
+    """
+    k = g.shape[0]
+    per_task = (k,) + (1,) * (g.ndim - 1)
+    new_ema = (beta * ema.astype(jnp.float32)
+               + (1.0 - beta) * jnp.abs(theta[None] * g.astype(jnp.float32)) * inv_median.reshape(per_task))
+    z = [new_ema[i] * (1.0 / tau) for i in range(k)]
+    z_max = functools.reduce(jnp.maximum, z)
+    e = [jnp.exp(z_i - z_max) for z_i in z]
+    numerator = functools.reduce(jnp.add, [e_i * g[i].astype(jnp.float32) for i, e_i in enumerate(e)])
+    return new_ema, numerator / functools.reduce(jnp.add, e)
+
+
+def taco_weight_statistics(state: TacoState) -> dict[str, jax.Array]:
+    """Logging statistics of the weights W = softmax_k(ema / tau) the last update used.
+
+    ``mean_entropy`` (mean over parameters of the per-parameter task entropy, natural log; log K
+    for uniform weights) and ``task_weight_mean`` [K] (each task's mean weight). They cost a pass
+    over the K x P state, so the trainer computes them at logging steps, not inside the update.
+    """
+    k = jax.tree_util.tree_leaves(state.ema)[0].shape[0]
+    total, entropy, weight_mean = 0, 0.0, 0.0
+    for e in jax.tree_util.tree_leaves(state.ema):
+        w, log_w = _softmax_tasks(e.astype(jnp.float32) / state.tau)
+        total += e[0].size
+        entropy += -jnp.sum(w * log_w)
+        weight_mean += jnp.sum(w.reshape(k, -1), axis=1)
+    return {"mean_entropy": entropy / total, "task_weight_mean": weight_mean / total}
 
 
 def taco_state_sharding(param_sharding: Any) -> TacoState:
@@ -356,8 +386,7 @@ def taco_state_sharding(param_sharding: Any) -> TacoState:
     ema = jax.tree_util.tree_map(
         lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.spec)),
         param_sharding)
-    return TacoState(step=replicated, ema=ema, active=replicated, mean_entropy=replicated,
-                     task_weight_mean=replicated)
+    return TacoState(step=replicated, ema=ema, active=replicated, tau=replicated)
 
 
 # --------------------------------------------------------------------------------------------
@@ -577,12 +606,9 @@ def reset_taco(opt_state: Any) -> Any:
     def reset(x):
         if not isinstance(x, TacoState):
             return x
-        k = x.task_weight_mean.shape[0]
-        return TacoState(step=jnp.zeros_like(x.step),
-                         ema=jax.tree_util.tree_map(jnp.zeros_like, x.ema),
-                         active=jnp.zeros_like(x.active),
-                         mean_entropy=jnp.zeros_like(x.mean_entropy),
-                         task_weight_mean=jnp.full_like(x.task_weight_mean, 1.0 / k))
+        return x._replace(step=jnp.zeros_like(x.step),
+                          ema=jax.tree_util.tree_map(jnp.zeros_like, x.ema),
+                          active=jnp.zeros_like(x.active))
     return jax.tree_util.tree_map(reset, opt_state, is_leaf=_is_multitask_state)
 
 
@@ -595,21 +621,19 @@ def find_taco_state(opt_state: Any) -> TacoState | None:
 
 
 def multitask_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """Cheap scalars for logging from whichever multi-task state ``opt_state`` holds.
+    """Cheap scalars for per-step logging from whichever multi-task state ``opt_state`` holds.
 
-    TACO: ``taco/active`` (step >= burn-in at the last update), ``taco/mean_entropy`` (mean
-    per-parameter task entropy of the softmax weights, natural log), ``taco/step`` and
-    ``taco/weight_mean/{k}`` (each task's mean weight). CGD, GradNorm and uncertainty weighting
-    report their per-task weights (``sigma`` for the latter).
+    TACO: ``taco/active`` (step >= burn-in at the last update) and ``taco/step``; the weight
+    statistics cost a pass over the state and come from :func:`taco_metrics`. CGD, GradNorm and
+    uncertainty weighting report their per-task weights (``sigma`` for the latter).
     """
     metrics: dict[str, jax.Array] = {}
     for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_multitask_state):
         if isinstance(x, TacoState):
             metrics["taco/active"] = x.active
             metrics["taco/step"] = x.step
-            metrics["taco/mean_entropy"] = x.mean_entropy
-            vector, name = x.task_weight_mean, "taco/weight_mean"
-        elif isinstance(x, (CGDState, GradNormState)):
+            continue
+        if isinstance(x, (CGDState, GradNormState)):
             vector, name = x.weights, f"{type(x).__name__.removesuffix('State').lower()}/weight"
         elif isinstance(x, UncertaintyState):
             vector, name = x.sigma, "uncertainty/sigma"
@@ -620,5 +644,17 @@ def multitask_metrics(opt_state: Any) -> dict[str, jax.Array]:
 
 
 def taco_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """The TACO subset of :func:`multitask_metrics`."""
-    return {k: v for k, v in multitask_metrics(opt_state).items() if k.startswith("taco/")}
+    """TACO scalars for logging steps; empty when ``opt_state`` holds no TacoState.
+
+    ``taco/active``, ``taco/step``, ``taco/mean_entropy`` (mean per-parameter task entropy of the
+    weights the last update used, natural log) and ``taco/weight_mean/{k}`` (each task's mean
+    weight). One pass over the K x P state: call it every logging step, not every step.
+    """
+    state = find_taco_state(opt_state)
+    if state is None:
+        return {}
+    stats = taco_weight_statistics(state)
+    k = stats["task_weight_mean"].shape[0]
+    return {"taco/active": state.active, "taco/step": state.step,
+            "taco/mean_entropy": stats["mean_entropy"],
+            **{f"taco/weight_mean/{i}": stats["task_weight_mean"][i] for i in range(k)}}

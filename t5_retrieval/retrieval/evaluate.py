@@ -25,7 +25,7 @@ import numpy as np
 
 from t5_retrieval.data.records import Example, write_jsonl_atomic
 from t5_retrieval.retrieval import metrics
-from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.retrieval.encoder import Encoder, add_encoder_flags, encoder_from_flags
 from t5_retrieval.retrieval.index import Index, IndexMismatchError
 from t5_retrieval.retrieval.passages import PassageLookup
 
@@ -152,33 +152,57 @@ def load_task_examples(data_dir: str, split: str, tasks: Sequence[str] | None) -
     return out
 
 
+@dataclasses.dataclass
+class SearchInputs:
+    """What `t5r eval` and `t5r mine` both start from, checked against each other."""
+
+    store: Any  # data.kb.PassageStore
+    examples: dict[str, list[Any]]
+    index: Index
+    encoder: Encoder
+
+
+def add_search_flags(parser: argparse.ArgumentParser, default_split: str) -> None:
+    """Flags shared by the CLIs that search an index with a query encoder over task examples."""
+    add_encoder_flags(parser)
+    parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
+    parser.add_argument("--data_dir", required=True, help="processed data (examples/, kb/, negatives/)")
+    parser.add_argument("--kb_dir", default=None, help="passage store (default: <data_dir>/kb)")
+    parser.add_argument("--tasks", default="", help="comma-separated tasks (default: all found)")
+    parser.add_argument("--split", default=default_split)
+
+
+def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
+    """Opens the KB, examples, index and encoder of `add_search_flags`; refuses a mismatched index.
+
+    Raises DataError or IndexMismatchError naming the file or field at fault.
+    """
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.kb import PassageStore
+
+    store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
+    examples = load_task_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
+    index = Index.load(args.index_dir)
+    encoder = encoder_from_flags(args)
+    index.check(encoder, store.ids())
+    return SearchInputs(store, examples, index, encoder)
+
+
 def main(argv: list[str]) -> int:
     """`t5r eval`: KILT metrics per task for an index and a query encoder."""
     from t5_retrieval import gin_utils
-    from t5_retrieval.data import layout
-    from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import DataError
-    from t5_retrieval.retrieval.encoder import add_encoder_flags, encoder_from_flags
 
     parser = argparse.ArgumentParser(prog="t5r eval", description=__doc__.splitlines()[0])
-    add_encoder_flags(parser)
-    parser.add_argument("--index_dir", required=True, help="output of `t5r index`")
-    parser.add_argument("--data_dir", required=True, help="processed data (examples/, kb/)")
-    parser.add_argument("--kb_dir", default=None, help="passage store (default: <data_dir>/kb)")
-    parser.add_argument("--tasks", default="", help="comma-separated tasks (default: all found)")
-    parser.add_argument("--split", default="dev")
+    add_search_flags(parser, default_split="dev")
     parser.add_argument("--output_dir", required=True)
     args = gin_utils.parse_args(parser, argv)
     try:
-        store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
-        examples = load_task_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
-        index = Index.load(args.index_dir)
-        encoder = encoder_from_flags(args)
-        index.check(encoder, store.ids())
+        inputs = load_search_inputs(args)
     except (DataError, IndexMismatchError) as e:
         print(f"t5r eval: error: {e}", file=sys.stderr)
         return 2
-    result = evaluate(encoder, index, examples, store)
+    result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store)
     write_results(result, args.output_dir)
     print(format_table(result.tables), end="")
     return 0

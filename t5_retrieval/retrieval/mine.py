@@ -62,33 +62,22 @@ def main(argv: list[str]) -> int:
     """`t5r mine`: hard negatives for every training query with the current model."""
     from t5_retrieval import gin_utils
     from t5_retrieval.data import layout
-    from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import DataError, write_negatives
-    from t5_retrieval.retrieval.encoder import add_encoder_flags, encoder_from_flags
-    from t5_retrieval.retrieval.evaluate import load_task_examples
+    from t5_retrieval.retrieval.evaluate import add_search_flags, load_search_inputs
 
     parser = argparse.ArgumentParser(prog="t5r mine", description=__doc__.splitlines()[0])
-    add_encoder_flags(parser)
-    parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
-    parser.add_argument("--data_dir", required=True, help="processed data (examples/, kb/, negatives/)")
-    parser.add_argument("--kb_dir", default=None, help="passage store (default: <data_dir>/kb)")
-    parser.add_argument("--tasks", default="", help="comma-separated tasks (default: all found)")
-    parser.add_argument("--split", default="train")
+    add_search_flags(parser, default_split="train")
     parser.add_argument("--source", required=True, help="negatives name, e.g. ance-1 (bm25 is the data stage's)")
     args = gin_utils.parse_args(parser, argv)
     try:
-        store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
-        examples = load_task_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
-        index = Index.load(args.index_dir)
-        encoder = encoder_from_flags(args)
-        index.check(encoder, store.ids())
+        inputs = load_search_inputs(args)
     except (DataError, IndexMismatchError) as e:
         print(f"t5r mine: error: {e}", file=sys.stderr)
         return 2
     out_dir = layout.negatives_dir(args.data_dir, args.source)
     os.makedirs(out_dir, exist_ok=True)
-    for task, task_examples in examples.items():
+    for task, task_examples in inputs.examples.items():
         path = layout.negatives_path(out_dir, task, args.split)
-        count = write_negatives(path, mine_negatives(encoder, index, task_examples, store))
+        count = write_negatives(path, mine_negatives(inputs.encoder, inputs.index, task_examples, inputs.store))
         print(f"t5r mine: {task}: {count} queries -> {path}")
     return 0
