@@ -62,11 +62,10 @@ def exported(tmp_path_factory):
 @pytest.fixture(scope="module")
 def python_path(exported):
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.index import Index
 
     run = exported[0]
-    return load_encoder(run.model_dirs[0]), Index.load(run.index_dirs[0]), PassageStore.open(layout.kb_dir(run.data_dir))
+    return run.encoders[0], Index.load(run.index_dirs[0]), PassageStore.open(layout.kb_dir(run.data_dir))
 
 
 def test_savedmodel_search_returns_the_python_search_paths_top_k(exported, python_path):

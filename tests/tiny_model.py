@@ -25,6 +25,7 @@ class TinyRun:
     vocabulary: str
     model_dirs: tuple[str, ...]
     index_dirs: tuple[str, ...]
+    encoders: tuple  # load_encoder(model_dir) of each model: the Python search path
 
 
 def _bindings(data_dir: str, vocabulary: str) -> list[str]:
@@ -70,7 +71,7 @@ def build_tiny_run(root: str, seeds: tuple[int, ...] = (0,), num_pages: int = 40
     prepare_negatives(data_dir, list(TASKS))
     vocabulary = train_vocabulary(layout.kb_dir(data_dir), os.path.join(data_dir, "spm"), vocab_size=400)
     store = PassageStore.open(layout.kb_dir(data_dir))
-    model_dirs, index_dirs = [], []
+    model_dirs, index_dirs, encoders = [], [], []
     for seed in seeds:
         model_dir, emb_dir, index_dir = (os.path.join(root, f"{name}_{seed}") for name in ("model", "emb", "index"))
         write_model_dir(model_dir, data_dir, vocabulary, seed)
@@ -80,4 +81,5 @@ def build_tiny_run(root: str, seeds: tuple[int, ...] = (0,), num_pages: int = 40
         index.build_index(emb_dir, index.ScannConfig(mode="brute_force")).save(index_dir)
         model_dirs.append(model_dir)
         index_dirs.append(index_dir)
-    return TinyRun(data_dir, vocabulary, tuple(model_dirs), tuple(index_dirs))
+        encoders.append(encoder)
+    return TinyRun(data_dir, vocabulary, tuple(model_dirs), tuple(index_dirs), tuple(encoders))

@@ -102,8 +102,13 @@ class RetrievalModule(tf.Module):
         self._tokenizer = tf_text.SentencepieceTokenizer(model=encoder.vocabulary.sp_model)
         self._params = jax.tree.map(lambda x: tf.Variable(np.asarray(x), trainable=False),
                                     jax.device_get(encoder.params))
-        self._embed = jax2tf.convert(_jax_embed(encoder), polymorphic_shapes=[None, "(b, _)", "(b,)"],
-                                     with_gradient=False)
+        converted = jax2tf.convert(_jax_embed(encoder), polymorphic_shapes=[None, "(b, _)", "(b,)"],
+                                   with_gradient=False)
+        # One traced (and lowered) encoder shared by both signatures.
+        self._embed = tf.function(lambda tokens, task_ids: converted(self._params, tokens, task_ids),
+                                  autograph=False, input_signature=[
+                                      tf.TensorSpec([None, self._query_len], tf.int32, name="tokens"),
+                                      tf.TensorSpec([None], tf.int32, name="task_ids")])
         self._searcher = ScannSearcher(os.path.join(index_dir, SCANN_DIR))
         passages = [store.get(pid) for pid in index.passage_ids]
         self._passage_ids = _row_table(os.path.join(index_dir, embeddings.IDS_FILE))
@@ -137,7 +142,7 @@ class RetrievalModule(tf.Module):
 
     def _embeddings(self, query: tf.Tensor, task: tf.Tensor) -> tf.Tensor:
         tokens, task_ids = self._tokens(query, task)
-        return self._embed(self._params, tokens, task_ids)
+        return self._embed(tokens, task_ids)
 
     @tf.function(autograph=False, input_signature=[tf.TensorSpec([None], tf.string, name="query"),
                                   tf.TensorSpec([None], tf.string, name="task")])
