@@ -155,3 +155,22 @@ def test_query_preprocessing_ops_tokenize_like_the_python_path(exported):
         got = preprocess.tokenize_fixed(tokenizer, strings, 16).numpy()
         np.testing.assert_array_equal(got, tokenize(vocab, [format_query(t, prefix) for t in texts], 16),
                                       err_msg=f"token ids differ (prefix {prefix})")
+
+
+@pytest.mark.parametrize("mode", ["brute_force", "tree_ah"])
+def test_tf_scann_op_loads_our_serialized_index_and_finds_the_same_neighbours(mode, tmp_path):
+    import tensorflow as tf
+
+    from t5_retrieval.export.scann_tf import ScannSearcher
+    from t5_retrieval.retrieval.index import SCANN_DIR, Index, ScannConfig, build_searcher
+
+    rng = np.random.default_rng(0)
+    matrix, queries = rng.normal(size=(400, 16)).astype(np.float32), rng.normal(size=(7, 16)).astype(np.float32)
+    config = ScannConfig(mode=mode, num_leaves=20, num_leaves_to_search=5, reorder_num_neighbors=40).resolved(400)
+    Index(build_searcher(matrix, config), [f"p{i}" for i in range(400)], "fp", 16, config).save(str(tmp_path))
+    index = Index.load(str(tmp_path))
+    rows, scores = index.search(queries, 10)
+    pre = -1 if mode == "brute_force" else 40
+    tf_rows, tf_scores = ScannSearcher(str(tmp_path / SCANN_DIR)).search(tf.constant(queries), 10, pre)
+    np.testing.assert_array_equal(tf_rows.numpy(), np.stack(rows), err_msg=f"{mode}: TF op vs pybind rows")
+    np.testing.assert_allclose(tf_scores.numpy(), np.stack(scores), rtol=1e-5, atol=1e-5)

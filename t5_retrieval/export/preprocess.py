@@ -19,6 +19,7 @@ vocabulary: `seqio.SentencePieceVocabulary(...).sp_model`, i.e. the `.model` fil
 from __future__ import annotations
 
 import functools
+import re
 
 import tensorflow as tf
 
@@ -35,7 +36,7 @@ def whitespace_class() -> str:
 
 def normalize_queries(texts: tf.Tensor) -> tf.Tensor:
     """`data.text.normalize_query` over a string tensor."""
-    texts = tf.strings.regex_replace(texts, "\\[SEP\\]", T5_EOS_TEXT)
+    texts = tf.strings.regex_replace(texts, re.escape(KILT_SEP), T5_EOS_TEXT)
     texts = tf.strings.regex_replace(texts, whitespace_class() + "+", " ")
     return tf.strings.regex_replace(texts, "^ | $", "")
 
@@ -51,15 +52,13 @@ def tokenize_fixed(tokenizer, texts: tf.Tensor, length: int) -> tf.Tensor:
         raise ValueError(f"sequence length must be >= 2 (a token and EOS), got {length}")
     segments = tf.strings.split(texts, sep=T5_EOS_TEXT)                        # [batch, (segments)]
     ids = tf.cast(tokenizer.tokenize(segments.flat_values), tf.int32)          # [segments, (ids)]
-    # Every segment but the last of its query is followed by EOS.
-    last = tf.cast(segments.row_limits() - 1, tf.int64)
-    is_last = tf.scatter_nd(last[:, None], tf.ones_like(last, tf.bool), tf.shape(segments.flat_values, tf.int64))
-    eos_lengths = tf.where(is_last, tf.constant(0, tf.int64), 1)
-    eos = tf.RaggedTensor.from_row_lengths(tf.fill([tf.reduce_sum(eos_lengths)], EOS_ID), eos_lengths)
-    ids = tf.concat([ids, eos], axis=1)
-    ids = segments.with_flat_values(ids).merge_dims(1, 2)                       # [batch, (ids)]
-    ids = tf.concat([ids[:, :length - 1], tf.fill([ids.nrows(), 1], EOS_ID)], axis=1)
-    return ids.to_tensor(default_value=PAD_ID, shape=[None, length])
+    # EOS after every segment: the separators' EOS ids, plus the final EOS of the Python path.
+    eos = tf.fill([ids.nrows(), 1], EOS_ID)
+    ids = segments.with_flat_values(tf.concat([ids, eos], axis=1)).merge_dims(1, 2)  # [batch, (ids)]
+    # Too long: keep length - 1 ids and end with EOS (the Python path truncates before appending it).
+    dense = ids[:, :length].to_tensor(default_value=PAD_ID, shape=[None, length])
+    last = tf.where(ids.row_lengths() > length, EOS_ID, dense[:, -1])
+    return tf.concat([dense[:, :-1], last[:, None]], axis=1)
 
 
-__all__ = ["normalize_queries", "prefix_strings", "tokenize_fixed", "whitespace_class", "KILT_SEP"]
+__all__ = ["normalize_queries", "prefix_strings", "tokenize_fixed", "whitespace_class"]
