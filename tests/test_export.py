@@ -16,6 +16,7 @@ from tests.tiny_model import TASKS, build_tiny_run
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENT = os.path.join(REPO, "tests", "export", "query_savedmodel.py")
 K = 5
+TOWERS = ("DualEncoderConfig.query_towers = 2",)
 # Edge cases of the query normalisation: Unicode whitespace (RE2's \s would miss it), [SEP] and a
 # literal </s> (EOS between segments), a query longer than the trained length (truncation keeps EOS).
 TRICKY = ["  Paris\u00a0is\u2003the\ncapital [SEP] country ", "x</s>", "[SEP][SEP] y", "word " * 40]
@@ -38,9 +39,11 @@ def _run_client(savedmodel: str, requests: list[dict], tmp_dir: str) -> list[dic
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """One tiny run (two models, each with its index), one export of model 0, one client process."""
+    """One tiny run, one export of model 0, one client process.
+
+    Model 1 (another seed, per-task query towers) and its index serve the mismatch and towers tests."""
     root = tmp_path_factory.mktemp("export")
-    run = build_tiny_run(str(root), seeds=(0, 1))
+    run = build_tiny_run(str(root), models=((0, ()), (1, TOWERS)))
     savedmodel = str(root / "serving" / "t5r" / "1")
     kb_dir = layout.kb_dir(run.data_dir)
     assert cli.main(["export", "--checkpoint_dir", run.model_dirs[0], "--index_dir", run.index_dirs[0],
@@ -53,7 +56,8 @@ def exported(tmp_path_factory):
                 {"signature": "encode", "query": mixed, "task": mixed_tasks},
                 {"signature": "search", "query": fever[:2], "task": [tasks[0], "nope"], "k": K},
                 {"signature": "search", "query": [fever[0], " \t "], "task": tasks, "k": K},
-                {"signature": "search", "query": fever[:1], "task": tasks[:1], "k": 10_000}]
+                # Same batch shape as the first request: no new XlaCallModule compilation.
+                {"signature": "search", "query": mixed, "task": mixed_tasks, "k": 10_000}]
     responses = _run_client(savedmodel, requests, str(root))
     return run, savedmodel, dict(zip(("search", "encode", "unknown_task", "empty_query", "big_k"), responses)), \
         (mixed, mixed_tasks)
@@ -98,7 +102,8 @@ def test_unknown_task_empty_query_and_large_k_are_handled_in_the_graph(exported)
     assert "unknown task(s)" in error and "nope" in error and "demo_fever" in error, responses["unknown_task"]
     assert "empty query at position(s)" in responses["empty_query"].get("error", ""), responses["empty_query"]
     big = responses["big_k"]
-    assert "error" not in big and len(big["passage_ids"][0]) == python_k_limit(exported), big.keys()
+    assert "error" not in big and np.shape(big["passage_ids"]) == (len(exported[3][0]), python_k_limit(exported)), \
+        big.keys()
 
 
 def python_k_limit(exported) -> int:
@@ -174,3 +179,23 @@ def test_tf_scann_op_loads_our_serialized_index_and_finds_the_same_neighbours(mo
     tf_rows, tf_scores = ScannSearcher(str(tmp_path / SCANN_DIR)).search(tf.constant(queries), 10, pre)
     np.testing.assert_array_equal(tf_rows.numpy(), np.stack(rows), err_msg=f"{mode}: TF op vs pybind rows")
     np.testing.assert_allclose(tf_scores.numpy(), np.stack(scores), rtol=1e-5, atol=1e-5)
+
+
+def test_models_with_per_task_query_towers_encode_each_row_with_its_tasks_tower(exported, tmp_path):
+    import tensorflow as tf
+
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.export.savedmodel import RetrievalModule
+    from t5_retrieval.retrieval.index import Index
+
+    run = exported[0]
+    encoder = run.encoders[1]
+    assert encoder.model.config.query_towers == 2
+    module = RetrievalModule(encoder, Index.load(run.index_dirs[1]), run.index_dirs[1],
+                             PassageStore.open(layout.kb_dir(run.data_dir)), str(tmp_path))
+    queries = ["a river in France", "Paris [SEP] capital of", "a river in France"]
+    tasks = ["demo_fever", "demo_trex", "demo_trex"]
+    got = module.encode(tf.constant(queries), tf.constant(tasks))["embeddings"].numpy()
+    expected = np.concatenate([encoder.encode_queries([q], t) for q, t in zip(queries, tasks)])
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg="per-row tower selection")
+    assert np.abs(got[0] - got[2]).max() > 1e-3, "the same query under two tasks must use two different towers"

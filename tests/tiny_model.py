@@ -34,7 +34,8 @@ def _bindings(data_dir: str, vocabulary: str) -> list[str]:
             "QUERY_LEN = 16", "PASSAGE_LEN = 32", "NUM_STEPS = 1"]
 
 
-def write_model_dir(model_dir: str, data_dir: str, vocabulary: str, seed: int) -> None:
+def write_model_dir(model_dir: str, data_dir: str, vocabulary: str, seed: int, extra_bindings: tuple[str, ...] = ()
+                    ) -> None:
     """A t5r model directory (config + step-0 checkpoint of initialised params) for the demo tasks."""
     import jax
 
@@ -44,7 +45,7 @@ def write_model_dir(model_dir: str, data_dir: str, vocabulary: str, seed: int) -
 
     gin.clear_config()
     try:
-        gin_utils.parse_gin(["models/t5_tiny.gin", "runs/base.gin"], _bindings(data_dir, vocabulary))
+        gin_utils.parse_gin(["models/t5_tiny.gin", "runs/base.gin"], [*_bindings(data_dir, vocabulary), *extra_bindings])
         config = {**model_config(), "features": make_train_iterator(per_device_batch=2).features}
     finally:
         gin.clear_config()
@@ -54,8 +55,10 @@ def write_model_dir(model_dir: str, data_dir: str, vocabulary: str, seed: int) -
     checkpoint.save(checkpoint.manager(model_dir), 0, {"params": params}, {})
 
 
-def build_tiny_run(root: str, seeds: tuple[int, ...] = (0,), num_pages: int = 40) -> TinyRun:
-    """Demo data -> sentencepiece vocab -> one model dir per seed -> KB embeddings -> brute-force index."""
+def build_tiny_run(root: str, models: tuple[tuple[int, tuple[str, ...]], ...] = ((0, ()),), num_pages: int = 40
+                   ) -> TinyRun:
+    """Demo data -> sentencepiece vocab -> per (seed, extra gin bindings): a model dir, KB embeddings
+    and a brute-force index."""
     from t5_retrieval.data import layout
     from t5_retrieval.data.demo import write_demo
     from t5_retrieval.data.kb import PassageStore
@@ -72,9 +75,9 @@ def build_tiny_run(root: str, seeds: tuple[int, ...] = (0,), num_pages: int = 40
     vocabulary = train_vocabulary(layout.kb_dir(data_dir), os.path.join(data_dir, "spm"), vocab_size=400)
     store = PassageStore.open(layout.kb_dir(data_dir))
     model_dirs, index_dirs, encoders = [], [], []
-    for seed in seeds:
+    for seed, extra_bindings in models:
         model_dir, emb_dir, index_dir = (os.path.join(root, f"{name}_{seed}") for name in ("model", "emb", "index"))
-        write_model_dir(model_dir, data_dir, vocabulary, seed)
+        write_model_dir(model_dir, data_dir, vocabulary, seed, extra_bindings)
         encoder = load_encoder(model_dir)
         embeddings.write_embeddings(encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir},
                                     progress=False)
