@@ -63,7 +63,8 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         export_savedmodel(encoder, run.index_dirs[0], store, savedmodel)
         export_s = time.perf_counter() - start
-        size = {"total_bytes": _dir_bytes(savedmodel), "variables_bytes": _dir_bytes(os.path.join(savedmodel, "variables")),
+        size = {"total_bytes": _dir_bytes(savedmodel),
+                "variables_bytes": _dir_bytes(os.path.join(savedmodel, "variables")),
                 "assets_bytes": _dir_bytes(os.path.join(savedmodel, "assets")),
                 "saved_model_pb_bytes": os.path.getsize(os.path.join(savedmodel, "saved_model.pb"))}
         start = time.perf_counter()

@@ -45,7 +45,8 @@ def write_model_dir(model_dir: str, data_dir: str, vocabulary: str, seed: int, e
 
     gin.clear_config()
     try:
-        gin_utils.parse_gin(["models/t5_tiny.gin", "runs/base.gin"], [*_bindings(data_dir, vocabulary), *extra_bindings])
+        gin_utils.parse_gin(["models/t5_tiny.gin", "runs/base.gin"],
+                            [*_bindings(data_dir, vocabulary), *extra_bindings])
         config = {**model_config(), "features": make_train_iterator(per_device_batch=2).features}
     finally:
         gin.clear_config()

@@ -89,7 +89,8 @@ class RetrievalModule(tf.Module):
         import tensorflow_text as tf_text
 
         features = encoder.features
-        self._task_names = list(features["tasks"])  # Training order: a task's query tower is its position.
+        # The query tower of a task is its position here, as in `DualEncoderInference.encode_queries`.
+        self._task_names = list(features["tasks"])
         prefixes = preprocess.prefix_strings([features["tasks"][t]["prefix"] for t in self._task_names])
         self._query_len = int(features["query_len"])
         self._num_passages = len(index)
