@@ -57,9 +57,10 @@ def exported(tmp_path_factory):
                 {"signature": "search", "query": fever[:2], "task": [tasks[0], "nope"], "k": K},
                 {"signature": "search", "query": [fever[0], " \t "], "task": tasks, "k": K},
                 # Same batch shape as the first request: no new XlaCallModule compilation.
-                {"signature": "search", "query": mixed, "task": mixed_tasks, "k": 10_000}]
+                {"signature": "search", "query": mixed, "task": mixed_tasks, "k": 10_000},
+                {"signature": "search", "query": mixed, "task": mixed_tasks, "k": K, "session": True}]
     responses = _run_client(savedmodel, requests, str(root))
-    return run, savedmodel, dict(zip(("search", "encode", "unknown_task", "empty_query", "big_k"), responses)), \
+    return run, savedmodel, dict(zip(("search", "encode", "unknown_task", "empty_query", "big_k", "session"), responses)), \
         (mixed, mixed_tasks)
 
 
@@ -85,6 +86,14 @@ def test_savedmodel_search_returns_the_python_search_paths_top_k(exported, pytho
         np.testing.assert_allclose(got["scores"][i], scores, rtol=1e-4, atol=1e-4, err_msg=f"query {i}")
         assert got["page_ids"][i] == [store.page_of(p) for p in pids], f"query {i}: page ids"
         assert got["titles"][i] == [store.get(p).title for p in pids], f"query {i}: titles"
+
+
+def test_graph_mode_session_loader_answers_like_the_eager_loader(exported):
+    _, _, responses, _ = exported
+    eager, session = responses["search"], responses["session"]
+    for name in ("passage_ids", "page_ids", "titles"):
+        assert session[name] == eager[name], f"{name}: TF1 Session.run differs from tf.saved_model.load"
+    np.testing.assert_allclose(session["scores"], eager["scores"], rtol=1e-6, atol=1e-6)
 
 
 def test_savedmodel_encode_matches_the_python_encoder(exported, python_path):

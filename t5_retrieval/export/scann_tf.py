@@ -57,4 +57,5 @@ class ScannSearcher(tf.Module):
         """(rows int32[n, k], scores float32[n, k]); pre_reorder -1 means the searcher's default."""
         ops = _ops()
         handle = ops.tensors_to_scann(self._dataset, *self._assets, shared_name=self._shared_name)
-        return ops.scann_search_batched(handle, queries, k, pre_reorder, -1, False)
+        rows, scores = ops.scann_search_batched(handle, queries, k, pre_reorder, -1, False)
+        return tf.ensure_shape(rows, [None, None]), tf.ensure_shape(scores, [None, None])  # the op has no shape fn
