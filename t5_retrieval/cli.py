@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mine": ("t5_retrieval.retrieval.mine:main", "Mine hard negatives with the current model."),
     "ance": ("t5_retrieval.ance:main", "Warm-up, then ANCE episodes of (mine, train, eval)."),
     "serve": ("t5_retrieval.retrieval.serve:main", "HTTP search API over an index."),
+    "export": ("t5_retrieval.export.cli:main", "One TF SavedModel (tokenizer, encoder, ScaNN) for serving."),
 }
 
 

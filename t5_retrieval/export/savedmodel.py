@@ -1,0 +1,206 @@
+"""One TF SavedModel for serving: query preprocessing, the query encoder and the ScaNN searcher.
+
+    search(query: string[n], task: string[n], k: int32) -> passage_ids, page_ids, titles: string[n, k],
+                                                            scores: float32[n, k]
+    encode(query: string[n], task: string[n]) -> embeddings: float32[n, dim]
+
+- Preprocessing is `export.preprocess` (TF ops, bit-identical token ids to the Python path).
+- The encoder is the Flax model converted with `jax.experimental.jax2tf` (native serialization:
+  the StableHLO module runs in TF's `XlaCallModule` op, lowered for CPU; the batch dimension is
+  shape-polymorphic, the length fixed to the trained query length). Weights are SavedModel
+  variables. Models with per-task query towers run every tower and keep each row's own.
+- The searcher is the index's own serialized ScaNN searcher, loaded by ScaNN's TF ops
+  (`export.scann_tf`); passage ids, page ids and titles come from row-keyed lookup tables
+  initialised from asset files.
+- Provenance travels as assets: `t5r_export.json` (model fingerprint, tasks and prefixes, query
+  length, the index manifest), the index's `index.json`, the model's `model_config.json` and the
+  sentencepiece `.model` file. `export_savedmodel` refuses a model and an index that do not belong
+  together (different fingerprint or dimension) and an index whose passage ids are not the KB's.
+
+Unknown task names, empty queries and k < 1 fail inside the graph with InvalidArgumentError.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tensorflow as tf
+
+from t5_retrieval import checkpoint
+from t5_retrieval.data.kb import PassageStore
+from t5_retrieval.export import preprocess
+from t5_retrieval.export.scann_tf import ScannSearcher
+from t5_retrieval.inference import DualEncoderInference
+from t5_retrieval.retrieval import embeddings
+from t5_retrieval.retrieval.index import INDEX_JSON, SCANN_DIR, Index
+
+FORMAT = "t5r-savedmodel-v1"
+EXPORT_JSON = "t5r_export.json"
+
+log = logging.getLogger(__name__)
+
+
+def _row_table(path: str) -> tf.lookup.StaticHashTable:
+    """Line number (= index row) -> that line of `path` (an asset of the SavedModel)."""
+    init = tf.lookup.TextFileInitializer(path, tf.int64, tf.lookup.TextFileIndex.LINE_NUMBER,
+                                         tf.string, tf.lookup.TextFileIndex.WHOLE_LINE)
+    return tf.lookup.StaticHashTable(init, default_value="")
+
+
+def _write_lines(path: str, values: list[str], field: str) -> str:
+    for row, value in enumerate(values):
+        if "\n" in value or "\r" in value:
+            raise ValueError(f"passage row {row}: {field} {value!r} contains a line break; "
+                             "it cannot be stored in a line-per-row lookup asset")
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(f"{v}\n" for v in values)
+    return path
+
+
+def _jax_embed(encoder: DualEncoderInference):
+    """(params, tokens int32[b, l], towers int32[b]) -> float32[b, dim] as a JAX function."""
+    model, towers = encoder.model, encoder.model.config.query_towers
+
+    def embed(params: Any, tokens: jax.Array, tower_ids: jax.Array) -> jax.Array:
+        if not towers:
+            return model.apply({"params": params}, tokens)
+        every = jnp.stack([model.apply({"params": params}, tokens, tower=k) for k in range(towers)])
+        return jnp.take_along_axis(every, tower_ids[None, :, None], axis=0)[0]
+
+    return embed
+
+
+class RetrievalModule(tf.Module):
+    """What the SavedModel holds: tables, tokenizer, weights, converted encoder, searcher, assets."""
+
+    def __init__(self, encoder: DualEncoderInference, index: Index, index_dir: str, store: PassageStore,
+                 staging: str):
+        super().__init__()
+        from jax.experimental import jax2tf
+        import tensorflow_text as tf_text
+
+        features = encoder.features
+        # The query tower of a task is its position here, as in `DualEncoderInference.encode_queries`.
+        self._task_names = list(features["tasks"])
+        prefixes = preprocess.prefix_strings([features["tasks"][t]["prefix"] for t in self._task_names])
+        self._query_len = int(features["query_len"])
+        self._num_passages = len(index)
+        self._reorder = index.config.reorder_num_neighbors if index.config.mode != "brute_force" else -1
+        self._task_table = tf.lookup.StaticHashTable(
+            tf.lookup.KeyValueTensorInitializer(self._task_names, tf.range(len(self._task_names), dtype=tf.int32)),
+            default_value=-1)
+        self._prefixes = tf.constant(prefixes)
+        # seqio's model bytes: the .model file plus the <extra_id_*> pieces the Python path uses.
+        self._tokenizer = tf_text.SentencepieceTokenizer(model=encoder.vocabulary.sp_model)
+        self._params = jax.tree.map(lambda x: tf.Variable(np.asarray(x), trainable=False),
+                                    jax.device_get(encoder.params))
+        converted = jax2tf.convert(_jax_embed(encoder), polymorphic_shapes=[None, "(b, _)", "(b,)"],
+                                   with_gradient=False)
+        # One traced (and lowered) encoder shared by both signatures.
+        self._embed = tf.function(lambda tokens, task_ids: converted(self._params, tokens, task_ids),
+                                  autograph=False, input_signature=[
+                                      tf.TensorSpec([None, self._query_len], tf.int32, name="tokens"),
+                                      tf.TensorSpec([None], tf.int32, name="task_ids")])
+        self._searcher = ScannSearcher(os.path.join(index_dir, SCANN_DIR))
+        passages = [store.get(pid) for pid in index.passage_ids]
+        self._passage_ids = _row_table(os.path.join(index_dir, embeddings.IDS_FILE))
+        self._page_ids = _row_table(_write_lines(os.path.join(staging, "page_ids.txt"),
+                                                 [p.wikipedia_id for p in passages], "page id"))
+        self._titles = _row_table(_write_lines(os.path.join(staging, "titles.txt"), [p.title for p in passages],
+                                               "title"))
+        self.assets = {"export": tf.saved_model.Asset(os.path.join(staging, EXPORT_JSON)),
+                       "index": tf.saved_model.Asset(os.path.join(index_dir, INDEX_JSON)),
+                       "model_config": tf.saved_model.Asset(os.path.join(staging, checkpoint.CONFIG_FILE)),
+                       "vocabulary": tf.saved_model.Asset(features["vocabulary"])}
+
+    def _tokens(self, query: tf.Tensor, task: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """(token ids int32[n, query_len], task indices int32[n]) with the graph's input checks."""
+        task_ids = self._task_table.lookup(task)
+        unknown = task_ids < 0
+        text = preprocess.normalize_queries(query)
+        checks = [
+            tf.debugging.assert_equal(tf.size(query), tf.size(task),
+                                      message="'query' and 'task' must have the same number of entries"),
+            tf.debugging.Assert(tf.logical_not(tf.reduce_any(unknown)),
+                                ["unknown task(s):", tf.boolean_mask(task, unknown), "known tasks:",
+                                 tf.constant(self._task_names)], summarize=10),
+            tf.debugging.Assert(tf.reduce_all(tf.strings.length(text) > 0),
+                                ["empty query at position(s):", tf.where(tf.strings.length(text) == 0)[:, 0]],
+                                summarize=10),
+        ]
+        with tf.control_dependencies(checks):
+            strings = tf.strings.join([tf.gather(self._prefixes, task_ids), text])
+            return preprocess.tokenize_fixed(self._tokenizer, strings, self._query_len), tf.identity(task_ids)
+
+    def _embeddings(self, query: tf.Tensor, task: tf.Tensor) -> tf.Tensor:
+        tokens, task_ids = self._tokens(query, task)
+        return self._embed(tokens, task_ids)
+
+    @tf.function(autograph=False, input_signature=[tf.TensorSpec([None], tf.string, name="query"),
+                                  tf.TensorSpec([None], tf.string, name="task")])
+    def encode(self, query: tf.Tensor, task: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {"embeddings": self._embeddings(query, task)}
+
+    @tf.function(autograph=False, input_signature=[tf.TensorSpec([None], tf.string, name="query"),
+                                  tf.TensorSpec([None], tf.string, name="task"),
+                                  tf.TensorSpec([], tf.int32, name="k")])
+    def search(self, query: tf.Tensor, task: tf.Tensor, k: tf.Tensor) -> dict[str, tf.Tensor]:
+        with tf.control_dependencies([tf.debugging.assert_positive(k, message="k must be >= 1")]):
+            k = tf.minimum(k, self._num_passages)
+        pre_reorder = tf.maximum(k, self._reorder) if self._reorder > 0 else tf.constant(-1)
+        rows, scores = self._searcher.search(self._embeddings(query, task), k, pre_reorder)
+        rows = tf.cast(rows, tf.int64)
+        found = tf.logical_not(tf.math.is_nan(scores))  # ScaNN pads short result lists with NaN scores.
+        lookup = lambda table: tf.where(found, table.lookup(rows), "")  # noqa: E731
+        return {"passage_ids": lookup(self._passage_ids), "page_ids": lookup(self._page_ids),
+                "titles": lookup(self._titles), "scores": scores}
+
+
+def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: PassageStore, output_dir: str
+                      ) -> dict[str, Any]:
+    """Writes the SavedModel to `output_dir` (which must not exist); returns what t5r_export.json records.
+
+    Raises IndexMismatchError when the index was built by another model or for another KB.
+    """
+    if os.path.exists(output_dir):
+        raise FileExistsError(f"{output_dir}: already exists; export into a new directory "
+                              "(TF Serving reads numbered versions: <model>/1, <model>/2, ...)")
+    index = Index.load(index_dir)
+    index.check(encoder, store.ids())
+    with open(os.path.join(index_dir, INDEX_JSON), encoding="utf-8") as f:
+        index_manifest = json.load(f)
+    record = {"format": FORMAT, "fingerprint": encoder.fingerprint, "dim": encoder.dim,
+              "query_len": encoder.features["query_len"],
+              "tasks": {t: spec["prefix"] for t, spec in encoder.features["tasks"].items()},
+              "vocabulary_file": os.path.basename(encoder.features["vocabulary"]),
+              "encoder": {"converter": "jax2tf", "serialization": "native (StableHLO in XlaCallModule)",
+                          "platforms": ["cpu"], "polymorphic_batch": True},
+              "index": index_manifest}
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix="t5r-export-")
+    partial = tempfile.mkdtemp(prefix=".t5r-export-", dir=parent)
+    try:
+        with open(os.path.join(staging, EXPORT_JSON), "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        with open(os.path.join(staging, checkpoint.CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(encoder.config, f, indent=1, sort_keys=True)
+        start = time.time()
+        module = RetrievalModule(encoder, index, index_dir, store, staging)
+        tf.saved_model.save(module, partial, signatures={"search": module.search, "encode": module.encode,
+                                                         "serving_default": module.search})
+        os.replace(partial, output_dir)
+        log.info("export: wrote %s in %.1fs", output_dir, time.time() - start)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
+    return record

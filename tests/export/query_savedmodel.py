@@ -1,0 +1,62 @@
+"""Queries an exported t5r SavedModel the way a serving process would: plain TensorFlow only.
+
+    python query_savedmodel.py SAVEDMODEL_DIR REQUESTS_JSON
+
+REQUESTS_JSON is a list of {"signature": "search"|"encode", "query": [...], "task": [...], "k": int,
+"session": bool}; prints one JSON list with, per request, the signature's outputs as lists, or
+{"error": message}. Requests with "session": true are answered twice, like a model server does it:
+TF1 `saved_model.loader.load` into a graph-mode Session (the C++ loader TF Serving uses works the
+same way: the graph, its init op for the tables, the signature's tensor names), then `Session.run`.
+No t5_retrieval import: only TensorFlow plus the custom-op libraries a model server must load
+(tensorflow_text's sentencepiece ops, ScaNN's ops).
+"""
+
+import json
+import sys
+
+import tensorflow as tf
+import tensorflow_text  # noqa: F401  (registers the SentencepieceOp kernels)
+from scann.scann_ops.py import scann_ops  # noqa: F401  (loads ScaNN's TF op library)
+
+
+def _tolist(value):
+    value = value.numpy() if hasattr(value, "numpy") else value
+    return (value.astype(str) if value.dtype.kind in "SO" else value).tolist()
+
+
+def run_in_session(savedmodel_dir: str, request: dict) -> dict:
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        meta = tf.compat.v1.saved_model.loader.load(sess, ["serve"], savedmodel_dir)
+        signature = meta.signature_def[request["signature"]]
+        feeds = {signature.inputs[name].name: value for name, value in request.items() if name in signature.inputs}
+        fetches = {name: info.name for name, info in signature.outputs.items()}
+        first, second = sess.run(fetches, feeds), sess.run(fetches, feeds)
+    assert all((first[n] == second[n]).all() for n in fetches), "a second Session.run answered differently"
+    return {name: _tolist(value) for name, value in first.items()}
+
+
+def main(savedmodel_dir: str, requests_path: str) -> None:
+    model = tf.saved_model.load(savedmodel_dir)
+    with open(requests_path) as f:
+        requests = json.load(f)
+    out = []
+    for request in requests:
+        if request.get("session"):
+            out.append(run_in_session(savedmodel_dir, request))
+            continue
+        fn = model.signatures[request["signature"]]
+        kwargs = {"query": tf.constant(request["query"], tf.string), "task": tf.constant(request["task"], tf.string)}
+        if "k" in request:
+            kwargs["k"] = tf.constant(request["k"], tf.int32)
+        try:
+            result = fn(**kwargs)
+        except tf.errors.InvalidArgumentError as e:
+            out.append({"error": e.message})
+            continue
+        out.append({name: _tolist(value) for name, value in result.items()})
+    assert not any(m.startswith("t5_retrieval") for m in sys.modules), "the client must not need t5_retrieval"
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,210 @@
+"""`t5r export`: the SavedModel, loaded by plain TensorFlow in a fresh process, searches like the Python path."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from t5_retrieval import cli
+from t5_retrieval.data import layout
+from t5_retrieval.data.records import read_examples
+from tests.tiny_model import TASKS, build_tiny_run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLIENT = os.path.join(REPO, "tests", "export", "query_savedmodel.py")
+K = 5
+TOWERS = ("DualEncoderConfig.query_towers = 2",)
+# Edge cases of the query normalisation: Unicode whitespace (RE2's \s would miss it), [SEP] and a
+# literal </s> (EOS between segments), a query longer than the trained length (truncation keeps EOS).
+TRICKY = ["  Paris\u00a0is\u2003the\ncapital [SEP] country ", "x</s>", "[SEP][SEP] y", "word " * 40]
+
+
+def _queries(data_dir: str, dataset: str) -> list[str]:
+    return [e.query for e in read_examples(layout.examples_path(data_dir, dataset, "dev"))]
+
+
+def _run_client(savedmodel: str, requests: list[dict], tmp_dir: str) -> list[dict]:
+    path = os.path.join(tmp_dir, "requests.json")
+    with open(path, "w") as f:
+        json.dump(requests, f)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of ours on the path
+    proc = subprocess.run([sys.executable, CLIENT, savedmodel, path], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_dir)
+    assert proc.returncode == 0, f"client failed:\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """One tiny run, one export of model 0, one client process.
+
+    Model 1 (another seed, per-task query towers) and its index serve the mismatch and towers tests."""
+    root = tmp_path_factory.mktemp("export")
+    run = build_tiny_run(str(root), models=((0, ()), (1, TOWERS)))
+    savedmodel = str(root / "serving" / "t5r" / "1")
+    kb_dir = layout.kb_dir(run.data_dir)
+    assert cli.main(["export", "--checkpoint_dir", run.model_dirs[0], "--index_dir", run.index_dirs[0],
+                     "--kb_dir", kb_dir, "--output_dir", savedmodel]) == 0
+    tasks = [f"demo_{t}" for t in TASKS]
+    fever, trex = _queries(run.data_dir, "fever"), _queries(run.data_dir, "trex")
+    mixed = fever + trex + TRICKY
+    mixed_tasks = [tasks[0]] * len(fever) + [tasks[1]] * (len(trex) + len(TRICKY))
+    requests = [{"signature": "search", "query": mixed, "task": mixed_tasks, "k": K},
+                {"signature": "encode", "query": mixed, "task": mixed_tasks},
+                {"signature": "search", "query": fever[:2], "task": [tasks[0], "nope"], "k": K},
+                {"signature": "search", "query": [fever[0], " \t "], "task": tasks, "k": K},
+                # Same batch shape as the first request: no new XlaCallModule compilation.
+                {"signature": "search", "query": mixed, "task": mixed_tasks, "k": 10_000},
+                {"signature": "search", "query": mixed, "task": mixed_tasks, "k": K, "session": True}]
+    responses = _run_client(savedmodel, requests, str(root))
+    return run, savedmodel, dict(zip(("search", "encode", "unknown_task", "empty_query", "big_k", "session"), responses)), \
+        (mixed, mixed_tasks)
+
+
+@pytest.fixture(scope="module")
+def python_path(exported):
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.retrieval.index import Index
+
+    run = exported[0]
+    return run.encoders[0], Index.load(run.index_dirs[0]), PassageStore.open(layout.kb_dir(run.data_dir))
+
+
+def test_savedmodel_search_returns_the_python_search_paths_top_k(exported, python_path):
+    from t5_retrieval.retrieval.evaluate import retrieve
+
+    _, _, responses, (queries, tasks) = exported
+    encoder, index, store = python_path
+    got = responses["search"]
+    assert np.shape(got["passage_ids"]) == (len(queries), K), np.shape(got["passage_ids"])
+    for i, (query, task) in enumerate(zip(queries, tasks)):
+        ((pids, scores),) = retrieve(encoder, index, [query], task, K)
+        assert got["passage_ids"][i] == pids, f"query {i} ({task}: {query!r}): {got['passage_ids'][i]} vs {pids}"
+        np.testing.assert_allclose(got["scores"][i], scores, rtol=1e-4, atol=1e-4, err_msg=f"query {i}")
+        assert got["page_ids"][i] == [store.page_of(p) for p in pids], f"query {i}: page ids"
+        assert got["titles"][i] == [store.get(p).title for p in pids], f"query {i}: titles"
+
+
+def test_graph_mode_session_loader_answers_like_the_eager_loader(exported):
+    _, _, responses, _ = exported
+    eager, session = responses["search"], responses["session"]
+    for name in ("passage_ids", "page_ids", "titles"):
+        assert session[name] == eager[name], f"{name}: TF1 Session.run differs from tf.saved_model.load"
+    np.testing.assert_allclose(session["scores"], eager["scores"], rtol=1e-6, atol=1e-6)
+
+
+def test_savedmodel_encode_matches_the_python_encoder(exported, python_path):
+    _, _, responses, (queries, tasks) = exported
+    encoder = python_path[0]
+    expected = np.concatenate([encoder.encode_queries([q], t) for q, t in zip(queries, tasks)])
+    got = np.asarray(responses["encode"]["embeddings"])
+    assert got.shape == expected.shape == (len(queries), encoder.dim)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg="jax2tf encoder vs the Flax model")
+
+
+def test_unknown_task_empty_query_and_large_k_are_handled_in_the_graph(exported):
+    _, _, responses, _ = exported
+    error = responses["unknown_task"].get("error", "")
+    assert "unknown task(s)" in error and "nope" in error and "demo_fever" in error, responses["unknown_task"]
+    assert "empty query at position(s)" in responses["empty_query"].get("error", ""), responses["empty_query"]
+    big = responses["big_k"]
+    assert "error" not in big and np.shape(big["passage_ids"]) == (len(exported[3][0]), python_k_limit(exported)), \
+        big.keys()
+
+
+def python_k_limit(exported) -> int:
+    run = exported[0]
+    with open(os.path.join(run.index_dirs[0], "index.json")) as f:
+        return json.load(f)["num_passages"]
+
+
+def test_export_records_fingerprint_index_manifest_and_vocabulary(exported, python_path):
+    run, savedmodel, _, _ = exported
+    encoder = python_path[0]
+    assets = os.path.join(savedmodel, "assets")
+    with open(os.path.join(assets, "t5r_export.json")) as f:
+        record = json.load(f)
+    with open(os.path.join(run.index_dirs[0], "index.json")) as f:
+        manifest = json.load(f)
+    assert record["fingerprint"] == encoder.fingerprint == manifest["fingerprint"]
+    assert record["index"] == manifest and record["tasks"] == {f"demo_{t}": t.upper() for t in TASKS}, record
+    with open(os.path.join(assets, "index.json")) as f:
+        assert json.load(f) == manifest
+    with open(os.path.join(assets, os.path.basename(run.vocabulary)), "rb") as a, open(run.vocabulary, "rb") as b:
+        assert a.read() == b.read(), "the vocabulary asset is not the model's sentencepiece file"
+
+
+def test_export_refuses_an_index_built_by_another_model(exported, tmp_path, capsys):
+    run = exported[0]
+    out = str(tmp_path / "t5r" / "1")
+    capsys.readouterr()
+    assert cli.main(["export", "--checkpoint_dir", run.model_dirs[0], "--index_dir", run.index_dirs[1],
+                     "--kb_dir", layout.kb_dir(run.data_dir), "--output_dir", out]) == 2
+    err = capsys.readouterr().err
+    with open(os.path.join(run.index_dirs[1], "index.json")) as f:
+        other = json.load(f)["fingerprint"]
+    assert "model fingerprint" in err and other in err, err
+    assert not os.path.exists(out), "a refused export must not leave a SavedModel behind"
+
+
+def test_query_preprocessing_ops_tokenize_like_the_python_path(exported):
+    import seqio
+    import tensorflow as tf
+    import tensorflow_text as tf_text
+
+    from t5_retrieval.data.text import format_query
+    from t5_retrieval.data.tokenize import tokenize
+    from t5_retrieval.export import preprocess
+
+    run = exported[0]
+    vocab = seqio.SentencePieceVocabulary(run.vocabulary, extra_ids=100)
+    tokenizer = tf_text.SentencepieceTokenizer(model=vocab.sp_model)
+    texts = TRICKY + ["\u3000lead and trail\u2029", "a</s>", "</s>", "plain query"]
+    for prefix in ("FEVER", None):
+        strings = tf.strings.join([preprocess.prefix_strings([prefix])[0], preprocess.normalize_queries(texts)])
+        assert [s.decode() for s in strings.numpy()] == [format_query(t, prefix) for t in texts]
+        got = preprocess.tokenize_fixed(tokenizer, strings, 16).numpy()
+        np.testing.assert_array_equal(got, tokenize(vocab, [format_query(t, prefix) for t in texts], 16),
+                                      err_msg=f"token ids differ (prefix {prefix})")
+
+
+@pytest.mark.parametrize("mode", ["brute_force", "tree_ah"])
+def test_tf_scann_op_loads_our_serialized_index_and_finds_the_same_neighbours(mode, tmp_path):
+    import tensorflow as tf
+
+    from t5_retrieval.export.scann_tf import ScannSearcher
+    from t5_retrieval.retrieval.index import SCANN_DIR, Index, ScannConfig, build_searcher
+
+    rng = np.random.default_rng(0)
+    matrix, queries = rng.normal(size=(400, 16)).astype(np.float32), rng.normal(size=(7, 16)).astype(np.float32)
+    config = ScannConfig(mode=mode, num_leaves=20, num_leaves_to_search=5, reorder_num_neighbors=40).resolved(400)
+    Index(build_searcher(matrix, config), [f"p{i}" for i in range(400)], "fp", 16, config).save(str(tmp_path))
+    index = Index.load(str(tmp_path))
+    rows, scores = index.search(queries, 10)
+    pre = -1 if mode == "brute_force" else 40
+    tf_rows, tf_scores = ScannSearcher(str(tmp_path / SCANN_DIR)).search(tf.constant(queries), 10, pre)
+    np.testing.assert_array_equal(tf_rows.numpy(), np.stack(rows), err_msg=f"{mode}: TF op vs pybind rows")
+    np.testing.assert_allclose(tf_scores.numpy(), np.stack(scores), rtol=1e-5, atol=1e-5)
+
+
+def test_models_with_per_task_query_towers_encode_each_row_with_its_tasks_tower(exported, tmp_path):
+    import tensorflow as tf
+
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.export.savedmodel import RetrievalModule
+    from t5_retrieval.retrieval.index import Index
+
+    run = exported[0]
+    encoder = run.encoders[1]
+    assert encoder.model.config.query_towers == 2
+    module = RetrievalModule(encoder, Index.load(run.index_dirs[1]), run.index_dirs[1],
+                             PassageStore.open(layout.kb_dir(run.data_dir)), str(tmp_path))
+    queries = ["a river in France", "Paris [SEP] capital of", "a river in France"]
+    tasks = ["demo_fever", "demo_trex", "demo_trex"]
+    got = module.encode(tf.constant(queries), tf.constant(tasks))["embeddings"].numpy()
+    expected = np.concatenate([encoder.encode_queries([q], t) for q, t in zip(queries, tasks)])
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg="per-row tower selection")
+    assert np.abs(got[0] - got[2]).max() > 1e-3, "the same query under two tasks must use two different towers"
