@@ -60,6 +60,17 @@ class DualEncoderInference:
         return sorted(self.features.get("tasks", {}))
 
     @property
+    def training_task_order(self) -> list[str]:
+        """Tasks in their training order, where task k's queries use query tower k."""
+        tasks = self.features.get("tasks", {})
+        if not self.model.config.query_towers:
+            return list(tasks)  # the order only matters for choosing a tower
+        if any("index" not in spec for spec in tasks.values()):
+            raise ValueError("this model's config records no task order (features.tasks.*.index); "
+                             "it was written before towers were tracked: retrain or add the indices")
+        return sorted(tasks, key=lambda t: tasks[t]["index"])
+
+    @property
     def vocabulary(self) -> Any:
         if self._vocab is None:
             path = self.features.get("vocabulary")
@@ -82,7 +93,7 @@ class DualEncoderInference:
             if not text or not text.strip():
                 raise ValueError(f"query {i} is empty")
         strings = [format_query(t, prefix) for t in texts]
-        tower = list(self.features["tasks"]).index(task) if self.model.config.query_towers else None
+        tower = self.training_task_order.index(task) if self.model.config.query_towers else None
         return self.encode_tokens(tokenize(self.vocabulary, strings, self.features["query_len"]), tower)
 
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:

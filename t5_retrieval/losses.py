@@ -1,4 +1,4 @@
-"""In-batch contrastive loss with hard negatives, one task at a time.
+"""In-batch contrastive loss with hard negatives, one task at a time (and GDMTL's token loss).
 
 Passages of a task's batch are laid out [pos_0, neg_0_1..neg_0_N, pos_1, ...]: query i's positive sits
 at row i * (1 + N) and every other row (other queries' positives and all hard negatives) is a negative.
@@ -40,3 +40,11 @@ def in_batch_softmax_loss(query_embeddings: jax.Array, passage_embeddings: jax.A
     loss = jnp.mean(jax.nn.logsumexp(logits, axis=1) - label_logits)
     accuracy = jnp.mean((jnp.argmax(logits, axis=1) == labels).astype(jnp.float32))
     return loss, {"accuracy": accuracy}
+
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy over non-padding target tokens (id 0 = padding): [b, t, V], [b, t] -> []."""
+    mask = (targets != 0).astype(jnp.float32)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    per_token = jax.nn.logsumexp(logits, axis=-1) - target_logits
+    return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)

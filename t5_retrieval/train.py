@@ -188,7 +188,9 @@ def train(model_dir: str,
     params, param_shardings = init_params(model, params_rng, mesh, rules)
     if init_from:
         params = jax.device_put(initial_params(init_from, params), param_shardings)
-    optimizer = make_optimizer(total_steps=num_steps, num_tasks=len(task_names), multitask=multitask)
+    # GDMTL's transform combines two objectives (retrieval, query generation), others the tasks.
+    num_objectives = 2 if model.config.query_generation else len(task_names)
+    optimizer = make_optimizer(total_steps=num_steps, num_tasks=num_objectives, multitask=multitask)
     opt_shardings = opt_state_shardings(jax.eval_shape(optimizer.init, params), params, param_shardings, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     replicated = sharding.replicated(mesh)

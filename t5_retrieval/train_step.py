@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5_retrieval.losses import in_batch_softmax_loss
+from t5_retrieval.losses import in_batch_softmax_loss, token_cross_entropy
 
 Batch = dict[str, dict[str, jax.Array]]
 Params = Any
@@ -79,12 +79,9 @@ def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_nam
     return jax.tree.map(lambda *g: jnp.stack(g), *grads), jnp.stack(losses), metrics
 
 
-def summed_gradient(model: nn.Module, logit_scale: float, params: Params, batch: Batch,
-                    task_names: Sequence[str], rng: jax.Array) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
-    """Gradient of the sum of task losses, embedding every task's texts in one model call.
-
-    Returns (gradient, losses [K], metrics).
-    """
+def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_names: Sequence[str],
+                       rng: jax.Array) -> Callable:
+    """params -> (sum of task losses, (losses [K], metrics)), every task's texts in one model call."""
 
     def total_loss(params: Params):
         query_rng, passage_rng = jax.random.split(rng)
@@ -111,20 +108,70 @@ def summed_gradient(model: nn.Module, logit_scale: float, params: Params, batch:
         losses = jnp.stack(losses)
         return jnp.sum(losses), (losses, metrics)
 
+    return total_loss
+
+
+def summed_gradient(model: nn.Module, logit_scale: float, params: Params, batch: Batch,
+                    task_names: Sequence[str], rng: jax.Array) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+    """Gradient of the sum of task losses. Returns (gradient, losses [K], metrics)."""
+    total_loss = summed_task_losses(model, logit_scale, batch, task_names, rng)
     (_, (losses, metrics)), grad = jax.value_and_grad(total_loss, has_aux=True)(params)
     return grad, losses, metrics
+
+
+def retrieval_and_generation_gradients(model: nn.Module, logit_scale: float, params: Params, batch: Batch,
+                                       task_names: Sequence[str], rng: jax.Array
+                                       ) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+    """GDMTL: gradients of the retrieval loss (summed over tasks) and of the query-generation loss.
+
+    The generation loss is the token cross-entropy of each query decoded (teacher forced) from its
+    positive passage by the shared T5. One forward pass, two backward passes (vjp with each
+    objective's cotangent). Returns (gradients stacked [2, ...], losses [2], metrics); a
+    two-objective transform such as `multitask.uncertainty_weighting(num_tasks=2)` combines them.
+    """
+    retrieval_rng, generation_rng = jax.random.split(rng)
+    retrieval_loss = summed_task_losses(model, logit_scale, batch, task_names, retrieval_rng)
+
+    def objectives(params: Params):
+        retrieval, (task_losses, metrics) = retrieval_loss(params)
+        generation = []
+        for name in task_names:
+            queries = batch[name]["query_tokens"]
+            positives = batch[name]["passage_tokens"][::batch[name]["passage_tokens"].shape[0] // queries.shape[0]]
+            logits = model.apply({"params": params}, positives, queries, deterministic=False,
+                                 rngs={"dropout": jax.random.fold_in(generation_rng, len(generation))},
+                                 method=model.query_generation_logits)
+            generation.append(token_cross_entropy(logits, queries))
+            metrics[f"generation_loss/{name}"] = generation[-1]
+        return jnp.stack([retrieval, sum(generation)]), metrics
+
+    losses, vjp, metrics = jax.vjp(objectives, params, has_aux=True)
+    grads = [vjp(jnp.zeros(2, losses.dtype).at[i].set(1.0))[0] for i in range(2)]
+    metrics["retrieval_loss"], metrics["generation_loss"] = losses[0], losses[1]
+    return jax.tree.map(lambda *g: jnp.stack(g), *grads), losses, metrics
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExtraArgs,
                     task_names: Sequence[str], per_task: bool, logit_scale: float = 1.0,
                     extra_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None) -> Callable:
-    """Returns train_step(state, batch) -> (state, metrics), to be jitted with shardings by the caller."""
+    """Returns train_step(state, batch) -> (state, metrics), to be jitted with shardings by the caller.
+
+    The optimiser receives the gradient of the summed task losses, or with ``per_task`` the K task
+    gradients stacked on a leading axis; a model with ``query_generation`` (GDMTL) gives it the
+    [retrieval, query generation] pair instead, so it needs a two-objective transform.
+    """
+    if model.config.query_generation and not per_task:
+        raise ValueError("a model with query_generation (GDMTL) needs a multi-task transform over its two "
+                         "objectives, e.g. train.multitask = @multitask.uncertainty_weighting")
     loss_fn = task_loss_fn(model, logit_scale)
     task_names = tuple(task_names)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         rng, step_rng = jax.random.split(state.rng)
-        if per_task:
+        if model.config.query_generation:
+            grads, losses, metrics = retrieval_and_generation_gradients(
+                model, logit_scale, state.params, batch, task_names, step_rng)
+        elif per_task:
             grads, losses, metrics = per_task_gradients(loss_fn, state.params, batch, task_names, step_rng)
         else:
             grads, losses, metrics = summed_gradient(model, logit_scale, state.params, batch, task_names, step_rng)

@@ -222,6 +222,9 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
         task_data.append(data)
     features = {"vocabulary": os.path.abspath(vocabulary) if isinstance(vocabulary, str) else None,
                 "query_len": query_len, "passage_len": passage_len,
-                "tasks": {spec.name: {"dataset": spec.dataset, "prefix": spec.prefix} for spec in specs}}
+                # "index": the task's position in the step (and its query tower), explicit because
+                # the config is stored with sorted keys.
+                "tasks": {spec.name: {"dataset": spec.dataset, "prefix": spec.prefix, "index": i}
+                          for i, spec in enumerate(specs)}}
     return TrainIterator(task_data, store, vocab, passage_len, num_negatives, seed, host_index, host_count,
                          features)

@@ -36,7 +36,8 @@ class RandomBatches:
         self.step = 0
         self.steps_per_epoch = 100  # nominal: random batches have no epochs
         self.features = {"vocabulary": None, "query_len": query_len, "passage_len": passage_len,
-                          "tasks": {name: {"dataset": name, "prefix": None} for name in self.task_names}}
+                          "tasks": {name: {"dataset": name, "prefix": None, "index": i}
+                                    for i, name in enumerate(self.task_names)}}
 
     def _tokens(self, rng: np.random.Generator, rows: int, length: int) -> np.ndarray:
         tokens = rng.integers(2, self.vocab_size, size=(rows, length), dtype=np.int32)

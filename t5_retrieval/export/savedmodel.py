@@ -90,7 +90,7 @@ class RetrievalModule(tf.Module):
 
         features = encoder.features
         # The query tower of a task is its position here, as in `DualEncoderInference.encode_queries`.
-        self._task_names = list(features["tasks"])
+        self._task_names = encoder.training_task_order
         prefixes = preprocess.prefix_strings([features["tasks"][t]["prefix"] for t in self._task_names])
         self._query_len = int(features["query_len"])
         self._num_passages = len(index)

@@ -29,6 +29,9 @@ class DualEncoderConfig:
     logit_scale: float = 1.0  # similarity multiplier in the loss (1/temperature); TACO: 1.0
     # > 0: one separate query encoder per task (TACO/MT-DPR ablation); passages keep the shared one.
     query_towers: int = 0
+    # GDMTL: the shared T5 also learns to generate each query from its positive passage (the
+    # trainer adds that loss); creates the LM head.
+    query_generation: bool = False
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLINGS:
@@ -60,6 +63,8 @@ class DualEncoder(nn.Module):
         if self.is_initializing() and tower is None:
             for k in range(self.config.query_towers):  # create every tower's parameters at init
                 self(tokens, deterministic, tower=k)
+            if self.config.query_generation:  # and the LM head
+                self.query_generation_logits(tokens, tokens, deterministic)
         if tower is not None and not 0 <= tower < self.config.query_towers:
             raise ValueError(f"query tower {tower} requested, but the model has {self.config.query_towers}")
         t5 = self.t5 if tower is None else self.query_t5[tower]
@@ -78,3 +83,13 @@ class DualEncoder(nn.Module):
         if self.config.l2_normalize:
             pooled = pooled * jax.lax.rsqrt(jnp.sum(jnp.square(pooled), axis=-1, keepdims=True) + 1e-12)
         return with_constraint(pooled, ("batch", "embed"))
+
+    def query_generation_logits(self, passage_tokens: jax.Array, query_tokens: jax.Array,
+                                deterministic: bool = True) -> jax.Array:
+        """GDMTL: teacher-forced logits [b, l_q, vocab] of the query given its passage.
+
+        The shared T5 encodes the passage; the decoder reads the query shifted right by one
+        (start token 0 first), so position t predicts query token t.
+        """
+        decoder_inputs = jnp.pad(query_tokens[:, :-1], ((0, 0), (1, 0)))
+        return self.t5(passage_tokens, decoder_inputs, deterministic).astype(jnp.float32)

@@ -1,0 +1,26 @@
+"""Inference recovers what training did from the stored config alone."""
+
+import jax
+import numpy as np
+
+from t5_retrieval import checkpoint, sharding
+from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.inference import DualEncoderInference
+from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
+from t5_retrieval.models.t5 import T5Config
+
+CFG = T5Config(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_encoder_layers=1,
+               num_decoder_layers=1, dropout_rate=0.0)
+
+
+def test_query_towers_follow_the_training_order_not_the_stored_key_order(tmp_path):
+    mixture_order = ["zsre", "fever", "aidayago2"]  # not alphabetical, as in a real mixture
+    features = RandomBatches(per_device_batch=3, local_data_devices=1, task_names=mixture_order, vocab_size=64,
+                             query_len=6, passage_len=8, num_negatives=1).features
+    checkpoint.write_config(str(tmp_path), {"features": features})  # stored with sorted keys
+    stored = checkpoint.read_config(str(tmp_path))["features"]
+    assert list(stored["tasks"]) == sorted(mixture_order), "precondition: the stored key order is alphabetical"
+    model = DualEncoder(CFG, DualEncoderConfig(query_towers=3))
+    params = model.init(jax.random.PRNGKey(0), np.ones((1, 4), np.int32))["params"]
+    encoder = DualEncoderInference(model, params, {"features": stored}, "fp", sharding.make_mesh())
+    assert encoder.training_task_order == mixture_order
