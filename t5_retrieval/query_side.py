@@ -1,0 +1,295 @@
+"""Query-side fine-tuning: adapt the query encoder to new questions over a frozen passage index.
+
+Sciavolino et al. 2021 ("Simple Entity-Centric Questions Challenge Dense Retrievers"; Sciavolino's
+thesis "Towards Universal Dense Retrieval for ODQA"): with a robust passage encoder, a new question
+distribution is best served by fine-tuning only the question encoder while the passage encoder,
+and so the index, stay fixed. Here, per question:
+
+    C   = top-k passages of the frozen index for the current query encoder      (refreshed per round)
+    P   = {c in C : c contains an answer}                                         (questions with P empty skip the round)
+    L   = logsumexp_{c in C} q(theta) . e_c  -  logsumexp_{c in P} q(theta) . e_c
+
+with e_c the *stored* passage embeddings, so no gradient ever reaches the passage side (the
+stop-gradient loss). Only the model's query path is trained (for ST5 the shared T5, for a
+two-tower model its query tower); passages keep the base checkpoint's encoder, which is why the
+result is written as a model directory that points at its base: `QuerySideEncoder` encodes queries
+with the fine-tuned weights and passages with the base, and carries the base's fingerprint, since
+its embedding space is the index's.
+
+    t5r query-side --checkpoint_dir=run/model --index_dir=run/index --embeddings_dir=run/emb \
+        --kb_dir=data/kb --qa_dir=../shared/data/mini_kilt/qa_open --tasks=nq_open --as_task=hotpotqa \
+        --output_dir=run/query_side_nq
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from t5_retrieval import checkpoint
+from t5_retrieval.data.qa_open import QATask
+from t5_retrieval.data.records import Passage
+from t5_retrieval.data.text import format_query
+from t5_retrieval.data.tokenize import tokenize
+from t5_retrieval.retrieval import embeddings
+from t5_retrieval.retrieval.index import Index, IndexMismatchError
+from t5_retrieval.retrieval.passages import PassageLookup
+
+log = logging.getLogger(__name__)
+QUERY_SIDE_FILE = "query_side.json"
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class QuerySideConfig:
+    """top_k: candidates per question (the softmax runs over them); rounds: candidate refreshes,
+    each followed by `epochs_per_round` passes over the questions that have a positive."""
+
+    top_k: int = 100
+    batch_size: int = 16
+    learning_rate: float = 1e-5
+    rounds: int = 1
+    epochs_per_round: int = 1
+    seed: int = 0
+
+
+def query_side_loss(queries: jax.Array, candidates: jax.Array, positive: jax.Array) -> jax.Array:
+    """Mean over questions of -log P(positive set | candidates); [b, d], [b, k, d], bool [b, k] -> [].
+
+    Every row must have at least one positive (rows without one are never batched).
+    """
+    scores = jnp.einsum("bd,bkd->bk", queries.astype(jnp.float32), jax.lax.stop_gradient(candidates))
+    positive_scores = jnp.where(positive, scores, -jnp.inf)
+    return jnp.mean(jax.nn.logsumexp(scores, axis=1) - jax.nn.logsumexp(positive_scores, axis=1))
+
+
+@dataclasses.dataclass
+class Candidates:
+    """One round's training set: token ids, candidate rows of the index and which hold an answer."""
+
+    tokens: np.ndarray  # int32 [n, query_len]
+    rows: np.ndarray  # int64 [n, k]
+    positive: np.ndarray  # bool [n, k]
+    skipped: int  # questions with no answer-holding passage among their candidates
+
+
+def retrieve_candidates(encoder: Any, index: Index, passages: PassageLookup, task: QATask, as_task: str,
+                        top_k: int) -> Candidates:
+    """The current query encoder's top-k per question, labelled by answer match; positiveless rows dropped."""
+    texts = [e.query for e in task.examples]
+    vectors = encoder.encode_queries(texts, as_task)
+    rows, _ = index.search(vectors, top_k)
+    keep, all_rows, labels = [], [], []
+    text_of: dict[int, str] = {}
+    for i, (example, row) in enumerate(zip(task.examples, rows)):
+        if len(row) < top_k:
+            raise ValueError(f"index has {len(index)} passages, fewer than top_k={top_k}")
+        matcher = task.matcher(example)
+        for r in row:
+            if r not in text_of:
+                passage = passages.get(index.passage_ids[r])
+                text_of[int(r)] = f"{passage.title} {passage.text}"
+        hit = np.array([matcher(text_of[int(r)]) for r in row])
+        if hit.any():
+            keep.append(i)
+            all_rows.append(row)
+            labels.append(hit)
+    prefix = encoder.prefix_of(as_task)
+    tokens = tokenize(encoder.vocabulary, [format_query(texts[i], prefix) for i in keep],
+                      encoder.features["query_len"])
+    return Candidates(tokens, np.asarray(all_rows, np.int64).reshape(-1, top_k),
+                      np.asarray(labels, bool).reshape(-1, top_k), len(texts) - len(keep))
+
+
+def make_step(model: Any, optimizer: optax.GradientTransformation):
+    """(params, opt_state, tokens, candidate embeddings, positive) -> (params, opt_state, loss), jitted."""
+
+    def loss_fn(params: Any, tokens: jax.Array, candidates: jax.Array, positive: jax.Array) -> jax.Array:
+        return query_side_loss(model.apply({"params": params}, tokens), candidates, positive)
+
+    @jax.jit
+    def step(params, opt_state, tokens, candidates, positive):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, candidates, positive)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, passages: PassageLookup, task: QATask,
+             as_task: str, config: QuerySideConfig, progress: bool = True) -> tuple[Any, list[dict[str, float]]]:
+    """Fine-tunes `encoder`'s query path (a `DualEncoderInference`, updated in place between rounds).
+
+    Returns (final params, per-round statistics: questions used and skipped, first/last batch loss).
+    """
+    if encoder.model.config.query_towers:
+        raise ValueError("query-side fine-tuning of a model with per-task query towers is not supported: "
+                         "the new task would need a tower of its own")
+    if passage_matrix.shape != (len(index), index.dim):
+        raise IndexMismatchError(f"passage embeddings have shape {passage_matrix.shape}, the index "
+                                 f"[{len(index)}, {index.dim}]")
+    optimizer = optax.adamw(config.learning_rate, weight_decay=0.0)
+    params = encoder.params
+    opt_state = optimizer.init(params)
+    step = make_step(encoder.model, optimizer)
+    rng = np.random.default_rng(config.seed)
+    history: list[dict[str, float]] = []
+    for round_index in range(config.rounds):
+        encoder.params = params
+        data = retrieve_candidates(encoder, index, passages, task, as_task, config.top_k)
+        batches = len(data.rows) // config.batch_size
+        if batches == 0:
+            raise ValueError(f"{task.name}: only {len(data.rows)} questions have an answer in their top-"
+                             f"{config.top_k} (batch_size {config.batch_size}); nothing to train on")
+        losses = []
+        bar = tqdm(total=batches * config.epochs_per_round, desc=f"query-side round {round_index + 1}",
+                   disable=not progress, mininterval=5.0)
+        for _ in range(config.epochs_per_round):
+            order = rng.permutation(len(data.rows))
+            for b in range(batches):
+                chosen = order[b * config.batch_size:(b + 1) * config.batch_size]
+                params, opt_state, loss = step(params, opt_state, data.tokens[chosen],
+                                               passage_matrix[data.rows[chosen]], data.positive[chosen])
+                losses.append(float(loss))
+                bar.update(1)
+        bar.close()
+        history.append({"round": round_index + 1, "questions": len(data.rows), "skipped": data.skipped,
+                        "first_loss": losses[0], "last_loss": losses[-1]})
+        log.info("query-side round %d: %s", round_index + 1, history[-1])
+    encoder.params = params
+    return params, history
+
+
+class QuerySideEncoder:
+    """Queries through the fine-tuned model, passages through its frozen base (the `Encoder` protocol).
+
+    `fingerprint` is the base's: the embedding space, and so the index it may search, is the base's.
+    """
+
+    def __init__(self, query_encoder: Any, passage_encoder: Any):
+        self.query_encoder = query_encoder
+        self.passage_encoder = passage_encoder
+
+    @property
+    def fingerprint(self) -> str:
+        return self.passage_encoder.fingerprint
+
+    @property
+    def dim(self) -> int:
+        return self.passage_encoder.dim
+
+    def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
+        return self.query_encoder.encode_queries(texts, task)
+
+    def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
+        return self.passage_encoder.encode_passages(passages)
+
+
+def save(output_dir: str, encoder: Any, params: Any, base_dir: str, as_task: str, new_task: str,
+         history: list[dict[str, float]]) -> None:
+    """A model directory: the base's config (new task -> as_task's prefix), the params, and its base."""
+    config = json.loads(json.dumps(encoder.config))
+    config["features"]["tasks"].setdefault(new_task, dict(config["features"]["tasks"][as_task]))
+    checkpoint.write_config(output_dir, config)
+    checkpoint.save(checkpoint.manager(output_dir), 0, {"params": params}, {})
+    record = {"base_checkpoint": os.path.abspath(base_dir), "base_fingerprint": encoder.fingerprint,
+              "as_task": as_task, "task": new_task, "history": history}
+    tmp = os.path.join(output_dir, QUERY_SIDE_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, os.path.join(output_dir, QUERY_SIDE_FILE))
+
+
+def is_query_side_dir(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, QUERY_SIDE_FILE))
+
+
+def load(directory: str) -> QuerySideEncoder:
+    """The encoder a `save`d directory describes; refuses a base checkpoint that has changed since."""
+    from t5_retrieval.inference import load_encoder
+
+    with open(os.path.join(directory, QUERY_SIDE_FILE)) as f:
+        record = json.load(f)
+    base = load_encoder(record["base_checkpoint"])
+    if base.fingerprint != record["base_fingerprint"]:
+        raise IndexMismatchError(f"{directory}/{QUERY_SIDE_FILE}: base checkpoint {record['base_checkpoint']} now "
+                                 f"has fingerprint {base.fingerprint!r}, fine-tuned against {record['base_fingerprint']!r}")
+    return QuerySideEncoder(load_encoder(directory), base)
+
+
+def answer_recall(encoder: Any, index: Index, passages: PassageLookup, task: QATask, query_task: str,
+                  ks: Sequence[int] = (5, 20, 100)) -> dict[str, float]:
+    """Answer-in-passage recall@k (the thesis' R@5 / R@20): a question counts when a top-k passage matches."""
+    vectors = encoder.encode_queries([e.query for e in task.examples], query_task)
+    rows, _ = index.search(vectors, max(ks))
+    hits = {k: 0 for k in ks}
+    for example, row in zip(task.examples, rows):
+        matcher = task.matcher(example)
+        first = next((rank for rank, r in enumerate(row, 1) if matcher(_text(passages, index.passage_ids[r]))), None)
+        for k in ks:
+            hits[k] += first is not None and first <= k
+    return {"n": len(task.examples), **{f"answer_recall@{k}": hits[k] / len(task.examples) for k in ks}}
+
+
+def _text(passages: PassageLookup, pid: str) -> str:
+    passage = passages.get(pid)
+    return f"{passage.title} {passage.text}"
+
+
+def main(argv: list[str]) -> int:
+    """`t5r query-side`: fine-tune the query encoder on an answer-only QA task over a frozen index."""
+    from t5_retrieval import gin_utils, logs
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.qa_open import read_qa_task
+    from t5_retrieval.data.records import DataError
+    from t5_retrieval.inference import load_encoder
+
+    parser = argparse.ArgumentParser(prog="t5r query-side", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint_dir", required=True, help="the base model (t5r train)")
+    parser.add_argument("--index_dir", required=True, help="the base model's index (t5r index)")
+    parser.add_argument("--embeddings_dir", required=True, help="the embeddings the index was built from")
+    parser.add_argument("--kb_dir", required=True, help="the passage store the embeddings cover")
+    parser.add_argument("--qa_dir", required=True, help="directory of {task}-{split}-kilt.jsonl answer-only files")
+    parser.add_argument("--task", required=True, help="the QA task to adapt to, e.g. nq_open")
+    parser.add_argument("--as_task", required=True,
+                        help="a task of the base model whose query prefix the new questions take")
+    parser.add_argument("--output_dir", required=True)
+    args = gin_utils.parse_args(parser, argv)
+    logs.setup()
+    try:
+        store = PassageStore.open(args.kb_dir)
+        train_task = read_qa_task(args.qa_dir, args.task, "train")
+        dev_task = read_qa_task(args.qa_dir, args.task, "dev")
+        index = Index.load(args.index_dir)
+        encoder = load_encoder(args.checkpoint_dir)
+        index.check(encoder, store.ids())
+        if embeddings.read_ids(args.embeddings_dir) != index.passage_ids:
+            raise IndexMismatchError(f"{args.embeddings_dir}: passage ids differ from the index at {args.index_dir}")
+        encoder.prefix_of(args.as_task)
+    except (DataError, IndexMismatchError, KeyError, checkpoint.CheckpointError) as e:
+        print(f"t5r query-side: error: {e}", file=sys.stderr)
+        return 2
+    before = answer_recall(encoder, index, store, dev_task, args.as_task)
+    params, history = finetune(encoder, index, embeddings.load_matrix(args.embeddings_dir), store, train_task,
+                               args.as_task, QuerySideConfig())
+    after = answer_recall(encoder, index, store, dev_task, args.as_task)
+    save(args.output_dir, encoder, params, args.checkpoint_dir, args.as_task, args.task, history)
+    report = {"task": args.task, "dev_before": before, "dev_after": after, "history": history}
+    with open(os.path.join(args.output_dir, "query_side_report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1))
+    return 0
