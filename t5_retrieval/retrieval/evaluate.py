@@ -67,29 +67,52 @@ def evaluate(
     skip_answer_recall: Sequence[str] = ("fever", "wow"),
 ) -> EvalResult:
     """Scores every task's examples; `depth` passages are retrieved per query before page dedup."""
-    if depth < 1 or any(k < 1 for k in ks):
-        raise ValueError(f"depth and ks must be >= 1, got depth={depth}, ks={ks}")
-    ks = sorted(set(ks))
-    tables: dict[str, dict[str, float]] = {}
-    predictions: dict[str, list[dict[str, Any]]] = {}
-    tokens: dict[str, list[str]] = {}  # Normalised passage tokens, shared by every query and task.
-
-    def tokens_of(pid: str) -> list[str]:
-        if pid not in tokens:
-            tokens[pid] = metrics.normalize_answer_tokens(passages.get(pid).text)
-        return tokens[pid]
-
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    scorer = RankingScorer(passages, ks, skip_answer_recall)
     for task, examples in examples_by_task.items():
         hits = retrieve(encoder, index, [e.query for e in examples], task, depth, batch_size)
+        scorer.add_task(task, examples, [pids for pids, _ in hits])
+    return scorer.result()
+
+
+class RankingScorer:
+    """KILT metrics and prediction rows for precomputed passage rankings (best first), task by task.
+
+    `evaluate` feeds it an index's top passages; fusion (`t5r fuse`) feeds it fused rankings, so both
+    report the same columns from the same page mapping.
+    """
+
+    def __init__(self, passages: PassageLookup, ks: Sequence[int] = (1, 5, 20, 100),
+                 skip_answer_recall: Sequence[str] = ("fever", "wow")):
+        if any(k < 1 for k in ks):
+            raise ValueError(f"ks must be >= 1, got ks={ks}")
+        self.passages = passages
+        self.ks = sorted(set(ks))
+        self.skip_answer_recall = tuple(skip_answer_recall)
+        self.tables: dict[str, dict[str, float]] = {}
+        self.predictions: dict[str, list[dict[str, Any]]] = {}
+        self._tokens: dict[str, list[str]] = {}  # Normalised passage tokens, shared by every query and task.
+
+    def _tokens_of(self, pid: str) -> list[str]:
+        if pid not in self._tokens:
+            self._tokens[pid] = metrics.normalize_answer_tokens(self.passages.get(pid).text)
+        return self._tokens[pid]
+
+    def add_task(self, task: str, examples: Sequence[Example], rankings: Sequence[Sequence[str]]) -> None:
+        """Scores one task: `rankings[i]` is the ranked passage ids of `examples[i]`."""
+        if len(rankings) != len(examples):
+            raise ValueError(f"{task}: {len(rankings)} rankings for {len(examples)} examples")
+        ks = self.ks
         page_scores, passage_scores, answer_scores, rows = [], [], [], []
-        for example, (pids, _) in zip(examples, hits):
-            pages = metrics.dedup_keep_first(passages.page_of(pid) for pid in pids)
+        for example, pids in zip(examples, rankings):
+            pages = metrics.dedup_keep_first(self.passages.page_of(pid) for pid in pids)
             rows.append(kilt_prediction(example, pages))
             page_scores.append(metrics.kilt_scores(example.gold_pages, pages, ks))
             if example.positive_passages:
                 passage_scores.append({"passage_Rprec": metrics.passage_r_precision(example.positive_passages, pids)})
-            if example.answers and task not in skip_answer_recall:
-                rank = metrics.first_answer_rank((tokens_of(pid) for pid in pids[:max(ks)]), example.answers)
+            if example.answers and task not in self.skip_answer_recall:
+                rank = metrics.first_answer_rank((self._tokens_of(pid) for pid in pids[:max(ks)]), example.answers)
                 answer_scores.append({f"answer_recall@{k}": float(rank is not None and rank <= k) for k in ks})
         table: dict[str, float] = {"n": len(examples), **metrics.mean_scores(page_scores)}
         table.update(metrics.mean_scores(passage_scores))
@@ -97,9 +120,11 @@ def evaluate(
         if answer_scores:
             table.update(metrics.mean_scores(answer_scores))
             table["n_answers"] = len(answer_scores)
-        tables[task] = table
-        predictions[task] = rows
-    return EvalResult(tables, predictions)
+        self.tables[task] = table
+        self.predictions[task] = rows
+
+    def result(self) -> EvalResult:
+        return EvalResult(dict(self.tables), dict(self.predictions))
 
 
 def format_table(tables: Mapping[str, Mapping[str, float]]) -> str:
