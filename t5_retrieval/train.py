@@ -150,6 +150,7 @@ def train(model_dir: str,
           multitask: Callable[..., optax.GradientTransformation] | None = None,
           init_from: str | None = None,
           data_overrides: dict[str, Any] | None = None,
+          max_nonfinite_in_a_row: int = 10,
           ) -> TrainState:
     """Trains (or resumes) a dual encoder in `model_dir`; returns the final state.
 
@@ -166,6 +167,9 @@ def train(model_dir: str,
         latest checkpoint; a fresh optimiser, as between ANCE episodes) or a Hugging Face T5
         directory (config.json + safetensors). Ignored when model_dir already has a checkpoint.
       data_overrides: extra arguments for `batches` (e.g. the negatives of an ANCE episode).
+      max_nonfinite_in_a_row: a step with a non-finite loss, gradient or update is skipped (params
+        and optimiser state unchanged, counted as `skipped_steps`); this many in a row stop the
+        run with `NonFiniteError` (the last checkpoint stays the latest good state).
     """
     mesh = sharding.make_mesh()
     rules = sharding.logical_axis_rules()
@@ -173,6 +177,8 @@ def train(model_dir: str,
                    host_index=jax.process_index(), host_count=jax.process_count(), seed=seed,
                    **(data_overrides or {}))
     task_names = list(data.task_names)
+    if max_nonfinite_in_a_row < 1:
+        raise ValueError(f"train.max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
     if (num_steps is None) == (num_epochs is None):
         raise ValueError(f"train: set exactly one of num_steps ({num_steps}) and num_epochs ({num_epochs})")
     num_steps = num_steps or max(1, int(round(num_epochs * data.steps_per_epoch)))
@@ -194,10 +200,13 @@ def train(model_dir: str,
     opt_shardings = opt_state_shardings(jax.eval_shape(optimizer.init, params), params, param_shardings, mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     replicated = sharding.replicated(mesh)
-    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params,
-                       opt_state=opt_state, rng=jax.device_put(train_rng, replicated))
+    def zero() -> jax.Array:  # one buffer per field: the state is donated to the step
+        return jax.device_put(jnp.zeros((), jnp.int32), replicated)
+
+    state = TrainState(step=zero(), params=params, opt_state=opt_state, rng=jax.device_put(train_rng, replicated),
+                       skipped_steps=zero(), nonfinite_in_a_row=zero())
     state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                                 rng=replicated)
+                                 rng=replicated, skipped_steps=replicated, nonfinite_in_a_row=replicated)
 
     mngr = checkpoint.manager(model_dir, max_to_keep=keep_checkpoints)
     restored = checkpoint.restore(mngr, checkpoint.abstract_like(state))
@@ -210,13 +219,15 @@ def train(model_dir: str,
 
     step_fn = make_train_step(model, optimizer, task_names, per_task=multitask is not None,
                               logit_scale=config["dual_encoder"]["logit_scale"],
-                              extra_metrics=None if multitask is None else multitask_metrics)
+                              extra_metrics=None if multitask is None else multitask_metrics,
+                              max_nonfinite_in_a_row=max_nonfinite_in_a_row)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         first = next(data)
         batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, np.ndim(x)), first)
         jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
-        state = _loop(jitted, state, data, first, mesh, mngr, model_dir, num_steps, log_every, checkpoint_every)
+        state = _loop(jitted, state, data, first, mesh, mngr, model_dir, num_steps, log_every, checkpoint_every,
+                      max_nonfinite_in_a_row)
     export_taco_state(state.opt_state, task_names, model_dir)
     return state
 
@@ -231,9 +242,24 @@ def export_taco_state(opt_state: Any, task_names: list[str], model_dir: str) -> 
         save_state_npz(ema, task_names, os.path.join(model_dir, TACO_STATE_FILE))
 
 
+class NonFiniteError(FloatingPointError):
+    """Too many consecutive training steps had a non-finite loss or gradient."""
+
+
+def _check_finite_streak(state: TrainState, step: int, limit: int, model_dir: str, mngr: Any) -> None:
+    """Stops the run once the step has frozen the state on reaching `limit` non-finite steps in a row."""
+    in_a_row = int(state.nonfinite_in_a_row)
+    if in_a_row >= limit:
+        raise NonFiniteError(
+            f"{model_dir}: {limit} consecutive training steps had a non-finite loss or gradient "
+            f"(train.max_nonfinite_in_a_row = {limit}; {int(state.skipped_steps)} skipped in total, "
+            f"noticed at step {step}); parameters are those before the streak, the latest checkpoint is "
+            f"step {mngr.latest_step()}. Lower the learning rate, check the data, or resume from there.")
+
+
 def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch: Any,
           mesh: jax.sharding.Mesh, mngr: Any, model_dir: str, num_steps: int, log_every: int,
-          checkpoint_every: int) -> TrainState:
+          checkpoint_every: int, max_nonfinite_in_a_row: int) -> TrainState:
     metrics_log = MetricsLog(model_dir)
     start = int(state.step)
     batch = first_batch
@@ -243,7 +269,10 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
     log_only_metrics = jax.jit(taco_metrics)  # a pass over the TACO state: logging steps only
     for step in range(start + 1, num_steps + 1):
         state, metrics = step_fn(state, sharding.global_batch(mesh, batch))
-        if step % min(log_every, MAX_STEPS_IN_FLIGHT) == 0 or step == num_steps:
+        synced = step % min(log_every, MAX_STEPS_IN_FLIGHT) == 0 or step == num_steps
+        if synced or step % checkpoint_every == 0:
+            _check_finite_streak(state, step, max_nonfinite_in_a_row, model_dir, mngr)  # never save a frozen state
+        if synced:
             scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}  # also bounds the queue
             if step % log_every == 0 or step == num_steps:
                 now = time.time()

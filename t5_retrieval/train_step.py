@@ -33,10 +33,18 @@ Params = Any
 
 @flax.struct.dataclass
 class TrainState:
+    """Everything a resumed run needs besides the data position.
+
+    `skipped_steps` (total) and `nonfinite_in_a_row` (current streak) count steps whose loss or
+    gradients were not finite; they are optional (None: not counted) so that benchmarks and tests
+    that build a bare state keep working.
+    """
     step: jax.Array
     params: Params
     opt_state: optax.OptState
     rng: jax.Array
+    skipped_steps: jax.Array | None = None
+    nonfinite_in_a_row: jax.Array | None = None
 
 
 def query_tower(model: nn.Module, task_index: int) -> int | None:
@@ -151,14 +159,30 @@ def retrieval_and_generation_gradients(model: nn.Module, logit_scale: float, par
     return jax.tree.map(lambda *g: jnp.stack(g), *grads), losses, metrics
 
 
+def all_finite(*trees: Any) -> jax.Array:
+    """True iff every value of every tree is finite: sum(x * 0) is 0 then and NaN otherwise (one
+    float reduction per leaf, cheaper on XLA:CPU than and-reducing isfinite)."""
+    leaves = [x for tree in trees for x in jax.tree.leaves(tree)]
+    return sum(jnp.sum(x * 0, dtype=jnp.float32) for x in leaves) == 0
+
+
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExtraArgs,
                     task_names: Sequence[str], per_task: bool, logit_scale: float = 1.0,
-                    extra_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None) -> Callable:
+                    extra_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None,
+                    max_nonfinite_in_a_row: int | None = None) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics), to be jitted with shardings by the caller.
 
     The optimiser receives the gradient of the summed task losses, or with ``per_task`` the K task
     gradients stacked on a leading axis; a model with ``query_generation`` (GDMTL) gives it the
     [retrieval, query generation] pair instead, so it needs a two-objective transform.
+
+    A step whose losses, gradients or updates are not all finite is skipped: parameters and
+    optimiser state (hence its step count and learning-rate schedule) stay as they were, the
+    batch is consumed and `step` advances. Metric ``skipped`` is 1 for such a step; when the state
+    carries the counters, ``skipped_steps`` and ``nonfinite_in_a_row`` report them. Once the streak
+    reaches ``max_nonfinite_in_a_row`` the state freezes (every later step is skipped and the
+    streak kept), so the caller, which reads the metrics only every few steps, can stop the run
+    on the exact state where the limit was hit.
     """
     if model.config.query_generation and not per_task:
         raise ValueError("a model with query_generation (GDMTL) needs a multi-task transform over its two "
@@ -177,10 +201,23 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
             grads, losses, metrics = summed_gradient(model, logit_scale, state.params, batch, task_names, step_rng)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params, task_losses=losses)
         params = optax.apply_updates(state.params, updates)
+        finite = all_finite(losses, grads, updates)
+        counters = {}
+        if state.nonfinite_in_a_row is not None:
+            if max_nonfinite_in_a_row is not None:
+                finite &= state.nonfinite_in_a_row < max_nonfinite_in_a_row  # frozen once the limit is hit
+            counters = {"skipped_steps": state.skipped_steps + (~finite).astype(jnp.int32),
+                        "nonfinite_in_a_row": jnp.where(finite, 0, state.nonfinite_in_a_row + 1)}
+            if max_nonfinite_in_a_row is not None:
+                counters["nonfinite_in_a_row"] = jnp.minimum(counters["nonfinite_in_a_row"], max_nonfinite_in_a_row)
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
         metrics["loss"] = jnp.sum(losses)
-        metrics["update_norm"] = optax.tree.norm(updates)
+        metrics["update_norm"] = jnp.where(finite, optax.tree.norm(updates), 0.0)
+        metrics["skipped"] = (~finite).astype(jnp.int32)
+        metrics.update(counters)
         if extra_metrics is not None:
             metrics.update(extra_metrics(opt_state))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng, **counters), metrics
 
     return train_step
