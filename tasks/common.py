@@ -1,7 +1,9 @@
 """The one helper `tasks/*` use: a dataset family -> Tasks in three query-prefix variants + Mixtures.
 
 Variants (TACO ablations): `{family}_{dataset}` with the dataset prefix ("FEVER <extra_id_1> ..."),
-`..._noprefix`, and `..._typed` with one of 5 task-type markers (QA, FC, SF, EL, DIAL).
+`..._noprefix`, and `..._typed` with one of 5 task-type markers (QA, FC, SF, EL, DIAL). Each variant
+is a Mixture of all datasets (`{family}{variant}`) and, for MT-DPR's leave-one-out zero-shot runs,
+of all but one (`{family}{variant}_without_{dataset}`).
 """
 
 from __future__ import annotations
@@ -30,3 +32,5 @@ def register_family(family: str, datasets: Sequence[Dataset]) -> None:
             register_kilt_task(name, d.dataset, prefix_of(d), d.num_train, d.num_dev)
             names.append(name)
         register_mixture(f"{family}{suffix}", names)
+        for d, held_out in zip(datasets, names):
+            register_mixture(f"{family}{suffix}_without_{d.dataset}", [n for n in names if n != held_out])

@@ -138,3 +138,18 @@ def test_mixtures_and_unknown_names(data_dir, vocab):
         2_284_168 ** 0.25)
     with pytest.raises(KeyError, match="unknown task or mixture 'demo_nope'; known: .*demo_fever"):
         _iterator(data_dir, vocab, names=("demo_nope",))
+
+
+def test_few_shot_subset_is_fixed_across_seeds_and_split_between_hosts(data_dir, vocab):
+    def queries(**kw) -> set[bytes]:
+        it = _iterator(data_dir, vocab, names=("demo_trex",), per_device_batch=2, local_data_devices=1,
+                       max_examples_per_task=8, **kw)
+        assert it.steps_per_epoch == 8 // 2 // kw.get("host_count", 1), "an epoch is a pass over the subset"
+        return {r.tobytes() for _ in range(it.steps_per_epoch) for r in next(it)["demo_trex"]["query_tokens"]}
+
+    one_host = queries(seed=1)
+    assert len(one_host) == 8, f"expected the 8 subset examples in one epoch, saw {len(one_host)} distinct"
+    assert queries(seed=5) == one_host, "the subset must not depend on the run seed"
+    per_host = [queries(seed=1, host_index=h, host_count=2) for h in range(2)]
+    assert per_host[0] | per_host[1] == one_host and not per_host[0] & per_host[1], \
+        "hosts must partition the same subset"

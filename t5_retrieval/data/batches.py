@@ -32,6 +32,7 @@ from t5_retrieval.data.tokenize import Vocabulary, tokenize, to_fixed_length, en
 
 Batch = dict[str, dict[str, np.ndarray]]
 _FILL_STREAM = 7919  # separates the random-negative RNG stream from the permutation streams
+FEW_SHOT_SEED = 128  # fixes the few-shot subset, independent of the run seed and the host
 
 
 @dataclasses.dataclass
@@ -188,7 +189,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                         vocabulary: Vocabulary | str, query_len: int, passage_len: int, num_negatives: int,
                         per_device_batch: int, local_data_devices: int = 1, host_index: int = 0,
                         host_count: int = 1, seed: int = 0, temperature: float = registry.TEMPERATURE,
-                        split: str = "train") -> TrainIterator:
+                        split: str = "train", max_examples_per_task: int | None = None) -> TrainIterator:
     """Builds the per-task training iterator over `<data_dir>/examples` and a negatives directory.
 
     `negatives` is a directory of `{dataset}-{split}.jsonl` negatives files (default
@@ -198,6 +199,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     are skipped and counted (logged). Per-device sub-batch sizes come from the temperature-scaled
     rates of the tasks' declared sizes; host-local sizes are those times `local_data_devices`.
     Each host reads examples i with i % host_count == host_index (seqio.ShardInfo style).
+    `max_examples_per_task` keeps a fixed random subset of each task (MT-DPR's few-shot regimes:
+    128 or 1,024 examples), the same on every host and for every `seed`.
     """
     import tasks  # noqa: F401  (registers the task specs)
 
@@ -210,7 +213,11 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     negatives_dir = negatives or layout.negatives_dir(data_dir, "bm25")
     task_data = []
     for spec, size in zip(specs, sizes):
-        examples = read_examples(layout.examples_path(data_dir, spec.dataset, split))[host_index::host_count]
+        examples = read_examples(layout.examples_path(data_dir, spec.dataset, split))
+        if max_examples_per_task is not None and len(examples) > max_examples_per_task:
+            keep = np.random.default_rng(FEW_SHOT_SEED).choice(len(examples), max_examples_per_task, replace=False)
+            examples = [examples[i] for i in np.sort(keep)]
+        examples = examples[host_index::host_count]
         negatives_file = layout.negatives_path(negatives_dir, spec.dataset, split)
         if not os.path.exists(negatives_file):
             raise DataError(f"{negatives_file}: missing; run `t5r data negatives` (or mining) for {spec.dataset}")

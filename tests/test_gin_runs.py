@@ -1,0 +1,46 @@
+"""Every run file of gin_configs/runs/ parses with a model file, and what it names exists."""
+
+import glob
+import importlib
+import os
+
+import gin
+import pytest
+
+from t5_retrieval import gin_utils
+
+RUNS = sorted(glob.glob(os.path.join(gin_utils.REPO_GIN_DIR, "runs", "*.gin")))
+# The modules whose configurables the run files bind (what `t5r train/ance/query-side` import).
+MODULES = ("t5_retrieval.train", "t5_retrieval.ance", "t5_retrieval.query_side", "t5_retrieval.multitask")
+# What a user gives on the command line (DESIGN: a run is reproducible from its command line).
+COMMAND_LINE = ["DATA_DIR = '/data'", "VOCABULARY = '/spm.model'", "NUM_STEPS = 10", "INIT_FROM = '/runs/loo'"]
+
+
+@pytest.mark.parametrize("run_file", [os.path.basename(p) for p in RUNS])
+def test_run_file_parses_and_its_mixture_and_model_exist(run_file, clean_gin):
+    for module in MODULES:
+        importlib.import_module(module)
+    import tasks  # noqa: F401  (registers the mixtures)
+    from t5_retrieval.data import registry
+    from t5_retrieval.train import model_config
+
+    bindings = COMMAND_LINE + (["MIXTURE = 'kilt_nq'"] if run_file == "single_task.gin" else [])
+    gin_utils.parse_gin(["models/t5_tiny.gin", f"runs/{run_file}"], bindings)
+    config = model_config()
+    assert config["t5"]["d_model"] == 64, "the model file's size must survive the run file"
+    try:
+        mixture = gin.query_parameter("%MIXTURE")
+    except ValueError:
+        mixture = None  # runs that train nothing (e.g. query_side.gin)
+    if mixture is not None:
+        assert registry.resolve(mixture), f"{run_file}: MIXTURE {mixture!r} resolves to no task"
+
+
+def test_leave_one_out_mixtures_hold_every_task_but_one():
+    import tasks  # noqa: F401
+    from t5_retrieval.data import registry
+
+    full = registry.MIXTURES["kilt_noprefix"]
+    for held_out in ("fever", "nq", "wow"):
+        loo = registry.MIXTURES[f"kilt_noprefix_without_{held_out}"]
+        assert set(full) - set(loo) == {f"kilt_{held_out}_noprefix"} and len(loo) == len(full) - 1, loo
