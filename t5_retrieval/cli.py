@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "index": ("t5_retrieval.retrieval.index:main", "Build a ScaNN index from embedding shards."),
     "eval": ("t5_retrieval.retrieval.evaluate:main", "Retrieve and score with the KILT metrics."),
     "mine": ("t5_retrieval.retrieval.mine:main", "Mine hard negatives with the current model."),
+    "fuse": ("t5_retrieval.fusion.fuse:main", "DPR-MUF: fuse single-task experts by model uncertainty."),
     "ance": ("t5_retrieval.ance:main", "Warm-up, then ANCE episodes of (mine, train, eval)."),
     "serve": ("t5_retrieval.retrieval.serve:main", "HTTP search API over an index."),
     "export": ("t5_retrieval.export.cli:main", "One TF SavedModel (tokenizer, encoder, ScaNN) for serving."),

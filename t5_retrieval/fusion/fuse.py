@@ -1,0 +1,228 @@
+"""Fused rankings: DPR-MUF (confidence-weighted experts), the uniform sum, and the BM25 + dense hybrid.
+
+Both rules score the union of the lists; a passage missing from a list gets that list's minimum
+score (DPR-MUF; also the usual dense + sparse hybrid rule, Ma et al. 2021):
+
+* **DPR-MUF**: fused(p) = sum_x c_x(q) * s_x(q, p), with c_x the per-query confidence of expert x
+  (`muf`: 1 - MI / log E of its MLP ensemble) and s_x its raw retrieval score.
+* **uniform**: the same sum with every c_x = 1 (what the confidence adds is the difference).
+* **hybrid**: (1 - w) * dense(p) + w * bm25(p) over the union of the fused dense list and the BM25
+  list (`data/bm25.py`), w = `FuseConfig.hybrid_weight` (DPR's bm25 + lambda * dense with
+  lambda = 1.1 is w = 1 / 2.1 up to scale).
+* **own_expert**: for a task that has an expert, that expert alone (the single-task reference).
+
+Each ranking is cut to `depth` passages and scored with the same page mapping and KILT metrics as
+`t5r eval` (`evaluate.RankingScorer`).
+
+`t5r fuse --data_dir=... --output_dir=... --expert=TASK,CHECKPOINT_DIR,INDEX_DIR [--expert=...]`
+(CHECKPOINT_DIR may be `lexical:<dim>`; experts can also come from gin, `FuseConfig.experts`)
+writes `<output_dir>/<method>/{results.json,results.txt,predictions/}`, `<output_dir>/ensembles/<task>/`
+and `<output_dir>/confidence.json` (mean confidence of each expert on each task's queries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+import gin
+import numpy as np
+
+from t5_retrieval.data.records import Example
+from t5_retrieval.fusion import experts as experts_lib
+from t5_retrieval.fusion import muf
+from t5_retrieval.retrieval.evaluate import EvalResult, RankingScorer
+from t5_retrieval.retrieval.passages import PassageLookup
+
+Ranking = tuple[list[str], np.ndarray]  # passage ids and scores, best first
+
+
+def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: Sequence[float]) -> Ranking:
+    """sum_i w_i * s_i(p) over the union of the lists, s_i(p) = min(list i) when p is not in list i.
+
+    Ties keep the order of first appearance (list by list, best first). An empty list adds nothing.
+    """
+    if len(lists) != len(weights):
+        raise ValueError(f"{len(lists)} lists but {len(weights)} weights")
+    position: dict[str, int] = {}
+    for ids, _ in lists:
+        for pid in ids:
+            position.setdefault(pid, len(position))
+    total = np.zeros(len(position), np.float64)
+    for (ids, scores), weight in zip(lists, weights):
+        scores = np.asarray(scores, np.float64)
+        if len(ids) != len(scores):
+            raise ValueError(f"a list has {len(ids)} ids but {len(scores)} scores")
+        if not len(ids):
+            continue
+        column = np.full(len(position), scores.min())
+        column[[position[pid] for pid in ids]] = scores
+        total += weight * column
+    order = np.lexsort((np.arange(len(position)), -total))
+    ids = list(position)
+    return [ids[i] for i in order], total[order]
+
+
+def hybrid(dense: tuple[Sequence[str], Sequence[float]], sparse: tuple[Sequence[str], Sequence[float]],
+           weight: float) -> Ranking:
+    """(1 - weight) * dense + weight * sparse over the union, missing scores = the list's minimum."""
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"hybrid weight must be in [0, 1], got {weight}")
+    return fuse_lists([dense, sparse], [1.0 - weight, weight])
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class FuseConfig:
+    """What to fuse and how to score it.
+
+    experts: (task, checkpoint dir or "lexical:<dim>", index dir) triples (the CLI's --expert wins).
+    depth: passages per expert list, per BM25 list and per fused ranking (as `evaluate.depth`).
+    hybrid_weight: BM25 weight w of the hybrid; None skips the hybrid (and building BM25).
+    """
+
+    experts: tuple[tuple[str, str, str], ...] = ()
+    depth: int = 100
+    ks: tuple[int, ...] = (1, 5, 20, 100)
+    hybrid_weight: float | None = None
+    batch_size: int = 128
+    skip_answer_recall: tuple[str, ...] = ("fever", "wow")
+
+
+@dataclasses.dataclass
+class FusionResult:
+    results: dict[str, EvalResult]  # method -> per-task tables and KILT predictions
+    ensembles: dict[str, muf.Ensemble]  # expert task -> its trained, calibrated ensemble
+    confidence: dict[str, dict[str, float]]  # expert task -> eval task -> mean confidence
+
+
+def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Mapping[str, Sequence[Example]],
+                      eval_examples: Mapping[str, Sequence[Example]], passages: PassageLookup,
+                      ensemble_config: muf.EnsembleConfig, config: FuseConfig,
+                      calibration_examples: Mapping[str, Sequence[Example]] | None = None,
+                      bm25=None) -> FusionResult:
+    """Trains and calibrates every expert's ensemble, then fuses and scores every eval task.
+
+    `bm25` (a `data.bm25.BM25Index`) is needed only when `config.hybrid_weight` is set.
+    """
+    if config.hybrid_weight is not None and bm25 is None:
+        raise ValueError("FuseConfig.hybrid_weight is set but no BM25 index was given")
+    if config.depth < 1:
+        raise ValueError(f"FuseConfig.depth must be >= 1, got {config.depth}")
+    from t5_retrieval.data.negatives import bm25_query
+
+    vectors = {x.task: experts_lib.PassageVectors(x.encoder, passages) for x in experts}
+    ensembles = {}
+    for x in experts:
+        if x.task not in train_examples:
+            raise ValueError(f"expert {x.task}: no train examples for task {x.task!r}")
+        ensembles[x.task] = experts_lib.train_and_calibrate(
+            x, train_examples[x.task], calibration_examples if calibration_examples is not None else eval_examples,
+            passages, ensemble_config, config.batch_size, vectors[x.task])
+    methods = ["muf", "uniform", "own_expert"] + (["hybrid"] if config.hybrid_weight is not None else [])
+    scorers = {m: RankingScorer(passages, config.ks, config.skip_answer_recall) for m in methods}
+    confidence: dict[str, dict[str, float]] = {x.task: {} for x in experts}
+    top_l = ensemble_config.top_l
+    for task, examples in eval_examples.items():
+        queries = [e.query for e in examples]
+        lists, weights = [], []
+        for x in experts:
+            query_vectors, hits = x.search(queries, max(config.depth, top_l), config.batch_size)
+            candidates, valid = experts_lib.candidate_arrays([ids for ids, _ in hits], vectors[x.task], top_l)
+            conf = ensembles[x.task].confidence(query_vectors, candidates, valid)
+            confidence[x.task][task] = float(conf.mean()) if len(conf) else float("nan")
+            lists.append([(ids[:config.depth], scores[:config.depth]) for ids, scores in hits])
+            weights.append(conf)
+        rankings: dict[str, list[list[str]]] = {m: [] for m in methods}
+        for i, example in enumerate(examples):
+            per_query = [expert_lists[i] for expert_lists in lists]
+            fused = fuse_lists(per_query, [float(w[i]) for w in weights])
+            rankings["muf"].append(fused[0][:config.depth])
+            rankings["uniform"].append(fuse_lists(per_query, [1.0] * len(per_query))[0][:config.depth])
+            if config.hybrid_weight is not None:
+                rows, scores = bm25.search(bm25_query(example.query), config.depth)
+                sparse = ([bm25.ids[r] for r in rows], scores)
+                dense = (fused[0][:config.depth], fused[1][:config.depth])
+                rankings["hybrid"].append(hybrid(dense, sparse, config.hybrid_weight)[0][:config.depth])
+        own = [j for j, x in enumerate(experts) if x.task == task]
+        if own:
+            rankings["own_expert"] = [ids for ids, _ in lists[own[0]]]
+        for method in methods:
+            if method != "own_expert" or own:
+                scorers[method].add_task(task, examples, rankings[method])
+    return FusionResult({m: s.result() for m, s in scorers.items()}, ensembles, confidence)
+
+
+def write_fusion(result: FusionResult, output_dir: str) -> None:
+    """Per method: results.json/.txt and KILT predictions (as `t5r eval`); ensembles; confidences."""
+    from t5_retrieval.retrieval.evaluate import write_results
+
+    for method, evaluation in result.results.items():
+        write_results(evaluation, os.path.join(output_dir, method))
+    for task, ensemble in result.ensembles.items():
+        ensemble.save(os.path.join(output_dir, "ensembles", task))
+    with open(os.path.join(output_dir, "confidence.json"), "w", encoding="utf-8") as f:
+        json.dump(result.confidence, f, indent=1)
+
+
+def _expert_specs(flags: Sequence[str], config: FuseConfig) -> list[experts_lib.ExpertSpec]:
+    specs = [experts_lib.ExpertSpec.parse(e) for e in (flags or config.experts)]
+    if not specs:
+        raise ValueError("no experts: pass --expert=TASK,CHECKPOINT_DIR,INDEX_DIR (or gin FuseConfig.experts)")
+    tasks = [s.task for s in specs]
+    if len(set(tasks)) != len(tasks):
+        raise ValueError(f"experts: one expert per task, got tasks {tasks}")
+    return specs
+
+
+def main(argv: list[str]) -> int:
+    """`t5r fuse`: DPR-MUF fusion of single-task experts, scored with the KILT metrics."""
+    from t5_retrieval import gin_utils
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.records import DataError
+    from t5_retrieval.retrieval.evaluate import format_table, load_task_examples
+    from t5_retrieval.retrieval.index import IndexMismatchError
+
+    parser = argparse.ArgumentParser(prog="t5r fuse", description=__doc__.splitlines()[0])
+    parser.add_argument("--expert", action="append", default=[],
+                        help="TASK,CHECKPOINT_DIR,INDEX_DIR (repeat per expert; CHECKPOINT_DIR may be lexical:<dim>)")
+    parser.add_argument("--data_dir", required=True, help="processed data (examples/, kb/)")
+    parser.add_argument("--kb_dir", default=None, help="passage store (default: <data_dir>/kb)")
+    parser.add_argument("--tasks", default="", help="comma-separated eval tasks (default: the experts' tasks)")
+    parser.add_argument("--split", default="dev", help="split to evaluate")
+    parser.add_argument("--train_split", default="train", help="split the ensembles are trained on")
+    parser.add_argument("--calibration_split", default="dev", help="split the temperature is calibrated on")
+    parser.add_argument("--output_dir", required=True)
+    args = gin_utils.parse_args(parser, argv)
+    config = FuseConfig()
+    try:
+        specs = _expert_specs(args.expert, config)
+        store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
+        eval_tasks = [t for t in args.tasks.split(",") if t] or [s.task for s in specs]
+        eval_examples = load_task_examples(args.data_dir, args.split, eval_tasks)
+        train_examples = load_task_examples(args.data_dir, args.train_split, [s.task for s in specs])
+        calibration = (eval_examples if args.calibration_split == args.split
+                       else load_task_examples(args.data_dir, args.calibration_split, eval_tasks))
+        ids = store.ids()
+        experts = [experts_lib.load_expert(spec, ids) for spec in specs]
+        bm25 = None
+        if config.hybrid_weight is not None:
+            from t5_retrieval.data.bm25 import BM25Index
+            bm25 = BM25Index(store)
+        result = fuse_and_evaluate(experts, train_examples, eval_examples, store, muf.EnsembleConfig(), config,
+                                   calibration, bm25)
+    except (DataError, IndexMismatchError, ValueError) as e:
+        print(f"t5r fuse: error: {e}", file=sys.stderr)
+        return 2
+    write_fusion(result, args.output_dir)
+    for method, evaluation in result.results.items():
+        print(f"== {method}")
+        print(format_table(evaluation.tables), end="")
+    print("== mean confidence (expert x eval task)")
+    print(json.dumps(result.confidence, indent=1))
+    return 0
