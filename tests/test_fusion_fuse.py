@@ -149,3 +149,15 @@ def test_mismatched_expert_index_and_unknown_task_are_clear_errors(demo, tmp_pat
     assert "TASK,CHECKPOINT_DIR,INDEX_DIR" in capsys.readouterr().err
     assert cli.main([*args, "--expert", specs["nq"], "--expert", specs["nq"]]) == 2
     assert "one expert per task" in capsys.readouterr().err
+
+
+def test_run_files_bind_the_paper_settings():
+    from t5_retrieval import gin_utils
+
+    gin_utils.parse_gin(["runs/dpr_muf_bm25.gin"], [])
+    ensemble, config = muf.EnsembleConfig(), fuse.FuseConfig()
+    assert (ensemble.num_members, ensemble.top_l, ensemble.temperature) == (5, 20, 1e-3), ensemble
+    assert config.depth == 100 and config.hybrid_weight == pytest.approx(0.476), config
+    gin.clear_config()
+    gin_utils.parse_gin(["runs/dpr_muf.gin"], [])
+    assert fuse.FuseConfig().hybrid_weight is None, "the DPR-MUF row has no BM25 hybrid"
