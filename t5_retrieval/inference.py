@@ -21,7 +21,8 @@ import numpy as np
 from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data.text import format_passage, format_query
-from t5_retrieval.data.tokenize import tokenize
+from t5_retrieval.data.tokenize import load_vocabulary, tokenize
+from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.train import build_model
@@ -40,7 +41,7 @@ def fingerprint_of(config: dict[str, Any], params: Any, step: int) -> str:
 class DualEncoderInference:
     """Implements the retrieval `Encoder` protocol with a trained (or freshly built) dual encoder."""
 
-    def __init__(self, model: DualEncoder, params: Any, config: dict[str, Any], fingerprint: str,
+    def __init__(self, model: DualEncoder | BertDualEncoder, params: Any, config: dict[str, Any], fingerprint: str,
                  mesh: jax.sharding.Mesh, batch_size: int = 64, vocabulary: Any = None):
         self.model = model
         self.params = params
@@ -76,9 +77,7 @@ class DualEncoderInference:
             path = self.features.get("vocabulary")
             if not path:
                 raise ValueError("this model records no vocabulary path (trained on synthetic token batches?)")
-            import seqio
-
-            self._vocab = seqio.SentencePieceVocabulary(path, extra_ids=100)
+            self._vocab = load_vocabulary(path)  # sentencepiece (T5) or WordPiece (BERT), by the path
         return self._vocab
 
     def prefix_of(self, task: str) -> str | None:
@@ -93,7 +92,8 @@ class DualEncoderInference:
             if not text or not text.strip():
                 raise ValueError(f"query {i} is empty")
         strings = [format_query(t, prefix) for t in texts]
-        tower = self.training_task_order.index(task) if self.model.config.query_towers else None
+        config = self.model.config
+        tower = config.query_tower(self.training_task_order.index(task) if config.query_towers else 0)
         return self.encode_tokens(tokenize(self.vocabulary, strings, self.features["query_len"]), tower)
 
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
@@ -110,7 +110,7 @@ class DualEncoderInference:
                 chunk = tokens[start:start + self.batch_size]
                 padded = np.zeros((self.batch_size, tokens.shape[1]), np.int32)
                 padded[:len(chunk)] = chunk
-                padded[len(chunk):, 0] = 1  # EOS-only rows: never all-padding
+                padded[len(chunk):, 0] = 1  # filler rows that are never all-padding (their output is dropped)
                 out[start:start + len(chunk)] = np.asarray(self._embed(self.params, padded, tower))[:len(chunk)]
         return out
 

@@ -27,6 +27,9 @@ from tqdm import tqdm
 
 from t5_retrieval import checkpoint, gin_utils, logs, sharding
 from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
+from t5_retrieval.models import pretrained  # noqa: F401 (gin: @minilm_l6_dir)
+from t5_retrieval.models.bert import BertConfig
+from t5_retrieval.models.bert_dual_encoder import BertDualEncoder, BertDualEncoderConfig
 from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
 from t5_retrieval.multitask import find_taco_state, multitask_metrics, taco_metrics
 from t5_retrieval.multitask.analysis import save_state_npz
@@ -51,16 +54,36 @@ class BatchIterator(Protocol):
     def restore(self, state: dict[str, Any]) -> None: ...
 
 
+FAMILIES = ("t5", "bert")
+
+
 @gin.configurable
-def model_config(t5: T5Config | None = None, dual_encoder: DualEncoderConfig | None = None
+def model_config(family: str = "t5", t5: T5Config | None = None, dual_encoder: DualEncoderConfig | None = None,
+                 bert: BertConfig | None = None, bert_dual_encoder: BertDualEncoderConfig | None = None
                  ) -> dict[str, Any]:
-    """The architecture as plain data: stored with checkpoints, rebuilt by `build_model`."""
-    t5 = t5 or T5Config()  # constructed here, so that gin bindings of T5Config apply
+    """The architecture as plain data: stored with checkpoints, rebuilt by `build_model`.
+
+    `family` "t5" (ST5 dual encoder; the stored config has no "family" key, as before BERT existed)
+    or "bert" (MT-DPR / sentence-transformers: {"family": "bert", "bert", "dual_encoder"}).
+    """
+    if family == "bert":
+        bert = bert or BertConfig()  # constructed here, so that gin bindings apply
+        bert_dual_encoder = bert_dual_encoder or BertDualEncoderConfig()
+        return {"family": "bert", "bert": dataclasses.asdict(bert),
+                "dual_encoder": dataclasses.asdict(bert_dual_encoder)}
+    if family != "t5":
+        raise ValueError(f"model_config.family: expected one of {FAMILIES}, got {family!r}")
+    t5 = t5 or T5Config()
     dual_encoder = dual_encoder or DualEncoderConfig()
     return {"t5": dataclasses.asdict(t5), "dual_encoder": dataclasses.asdict(dual_encoder)}
 
 
-def build_model(config: dict[str, Any]) -> DualEncoder:
+def build_model(config: dict[str, Any]) -> DualEncoder | BertDualEncoder:
+    family = config.get("family", "t5")
+    if family == "bert":
+        return BertDualEncoder(BertConfig(**config["bert"]), BertDualEncoderConfig(**config["dual_encoder"]))
+    if family != "t5":
+        raise ValueError(f"stored model config has family {family!r}; this version knows {FAMILIES}")
     return DualEncoder(T5Config(**config["t5"]), DualEncoderConfig(**config["dual_encoder"]))
 
 
@@ -78,17 +101,29 @@ def init_params(model: nn.Module, rng: jax.Array, mesh: jax.sharding.Mesh, rules
 
 
 def initial_params(source: str, like: Any) -> Any:
-    """Weights to start from: a t5r model directory's latest checkpoint, or a Hugging Face T5 directory."""
+    """Weights to start from: a t5r model directory's latest checkpoint, or a Hugging Face T5 or BERT
+    directory. A BERT's query encoders (separate or per task) start from the same weights as the
+    shared one, as in DPR / MT-DPR."""
     abstract = checkpoint.abstract_like(like)
     if os.path.exists(os.path.join(source, checkpoint.CONFIG_FILE)):
         params, step = checkpoint.restore_params(source, abstract)
         log.info("initialised from %s step %d", source, step)
         return params
     if os.path.exists(os.path.join(source, "config.json")):
-        from t5_retrieval.models import hf_import
+        from t5_retrieval.models import hf_bert_import, hf_import
+        if hf_bert_import.is_bert_config(hf_bert_import.read_hf_config(source)):
+            if "bert" not in like:
+                raise checkpoint.CheckpointError(f"init_from={source!r} is a BERT, but the model is a T5 "
+                                                 "(set model_config.family = 'bert' and the BertConfig)")
+            bert = hf_bert_import.load_bert(source, abstract["bert"])  # shapes checked tensor by tensor
+            return {name: bert if name == "bert" or name.startswith("query_bert_") else value
+                    for name, value in like.items()}
+        if "t5" not in like:
+            raise checkpoint.CheckpointError(f"init_from={source!r} is not a BERT (config.json model_type), "
+                                             "but the model is")
         return {**like, "t5": hf_import.load_t5(source, abstract["t5"])}
-    raise checkpoint.CheckpointError(f"init_from={source!r}: neither a t5r model directory "
-                                     f"({checkpoint.CONFIG_FILE}) nor a Hugging Face T5 directory (config.json)")
+    raise checkpoint.CheckpointError(f"init_from={source!r}: neither a t5r model directory ({checkpoint.CONFIG_FILE}) "
+                                     "nor a Hugging Face T5 or BERT directory (config.json)")
 
 
 def opt_state_shardings(abstract_opt_state: Any, params: Any, param_shardings: Any,
@@ -164,8 +199,9 @@ def train(model_dir: str,
         ...); None sums the task losses (naive multi-task). Its statistics (e.g. whether TACO's
         weighting is active, the mean task entropy) are logged with the other metrics.
       init_from: start from these weights instead of a random init: a t5r model directory (its
-        latest checkpoint; a fresh optimiser, as between ANCE episodes) or a Hugging Face T5
-        directory (config.json + safetensors). Ignored when model_dir already has a checkpoint.
+        latest checkpoint; a fresh optimiser, as between ANCE episodes) or a Hugging Face T5 or
+        BERT directory (config.json + safetensors; gin `@minilm_l6_dir()` for the installed
+        MiniLM). Ignored when model_dir already has a checkpoint.
       data_overrides: extra arguments for `batches` (e.g. the negatives of an ANCE episode).
       max_nonfinite_in_a_row: a step with a non-finite loss, gradient or update is skipped (params
         and optimiser state unchanged, counted as `skipped_steps`); this many in a row stop the

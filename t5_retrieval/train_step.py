@@ -48,8 +48,9 @@ class TrainState:
 
 
 def query_tower(model: nn.Module, task_index: int) -> int | None:
-    """The query encoder of a task: its own tower when the model has per-task towers, else shared."""
-    return task_index if model.config.query_towers else None
+    """The query encoder of a task: its own tower (per-task towers), the one separate query
+    encoder, or None for the encoder shared with passages."""
+    return model.config.query_tower(task_index)
 
 
 def task_loss_fn(model: nn.Module, logit_scale: float) -> Callable:
@@ -101,7 +102,8 @@ def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_
                 for k, t in enumerate(task_names)])
         else:
             queries = jnp.concatenate([batch[t]["query_tokens"] for t in task_names])
-            query_emb = model.apply({"params": params}, queries, deterministic=False, rngs={"dropout": query_rng})
+            query_emb = model.apply({"params": params}, queries, deterministic=False, rngs={"dropout": query_rng},
+                                    tower=query_tower(model, 0))
         passage_emb = model.apply({"params": params}, passages, deterministic=False, rngs={"dropout": passage_rng})
         losses, metrics = [], {}
         q_start = p_start = 0

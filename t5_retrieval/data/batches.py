@@ -28,7 +28,7 @@ from t5_retrieval.data.kb import PassageStore, passage_text
 from t5_retrieval.data.mixing import sizes_from_rates, temperature_rates
 from t5_retrieval.data.records import DataError, Example, read_examples, read_negatives
 from t5_retrieval.data.text import format_query
-from t5_retrieval.data.tokenize import Vocabulary, tokenize, to_fixed_length, encode_with_eos_markers
+from t5_retrieval.data.tokenize import Vocabulary, encode_text, load_vocabulary, tokenize
 
 Batch = dict[str, dict[str, np.ndarray]]
 _FILL_STREAM = 7919  # separates the random-negative RNG stream from the permutation streams
@@ -147,17 +147,14 @@ class TrainIterator:
         tokens = self._passage_cache.get(index)
         if tokens is None:
             passage = self._store.get(self._store.ids()[index])
-            tokens = to_fixed_length(encode_with_eos_markers(self._vocab, passage_text(passage)), self._passage_len)
+            tokens = encode_text(self._vocab, passage_text(passage), self._passage_len)
             self._passage_cache[index] = tokens
         return tokens
 
 
 def _load_vocabulary(vocabulary: Vocabulary | str) -> Vocabulary:
-    if isinstance(vocabulary, str):
-        import seqio
-
-        return seqio.SentencePieceVocabulary(vocabulary, extra_ids=100)
-    return vocabulary
+    """A path (sentencepiece model, or a BERT vocab.txt / model directory) or a vocabulary object."""
+    return load_vocabulary(vocabulary) if isinstance(vocabulary, str) else vocabulary
 
 
 def _task_data(spec: registry.KiltTaskSpec, examples: list[Example], negatives: dict[str, tuple[str, ...]],

@@ -19,6 +19,7 @@ import gin
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import read_jsonl
 from t5_retrieval.data.text import format_query
+from t5_retrieval.data.tokenize import conventions_of
 
 TEMPERATURE = 4.0
 TASK_TYPES = ("QA", "FC", "SF", "EL", "DIAL")
@@ -101,18 +102,24 @@ def format_queries(dataset, prefix: str | None):
 
 
 def tokenize_queries(dataset, output_features):
-    """seqio preprocessor: tokenises "query", turning each literal `</s>` into the EOS id."""
+    """seqio preprocessor: tokenises "query" in the vocabulary's conventions (`tokenize.py`): each
+    literal `</s>` becomes the separator id (T5: EOS, BERT: [SEP]) and start ids (BERT: [CLS]) go
+    first; the end id is the vocabulary's `eos_id`, appended by `append_eos_after_trim`."""
     import tensorflow as tf
 
     vocab = output_features["query"].vocabulary
+    conventions = conventions_of(vocab)
 
     def fn(ex):
         segments = tf.strings.split(ex["query"], sep="</s>")
         ids = tf.cast(vocab.encode_tf(segments), tf.int32)
         n = tf.shape(segments, out_type=tf.int64)[0]
         eos_lengths = tf.concat([tf.ones([n - 1], tf.int64), tf.zeros([1], tf.int64)], 0)
-        eos = tf.RaggedTensor.from_row_lengths(tf.ones([n - 1], tf.int32), eos_lengths)
-        return {**ex, "query": tf.concat([ids, eos], axis=1).flat_values}
+        eos = tf.RaggedTensor.from_row_lengths(tf.fill([n - 1], conventions.separator_id), eos_lengths)
+        query = tf.concat([ids, eos], axis=1).flat_values
+        if conventions.start_ids:
+            query = tf.concat([tf.constant(conventions.start_ids, tf.int32), query], axis=0)
+        return {**ex, "query": query}
 
     return dataset.map(fn)
 

@@ -1,13 +1,20 @@
-"""Token ids for queries and passages in T5 conventions: pad 0, EOS 1 appended, truncated keeping EOS.
+"""Token ids for queries and passages: fixed length, padding id 0, special tokens set by the vocabulary.
 
-A literal `</s>` in the text (KILT's `[SEP]` after normalisation) becomes the EOS id, as the T5
-tokenizer of the TACO reference does; sentencepiece alone would spell it out as characters.
+T5 (the default): text, then EOS (1), truncated keeping EOS. BERT: `[CLS] text [SEP]`, truncated
+keeping both. A vocabulary states its conventions with a `token_conventions` attribute
+(`TokenConventions`); one without it (seqio.SentencePieceVocabulary) follows T5's.
+
+A literal `</s>` in the text (KILT's `[SEP]` after normalisation) becomes the separator id: EOS for
+T5, as the T5 tokenizer of the TACO reference does (sentencepiece alone would spell it out as
+characters), and `[SEP]` for BERT.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -17,34 +24,78 @@ PAD_ID = 0
 EOS_ID = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenConventions:
+    """The special tokens a model expects around and inside a text (padding is always 0)."""
+
+    start_ids: tuple[int, ...] = ()  # before the text: () for T5, ([CLS],) for BERT
+    end_id: int = EOS_ID  # after the (truncated) text: EOS for T5, [SEP] for BERT
+    separator_id: int = EOS_ID  # what a literal `</s>` inside the text becomes
+
+
+T5_CONVENTIONS = TokenConventions()
+
+
 class Vocabulary(Protocol):
     """What the batching needs from a vocabulary (seqio.SentencePieceVocabulary satisfies it)."""
 
     def encode(self, s: str) -> Sequence[int]: ...
 
 
+def conventions_of(vocab: Vocabulary) -> TokenConventions:
+    return getattr(vocab, "token_conventions", T5_CONVENTIONS)
+
+
 def encode_with_eos_markers(vocab: Vocabulary, text: str) -> list[int]:
+    """Token ids of `text` without start/end tokens; each literal `</s>` becomes the separator id."""
+    separator = conventions_of(vocab).separator_id
     ids: list[int] = []
     for i, segment in enumerate(text.split(T5_EOS_TEXT)):
         if i:
-            ids.append(EOS_ID)
+            ids.append(separator)
         ids.extend(int(t) for t in vocab.encode(segment))
     return ids
 
 
-def to_fixed_length(ids: Sequence[int], length: int) -> np.ndarray:
-    """Truncates to length - 1, appends EOS, pads with 0: int32[length]."""
+def to_fixed_length(ids: Sequence[int], length: int, conventions: TokenConventions = T5_CONVENTIONS
+                    ) -> np.ndarray:
+    """start ids + ids truncated to fit + end id, padded with 0: int32[length]."""
     out = np.zeros(length, np.int32)
-    ids = list(ids[: length - 1]) + [EOS_ID]
+    start = list(conventions.start_ids)
+    ids = start + list(ids[: length - len(start) - 1]) + [conventions.end_id]
     out[: len(ids)] = ids
     return out
 
 
+def encode_text(vocab: Vocabulary, text: str, length: int) -> np.ndarray:
+    """One text -> int32[length] in the vocabulary's conventions."""
+    return to_fixed_length(encode_with_eos_markers(vocab, text), length, conventions_of(vocab))
+
+
 def tokenize(vocab: Vocabulary, texts: Sequence[str], length: int) -> np.ndarray:
-    """int32[len(texts), length] token ids, each row ending with EOS then padding."""
-    if length < 2:
-        raise ValueError(f"sequence length must be >= 2 (a token and EOS), got {length}")
+    """int32[len(texts), length] token ids, each row [start ids] text end-id then padding."""
+    conventions = conventions_of(vocab)
+    shortest = len(conventions.start_ids) + 2
+    if length < shortest:
+        raise ValueError(f"sequence length must be >= {shortest} (special tokens and one text token), got {length}")
     out = np.zeros((len(texts), length), np.int32)
     for i, text in enumerate(texts):
-        out[i] = to_fixed_length(encode_with_eos_markers(vocab, text), length)
+        out[i] = to_fixed_length(encode_with_eos_markers(vocab, text), length, conventions)
     return out
+
+
+def is_wordpiece_path(path: str) -> bool:
+    """A BERT `vocab.txt` (or a model directory holding one), rather than a sentencepiece model."""
+    return path.endswith(".txt") or (os.path.isdir(path) and os.path.exists(os.path.join(path, "vocab.txt")))
+
+
+def load_vocabulary(path: str) -> Any:
+    """The vocabulary a recorded path names: a WordPiece `vocab.txt` (or its directory), else a
+    sentencepiece model with T5's 100 extra ids."""
+    if is_wordpiece_path(path):
+        from t5_retrieval.data.wordpiece import WordPieceVocabulary
+
+        return WordPieceVocabulary.from_path(path)
+    import seqio
+
+    return seqio.SentencePieceVocabulary(path, extra_ids=100)

@@ -20,9 +20,45 @@ from t5_retrieval.models.t5 import T5, T5Config, param_init, with_constraint
 POOLINGS = ("encdec", "mean")
 
 
+class QueryTowers:
+    """Which encoder embeds a task's queries; shared by the configs of both model families.
+
+    Needs fields `query_towers` (> 0: one query encoder per task) and `separate_query_encoder`
+    (one query encoder for all tasks, DPR's two towers). Passages always use the main encoder.
+    """
+
+    query_towers: int
+    separate_query_encoder: bool
+
+    @property
+    def num_query_towers(self) -> int:
+        return self.query_towers or int(self.separate_query_encoder)
+
+    def query_tower(self, task_index: int) -> int | None:
+        """The tower index for task `task_index`'s queries; None = the shared (passage) encoder."""
+        if self.query_towers:
+            return task_index
+        return 0 if self.separate_query_encoder else None
+
+    def check_towers(self) -> None:
+        if self.query_towers and self.separate_query_encoder:
+            raise ValueError(f"{type(self).__name__}: choose per-task query towers (query_towers="
+                             f"{self.query_towers}) or one separate query encoder, not both")
+
+
+def mean_pool(encoded: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of the states of non-padding tokens, in float32."""
+    weights = mask.astype(jnp.float32)[..., None]
+    return jnp.sum(encoded.astype(jnp.float32) * weights, axis=1) / jnp.maximum(jnp.sum(weights, axis=1), 1.0)
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True) + 1e-12)
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class DualEncoderConfig:
+class DualEncoderConfig(QueryTowers):
     pooling: str = "encdec"  # "encdec" (ST5-EncDec) or "mean" (ST5-Enc)
     projection_dim: int | None = None  # a bias-free linear map after pooling (ST5/GTR), or none
     l2_normalize: bool = False
@@ -32,10 +68,13 @@ class DualEncoderConfig:
     # GDMTL: the shared T5 also learns to generate each query from its positive passage (the
     # trainer adds that loss); creates the LM head.
     query_generation: bool = False
+    # One query encoder for all tasks (its own weights), a shared passage encoder.
+    separate_query_encoder: bool = False
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLINGS:
             raise ValueError(f"DualEncoderConfig.pooling: expected one of {POOLINGS}, got {self.pooling!r}")
+        self.check_towers()
 
 
 class DualEncoder(nn.Module):
@@ -46,7 +85,7 @@ class DualEncoder(nn.Module):
 
     def setup(self) -> None:
         self.t5 = T5(self.t5_config)
-        self.query_t5 = [T5(self.t5_config, name=f"query_t5_{k}") for k in range(self.config.query_towers)]
+        self.query_t5 = [T5(self.t5_config, name=f"query_t5_{k}") for k in range(self.config.num_query_towers)]
         if self.config.projection_dim:
             self.projection = nn.Dense(
                 self.config.projection_dim, use_bias=False, dtype=self.t5_config.compute_dtype,
@@ -61,12 +100,12 @@ class DualEncoder(nn.Module):
     def __call__(self, tokens: jax.Array, deterministic: bool = True, tower: int | None = None) -> jax.Array:
         """Embeds texts with the shared T5, or with query tower `tower` (a static task index)."""
         if self.is_initializing() and tower is None:
-            for k in range(self.config.query_towers):  # create every tower's parameters at init
+            for k in range(self.config.num_query_towers):  # create every tower's parameters at init
                 self(tokens, deterministic, tower=k)
             if self.config.query_generation:  # and the LM head
                 self.query_generation_logits(tokens, tokens, deterministic)
-        if tower is not None and not 0 <= tower < self.config.query_towers:
-            raise ValueError(f"query tower {tower} requested, but the model has {self.config.query_towers}")
+        if tower is not None and not 0 <= tower < self.config.num_query_towers:
+            raise ValueError(f"query tower {tower} requested, but the model has {self.config.num_query_towers}")
         t5 = self.t5 if tower is None else self.query_t5[tower]
         mask = tokens != 0
         encoded = t5.encode(tokens, deterministic)
@@ -74,14 +113,12 @@ class DualEncoder(nn.Module):
             start = jnp.zeros((tokens.shape[0], 1), dtype=tokens.dtype)
             pooled = t5.decode(start, encoded, mask, deterministic)[:, 0]
         else:
-            weights = mask.astype(jnp.float32)[..., None]
-            pooled = jnp.sum(encoded.astype(jnp.float32) * weights, axis=1) / jnp.maximum(
-                jnp.sum(weights, axis=1), 1.0)
+            pooled = mean_pool(encoded, mask)
         if self.config.projection_dim:
             pooled = self.projection(pooled)
         pooled = pooled.astype(jnp.float32)
         if self.config.l2_normalize:
-            pooled = pooled * jax.lax.rsqrt(jnp.sum(jnp.square(pooled), axis=-1, keepdims=True) + 1e-12)
+            pooled = l2_normalize(pooled)
         return with_constraint(pooled, ("batch", "embed"))
 
     def query_generation_logits(self, passage_tokens: jax.Array, query_tokens: jax.Array,

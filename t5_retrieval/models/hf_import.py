@@ -25,6 +25,7 @@ from t5_retrieval.models.t5 import T5Config
 log = logging.getLogger(__name__)
 # Tied copies of `shared.weight` that HF may or may not write.
 TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+Converter = Callable[[np.ndarray], np.ndarray]  # HF tensor -> our array
 
 
 class HFImportError(ValueError):
@@ -64,45 +65,45 @@ def lm_head_shares_embedding(hf: dict[str, Any]) -> bool:
     return not scales_decoder_output(hf) and bool(hf.get("tie_word_embeddings", False))
 
 
-def _dense_in(heads: int, d_kv: int) -> Callable[[np.ndarray], np.ndarray]:
+def dense_in(heads: int, d_kv: int) -> Converter:
     # torch Linear weight [heads*d_kv, d_model] -> kernel [d_model, heads, d_kv]
     return lambda w: w.T.reshape(w.shape[1], heads, d_kv)
 
 
-def _dense_out(heads: int, d_kv: int) -> Callable[[np.ndarray], np.ndarray]:
+def dense_out(heads: int, d_kv: int) -> Converter:
     # torch Linear weight [d_model, heads*d_kv] -> kernel [heads, d_kv, d_model]
     return lambda w: w.T.reshape(heads, d_kv, w.shape[0])
 
 
-def _transpose(w: np.ndarray) -> np.ndarray:
+def transpose(w: np.ndarray) -> np.ndarray:
     return w.T
 
 
-def _identity(w: np.ndarray) -> np.ndarray:
+def identity(w: np.ndarray) -> np.ndarray:
     return w
 
 
-def name_map(cfg: T5Config) -> Iterator[tuple[str, tuple[str, ...], Callable[[np.ndarray], np.ndarray]]]:
+def name_map(cfg: T5Config) -> Iterator[tuple[str, tuple[str, ...], Converter]]:
     """(HF tensor name, our path under the T5 module, converter) for every tensor of a T5."""
     h, k = cfg.num_heads, cfg.d_kv
 
     def attention(hf_prefix: str, ours: tuple[str, ...]):
         for short, long_ in (("q", "query"), ("k", "key"), ("v", "value")):
-            yield f"{hf_prefix}.{short}.weight", (*ours, long_), _dense_in(h, k)
-        yield f"{hf_prefix}.o.weight", (*ours, "out"), _dense_out(h, k)
+            yield f"{hf_prefix}.{short}.weight", (*ours, long_), dense_in(h, k)
+        yield f"{hf_prefix}.o.weight", (*ours, "out"), dense_out(h, k)
 
     def mlp(hf_prefix: str, ours: tuple[str, ...]):
         names = ("wi",) if cfg.mlp_activation == "relu" else ("wi_0", "wi_1")
         for name in (*names, "wo"):
-            yield f"{hf_prefix}.{name}.weight", (*ours, name, "kernel"), _transpose
+            yield f"{hf_prefix}.{name}.weight", (*ours, name, "kernel"), transpose
 
     def norm(hf_name: str, ours: tuple[str, ...]):
-        yield hf_name, (*ours, "scale"), _identity
+        yield hf_name, (*ours, "scale"), identity
 
-    yield "shared.weight", ("token_embedder", "embedding"), _identity
+    yield "shared.weight", ("token_embedder", "embedding"), identity
     for stack, layers in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
         yield (f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-               (stack, "relpos_bias", "rel_embedding"), _identity)
+               (stack, "relpos_bias", "rel_embedding"), identity)
         yield from norm(f"{stack}.final_layer_norm.weight", (stack, "final_norm"))
         for i in range(layers):
             block, ours = f"{stack}.block.{i}.layer", (stack, f"layers_{i}")
@@ -119,7 +120,7 @@ def name_map(cfg: T5Config) -> Iterator[tuple[str, tuple[str, ...], Callable[[np
                 yield from norm(f"{block}.2.layer_norm.weight", (*ours, "pre_mlp_norm"))
                 yield from mlp(f"{block}.2.DenseReluDense", (*ours, "mlp"))
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", ("lm_head", "kernel"), _transpose
+        yield "lm_head.weight", ("lm_head", "kernel"), transpose
 
 
 def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
@@ -132,42 +133,53 @@ def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def convert(tensors: dict[str, np.ndarray], cfg: T5Config, target: Any, source: str = "checkpoint",
-            lm_head_from_shared: bool = False) -> Any:
-    """Fills `target` (our T5 parameter tree; arrays or ShapeDtypeStructs) from HF tensors."""
-    if lm_head_from_shared and "lm_head.weight" not in tensors and "shared.weight" in tensors:
-        tensors = {**tensors, "lm_head.weight": tensors["shared.weight"]}
-    wanted = {path: None for path in traverse_util.flatten_dict(target)}
-    known = {hf_name: (path, fn) for hf_name, path, fn in name_map(cfg)}
-    if cfg.tie_word_embeddings:
-        known_extra = {"lm_head.weight"}  # written by some exports even when tied
-    else:
-        known_extra = set()
-    unexpected = sorted(n for n in tensors if n not in known and n not in TIED_COPIES and n not in known_extra)
+
+def fill_target(tensors: dict[str, np.ndarray], known: dict[str, tuple[tuple[str, ...], Converter]],
+                target: Any, source: str, model_name: str, ignorable: Any = frozenset()) -> Any:
+    """Fills `target` (a parameter tree of arrays or ShapeDtypeStructs) from HF tensors by name.
+
+    `known` maps every HF tensor name of the architecture to (our path, converter); names in
+    `ignorable` may appear in the file and are dropped. Known tensors whose path is not in
+    `target` (parts of the architecture this model does not use) are skipped and logged; an
+    unexpected, missing or misshaped tensor is an HFImportError naming it (and both shapes).
+    """
+    flat_target = traverse_util.flatten_dict(target)
+    unexpected = sorted(n for n in tensors if n not in known and n not in ignorable)
     if unexpected:
-        raise HFImportError(f"{source}: unexpected tensors for a T5 with this config: {unexpected[:5]}"
+        raise HFImportError(f"{source}: unexpected tensors for a {model_name} with this config: {unexpected[:5]}"
                            f"{' ...' if len(unexpected) > 5 else ''}")
     out, skipped = {}, []
     for hf_name, (path, fn) in known.items():
-        if path not in wanted:
+        if path not in flat_target:
             if hf_name in tensors:
                 skipped.append(hf_name)
             continue
+        expected = tuple(flat_target[path].shape)
         if hf_name not in tensors:
             raise HFImportError(f"{source}: missing tensor {hf_name!r} for {'/'.join(path)} "
-                               f"(expected shape {tuple(traverse_util.flatten_dict(target)[path].shape)})")
+                               f"(expected shape {expected})")
         value = fn(np.asarray(tensors[hf_name], dtype=np.float32))
-        expected = tuple(traverse_util.flatten_dict(target)[path].shape)
         if value.shape != expected:
             raise HFImportError(f"{source}: tensor {hf_name!r} has shape {tuple(tensors[hf_name].shape)} "
                                f"-> {value.shape} for {'/'.join(path)}, expected {expected}")
         out[path] = value
-    missing = sorted("/".join(p) for p in wanted if p not in out)
+    missing = sorted("/".join(p) for p in flat_target if p not in out)
     if missing:
         raise HFImportError(f"{source}: no tensor in the checkpoint for our parameters {missing[:5]}")
     if skipped:
         log.info("%s: %d tensors not used by this model (e.g. %s)", source, len(skipped), skipped[0])
     return traverse_util.unflatten_dict(out)
+
+
+def convert(tensors: dict[str, np.ndarray], cfg: T5Config, target: Any, source: str = "checkpoint",
+            lm_head_from_shared: bool = False) -> Any:
+    """Fills `target` (our T5 parameter tree; arrays or ShapeDtypeStructs) from HF tensors."""
+    if lm_head_from_shared and "lm_head.weight" not in tensors and "shared.weight" in tensors:
+        tensors = {**tensors, "lm_head.weight": tensors["shared.weight"]}
+    known = {hf_name: (path, fn) for hf_name, path, fn in name_map(cfg)}
+    # Tied copies of the embedding, and an LM head some exports write even when tied.
+    ignorable = {*TIED_COPIES, *(("lm_head.weight",) if cfg.tie_word_embeddings else ())}
+    return fill_target(tensors, known, target, source, "T5", ignorable)
 
 
 def load_t5(model_dir: str, target: Any, cfg: T5Config | None = None) -> Any:

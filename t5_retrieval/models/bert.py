@@ -1,0 +1,187 @@
+"""BERT encoder (Devlin et al. 2019) in Flax linen, with logical axis names for `jax.sharding`.
+
+The MT-DPR model family (Maillard et al. 2021) and sentence-transformers' MiniLM: learned word,
+position and token-type embeddings followed by LayerNorm; post-LN transformer layers (attention or
+MLP, add the residual, then LayerNorm); exact (erf) GELU; attention scaled by 1/sqrt(d_kv) with
+padded keys (token id 0 = [PAD]) masked. Parameter and activation names follow `t5.py` (same
+helpers), so the sharding rules of `t5_retrieval.sharding` apply unchanged.
+
+Logical names: parameters use 'vocab', 'embed', 'heads', 'kv', 'mlp', plus 'positions' and
+'token_types' for the two small embedding tables; activations use 'batch', 'length', 'embed',
+'heads', 'kv', 'mlp'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+from t5_retrieval.models.t5 import padding_bias, param_init, with_constraint
+
+Array = jax.Array
+PAD_ID = 0
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Architecture of one BERT encoder; defaults are BERT-base, gin files set other sizes."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    num_layers: int = 12
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    dropout_rate: float = 0.1  # hidden and attention-probability dropout (equal in every BERT release)
+    layer_norm_epsilon: float = 1e-12
+    initializer_range: float = 0.02
+    dtype: str = "float32"  # compute dtype; "bfloat16" for bf16 activations (params stay fp32)
+    remat: bool = False  # recompute each layer in the backward pass to save activation memory
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"BertConfig: hidden_size {self.hidden_size} is not a multiple of "
+                             f"num_heads {self.num_heads}")
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def d_kv(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def _normal(cfg: BertConfig, names: tuple[str, ...]):
+    return param_init(names, nn.initializers.normal(cfg.initializer_range))
+
+
+def _zeros(names: tuple[str, ...]):
+    return param_init(names, nn.initializers.zeros)
+
+
+def layer_norm(cfg: BertConfig, name: str) -> nn.LayerNorm:
+    """Mean/variance LayerNorm with scale and bias over 'embed'; statistics in float32."""
+    return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute_dtype, param_dtype=jnp.float32,
+                        scale_init=param_init(("embed",), nn.initializers.ones),
+                        bias_init=_zeros(("embed",)), name=name)
+
+
+class Embeddings(nn.Module):
+    """word + position + token-type (always type 0: one segment per text) embeddings, then LayerNorm."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, tokens: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        length = tokens.shape[1]
+        if length > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {length} exceeds BertConfig.max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        embed = functools.partial(nn.Embed, features=cfg.hidden_size, dtype=jnp.float32, param_dtype=jnp.float32)
+        x = embed(cfg.vocab_size, embedding_init=_normal(cfg, ("vocab", "embed")), name="word")(tokens)
+        positions = embed(cfg.max_position_embeddings, embedding_init=_normal(cfg, ("positions", "embed")),
+                          name="position")
+        token_types = embed(cfg.type_vocab_size, embedding_init=_normal(cfg, ("token_types", "embed")),
+                            name="token_type")
+        x = x + positions(jnp.arange(length))[None] + token_types(jnp.zeros((1, length), jnp.int32))
+        x = layer_norm(cfg, "layer_norm")(x.astype(cfg.compute_dtype))
+        x = with_constraint(x, ("batch", "length", "embed"))
+        return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+
+
+class SelfAttention(nn.Module):
+    """Scaled dot-product multi-head self-attention with biased projections.
+
+    Kernels are declared in their [embed, heads, kv] / [heads, kv, embed] shapes, as in t5.Attention.
+    """
+
+    config: BertConfig
+
+    def _param(self, name: str, shape: tuple[int, ...], init) -> Array:
+        return self.param(name, init, shape, jnp.float32).astype(self.config.compute_dtype)
+
+    def _project_in(self, x: Array, name: str) -> Array:
+        cfg = self.config
+        h, dk = cfg.num_heads, cfg.d_kv
+        kernel = self._param(f"{name}_kernel", (cfg.hidden_size, h, dk),
+                             _normal(cfg, ("embed", "heads", "kv")))
+        bias = self._param(f"{name}_bias", (h, dk), _zeros(("heads", "kv")))
+        return with_constraint(jnp.einsum("bld,dhk->blhk", x, kernel) + bias, ("batch", "length", "heads", "kv"))
+
+    @nn.compact
+    def __call__(self, x: Array, bias: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        q = self._project_in(x, "query") * jnp.asarray(cfg.d_kv ** -0.5, cfg.compute_dtype)
+        k = self._project_in(x, "key")
+        v = self._project_in(x, "value")
+        logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + bias
+        weights = jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype)
+        weights = nn.Dropout(cfg.dropout_rate)(weights, deterministic=deterministic)
+        context = jnp.einsum("bhqs,bshk->bqhk", weights, v)
+        wo = self._param("out_kernel", (cfg.num_heads, cfg.d_kv, cfg.hidden_size),
+                         _normal(cfg, ("heads", "kv", "embed")))
+        bo = self._param("out_bias", (cfg.hidden_size,), _zeros(("embed",)))
+        return with_constraint(jnp.einsum("bqhk,hkd->bqd", context, wo) + bo, ("batch", "length", "embed"))
+
+
+class MLP(nn.Module):
+    """Dense -> exact GELU -> Dense, with biases."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        dense = functools.partial(nn.Dense, dtype=cfg.compute_dtype, param_dtype=jnp.float32)
+        h = dense(cfg.intermediate_size, name="wi", kernel_init=_normal(cfg, ("embed", "mlp")),
+                  bias_init=_zeros(("mlp",)))(x)
+        h = with_constraint(jax.nn.gelu(h, approximate=False), ("batch", "length", "mlp"))
+        return dense(cfg.hidden_size, name="wo", kernel_init=_normal(cfg, ("mlp", "embed")),
+                     bias_init=_zeros(("embed",)))(h)
+
+
+class Layer(nn.Module):
+    """Post-LN transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x))."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x: Array, bias: Array, deterministic: bool) -> Array:
+        cfg = self.config
+        drop = nn.Dropout(cfg.dropout_rate)
+        attended = SelfAttention(cfg, name="attention")(x, bias, deterministic)
+        x = layer_norm(cfg, "attention_norm")(x + drop(attended, deterministic=deterministic))
+        x = layer_norm(cfg, "mlp_norm")(x + drop(MLP(cfg, name="mlp")(x), deterministic=deterministic))
+        return with_constraint(x, ("batch", "length", "embed"))
+
+
+class Bert(nn.Module):
+    """[b, l] token ids (0 = [PAD]) -> [b, l, hidden] last hidden states (no pooler head)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, tokens: Array, deterministic: bool = True) -> Array:
+        cfg = self.config
+        mask = tokens != PAD_ID
+        x = Embeddings(cfg, name="embeddings")(tokens, deterministic)
+        # Only keys are masked (as in BERT); padded query rows are ignored by the pooling.
+        bias = padding_bias(jnp.ones_like(mask), mask)
+        # The `deterministic` flag (last argument) must stay static under rematerialisation.
+        layer_cls = nn.remat(Layer, static_argnums=(-1,)) if cfg.remat else Layer
+        for i in range(cfg.num_layers):
+            x = layer_cls(cfg, name=f"layers_{i}")(x, bias, deterministic)
+        return x
+
+    def encode(self, tokens: Array, deterministic: bool = True) -> Array:
+        """Same entry point as `T5.encode`."""
+        return self(tokens, deterministic)

