@@ -161,3 +161,22 @@ def test_run_files_bind_the_paper_settings():
     gin.clear_config()
     gin_utils.parse_gin(["runs/dpr_muf.gin"], [])
     assert fuse.FuseConfig().hybrid_weight is None, "the DPR-MUF row has no BM25 hybrid"
+
+
+class RecordedTasksEncoder(HashedBagOfWordsEncoder):
+    """A real encoder that also records its training tasks, the way checkpoints do (features.tasks)."""
+
+    def __init__(self, tasks):
+        super().__init__(dim=16)
+        self.features = {"tasks": tasks}
+
+
+def test_expert_queries_use_the_task_name_the_model_was_trained_with():
+    spec = experts.ExpertSpec.parse("nq,/ckpt/nq,/idx/nq")
+    assert experts.model_task_name(HashedBagOfWordsEncoder(16), spec) == "nq", "lexical: any name"
+    assert experts.model_task_name(RecordedTasksEncoder({"kilt_nq": {"dataset": "nq"}}), spec) == "kilt_nq"
+    two = RecordedTasksEncoder({"kilt_nq": {"dataset": "nq"}, "kilt_fever": {"dataset": "fever"}})
+    assert experts.model_task_name(two, spec) == "kilt_nq", "the task that reads nq's examples"
+    with pytest.raises(ValueError, match=r"/ckpt/nq was trained on tasks \['kilt_fever', 'kilt_trex'\]"):
+        experts.model_task_name(RecordedTasksEncoder({"kilt_fever": {"dataset": "fever"},
+                                                      "kilt_trex": {"dataset": "trex"}}), spec)

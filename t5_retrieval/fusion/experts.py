@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -20,6 +21,8 @@ from t5_retrieval.retrieval.index import Index
 from t5_retrieval.retrieval.passages import PassageLookup
 
 LEXICAL = "lexical:"  # checkpoint spec for the hashed bag-of-words baseline: "lexical:<dim>"
+
+log = logging.getLogger(__name__)
 
 Hits = list[tuple[list[str], np.ndarray]]  # per query: passage ids and scores, best first
 
@@ -47,6 +50,7 @@ class Expert:
     spec: ExpertSpec
     encoder: Encoder
     index: Index
+    query_task: str = ""  # the task name the encoder formats queries with (default: spec.task)
 
     @property
     def task(self) -> str:
@@ -56,8 +60,8 @@ class Expert:
         """Query embeddings [n, d] (with the expert's own task prefix) and top-k hits per query."""
         vectors, hits = [], []
         for start in range(0, len(queries), batch_size):
-            batch = np.asarray(self.encoder.encode_queries(list(queries[start:start + batch_size]), self.task),
-                               np.float32)
+            texts = list(queries[start:start + batch_size])
+            batch = np.asarray(self.encoder.encode_queries(texts, self.query_task or self.task), np.float32)
             rows, scores = self.index.search(batch, k)
             vectors.append(batch)
             hits += [([self.index.passage_ids[r] for r in row], score) for row, score in zip(rows, scores)]
@@ -78,7 +82,25 @@ def load_expert(spec: ExpertSpec, passage_ids: Sequence[str] | None = None) -> E
     encoder = encoder_from_flags(flags)
     index = Index.load(spec.index_dir)
     index.check(encoder, passage_ids)  # IndexMismatchError names the index dir and both fingerprints.
-    return Expert(spec, encoder, index)
+    return Expert(spec, encoder, index, model_task_name(encoder, spec))
+
+
+def model_task_name(encoder: Encoder, spec: ExpertSpec) -> str:
+    """The name under which a trained expert knows its task (its query prefix), e.g. kilt_nq for nq.
+
+    Checkpoints record `features.tasks` as {name: {"dataset": file stem, ...}}; a lexical encoder
+    has none and takes any name.
+    """
+    tasks = (getattr(encoder, "features", None) or {}).get("tasks")
+    if not tasks or spec.task in tasks:
+        return spec.task
+    named = [name for name, task in tasks.items() if task.get("dataset") == spec.task]
+    if len(named) == 1:
+        return named[0]
+    if len(tasks) == 1:
+        return next(iter(tasks))
+    raise ValueError(f"expert {spec.task}: {spec.checkpoint} was trained on tasks {sorted(tasks)}, none of which "
+                     f"is {spec.task!r} or reads its examples; give the expert's own task")
 
 
 class PassageVectors:
@@ -162,6 +184,9 @@ def train_and_calibrate(expert: Expert, train_examples: Sequence[Example],
         raise ValueError(f"expert {expert.task}: none of its {len(train_examples)} train queries has a gold "
                          f"passage among its top-{config.top_l} or a positive passage to add")
     ensemble = muf.train_ensemble(data, config, expert.encoder.fingerprint)
+    log.info("expert %s: ensemble of %d trained on %d of %d train queries; loss per epoch %s", expert.task,
+             config.num_members, len(data.queries), len(train_examples),
+             " ".join(f"{x:.3f}" for x in ensemble.info["loss_per_epoch"]))
     examples = [e for task_examples in calibration_examples.values() for e in task_examples]
     if config.calibrate and examples:
         query_vectors, hits = expert.search([e.query for e in examples], config.top_l, batch_size)
@@ -174,4 +199,7 @@ def train_and_calibrate(expert: Expert, train_examples: Sequence[Example],
         ensemble.info["calibration"] = calibration.to_json()
         ensemble.info["calibration_queries"] = len(examples)
         ensemble.info["calibration_accuracy"] = float(correct.mean())
+        log.info("expert %s: temperature %.3g (ECE %.4f; %.3g at the start %.3g) on %d queries, top-1 accuracy %.3f",
+                 expert.task, calibration.temperature, calibration.ece, calibration.start_ece,
+                 calibration.start_temperature, len(examples), correct.mean())
     return ensemble

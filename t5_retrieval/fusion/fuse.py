@@ -181,7 +181,7 @@ def _expert_specs(flags: Sequence[str], config: FuseConfig) -> list[experts_lib.
 
 def main(argv: list[str]) -> int:
     """`t5r fuse`: DPR-MUF fusion of single-task experts, scored with the KILT metrics."""
-    from t5_retrieval import gin_utils
+    from t5_retrieval import gin_utils, logs
     from t5_retrieval.data import layout
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import DataError
@@ -199,6 +199,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--calibration_split", default="dev", help="split the temperature is calibrated on")
     parser.add_argument("--output_dir", required=True)
     args = gin_utils.parse_args(parser, argv)
+    logs.setup()
     config = FuseConfig()
     try:
         specs = _expert_specs(args.expert, config)
