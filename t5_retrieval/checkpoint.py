@@ -4,27 +4,42 @@ One checkpoint = {state: params, optimiser state (incl. TACO), step, RNG} saved 
 and {data: the batch iterator's JSON state}, so a resumed run continues bit-for-bit. The model's
 config is stored next to the checkpoints so that inference can rebuild the model from the
 directory alone and refuse a checkpoint that does not fit.
+
+Preemption: orbax writes each checkpoint into `<step>.orbax-checkpoint-tmp` and renames it when
+complete, so a process killed mid-write leaves only a temporary directory, which the next run's
+manager deletes. A finished checkpoint that cannot be read back (truncated or missing files) is
+reported with its path and the previous one is used; the unreadable one is moved to
+`unreadable_checkpoints/` so that the resumed run can write that step again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 CONFIG_FILE = "model_config.json"
+UNREADABLE_DIR = "unreadable_checkpoints"
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that is missing, empty or does not fit the model."""
 
 
-def manager(directory: str, max_to_keep: int = 3) -> ocp.CheckpointManager:
+def manager(directory: str, max_to_keep: int = 3, writer: bool = False) -> ocp.CheckpointManager:
+    """A manager of `directory`'s checkpoints. The run that writes them passes `writer=True`, which
+    deletes temporary directories left by a killed save; readers (inference) must not, since the
+    writer may be saving right now."""
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                           enable_async_checkpointing=False)
+                                           enable_async_checkpointing=False, cleanup_tmp_directories=writer)
     return ocp.CheckpointManager(os.path.abspath(directory), options=options,
                                  item_names=("state", "data"))
 
@@ -35,18 +50,70 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_state: dict[st
     mngr.wait_until_finished()
 
 
+def _restore_step(mngr: ocp.CheckpointManager, step: int, args: ocp.args.Composite, what: str) -> Any:
+    try:
+        return mngr.restore(step, args=args)
+    except Exception as e:  # tensorstore reports truncated files as a bare Exception
+        raise CheckpointError(f"checkpoint {mngr.directory / str(step)} could not be restored as {what} "
+                              f"(unreadable, or it does not fit): {type(e).__name__}: {str(e)[:500]}") from e
+
+
+def _latest_readable(mngr: ocp.CheckpointManager, restore_step: Callable[[int], Any], set_aside: bool
+                     ) -> tuple[Any, int] | None:
+    """Restores the newest checkpoint that reads; (result, step), or None if there is none.
+
+    Each unreadable checkpoint is logged with its path. Only when an older one reads are the newer
+    ones deemed corrupt (and, with `set_aside`, moved away): if none reads, the state probably does
+    not fit (e.g. another optimiser), so nothing is moved and the first error is raised.
+    """
+    failures: list[tuple[int, CheckpointError]] = []
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            result = restore_step(step)
+        except CheckpointError as e:
+            log.warning("%s; trying the previous checkpoint", e)
+            failures.append((step, e))
+            continue
+        if failures:
+            log.warning("restored %s instead of the unreadable %s", mngr.directory / str(step),
+                        ", ".join(str(mngr.directory / str(s)) for s, _ in failures))
+            if set_aside:
+                _set_aside(mngr, [s for s, _ in failures])
+        return result, step
+    if failures:
+        raise CheckpointError(f"no readable checkpoint in {mngr.directory} (steps "
+                              f"{[s for s, _ in failures]}); newest error: {failures[0][1]}") from failures[0][1]
+    return None
+
+
+def _set_aside(mngr: ocp.CheckpointManager, steps: list[int]) -> None:
+    """Moves unreadable checkpoints to UNREADABLE_DIR (kept for inspection, out of the step list)."""
+    if jax.process_index() == 0:
+        target = os.path.join(mngr.directory, UNREADABLE_DIR)
+        os.makedirs(target, exist_ok=True)
+        for step in steps:
+            os.replace(mngr.directory / str(step), os.path.join(target, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("t5r_checkpoint_set_aside")
+    mngr.reload()
+
+
 def restore(mngr: ocp.CheckpointManager, abstract_state: Any, step: int | None = None
             ) -> tuple[Any, dict[str, Any]] | None:
-    """Restores into the shardings of `abstract_state` (ShapeDtypeStructs); None if no checkpoint."""
-    step = mngr.latest_step() if step is None else step
-    if step is None:
-        return None
-    try:
-        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                              data=ocp.args.JsonRestore()))
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise CheckpointError(f"checkpoint {mngr.directory}/{step} does not fit this model/state: {e}") from e
-    return restored["state"], restored["data"]
+    """Restores into the shardings of `abstract_state` (ShapeDtypeStructs); None if no checkpoint.
+
+    Without `step`, the newest readable checkpoint (see `_latest_readable`).
+    """
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+
+    def restore_step(s: int) -> tuple[Any, dict[str, Any]]:
+        restored = _restore_step(mngr, s, args, "this training state")
+        return restored["state"], restored["data"]
+
+    if step is not None:
+        return restore_step(step)
+    found = _latest_readable(mngr, restore_step, set_aside=True)
+    return None if found is None else found[0]
 
 
 def abstract_like(tree: Any) -> Any:
@@ -87,14 +154,18 @@ def restore_params(directory: str, abstract_params: Any, step: int | None = None
     than the model itself.
     """
     mngr = manager(directory)
-    step = mngr.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"{directory}: no checkpoint found")
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding) if getattr(x, "sharding", None)
                                 else ocp.RestoreArgs(), abstract_params)
-    try:
-        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise CheckpointError(f"checkpoint {directory}/{step} does not fit this model: {e}") from e
-    return restored["state"]["params"], step
+    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True))
+
+    def restore_step(s: int) -> Any:
+        return _restore_step(mngr, s, args, "these model parameters")["state"]["params"]
+
+    if step is not None:
+        return restore_step(step), step
+    # Read-only (a trainer may be writing here): fall back past unreadable ones, move nothing.
+    found = _latest_readable(mngr, restore_step, set_aside=False)
+    if found is None:
+        raise CheckpointError(f"{directory}: no checkpoint found")
+    return found

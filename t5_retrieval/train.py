@@ -244,7 +244,7 @@ def train(model_dir: str,
     state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
                                  rng=replicated, skipped_steps=replicated, nonfinite_in_a_row=replicated)
 
-    mngr = checkpoint.manager(model_dir, max_to_keep=keep_checkpoints)
+    mngr = checkpoint.manager(model_dir, max_to_keep=keep_checkpoints, writer=True)
     restored = checkpoint.restore(mngr, checkpoint.abstract_like(state))
     if restored is not None:
         state, data_state = restored

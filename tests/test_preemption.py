@@ -1,0 +1,204 @@
+"""Preemption: a run killed with SIGKILL (mid-run, or while a checkpoint is being written) and
+resumed ends bit-identical to an uninterrupted run; an unreadable checkpoint falls back to the
+previous one.
+
+The killed runs are real `t5r train` processes on a tiny model with dropout (so the RNG matters),
+watched from this process: one is killed a random moment after a checkpoint completed (inside
+some step), one as soon as orbax's temporary checkpoint directory appears. Every process has a
+timeout, so the test stops by itself.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from t5_retrieval import checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+XLA_CACHE = os.path.join(REPO, ".pytest_cache", "xla")
+NUM_STEPS = 24
+TIMEOUT_S = 300
+TMP_MARKER = ".orbax-checkpoint-tmp"
+BINDINGS = ["VOCAB_SIZE = 64", "D_MODEL = 16", "D_FF = 32", "NUM_LAYERS = 1", "NUM_HEADS = 2", "D_KV = 8",
+            "DROPOUT = 0.1", "train.batches = @RandomBatches", "RandomBatches.vocab_size = 64",
+            "RandomBatches.num_negatives = 1", "train.per_device_batch = 4", f"train.num_steps = {NUM_STEPS}",
+            "train.checkpoint_every = 2", "train.log_every = 2", "train.keep_checkpoints = 3",
+            "make_optimizer.learning_rate = 1e-3"]
+VARIANTS = {
+    "naive_sum": [],
+    # TACO's burn-in ends at step 6, so the resumed runs cross it with a restored EMA.
+    "taco": ["train.multitask = @multitask.taco", "make_optimizer.burn_in_fraction = 0.25"],
+}
+
+
+def train_command(model_dir: str, variant: str) -> list[str]:
+    gin = [f"--gin.{b.replace(' = ', '=')}" for b in BINDINGS + VARIANTS[variant]]
+    return [sys.executable, "-m", "t5_retrieval.cli", "train", "--model_dir", model_dir,
+            "--gin_file=models/t5_tiny.gin", *gin]
+
+
+def env() -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+    return out
+
+
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """A failing test must not leave training processes running."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def start(model_dir: str, variant: str) -> subprocess.Popen:
+    """Starts `t5r train`; its output goes to a log file next to model_dir (`proc.log_path`)."""
+    log_path = os.path.join(os.path.dirname(model_dir), f"log_{time.time_ns()}.txt")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(train_command(model_dir, variant), cwd=REPO, env=env(), stdout=log,
+                                stderr=subprocess.STDOUT)
+    proc.log_path = log_path
+    STARTED.append(proc)
+    return proc
+
+
+def finish(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"t5r train did not finish within {TIMEOUT_S}s") from None
+    assert proc.returncode == 0, f"t5r train failed (exit {proc.returncode}):\n" + open(proc.log_path).read()[-3000:]
+
+
+def completed_steps(model_dir: str) -> list[int]:
+    return sorted(int(n) for n in os.listdir(model_dir) if n.isdigit()) if os.path.isdir(model_dir) else []
+
+
+def wait_for(proc: subprocess.Popen, condition, what: str, poll_s: float = 0.001):
+    """Polls `condition()` until it returns something truthy; fails if the run ends or times out first."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}:\n"
+                                 + open(proc.log_path).read()[-3000:])
+        time.sleep(poll_s)
+    proc.kill()
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def kill(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def final_checkpoint(model_dir: str) -> tuple[dict, dict]:
+    """The (state, data position) of the last step's checkpoint, as numpy, read without a target."""
+    path = os.path.join(model_dir, str(NUM_STEPS))
+    state = ocp.PyTreeCheckpointer().restore(os.path.join(path, "state"))
+    data = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(path, "data"))
+    return jax.tree.map(np.asarray, state), data
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_run_killed_mid_step_and_mid_checkpoint_resumes_bit_identical(tmp_path, variant):
+    reference_dir, resumed_dir = str(tmp_path / "reference" / "model"), str(tmp_path / "resumed" / "model")
+    os.makedirs(os.path.dirname(reference_dir))
+    os.makedirs(os.path.dirname(resumed_dir))
+    reference = start(reference_dir, variant)
+
+    # 1. Killed a random moment after the step-6 checkpoint: inside a later step (or between).
+    proc = start(resumed_dir, variant)
+    wait_for(proc, lambda: 6 in completed_steps(resumed_dir), "the step-6 checkpoint", poll_s=0.01)
+    time.sleep(random.uniform(0.0, 0.3))
+    kill(proc)
+    killed_at = completed_steps(resumed_dir)
+    assert killed_at[-1] < NUM_STEPS, f"the run finished before it could be killed: {killed_at}"
+
+    # 2. Killed while writing a checkpoint: as soon as a temporary checkpoint directory appears.
+    # A kill can land just after the rename; then try again at a later checkpoint.
+    caught_mid_write = None
+    for _ in range(4):
+        proc = start(resumed_dir, variant)
+        newest = completed_steps(resumed_dir)[-1]
+
+        def writing_newer() -> list[str]:
+            return [n for n in os.listdir(resumed_dir)
+                    if TMP_MARKER in n and n.split(".")[0].isdigit() and int(n.split(".")[0]) > newest]
+
+        if newest >= NUM_STEPS - 2:
+            break
+        wait_for(proc, writing_newer, "a checkpoint write")
+        kill(proc)
+        left = [n for n in os.listdir(resumed_dir) if TMP_MARKER in n]
+        if left:
+            caught_mid_write = left
+            break
+    if caught_mid_write is None:
+        pytest.fail("no SIGKILL landed inside a checkpoint write (each left no temporary directory)")
+    proc = start(resumed_dir, variant)
+    finish(proc)
+    finish(reference)
+
+    assert not glob.glob(os.path.join(resumed_dir, f"*{TMP_MARKER}*")), \
+        "the resumed run should delete the temporary directory of the killed save"
+    (ref_state, ref_data), (state, data) = final_checkpoint(reference_dir), final_checkpoint(resumed_dir)
+    assert data == ref_data, f"data iterator position differs: {data} vs uninterrupted {ref_data}"
+    ref_leaves = jax.tree_util.tree_flatten_with_path(ref_state)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    assert [p for p, _ in leaves] == [p for p, _ in ref_leaves], "checkpointed state trees differ in structure"
+    for (path, ref), (_, got) in zip(ref_leaves, leaves):
+        np.testing.assert_array_equal(got, ref, err_msg=f"{variant}: resumed run (killed at steps {killed_at} and "
+                                                        f"during write {caught_mid_write}) differs at "
+                                                        f"{jax.tree_util.keystr(path)}")
+    if variant == "taco":
+        assert any("TacoState" in jax.tree_util.keystr(p) or "ema" in jax.tree_util.keystr(p) for p, _ in leaves), \
+            "the TACO state should be part of the checkpoint"
+
+
+def test_truncated_latest_checkpoint_is_reported_and_the_previous_one_used(tmp_path):
+    model_dir = str(tmp_path / "model")
+    os.makedirs(model_dir)
+    finish(start(model_dir, "naive_sum"))
+    expected, _ = final_checkpoint(model_dir)
+    assert completed_steps(model_dir) == [20, 22, 24], completed_steps(model_dir)
+
+    # Truncate the largest array file of the last checkpoint, as a disk-full or killed copy would.
+    files = glob.glob(os.path.join(model_dir, str(NUM_STEPS), "state", "**", "d", "*"), recursive=True)
+    largest = max(files, key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.truncate(os.path.getsize(largest) // 2)
+    broken = os.path.join(model_dir, str(NUM_STEPS))
+    assert checkpoint.manager(model_dir).latest_step() == NUM_STEPS
+
+    finish(start(model_dir, "naive_sum"))  # resumes from 22 and redoes steps 23-24
+    log_text = "".join(open(p).read() for p in glob.glob(str(tmp_path / "log_*.txt")))
+    assert f"checkpoint {broken} could not be restored" in log_text, "the unreadable checkpoint's path must be reported"
+    assert "trying the previous checkpoint" in log_text
+    moved = glob.glob(os.path.join(model_dir, checkpoint.UNREADABLE_DIR, f"{NUM_STEPS}-*"))
+    assert len(moved) == 1, f"the unreadable checkpoint should be set aside once, found {moved}"
+    state, _ = final_checkpoint(model_dir)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(state)):
+        np.testing.assert_array_equal(b, a, err_msg=f"redone steps 23-24 differ at {jax.tree_util.keystr(path)}")
