@@ -66,7 +66,8 @@ def test_temperature_calibration_lowers_calibration_error():
     config = muf.EnsembleConfig()
     cal = muf.calibrate_temperature(scores, valid, correct, config.temperature_grid(), config.temperature)
     assert cal.start_temperature == 1e-3 and len(cal.grid) == 25
-    assert cal.ece < cal.start_ece - 0.1, f"calibration should lower ECE well below {cal.start_ece:.3f}, got {cal.ece:.3f} at T={cal.temperature:g}"
+    assert cal.ece < cal.start_ece - 0.1, (
+        f"calibration should lower ECE well below {cal.start_ece:.3f}, got {cal.ece:.3f} at T={cal.temperature:g}")
     assert cal.ece == pytest.approx(min(e for _, e in cal.grid)), "the chosen temperature has the grid's least ECE"
     conf = muf.confidence_of_scores(scores, valid, cal.temperature)
     assert abs(conf.mean() - correct.mean()) < 0.1, "calibrated confidence should match the accuracy on average"

@@ -75,7 +75,8 @@ def load_expert(spec: ExpertSpec, passage_ids: Sequence[str] | None = None) -> E
         try:
             dim = int(spec.checkpoint[len(LEXICAL):])
         except ValueError:
-            raise ValueError(f"expert {spec.task}: checkpoint {spec.checkpoint!r}: expected {LEXICAL}<int dim>") from None
+            raise ValueError(f"expert {spec.task}: checkpoint {spec.checkpoint!r}: "
+                             f"expected {LEXICAL}<int dim>") from None
         flags = argparse.Namespace(checkpoint_dir=None, step=None, lexical_baseline_dim=dim)
     else:
         flags = argparse.Namespace(checkpoint_dir=spec.checkpoint, step=None, lexical_baseline_dim=None)

@@ -21,7 +21,7 @@ gold (the example's positive passages, or passages on a gold page when it has no
 candidate is gold, the example's first positive passage replaces the L-th candidate (DPR-style: a
 positive among hard negatives); examples with no positive at all are skipped. The loss is the
 negative log marginal likelihood of the gold candidates under softmax_j(s_{e,j} / tau_train)
-(tau_train = 1, DPR's NLL on raw dot products), minimised with Adam; the encoder and the passage
+(tau_train = 1, DPR's NLL on raw dot products), minimised with Adam(W); the encoder and the passage
 embeddings stay frozen.
 
 **Confidence.** At a temperature T, member e's distribution over the top-L is
@@ -67,6 +67,7 @@ class EnsembleConfig:
 
     top_l: candidates per query (the expert's top-L) for training, confidence and calibration.
     train_temperature: softmax temperature of the training loss (1 = DPR's NLL on dot products).
+    weight_decay: AdamW decay of the member weights (0 = Adam), against overfitting large embeddings.
     temperature: start of the calibration grid and the value used when `calibrate` is False.
     """
 
@@ -74,6 +75,7 @@ class EnsembleConfig:
     hidden_dim: int = 256
     top_l: int = 20
     learning_rate: float = 1e-3
+    weight_decay: float = 0.0
     num_epochs: int = 10
     batch_size: int = 32
     train_temperature: float = 1.0
@@ -232,7 +234,7 @@ def init_members(config: EnsembleConfig, dim: int, key: jax.Array) -> Any:
 def train_members(data: TrainingSet, config: EnsembleConfig) -> tuple[Any, list[float]]:
     """Trains the E members (vmapped, one jit) on `data`; returns stacked params and the per-epoch loss.
 
-    The loss is the sum of the members' losses, so each member's gradient is its own; Adam is
+    The loss is the sum of the members' losses, so each member's gradient is its own; Adam(W) is
     element-wise, so this is exactly E independent trainings. Each member draws its own batches.
     """
     n, _, dim = data.candidates.shape
@@ -241,7 +243,7 @@ def train_members(data: TrainingSet, config: EnsembleConfig) -> tuple[Any, list[
     model = MemberMLP(dim, config.hidden_dim)
     key = jax.random.PRNGKey(config.seed)
     params = init_members(config, dim, key)
-    optimizer = optax.adam(config.learning_rate)
+    optimizer = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
     opt_state = optimizer.init(params)
     arrays = tuple(jnp.asarray(a) for a in (data.queries, data.candidates, data.valid, data.gold))
 
