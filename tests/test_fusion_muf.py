@@ -112,3 +112,10 @@ def test_training_set_refuses_queries_without_a_gold_candidate():
     data = synthetic_training_set(n=4)
     with pytest.raises(ValueError, match="every query needs a valid gold candidate"):
         muf.TrainingSet(data.queries, data.candidates, data.valid, np.zeros_like(data.gold))
+
+
+def test_a_query_without_candidates_gets_confidence_zero_not_nan():
+    scores = np.zeros((2, 3, 4), np.float32)
+    valid = np.array([[True, True, False, False], [False] * 4])
+    conf = muf.confidence_of_scores(scores, valid, 1e-3)
+    assert conf.tolist() == [1.0, 0.0], f"equal members -> 1; nothing retrieved -> 0, got {conf}"

@@ -132,12 +132,13 @@ def mutual_information(probs: jax.Array) -> jax.Array:
 
 def confidence(probs: jax.Array) -> jax.Array:
     """1 - MI / log E: probs [..., E, L] -> [...] in [0, 1]."""
-    return 1.0 - mutual_information(probs) / math.log(probs.shape[-2])
+    return jnp.clip(1.0 - mutual_information(probs) / math.log(probs.shape[-2]), 0.0, 1.0)
 
 
 @jax.jit
 def _confidence_of_scores(scores: jax.Array, valid: jax.Array, temperature: jax.Array) -> jax.Array:
-    return confidence(member_probs(scores, valid, temperature))
+    # A query the expert retrieved nothing for has no distribution: it gets no say (confidence 0).
+    return jnp.where(jnp.any(valid, axis=-1), confidence(member_probs(scores, valid, temperature)), 0.0)
 
 
 def confidence_of_scores(scores: np.ndarray, valid: np.ndarray, temperature: float) -> np.ndarray:
