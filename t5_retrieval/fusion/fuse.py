@@ -126,16 +126,14 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
     methods = ["muf", "uniform", "own_expert"] + (["hybrid"] if config.hybrid_weight is not None else [])
     scorers = {m: RankingScorer(passages, config.ks, config.skip_answer_recall) for m in methods}
     confidence: dict[str, dict[str, float]] = {x.task: {} for x in experts}
-    top_l = ensemble_config.top_l
     for task, examples in eval_examples.items():
         queries = [e.query for e in examples]
         lists, weights = [], []
         for x in experts:
-            query_vectors, hits = x.search(queries, max(config.depth, top_l), config.batch_size)
-            candidates, valid = experts_lib.candidate_arrays([ids for ids, _ in hits], vectors[x.task], top_l)
-            conf = ensembles[x.task].confidence(query_vectors, candidates, valid)
+            hits, conf = _search_with_confidence(x, ensembles[x.task], vectors[x.task], queries, config.depth,
+                                                 ensemble_config.top_l, config.batch_size)
             confidence[x.task][task] = float(conf.mean()) if len(conf) else float("nan")
-            lists.append([(ids[:config.depth], scores[:config.depth]) for ids, scores in hits])
+            lists.append(hits)
             weights.append(conf)
         rankings: dict[str, list[list[str]]] = {m: [] for m in methods}
         for i, example in enumerate(examples):
@@ -149,12 +147,22 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
                 dense = (fused[0][:config.depth], fused[1][:config.depth])
                 rankings["hybrid"].append(hybrid(dense, sparse, config.hybrid_weight)[0][:config.depth])
         own = [j for j, x in enumerate(experts) if x.task == task]
-        if own:
+        if own:  # a task without an expert has no own-expert row
             rankings["own_expert"] = [ids for ids, _ in lists[own[0]]]
         for method in methods:
             if method != "own_expert" or own:
                 scorers[method].add_task(task, examples, rankings[method])
     return FusionResult({m: s.result() for m, s in scorers.items()}, ensembles, confidence)
+
+
+def _search_with_confidence(expert: experts_lib.Expert, ensemble: muf.Ensemble,
+                            vectors: experts_lib.PassageVectors, queries: Sequence[str], depth: int, top_l: int,
+                            batch_size: int) -> tuple[list[tuple[list[str], np.ndarray]], np.ndarray]:
+    """The expert's top-`depth` (ids, scores) per query and its confidence per query (from its top-L)."""
+    query_vectors, hits = expert.search(queries, max(depth, top_l), batch_size)
+    candidates, valid = experts_lib.candidate_arrays([ids for ids, _ in hits], vectors, top_l)
+    conf = ensemble.confidence(query_vectors, candidates, valid)
+    return [(ids[:depth], scores[:depth]) for ids, scores in hits], conf
 
 
 def write_fusion(result: FusionResult, output_dir: str) -> None:
