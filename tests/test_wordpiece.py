@@ -14,7 +14,7 @@ from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenize import encode_text, load_vocabulary, tokenize
 from t5_retrieval.data.wordpiece import WordPieceVocabulary, basic_tokenize
 
-TOKENS = ["[PAD]", "[unused0]", "[UNK]", "[CLS]", "[SEP]", "the", "cafe", "un", "##aff", "##able", "##s", ",",
+TOKENS = ["[PAD]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "the", "cafe", "un", "##aff", "##able", "##s", ",",
           "!", "who", "is", "?", "a", "b"]
 PAD, UNK, CLS, SEP = 0, 2, 3, 4
 
@@ -41,6 +41,12 @@ def test_greedy_longest_match_first_and_unknown_words(vocab):
     assert list(vocab.encode("unx zzz")) == [UNK, UNK], "a word with an unspellable piece is one [UNK]"
     assert list(vocab.encode("a" * 101)) == [UNK], "words over 100 characters are [UNK]"
     assert vocab.decode(vocab.encode("Who is the unaffable cafe?")) == "who is the unaffable cafe ?"
+
+
+def test_task_prefix_sentinel_becomes_one_reserved_token(vocab):
+    assert list(vocab.encode("a <extra_id_1> who?")) == ids("a", "[unused1]", "who", "?")
+    with pytest.raises(ValueError, match=r"no \[unused7\] token"):
+        vocab.encode("<extra_id_7>")
 
 
 def test_bert_conventions_cls_text_sep_then_padding_and_truncation_keeps_sep(vocab):

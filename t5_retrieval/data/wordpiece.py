@@ -5,7 +5,9 @@ basic tokenisation (drop control characters, whitespace to spaces, spaces around
 optionally lower-case and strip accents, split on whitespace and punctuation), then greedy
 longest-match-first WordPiece per word (`##` marks a continuation; a word that cannot be spelled,
 or is longer than 100 characters, is one [UNK]). Special tokens ([CLS] text [SEP], padding 0) are
-not added here: `token_conventions` tells `t5_retrieval.data.tokenize` which they are.
+not added here: `token_conventions` tells `t5_retrieval.data.tokenize` which they are. The T5
+sentinel `<extra_id_N>` of the TACO task prefixes becomes BERT's reserved token `[unusedN]` (one
+learnable marker instead of seven word pieces).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 
@@ -23,6 +26,8 @@ from t5_retrieval.data.tokenize import PAD_ID, TokenConventions
 
 MAX_CHARS_PER_WORD = 100
 CONTINUATION = "##"
+# T5's sentinels, as in the task prefix "FEVER <extra_id_1> ...": one reserved BERT token each.
+SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
 
 def _is_control(ch: str) -> bool:
@@ -149,7 +154,19 @@ class WordPieceVocabulary(seqio.Vocabulary):
         return tuple(ids)
 
     def _encode(self, s: str) -> Sequence[int]:
-        return [i for word in basic_tokenize(s, self.lower_case) for i in self._word_ids(word)]
+        ids: list[int] = []
+        for i, part in enumerate(SENTINEL.split(s)):
+            if i % 2:  # the number of an `<extra_id_N>` sentinel
+                ids.append(self._sentinel_id(int(part)))
+            else:
+                ids.extend(t for word in basic_tokenize(part, self.lower_case) for t in self._word_ids(word))
+        return ids
+
+    def _sentinel_id(self, n: int) -> int:
+        token = f"[unused{n}]"
+        if token not in self._ids:
+            raise ValueError(f"{self.vocab_file}: no {token} token for the query marker <extra_id_{n}>")
+        return self._ids[token]
 
     def _decode(self, ids: Iterable[int]) -> str:
         specials = {PAD_ID, self.cls_id, self.sep_id}
