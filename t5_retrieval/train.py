@@ -102,8 +102,8 @@ def init_params(model: nn.Module, rng: jax.Array, mesh: jax.sharding.Mesh, rules
 
 def initial_params(source: str, like: Any) -> Any:
     """Weights to start from: a t5r model directory's latest checkpoint, or a Hugging Face T5 or BERT
-    directory. A BERT's query encoders (separate or per task) start from the same weights as the
-    shared one, as in DPR / MT-DPR."""
+    directory. Query encoders (separate or per task) start from the same pretrained weights as the
+    main one, as in DPR / MT-DPR."""
     abstract = checkpoint.abstract_like(like)
     if os.path.exists(os.path.join(source, checkpoint.CONFIG_FILE)):
         params, step = checkpoint.restore_params(source, abstract)
@@ -112,16 +112,15 @@ def initial_params(source: str, like: Any) -> Any:
     if os.path.exists(os.path.join(source, "config.json")):
         from t5_retrieval.models import hf_bert_import, hf_import
         if hf_bert_import.is_bert_config(hf_bert_import.read_hf_config(source)):
-            if "bert" not in like:
-                raise checkpoint.CheckpointError(f"init_from={source!r} is a BERT, but the model is a T5 "
-                                                 "(set model_config.family = 'bert' and the BertConfig)")
-            bert = hf_bert_import.load_bert(source, abstract["bert"])  # shapes checked tensor by tensor
-            return {name: bert if name == "bert" or name.startswith("query_bert_") else value
-                    for name, value in like.items()}
-        if "t5" not in like:
-            raise checkpoint.CheckpointError(f"init_from={source!r} is not a BERT (config.json model_type), "
-                                             "but the model is")
-        return {**like, "t5": hf_import.load_t5(source, abstract["t5"])}
+            family, load = "bert", hf_bert_import.load_bert
+        else:
+            family, load = "t5", hf_import.load_t5
+        if family not in like:
+            raise checkpoint.CheckpointError(f"init_from={source!r} is a Hugging Face {family.upper()} directory, "
+                                             f"but the model is not (its encoders: {sorted(like)}; model_config.family)")
+        encoders = [name for name in like if name == family or name.startswith(f"query_{family}_")]
+        # Shapes are checked tensor by tensor against each encoder's own parameter tree.
+        return {**like, **{name: load(source, abstract[name]) for name in encoders}}
     raise checkpoint.CheckpointError(f"init_from={source!r}: neither a t5r model directory ({checkpoint.CONFIG_FILE}) "
                                      "nor a Hugging Face T5 or BERT directory (config.json)")
 

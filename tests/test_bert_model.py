@@ -87,3 +87,16 @@ def test_invalid_configs_are_rejected_with_the_choices():
         BertDualEncoderConfig(query_towers=2, separate_query_encoder=True)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         Bert(TINY).init(jax.random.PRNGKey(0), jnp.ones((1, 17), jnp.int32))
+
+
+def test_rematerialised_layers_give_the_same_embeddings_and_gradients():
+    model, remat = BertDualEncoder(TINY), BertDualEncoder(BertConfig(**{**TINY.__dict__, "remat": True}))
+    params = model.init(jax.random.PRNGKey(0), TOKENS)["params"]
+
+    def grads(m):
+        return jax.grad(lambda p: jnp.sum(m.apply({"params": p}, TOKENS) ** 2))(params)
+
+    np.testing.assert_allclose(np.asarray(remat.apply({"params": params}, TOKENS)),
+                               np.asarray(model.apply({"params": params}, TOKENS)), atol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads(remat)), jax.tree.leaves(grads(model))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg="remat changed a gradient")

@@ -1,6 +1,8 @@
-"""One separate query encoder for all tasks (DPR's two towers), for both model families: queries go
-through it, passages through the main encoder, and both gradient paths of the train step agree."""
+"""Query towers for both model families: one separate query encoder for all tasks (DPR's two towers)
+takes the queries, passages the main encoder, and both gradient paths of the train step agree; a
+Hugging Face init gives every query tower the pretrained weights."""
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -49,3 +51,34 @@ def test_queries_train_the_query_encoder_and_passages_the_main_one(family):
     for g_k, g in zip(jax.tree.leaves(stacked), jax.tree.leaves(summed)):
         np.testing.assert_allclose(np.asarray(g_k).sum(0), np.asarray(g), rtol=1e-4, atol=1e-6,
                                    err_msg="summed path must route queries through the query encoder too")
+
+
+@pytest.mark.parametrize("family", ["t5", "bert"])
+def test_hf_init_gives_every_query_tower_the_pretrained_weights(family, tmp_path):
+    import json
+
+    from t5_retrieval.train import initial_params
+
+    if family == "t5":
+        from test_t5_hf_numerics import save_random_hf_t5
+
+        from t5_retrieval.models.hf_import import t5_config_from_hf
+        save_random_hf_t5(str(tmp_path), "v1_1")
+        with open(tmp_path / "config.json") as f:
+            model = DualEncoder(t5_config_from_hf(json.load(f)), DualEncoderConfig(query_towers=2))
+    else:
+        from test_bert_hf_numerics import save_random_hf_bert
+
+        from t5_retrieval.models.hf_bert_import import bert_config_from_hf, read_hf_config
+        save_random_hf_bert(str(tmp_path))
+        model = BertDualEncoder(bert_config_from_hf(read_hf_config(str(tmp_path))), BertDualEncoderConfig(query_towers=2))
+    like = nn.unbox(model.init(jax.random.PRNGKey(0), np.ones((1, 4), np.int32))["params"])
+    params = initial_params(str(tmp_path), like)
+    for tower in (f"query_{family}_0", f"query_{family}_1"):
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params[family])[0],
+                                jax.tree.leaves(params[tower])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                          err_msg=f"{tower}{jax.tree_util.keystr(path)} must start from the HF weights")
+    changed = [not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(like[family]), jax.tree.leaves(params[family]))]
+    assert all(changed), "every parameter of the main encoder must come from the checkpoint"

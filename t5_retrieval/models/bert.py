@@ -181,7 +181,3 @@ class Bert(nn.Module):
         for i in range(cfg.num_layers):
             x = layer_cls(cfg, name=f"layers_{i}")(x, bias, deterministic)
         return x
-
-    def encode(self, tokens: Array, deterministic: bool = True) -> Array:
-        """Same entry point as `T5.encode`."""
-        return self(tokens, deterministic)
