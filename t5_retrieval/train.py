@@ -116,8 +116,9 @@ def initial_params(source: str, like: Any) -> Any:
         else:
             family, load = "t5", hf_import.load_t5
         if family not in like:
-            raise checkpoint.CheckpointError(f"init_from={source!r} is a Hugging Face {family.upper()} directory, "
-                                             f"but the model is not (its encoders: {sorted(like)}; model_config.family)")
+            raise checkpoint.CheckpointError(
+                f"init_from={source!r} is a Hugging Face {family.upper()} directory, but the model is not "
+                f"(its encoders: {sorted(like)}; see model_config.family)")
         encoders = [name for name in like if name == family or name.startswith(f"query_{family}_")]
         # Shapes are checked tensor by tensor against each encoder's own parameter tree.
         return {**like, **{name: load(source, abstract[name]) for name in encoders}}

@@ -1,5 +1,6 @@
 """Our Flax BERT against transformers' PyTorch BertModel on the same random weights."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,3 +109,16 @@ def test_missing_and_unexpected_tensors_are_named(hf_dir):
     tensors["encoder.layer.7.output.dense.weight"] = np.zeros((32, 48), np.float32)
     with pytest.raises(HFImportError, match=r"unexpected tensors.*encoder\.layer\.7"):
         hf_bert_import.convert(tensors, cfg, params)
+
+
+def test_init_from_a_bert_directory_refuses_a_t5_model(hf_dir):
+    from t5_retrieval.checkpoint import CheckpointError
+    from t5_retrieval.models.dual_encoder import DualEncoder
+    from t5_retrieval.models.t5 import T5Config
+    from t5_retrieval.train import initial_params
+
+    t5 = DualEncoder(T5Config(vocab_size=99, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_encoder_layers=1,
+                              num_decoder_layers=1))
+    like = nn.unbox(t5.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))["params"])
+    with pytest.raises(CheckpointError, match="is a Hugging Face BERT directory, but the model is not"):
+        initial_params(hf_dir[0], like)

@@ -21,7 +21,7 @@ def test_every_parameter_has_logical_axis_names():
     specs = jax.tree_util.tree_flatten_with_path(nn.get_partition_spec(boxed),
                                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
     shapes = jax.tree.leaves(nn.unbox(boxed))
-    assert len(specs) == len(shapes) == 5 + 16 * TINY.num_layers, f"expected 5 + 16 per layer tensors, got {len(shapes)}"
+    assert len(specs) == len(shapes) == 5 + 16 * TINY.num_layers, f"expected 5 + 16 per layer, got {len(shapes)}"
     for (path, spec), shape in zip(specs, shapes):
         assert isinstance(spec, jax.sharding.PartitionSpec) and len(spec) == len(shape.shape), (
             f"{jax.tree_util.keystr(path)}: expected logical names for all {len(shape.shape)} axes, got {spec}")

@@ -47,7 +47,8 @@ def test_queries_train_the_query_encoder_and_passages_the_main_one(family):
     stacked, _, _ = jax.jit(lambda w: per_task_gradients(task_loss_fn(model, 1.0), w, batch, TASKS, rng))(params)
     summed, _, _ = jax.jit(lambda w: summed_gradient(model, 1.0, w, batch, TASKS, rng))(params)
     for k in range(len(TASKS)):
-        assert _grad_norm(jax.tree.map(lambda g, k=k: g[k], stacked[query])) > 0, f"task {k} must train the query encoder"
+        task_grad = jax.tree.map(lambda g, k=k: g[k], stacked[query])
+        assert _grad_norm(task_grad) > 0, f"task {k} must train the query encoder"
     for g_k, g in zip(jax.tree.leaves(stacked), jax.tree.leaves(summed)):
         np.testing.assert_allclose(np.asarray(g_k).sum(0), np.asarray(g), rtol=1e-4, atol=1e-6,
                                    err_msg="summed path must route queries through the query encoder too")
@@ -71,7 +72,8 @@ def test_hf_init_gives_every_query_tower_the_pretrained_weights(family, tmp_path
 
         from t5_retrieval.models.hf_bert_import import bert_config_from_hf, read_hf_config
         save_random_hf_bert(str(tmp_path))
-        model = BertDualEncoder(bert_config_from_hf(read_hf_config(str(tmp_path))), BertDualEncoderConfig(query_towers=2))
+        model = BertDualEncoder(bert_config_from_hf(read_hf_config(str(tmp_path))),
+                                BertDualEncoderConfig(query_towers=2))
     like = nn.unbox(model.init(jax.random.PRNGKey(0), np.ones((1, 4), np.int32))["params"])
     params = initial_params(str(tmp_path), like)
     for tower in (f"query_{family}_0", f"query_{family}_1"):
