@@ -20,7 +20,7 @@ import numpy as np
 
 from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.records import Passage
-from t5_retrieval.data.text import format_passage, format_query
+from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage, format_query
 from t5_retrieval.data.tokenize import load_vocabulary, tokenize
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.dual_encoder import DualEncoder
@@ -97,7 +97,8 @@ class DualEncoderInference:
         return self.encode_tokens(tokenize(self.vocabulary, strings, self.features["query_len"]), tower)
 
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
-        strings = [format_passage(p.title, p.text) for p in passages]
+        template = self.features.get("passage_template", PASSAGE_TEMPLATE)
+        strings = [format_passage(p.title, p.text, template) for p in passages]
         return self.encode_tokens(tokenize(self.vocabulary, strings, self.features["passage_len"]))
 
     def encode_tokens(self, tokens: np.ndarray, tower: int | None = None) -> np.ndarray:

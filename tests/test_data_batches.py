@@ -153,3 +153,17 @@ def test_few_shot_subset_is_fixed_across_seeds_and_split_between_hosts(data_dir,
     per_host = [queries(seed=1, host_index=h, host_count=2) for h in range(2)]
     assert per_host[0] | per_host[1] == one_host and not per_host[0] & per_host[1], \
         "hosts must partition the same subset"
+
+
+def test_passage_template_is_recorded_and_used_for_passage_tokens(data_dir, vocab):
+    template = "{title}: {text}"
+    it = _iterator(data_dir, vocab, names=("demo_trex",), per_device_batch=2, local_data_devices=1,
+                   passage_template=template)
+    assert it.features["passage_template"] == template, "inference must learn the template from the features"
+    store = PassageStore.open(os.path.join(data_dir, "kb"))
+    every_passage = {to_fixed_length(encode_with_eos_markers(vocab, passage_text(p, template)), PLEN).tobytes()
+                     for p in store}
+    rows = next(it)["demo_trex"]["passage_tokens"]
+    assert all(r.tobytes() in every_passage for r in rows), "passages must be tokenised as '{title}: {text}'"
+    with pytest.raises(ValueError, match="passage template"):
+        passage_text(store.get(store.ids()[0]), "{text} ({title})")

@@ -27,7 +27,7 @@ from t5_retrieval.data import layout, registry
 from t5_retrieval.data.kb import PassageStore, passage_text
 from t5_retrieval.data.mixing import sizes_from_rates, temperature_rates
 from t5_retrieval.data.records import DataError, Example, read_examples, read_negatives
-from t5_retrieval.data.text import format_query
+from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_query
 from t5_retrieval.data.tokenize import Vocabulary, encode_text, load_vocabulary, tokenize
 
 Batch = dict[str, dict[str, np.ndarray]]
@@ -147,7 +147,8 @@ class TrainIterator:
         tokens = self._passage_cache.get(index)
         if tokens is None:
             passage = self._store.get(self._store.ids()[index])
-            tokens = encode_text(self._vocab, passage_text(passage), self._passage_len)
+            template = self.features.get("passage_template", PASSAGE_TEMPLATE)
+            tokens = encode_text(self._vocab, passage_text(passage, template), self._passage_len)
             self._passage_cache[index] = tokens
         return tokens
 
@@ -186,7 +187,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                         vocabulary: Vocabulary | str, query_len: int, passage_len: int, num_negatives: int,
                         per_device_batch: int, local_data_devices: int = 1, host_index: int = 0,
                         host_count: int = 1, seed: int = 0, temperature: float = registry.TEMPERATURE,
-                        split: str = "train", max_examples_per_task: int | None = None) -> TrainIterator:
+                        split: str = "train", max_examples_per_task: int | None = None,
+                        passage_template: str = PASSAGE_TEMPLATE) -> TrainIterator:
     """Builds the per-task training iterator over `<data_dir>/examples` and a negatives directory.
 
     `negatives` is a directory of `{dataset}-{split}.jsonl` negatives files (default
@@ -196,7 +198,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     are skipped and counted (logged). Per-device sub-batch sizes come from the temperature-scaled
     rates of the tasks' declared sizes; host-local sizes are those times `local_data_devices`.
     Each host reads examples i with i % host_count == host_index (seqio.ShardInfo style).
-    `max_examples_per_task` keeps a fixed random subset of each task (MT-DPR's few-shot regimes:
+    `passage_template` is how a passage becomes text (`text.PASSAGE_TEMPLATES`; recorded in the
+    features). `max_examples_per_task` keeps a fixed random subset of each task (MT-DPR's few-shot regimes:
     128 or 1,024 examples), the same on every host and for every `seed`.
     """
     import tasks  # noqa: F401  (registers the task specs)
@@ -225,7 +228,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                             "will be filled with random passages", spec.name, data.skipped, data.missing_negatives)
         task_data.append(data)
     features = {"vocabulary": os.path.abspath(vocabulary) if isinstance(vocabulary, str) else None,
-                "query_len": query_len, "passage_len": passage_len,
+                "query_len": query_len, "passage_len": passage_len, "passage_template": passage_template,
                 # "index": the task's position in the step (and its query tower), explicit because
                 # the config is stored with sorted keys.
                 "tasks": {spec.name: {"dataset": spec.dataset, "prefix": spec.prefix, "index": i}

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from t5_retrieval.data.records import DataError, Passage, read_jsonl, require
-from t5_retrieval.data.text import format_passage
+from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
 
 MANIFEST = "manifest.json"
 PAGE_MAP = "page_map.tsv"
@@ -37,9 +37,9 @@ BULLET = "BULLET::::"
 Span = tuple[int, int]
 
 
-def passage_text(p: Passage) -> str:
-    """The passage string the model sees: `"Title: {title} Text: {text}"`."""
-    return format_passage(p.title, p.text)
+def passage_text(p: Passage, template: str = PASSAGE_TEMPLATE) -> str:
+    """The passage string the model sees (`text.format_passage`)."""
+    return format_passage(p.title, p.text, template)
 
 
 # ----------------------------------------------------------------------------------------------

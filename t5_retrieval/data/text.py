@@ -35,6 +35,15 @@ def format_query(text: str, prefix_name: str | None) -> str:
     return f"{prefix} {query}" if prefix else query
 
 
-def format_passage(title: str, text: str) -> str:
-    """The passage string the model sees: `"Title: {title} Text: {text}"` (no prefix)."""
-    return f"Title: {_WHITESPACE.sub(' ', title).strip()} Text: {_WHITESPACE.sub(' ', text).strip()}"
+# How a passage becomes model text. T5/TACO: "Title: {title} Text: {text}"; sentence-transformers
+# models such as all-MiniLM-L6-v2 were trained on "{title}: {text}". Recorded with a checkpoint's
+# features (`passage_template`), so every stage formats passages as training did.
+PASSAGE_TEMPLATE = "Title: {title} Text: {text}"
+PASSAGE_TEMPLATES = (PASSAGE_TEMPLATE, "{title}: {text}")
+
+
+def format_passage(title: str, text: str, template: str = PASSAGE_TEMPLATE) -> str:
+    """The passage string the model sees (no prefix), whitespace runs collapsed."""
+    if template not in PASSAGE_TEMPLATES:
+        raise ValueError(f"passage template {template!r}: expected one of {PASSAGE_TEMPLATES}")
+    return template.format(title=_WHITESPACE.sub(' ', title).strip(), text=_WHITESPACE.sub(' ', text).strip())
