@@ -117,3 +117,15 @@ def test_minilm_vocabulary_matches_transformers_on_mini_kilt_queries():
     for text, row in zip(texts, got):
         want = reference(text.replace("</s>", "[SEP]"), max_length=64, truncation=True, padding="max_length")
         np.testing.assert_array_equal(row, want["input_ids"], err_msg=f"token ids differ on {text!r}")
+
+
+def test_tensorflow_encode_and_decode_agree_with_python(vocab):
+    import tensorflow as tf
+
+    texts = ["Who is the cafe?", "the unaffables"]
+    ragged = vocab.encode_tf(tf.constant(texts))
+    assert ragged.to_list() == [list(vocab.encode(t)) for t in texts]
+    assert vocab.encode_tf(tf.constant(texts[1])).numpy().tolist() == list(vocab.encode(texts[1]))
+    row = tf.constant([[CLS, *ids("who", "is"), SEP, PAD]])
+    assert vocab.decode_tf(row).numpy().tolist() == [b"who is"], "decoding drops [CLS], [SEP] and padding"
+    assert vocab.decode_tf(row[0]).numpy() == b"who is", "one sequence decodes to one string"

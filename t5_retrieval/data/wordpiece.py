@@ -19,6 +19,7 @@ import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import seqio
 import tensorflow as tf
 
@@ -176,7 +177,7 @@ class WordPieceVocabulary(seqio.Vocabulary):
     def _encode_tf(self, s: tf.Tensor) -> tf.Tensor:
         """A scalar string -> int32[n]; a vector of strings -> ragged int32[m, None]."""
         def encode_all(strings):
-            rows = [self._encode(x.decode("utf-8")) for x in strings.numpy().reshape(-1)]
+            rows = [self._encode(x.decode("utf-8")) for x in np.asarray(strings.numpy()).reshape(-1)]
             return ([i for row in rows for i in row], [len(row) for row in rows])
 
         flat, lengths = tf.py_function(encode_all, [s], [tf.int32, tf.int64])
@@ -186,15 +187,14 @@ class WordPieceVocabulary(seqio.Vocabulary):
         return tf.RaggedTensor.from_row_lengths(flat, lengths)
 
     def _decode_tf(self, ids: tf.Tensor) -> tf.Tensor:
+        """int32[..., n] -> string[...]."""
         def decode_all(rows):
             rows = rows.numpy()
-            if rows.ndim == 1:
-                return self._decode(rows.tolist())
-            return [self._decode(row.tolist()) for row in rows.reshape(-1, rows.shape[-1])]
+            flat = rows.reshape(-1, rows.shape[-1])
+            return np.array([self._decode(row.tolist()).encode("utf-8") for row in flat], dtype=object)
 
         out = tf.py_function(decode_all, [ids], tf.string)
-        out.set_shape(ids.shape[:-1])
-        return out
+        return tf.reshape(out, tf.shape(ids)[:-1])
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, WordPieceVocabulary) and self.vocab_file == other.vocab_file

@@ -4,7 +4,8 @@ Works for `T5Model`, `T5EncoderModel` and `T5ForConditionalGeneration` directori
 Every tensor of our model must come from the file with the right shape; every tensor in the file
 must be a known T5 tensor. Known tensors our model does not use (the LM head for a dual encoder, the
 decoder for mean pooling) are skipped and reported. A problem is an error naming the tensor and both
-shapes, never a silent partial load.
+shapes, never a silent partial load. `fill_target` is that machinery for any architecture (the BERT
+importer, `hf_bert_import`, uses it too).
 """
 
 from __future__ import annotations
