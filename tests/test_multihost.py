@@ -1,0 +1,130 @@
+"""Multi-host for real: two processes on 127.0.0.1 joined by `jax.distributed` (gloo CPU collectives)
+form one 2-device mesh, train the tiny model on per-host data shards, checkpoint with orbax, and
+resume; the result equals one process with 2 devices and the same global batch.
+
+Every process is started through `launch/run.py` (the launchers' shared entry point) and has a
+hard timeout, so a hung collective ends the test instead of blocking it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+XLA_CACHE = os.path.join(REPO, ".pytest_cache", "xla")
+TIMEOUT_S = 600
+NUM_STEPS, CHECKPOINT_EVERY = 8, 4
+GIN = ["--gin_file=models/t5_tiny.gin"] + [f"--gin.{b}" for b in (
+    "VOCAB_SIZE=64", "D_MODEL=16", "D_FF=32", "NUM_LAYERS=1", "NUM_HEADS=2", "D_KV=8", "DROPOUT=0.1",
+    "train.batches=@RandomBatches", "RandomBatches.vocab_size=64", "RandomBatches.num_negatives=1",
+    # 4 queries per device: the global batch is 8 queries whether 1 process has 2 devices or 2 have 1.
+    "train.per_device_batch=4", f"train.num_steps={NUM_STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}",
+    "train.log_every=2", "train.keep_checkpoints=5", "train.multitask=@multitask.taco",
+    "make_optimizer.burn_in_fraction=0.25")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(model_dir: str, launch_flags: list[list[str]], devices_per_process: int) -> list[str]:
+    """Runs one `launch/run.py ... -- train` per entry of launch_flags, concurrently; returns their logs."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    logs = [os.path.join(os.path.dirname(model_dir), f"process_{i}_{len(os.listdir(os.path.dirname(model_dir)))}.log")
+            for i in range(len(launch_flags))]
+    procs = []
+    for flags, log in zip(launch_flags, logs):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.join(REPO, "launch", "run.py"), *flags, "--", "train",
+                 "--model_dir", model_dir, *GIN], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
+    try:
+        for proc in procs:
+            proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a process did not finish within {TIMEOUT_S}s (hung collective?); logs: {logs}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    texts = [open(log).read() for log in logs]
+    for proc, text in zip(procs, texts):
+        assert proc.returncode == 0, f"process failed (exit {proc.returncode}):\n{text[-3000:]}"
+    return texts
+
+
+def two_processes(model_dir: str) -> list[str]:
+    coordinator = f"127.0.0.1:{free_port()}"
+    return run_processes(model_dir, [["--coordinator", coordinator, "--num_processes", "2", "--process_id", str(i)]
+                                     for i in range(2)], devices_per_process=1)
+
+
+def final_state(model_dir: str) -> dict:
+    """The last checkpoint's state as numpy arrays (whatever devices saved it)."""
+    path = os.path.join(model_dir, str(NUM_STEPS), "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    return checkpointer.restore(path, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                                                tree))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost")
+    multi, single = str(root / "multi" / "model"), str(root / "single" / "model")
+    os.makedirs(os.path.dirname(multi))
+    os.makedirs(os.path.dirname(single))
+    first = two_processes(multi)
+    assert sorted(int(n) for n in os.listdir(multi) if n.isdigit()) == [CHECKPOINT_EVERY, NUM_STEPS]
+    shutil.rmtree(os.path.join(multi, str(NUM_STEPS)))  # as if preempted after the step-4 checkpoint
+    resumed = two_processes(multi)
+    run_processes(single, [[]], devices_per_process=2)
+    return multi, single, first, resumed
+
+
+def test_two_processes_form_one_mesh_over_gloo(runs):
+    _, _, first, _ = runs
+    for i, text in enumerate(first):
+        assert "Gloo" in text and "connected to 1 peer" in text, f"process {i} did not join the gloo group:\n{text[-2000:]}"
+
+
+def test_both_processes_resume_from_the_orbax_checkpoint(runs):
+    _, _, _, resumed = runs
+    for i, text in enumerate(resumed):
+        assert f"at step {CHECKPOINT_EVERY}" in text and "resumed" in text, \
+            f"process {i} should resume at step {CHECKPOINT_EVERY}:\n{text[-2000:]}"
+
+
+def test_two_process_run_with_resume_equals_one_process_with_the_same_global_batch(runs):
+    multi, single, _, _ = runs
+    expected, got = final_state(single), final_state(multi)
+    leaves, expected_leaves = jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(expected)
+    assert len(leaves) == len(expected_leaves), "checkpointed states differ in structure"
+    for (path, a), b in zip(leaves, expected_leaves):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7,
+                                   err_msg=f"2 processes (resumed) vs 1 process differ at {jax.tree_util.keystr(path)}")
+    with open(os.path.join(multi, "metrics.jsonl")) as f:
+        multi_losses = {r["step"]: r["loss"] for r in map(json.loads, f)}
+    with open(os.path.join(single, "metrics.jsonl")) as f:
+        single_losses = {r["step"]: r["loss"] for r in map(json.loads, f)}
+    for step in (2, 4, 6, 8):
+        assert multi_losses[step] == pytest.approx(single_losses[step], rel=1e-6), \
+            f"step {step}: loss {multi_losses[step]} with 2 processes, {single_losses[step]} with 1"
+    assert not glob.glob(os.path.join(multi, "*.orbax-checkpoint-tmp*"))
