@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,75 +28,17 @@ import gin
 import optax
 
 from t5_retrieval import gin_utils, logs
+from t5_retrieval.stages import datasets_of, index_and_evaluate, stage
 from t5_retrieval.data import layout
 from t5_retrieval.data.kb import PassageStore
 from t5_retrieval.data.records import read_examples, write_negatives
-from t5_retrieval.inference import DualEncoderInference, load_encoder
-from t5_retrieval.retrieval import embeddings
-from t5_retrieval.retrieval.encode import encode_settings
-from t5_retrieval.retrieval.evaluate import evaluate, format_table, write_results
-from t5_retrieval.retrieval.index import Index, build_index
+from t5_retrieval.inference import load_encoder
+from t5_retrieval.retrieval.evaluate import format_table
+from t5_retrieval.retrieval.index import Index
 from t5_retrieval.retrieval.mine import mine_negatives
 from t5_retrieval.train import train
 
 log = logging.getLogger(__name__)
-DONE = "DONE"
-
-
-def _done(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, DONE))
-
-
-def _mark_done(directory: str, info: dict[str, Any]) -> None:
-    tmp = os.path.join(directory, f"{DONE}.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **info}, f)
-    os.replace(tmp, os.path.join(directory, DONE))
-
-
-def _stage(directory: str, name: str, run: Callable[[], dict[str, Any] | None]) -> None:
-    """Runs `run` unless `directory` is marked done; marks it done afterwards."""
-    if _done(directory):
-        log.info("ance: %s already done (%s)", name, directory)
-        return
-    os.makedirs(directory, exist_ok=True)
-    start = time.time()
-    log.info("ance: %s ...", name)
-    info = run() or {}
-    _mark_done(directory, {"stage": name, "seconds": round(time.time() - start, 1), **info})
-
-
-def _datasets(encoder: DualEncoderInference) -> dict[str, str]:
-    """dataset file stem -> the model's task name for it (whose prefix its queries get)."""
-    return {spec["dataset"]: task for task, spec in encoder.features["tasks"].items()}
-
-
-def _index_and_evaluate(stage_dir: str, model_dir: str, store: PassageStore, data_dir: str,
-                        eval_split: str) -> None:
-    """Encodes the KB with the stage's model, builds its index, and scores the eval split."""
-    emb_dir, index_dir, eval_dir = (os.path.join(stage_dir, d) for d in ("embeddings", "index", "eval"))
-
-    def encode_and_index() -> dict[str, Any]:
-        encoder = load_encoder(model_dir)
-        embeddings.write_embeddings(encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir},
-                                    **encode_settings())
-        index = build_index(emb_dir)
-        index.save(index_dir)
-        return {"fingerprint": encoder.fingerprint, "passages": len(index)}
-
-    def score() -> dict[str, Any]:
-        encoder = load_encoder(model_dir)
-        index = Index.load(index_dir)
-        index.check(encoder, store.ids())
-        names = _datasets(encoder)
-        examples = {names[d]: read_examples(layout.examples_path(data_dir, d, eval_split)) for d in names}
-        result = evaluate(encoder, index, examples, store)
-        result.tables = {task: result.tables[task] for task in sorted(result.tables)}
-        write_results(result, eval_dir)
-        return {"tables": result.tables}
-
-    _stage(index_dir, "encode + index", encode_and_index)
-    _stage(eval_dir, "evaluate", score)
 
 
 def _mine(stage_dir: str, previous: str, store: PassageStore, data_dir: str, depth: int) -> str:
@@ -109,7 +50,7 @@ def _mine(stage_dir: str, previous: str, store: PassageStore, data_dir: str, dep
         index = Index.load(os.path.join(previous, "index"))
         index.check(encoder, store.ids())
         counts = {}
-        for dataset, task in _datasets(encoder).items():
+        for dataset, task in datasets_of(encoder).items():
             # Queries are encoded as the model's task for this dataset (its prefix).
             examples = [dataclasses.replace(e, task=task)
                         for e in read_examples(layout.examples_path(data_dir, dataset, "train"))]
@@ -117,7 +58,7 @@ def _mine(stage_dir: str, previous: str, store: PassageStore, data_dir: str, dep
             counts[dataset] = write_negatives(layout.negatives_path(negatives_dir, dataset, "train"), rows)
         return {"negatives": counts}
 
-    _stage(negatives_dir, "mine", run)
+    stage(negatives_dir, "mine", run)
     return negatives_dir
 
 
@@ -144,16 +85,16 @@ def ance(work_dir: str,
         model_dir = os.path.join(stage_dir, "model")
         if number == 0:
             with gin.config_scope("warmup"):
-                _stage(model_dir, "warm-up training", lambda: _train(model_dir))
+                stage(model_dir, "warm-up training", lambda: _train(model_dir))
         else:
             previous = os.path.join(work_dir, stages[number - 1])
             negatives = _mine(stage_dir, previous, store, data_dir, mine_depth)
             multitask = episode_multitask if number in taco_episodes else None
             with gin.config_scope("episode"):
-                _stage(model_dir, f"episode {number} training",
-                       lambda: _train(model_dir, init_from=os.path.join(previous, "model"), multitask=multitask,
-                                      data_overrides={"negatives": negatives}))
-        _index_and_evaluate(stage_dir, model_dir, store, data_dir, eval_split)
+                stage(model_dir, f"episode {number} training",
+                      lambda: _train(model_dir, init_from=os.path.join(previous, "model"), multitask=multitask,
+                                     data_overrides={"negatives": negatives}))
+        index_and_evaluate(stage_dir, model_dir, data_dir, eval_split)
     with open(os.path.join(work_dir, stages[-1], "eval", "results.json")) as f:
         return json.load(f)
 

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("t5_retrieval.retrieval.serve:main", "HTTP search API over an index."),
     "export": ("t5_retrieval.export.cli:main", "One TF SavedModel (tokenizer, encoder, ScaNN) for serving."),
     "query-side": ("t5_retrieval.query_side:main", "Fine-tune the query encoder over a frozen index."),
+    "results": ("t5_retrieval.results:main", "The mini-KILT results table, row by row (resumable)."),
 }
 
 

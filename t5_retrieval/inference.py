@@ -38,6 +38,9 @@ def fingerprint_of(config: dict[str, Any], params: Any, step: int) -> str:
     return digest.hexdigest()[:16]
 
 
+LENGTH_BUCKET = 32  # encode batches are cut to a multiple of this many tokens
+
+
 class DualEncoderInference:
     """Implements the retrieval `Encoder` protocol with a trained (or freshly built) dual encoder."""
 
@@ -104,15 +107,22 @@ class DualEncoderInference:
     def encode_tokens(self, tokens: np.ndarray, tower: int | None = None) -> np.ndarray:
         """[n, length] token ids -> [n, dim] float32, in fixed-size batches sharded over devices.
 
-        `tower` selects a task's own query encoder (models with per-task query towers)."""
+        Rows are encoded shortest first, each batch cut to its longest row rounded up to a multiple
+        of LENGTH_BUCKET: padding is masked, so the embeddings are those of the full width, while
+        KB passages (mostly far shorter than `passage_len`) cost ~2x less. At most
+        length / LENGTH_BUCKET shapes get compiled. `tower` selects a task's own query encoder
+        (models with per-task query towers)."""
         out = np.empty((len(tokens), self.dim), np.float32)
+        lengths = tokens.shape[1] - np.argmax(tokens[:, ::-1] != 0, axis=1)  # up to the last non-padding id
+        order = np.argsort(lengths, kind="stable")
         with jax.set_mesh(self._mesh), nn.logical_axis_rules(sharding.logical_axis_rules()):
             for start in range(0, len(tokens), self.batch_size):
-                chunk = tokens[start:start + self.batch_size]
-                padded = np.zeros((self.batch_size, tokens.shape[1]), np.int32)
-                padded[:len(chunk)] = chunk
-                padded[len(chunk):, 0] = 1  # filler rows that are never all-padding (their output is dropped)
-                out[start:start + len(chunk)] = np.asarray(self._embed(self.params, padded, tower))[:len(chunk)]
+                rows = order[start:start + self.batch_size]
+                width = min(tokens.shape[1], -(-int(lengths[rows].max()) // LENGTH_BUCKET) * LENGTH_BUCKET)
+                padded = np.zeros((self.batch_size, width), np.int32)
+                padded[:len(rows)] = tokens[rows, :width]
+                padded[len(rows):, 0] = 1  # filler rows that are never all-padding (their output is dropped)
+                out[rows] = np.asarray(self._embed(self.params, padded, tower))[:len(rows)]
         return out
 
 

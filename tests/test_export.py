@@ -17,6 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENT = os.path.join(REPO, "tests", "export", "query_savedmodel.py")
 K = 5
 TOWERS = ("DualEncoderConfig.query_towers = 2",)
+SEPARATE = ("DualEncoderConfig.separate_query_encoder = True",)
 # Edge cases of the query normalisation: Unicode whitespace (RE2's \s would miss it), [SEP] and a
 # literal </s> (EOS between segments), a query longer than the trained length (truncation keeps EOS).
 TRICKY = ["  Paris\u00a0is\u2003the\ncapital [SEP] country ", "x</s>", "[SEP][SEP] y", "word " * 40]
@@ -41,9 +42,10 @@ def _run_client(savedmodel: str, requests: list[dict], tmp_dir: str) -> list[dic
 def exported(tmp_path_factory):
     """One tiny run, one export of model 0, one client process.
 
-    Model 1 (another seed, per-task query towers) and its index serve the mismatch and towers tests."""
+    Model 1 (another seed, per-task query towers) and its index serve the mismatch and towers tests,
+    model 2 (one separate query encoder) the separate-tower test."""
     root = tmp_path_factory.mktemp("export")
-    run = build_tiny_run(str(root), models=((0, ()), (1, TOWERS)))
+    run = build_tiny_run(str(root), models=((0, ()), (1, TOWERS), (2, SEPARATE)))
     savedmodel = str(root / "serving" / "t5r" / "1")
     kb_dir = layout.kb_dir(run.data_dir)
     assert cli.main(["export", "--checkpoint_dir", run.model_dirs[0], "--index_dir", run.index_dirs[0],
@@ -208,3 +210,26 @@ def test_models_with_per_task_query_towers_encode_each_row_with_its_tasks_tower(
     expected = np.concatenate([encoder.encode_queries([q], t) for q, t in zip(queries, tasks)])
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg="per-row tower selection")
     assert np.abs(got[0] - got[2]).max() > 1e-3, "the same query under two tasks must use two different towers"
+
+
+def test_a_separate_query_encoder_embeds_queries_in_the_export(exported, tmp_path):
+    import tensorflow as tf
+
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.text import format_query
+    from t5_retrieval.data.tokenize import tokenize
+    from t5_retrieval.export.savedmodel import RetrievalModule
+    from t5_retrieval.retrieval.index import Index
+
+    run = exported[0]
+    encoder = run.encoders[2]
+    assert encoder.model.config.separate_query_encoder
+    module = RetrievalModule(encoder, Index.load(run.index_dirs[2]), run.index_dirs[2],
+                             PassageStore.open(layout.kb_dir(run.data_dir)), str(tmp_path))
+    queries, tasks = ["a river in France", "Paris [SEP] capital of"], ["demo_fever", "demo_trex"]
+    got = module.encode(tf.constant(queries), tf.constant(tasks))["embeddings"].numpy()
+    expected = np.concatenate([encoder.encode_queries([q], t) for q, t in zip(queries, tasks)])
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg="queries must use the query tower")
+    tokens = tokenize(encoder.vocabulary, [format_query(q, "FEVER") for q in queries[:1]], encoder.features["query_len"])
+    passage_side = encoder.encode_tokens(tokens)  # tower None: the passage encoder
+    assert np.abs(got[0] - passage_side[0]).max() > 1e-3, "the passage encoder must not embed queries"

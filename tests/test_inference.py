@@ -24,3 +24,18 @@ def test_query_towers_follow_the_training_order_not_the_stored_key_order(tmp_pat
     params = model.init(jax.random.PRNGKey(0), np.ones((1, 4), np.int32))["params"]
     encoder = DualEncoderInference(model, params, {"features": stored}, "fp", sharding.make_mesh())
     assert encoder.training_task_order == mixture_order
+
+
+def test_length_bucketed_encoding_equals_full_width_encoding_in_input_order():
+    model = DualEncoder(CFG, DualEncoderConfig())
+    params = model.init(jax.random.PRNGKey(0), np.ones((1, 4), np.int32))["params"]
+    encoder = DualEncoderInference(model, params, {"features": {}}, "fp", sharding.make_mesh(), batch_size=4)
+    rng = np.random.default_rng(0)
+    length = 80
+    tokens = np.zeros((11, length), np.int32)
+    for i, n in enumerate(rng.integers(2, length + 1, size=11)):  # rows of 2..80 ids, then padding
+        tokens[i, :n - 1] = rng.integers(2, 64, size=n - 1)
+        tokens[i, n - 1] = 1
+    full = np.asarray(model.apply({"params": params}, tokens))
+    np.testing.assert_allclose(encoder.encode_tokens(tokens), full, rtol=1e-5, atol=1e-5,
+                               err_msg="cutting batches to their longest row must not change any embedding")

@@ -68,11 +68,12 @@ def _write_lines(path: str, values: list[str], field: str) -> str:
 
 def _jax_embed(encoder: DualEncoderInference):
     """(params, tokens int32[b, l], towers int32[b]) -> float32[b, dim] as a JAX function."""
-    model, towers = encoder.model, encoder.model.config.query_towers
+    model, config = encoder.model, encoder.model.config
+    towers = config.query_towers
 
     def embed(params: Any, tokens: jax.Array, tower_ids: jax.Array) -> jax.Array:
-        if not towers:
-            return model.apply({"params": params}, tokens)
+        if not towers:  # one encoder for every task's queries: the shared one or the separate query tower
+            return model.apply({"params": params}, tokens, tower=config.query_tower(0))
         every = jnp.stack([model.apply({"params": params}, tokens, tower=k) for k in range(towers)])
         return jnp.take_along_axis(every, tower_ids[None, :, None], axis=0)[0]
 
@@ -174,6 +175,10 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
     if os.path.exists(output_dir):
         raise FileExistsError(f"{output_dir}: already exists; export into a new directory "
                               "(TF Serving reads numbered versions: <model>/1, <model>/2, ...)")
+    if not hasattr(encoder.vocabulary, "sp_model"):
+        raise ValueError(f"{encoder.features.get('vocabulary')}: the export builds a sentencepiece tokenizer "
+                         "into the graph; this model's vocabulary is not sentencepiece (WordPiece models "
+                         "cannot be exported yet)")
     index = Index.load(index_dir)
     index.check(encoder, store.ids())
     with open(os.path.join(index_dir, INDEX_JSON), encoding="utf-8") as f:

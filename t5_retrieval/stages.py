@@ -1,0 +1,84 @@
+"""Resumable stages: a directory per stage, marked finished by a `DONE` file written last.
+
+`t5r ance` and `t5r results` are sequences of such stages, so a rerun skips what has finished; a
+stage interrupted midway is run again (training resumes from its last checkpoint, encoding from
+its last shard). `index_and_evaluate` is the stage pair every trained or loaded model ends with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+DONE = "DONE"
+
+
+def is_done(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, DONE))
+
+
+def mark_done(directory: str, info: dict[str, Any]) -> None:
+    tmp = os.path.join(directory, f"{DONE}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **info}, f)
+    os.replace(tmp, os.path.join(directory, DONE))
+
+
+def stage(directory: str, name: str, run: Callable[[], dict[str, Any] | None]) -> None:
+    """Runs `run` unless `directory` is marked done; marks it done (with run's info and the time) afterwards."""
+    if is_done(directory):
+        log.info("%s: already done (%s)", name, directory)
+        return
+    os.makedirs(directory, exist_ok=True)
+    start = time.time()
+    log.info("%s ...", name)
+    info = run() or {}
+    mark_done(directory, {"stage": name, "seconds": round(time.time() - start, 1), **info})
+
+
+def datasets_of(encoder: Any) -> dict[str, str]:
+    """dataset file stem -> the model's task name for it (whose prefix its queries get)."""
+    return {spec["dataset"]: task for task, spec in encoder.features["tasks"].items()}
+
+
+def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split: str = "dev") -> None:
+    """Encodes the KB with `model_dir`'s model, builds its index, and scores the eval split of every
+    dataset the model was trained on: `stage_dir/{embeddings,index,eval}`."""
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.records import read_examples
+    from t5_retrieval.inference import load_encoder
+    from t5_retrieval.retrieval import embeddings
+    from t5_retrieval.retrieval.encode import encode_settings
+    from t5_retrieval.retrieval.evaluate import evaluate, write_results
+    from t5_retrieval.retrieval.index import Index, build_index
+
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    emb_dir, index_dir, eval_dir = (os.path.join(stage_dir, d) for d in ("embeddings", "index", "eval"))
+
+    def encode_and_index() -> dict[str, Any]:
+        encoder = load_encoder(model_dir)
+        embeddings.write_embeddings(encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir},
+                                    **encode_settings())
+        index = build_index(emb_dir)
+        index.save(index_dir)
+        return {"fingerprint": encoder.fingerprint, "passages": len(index)}
+
+    def score() -> dict[str, Any]:
+        encoder = load_encoder(model_dir)
+        index = Index.load(index_dir)
+        index.check(encoder, store.ids())
+        names = datasets_of(encoder)
+        examples = {names[d]: read_examples(layout.examples_path(data_dir, d, eval_split)) for d in names}
+        result = evaluate(encoder, index, examples, store)
+        result.tables = {task: result.tables[task] for task in sorted(result.tables)}
+        write_results(result, eval_dir)
+        return {"tables": result.tables}
+
+    stage(index_dir, "encode + index", encode_and_index)
+    stage(eval_dir, "evaluate", score)
