@@ -78,9 +78,13 @@ class TrainIterator:
                 "sizes": self.subbatch_sizes, "host_index": self._host[0], "host_count": self._host[1]}
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continues from a saved position; the configuration must match the one that saved it."""
+        """Continues from a saved position; the configuration must match the one that saved it.
+
+        Not host_index: a multi-host checkpoint holds process 0's state (the position is the same on
+        every host), and each host continues its own shard from it.
+        """
         mine = self.state()
-        for key in ("seed", "tasks", "sizes", "host_index", "host_count"):
+        for key in ("seed", "tasks", "sizes", "host_count"):
             if list(np.atleast_1d(state.get(key))) != list(np.atleast_1d(mine[key])):
                 raise ValueError(f"iterator state has {key}={state.get(key)!r}, this iterator has {mine[key]!r}; "
                                  "restore with the same tasks, batch sizes, seed and host layout")
