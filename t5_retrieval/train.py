@@ -245,7 +245,7 @@ def train(model_dir: str,
                                  rng=replicated, skipped_steps=replicated, nonfinite_in_a_row=replicated)
 
     mngr = checkpoint.manager(model_dir, max_to_keep=keep_checkpoints, writer=True)
-    restored = checkpoint.restore(mngr, checkpoint.abstract_like(state))
+    restored = restore_train_state(mngr, state)
     if restored is not None:
         state, data_state = restored
         data.restore(data_state)
@@ -276,6 +276,22 @@ def export_taco_state(opt_state: Any, task_names: list[str], model_dir: str) -> 
     ema = multihost_utils.process_allgather(taco_state.ema, tiled=True)
     if jax.process_index() == 0:
         save_state_npz(ema, task_names, os.path.join(model_dir, TACO_STATE_FILE))
+
+
+def restore_train_state(mngr: Any, like: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
+    """(state, data position) from the newest readable checkpoint into `like`'s shardings, or None.
+
+    Checkpoints written before the state counted non-finite steps lack the counters (orbax then
+    leaves them None); they restore with zero counts.
+    """
+    restored = checkpoint.restore(mngr, checkpoint.abstract_like(like))
+    if restored is None:
+        return None
+    state, data_state = restored
+    if state.skipped_steps is None or state.nonfinite_in_a_row is None:
+        log.info("%s: checkpoint without non-finite step counts; counting from 0", mngr.directory)
+        state = state.replace(skipped_steps=like.skipped_steps, nonfinite_in_a_row=like.nonfinite_in_a_row)
+    return state, data_state
 
 
 class NonFiniteError(FloatingPointError):

@@ -202,3 +202,22 @@ def test_truncated_latest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     state, _ = final_checkpoint(model_dir)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(state)):
         np.testing.assert_array_equal(b, a, err_msg=f"redone steps 23-24 differ at {jax.tree_util.keystr(path)}")
+
+
+def test_checkpoint_from_before_the_nonfinite_counters_resumes_with_zero_counts(tmp_path):
+    import jax.numpy as jnp
+
+    from t5_retrieval.train import restore_train_state
+    from t5_retrieval.train_step import TrainState
+
+    old = TrainState(step=jnp.array(7, jnp.int32), params={"w": jnp.arange(3.0)}, opt_state=(jnp.ones(2),),
+                     rng=jnp.zeros(2, jnp.uint32))  # as saved before skipped_steps existed
+    mngr = checkpoint.manager(str(tmp_path), writer=True)
+    checkpoint.save(mngr, 7, old, {"step": 7})
+    zero = jnp.zeros((), jnp.int32)
+    like = TrainState(step=zero, params={"w": jnp.zeros(3)}, opt_state=(jnp.zeros(2),), rng=jnp.ones(2, jnp.uint32),
+                      skipped_steps=zero, nonfinite_in_a_row=zero)
+    state, data = restore_train_state(mngr, like)
+    assert (int(state.step), data) == (7, {"step": 7})
+    np.testing.assert_array_equal(state.params["w"], [0.0, 1.0, 2.0], err_msg="params not restored")
+    assert (int(state.skipped_steps), int(state.nonfinite_in_a_row)) == (0, 0), "counters should start at 0"
