@@ -146,14 +146,22 @@ def format_table(tables: Mapping[str, Mapping[str, float]]) -> str:
 
 
 def write_results(result: EvalResult, output_dir: str) -> None:
-    """results.json, results.txt and predictions/{task}.jsonl (official KILT format)."""
+    """results.json, results.txt and predictions/{task}.jsonl (official KILT format).
+
+    Every file is written to a temporary name and renamed; results.json goes last, so its presence
+    means the predictions next to it are complete (an older one is removed before they are rewritten).
+    """
     os.makedirs(os.path.join(output_dir, "predictions"), exist_ok=True)
+    if os.path.exists(os.path.join(output_dir, "results.json")):
+        os.remove(os.path.join(output_dir, "results.json"))
     for task, rows in result.predictions.items():
         write_jsonl_atomic(os.path.join(output_dir, "predictions", f"{task}.jsonl"), rows)
-    with open(os.path.join(output_dir, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(result.tables, f, indent=1)
-    with open(os.path.join(output_dir, "results.txt"), "w", encoding="utf-8") as f:
-        f.write(format_table(result.tables))
+    for name, text in (("results.txt", format_table(result.tables)),
+                       ("results.json", json.dumps(result.tables, indent=1))):
+        tmp = os.path.join(output_dir, f"{name}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(output_dir, name))
 
 
 def load_task_examples(data_dir: str, split: str, tasks: Sequence[str] | None) -> dict[str, list[Example]]:

@@ -165,6 +165,9 @@ class Index:
 
     def save(self, directory: str) -> None:
         """Writes ScaNN assets, passage ids and index.json; index.json is written last, as the commit."""
+        commit = os.path.join(directory, INDEX_JSON)
+        if os.path.exists(commit):  # unpublish first: a crash below must not leave the old index.json over new assets
+            os.remove(commit)
         os.makedirs(os.path.join(directory, SCANN_DIR), exist_ok=True)
         self.searcher.serialize(os.path.join(directory, SCANN_DIR), relative_path=True)
         with open(os.path.join(directory, embeddings.IDS_FILE), "w", encoding="utf-8") as f:
