@@ -13,6 +13,8 @@ import dataclasses
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Protocol
 
@@ -309,6 +311,47 @@ def _check_finite_streak(state: TrainState, step: int, limit: int, model_dir: st
             f"step {mngr.latest_step()}. Lower the learning rate, check the data, or resume from there.")
 
 
+class Preempted(SystemExit):
+    """The run was asked to stop (SIGTERM) and saved a checkpoint first. Exits with 128 + SIGTERM,
+    like a process killed by it, so schedulers treat it as preempted (SLURM --requeue restarts it)."""
+
+    def __init__(self, step: int, model_dir: str):
+        super().__init__(128 + signal.SIGTERM)
+        self.step, self.model_dir = step, model_dir
+
+
+class PreemptionNotice:
+    """Whether to checkpoint and stop after this step, because SIGTERM arrived (schedulers send it
+    before they kill a job).
+
+    One process: our own SIGTERM handler sets a flag. Several: jax's preemption sync manager
+    (started by `jax.distributed.initialize`, listening for SIGTERM on any host) names the same
+    step on every host, since a checkpoint needs all of them.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+        self._multi_process = jax.process_count() > 1
+        if not self._multi_process and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        log.warning("SIGTERM: checkpointing after the current step, then stopping")
+        self.requested = True
+
+    def reached(self, step: int) -> bool:
+        """Call at every step (on every host)."""
+        if self._multi_process:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
 def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch: Any,
           mesh: jax.sharding.Mesh, mngr: Any, model_dir: str, num_steps: int, log_every: int,
           checkpoint_every: int, max_nonfinite_in_a_row: int) -> TrainState:
@@ -319,27 +362,35 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
                     disable=jax.process_index() != 0, mininterval=5.0)
     last_time, last_step = time.time(), start
     log_only_metrics = jax.jit(taco_metrics)  # a pass over the TACO state: logging steps only
-    for step in range(start + 1, num_steps + 1):
-        state, metrics = step_fn(state, sharding.global_batch(mesh, batch))
-        synced = step % min(log_every, MAX_STEPS_IN_FLIGHT) == 0 or step == num_steps
-        if synced or step % checkpoint_every == 0:
-            _check_finite_streak(state, step, max_nonfinite_in_a_row, model_dir, mngr)  # never save a frozen state
-        if synced:
-            scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}  # also bounds the queue
-            if step % log_every == 0 or step == num_steps:
-                now = time.time()
-                scalars["steps_per_second"] = (step - last_step) / max(now - last_time, 1e-9)
-                scalars.update({k: float(v) for k, v in log_only_metrics(state.opt_state).items()})
-                last_time, last_step = now, step
-                metrics_log.write(step, scalars)
-                progress.set_postfix(loss=f"{scalars['loss']:.3f}")
-        progress.update(1)
-        if step % checkpoint_every == 0 or step == num_steps:
-            checkpoint.save(mngr, step, state, data.state())
-        if step < num_steps:
-            batch = next(data)
-    progress.close()
-    metrics_log.close()
+    preemption = PreemptionNotice()
+    try:
+        for step in range(start + 1, num_steps + 1):
+            state, metrics = step_fn(state, sharding.global_batch(mesh, batch))
+            preempted = preemption.reached(step)
+            synced = step % min(log_every, MAX_STEPS_IN_FLIGHT) == 0 or step == num_steps
+            if synced or step % checkpoint_every == 0 or preempted:
+                _check_finite_streak(state, step, max_nonfinite_in_a_row, model_dir, mngr)  # never save a frozen state
+            if synced:
+                scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}  # also bounds the queue
+                if step % log_every == 0 or step == num_steps:
+                    now = time.time()
+                    scalars["steps_per_second"] = (step - last_step) / max(now - last_time, 1e-9)
+                    scalars.update({k: float(v) for k, v in log_only_metrics(state.opt_state).items()})
+                    last_time, last_step = now, step
+                    metrics_log.write(step, scalars)
+                    progress.set_postfix(loss=f"{scalars['loss']:.3f}")
+            progress.update(1)
+            if step % checkpoint_every == 0 or step == num_steps or preempted:
+                checkpoint.save(mngr, step, state, data.state())
+            if preempted and step < num_steps:
+                log.warning("preempted: saved %s at step %d; rerun the same command to resume", model_dir, step)
+                raise Preempted(step, model_dir)
+            if step < num_steps:
+                batch = next(data)
+    finally:
+        preemption.close()
+        progress.close()
+        metrics_log.close()
     return state
 
 

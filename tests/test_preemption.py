@@ -42,8 +42,8 @@ VARIANTS = {
 }
 
 
-def train_command(model_dir: str, variant: str) -> list[str]:
-    gin = [f"--gin.{b.replace(' = ', '=')}" for b in BINDINGS + VARIANTS[variant]]
+def train_command(model_dir: str, variant: str, extra: tuple[str, ...] = ()) -> list[str]:
+    gin = [f"--gin.{b.replace(' = ', '=')}" for b in BINDINGS + VARIANTS[variant] + list(extra)]
     return [sys.executable, "-m", "t5_retrieval.cli", "train", "--model_dir", model_dir,
             "--gin_file=models/t5_tiny.gin", *gin]
 
@@ -69,11 +69,11 @@ def no_process_left_behind():
             proc.wait()
 
 
-def start(model_dir: str, variant: str) -> subprocess.Popen:
+def start(model_dir: str, variant: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """Starts `t5r train`; its output goes to a log file next to model_dir (`proc.log_path`)."""
     log_path = os.path.join(os.path.dirname(model_dir), f"log_{time.time_ns()}.txt")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(train_command(model_dir, variant), cwd=REPO, env=env(), stdout=log,
+        proc = subprocess.Popen(train_command(model_dir, variant, extra), cwd=REPO, env=env(), stdout=log,
                                 stderr=subprocess.STDOUT)
     proc.log_path = log_path
     STARTED.append(proc)
@@ -221,3 +221,33 @@ def test_checkpoint_from_before_the_nonfinite_counters_resumes_with_zero_counts(
     assert (int(state.step), data) == (7, {"step": 7})
     np.testing.assert_array_equal(state.params["w"], [0.0, 1.0, 2.0], err_msg="params not restored")
     assert (int(state.skipped_steps), int(state.nonfinite_in_a_row)) == (0, 0), "counters should start at 0"
+
+
+def test_sigterm_checkpoints_the_current_step_exits_as_preempted_and_the_rerun_resumes_there(tmp_path):
+    model_dir = str(tmp_path / "model")
+    os.makedirs(model_dir)
+    # No regular checkpoint before the end: the only earlier one can come from the SIGTERM.
+    long_run = ("train.num_steps = 200", "train.checkpoint_every = 1000")
+    proc = start(model_dir, "naive_sum", long_run)
+
+    def logged_steps() -> bool:
+        path = os.path.join(model_dir, "metrics.jsonl")
+        return os.path.exists(path) and os.path.getsize(path) > 0
+
+    wait_for(proc, logged_steps, "the first logged steps", poll_s=0.01)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the run did not stop after SIGTERM") from None
+    log_text = open(proc.log_path).read()
+    assert code == 128 + signal.SIGTERM, f"expected exit code {128 + signal.SIGTERM} (preempted), got {code}:\n" \
+                                         + log_text[-2000:]
+    saved = completed_steps(model_dir)
+    assert len(saved) == 1 and 0 < saved[0] < 200, f"expected one checkpoint at the step SIGTERM stopped, got {saved}"
+    assert f"preempted: saved {model_dir} at step {saved[0]}" in log_text, log_text[-2000:]
+
+    rerun = start(model_dir, "naive_sum", long_run)
+    finish(rerun)
+    assert f"resumed {model_dir} at step {saved[0]}" in open(rerun.log_path).read()
+    assert completed_steps(model_dir)[-1] == 200
