@@ -128,3 +128,47 @@ def test_two_process_run_with_resume_equals_one_process_with_the_same_global_bat
         assert multi_losses[step] == pytest.approx(single_losses[step], rel=1e-6), \
             f"step {step}: loss {multi_losses[step]} with 2 processes, {single_losses[step]} with 1"
     assert not glob.glob(os.path.join(multi, "*.orbax-checkpoint-tmp*"))
+
+
+def test_sigterm_to_one_host_checkpoints_the_same_step_on_both_and_stops_them(tmp_path):
+    """jax's preemption sync manager spreads one host's SIGTERM; both save one step and exit 143."""
+    import signal
+    import time
+
+    model_dir = str(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    coordinator = f"127.0.0.1:{free_port()}"
+    gin = [g for g in GIN if "num_steps" not in g and "checkpoint_every" not in g]
+    gin += ["--gin.train.num_steps=400", "--gin.train.checkpoint_every=1000"]
+    logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.join(REPO, "launch", "run.py"), "--coordinator", coordinator,
+                 "--num_processes", "2", "--process_id", str(i), "--", "train", "--model_dir", model_dir, *gin],
+                cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
+    try:
+        metrics = os.path.join(model_dir, "metrics.jsonl")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+            assert time.monotonic() < deadline, "no step was logged in time"
+            assert all(p.poll() is None for p in procs), "a process ended early:\n" + open(logs[0]).read()[-2000:]
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)  # only the non-coordinator host is told
+        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = [open(log).read() for log in logs]
+    assert codes == [128 + signal.SIGTERM] * 2, f"both hosts should exit as preempted (143), got {codes}:\n" \
+                                                + "\n".join(t[-1500:] for t in texts)
+    saved = sorted(int(n) for n in os.listdir(model_dir) if n.isdigit())
+    assert len(saved) == 1 and 0 < saved[0] < 400, f"expected one checkpoint at the agreed step, got {saved}"
+    for i, text in enumerate(texts):
+        assert f"at step {saved[0]}" in text and "preempted" in text, f"process {i}:\n{text[-1500:]}"
