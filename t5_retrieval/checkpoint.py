@@ -89,10 +89,10 @@ def _latest_readable(mngr: ocp.CheckpointManager, restore_step: Callable[[int], 
 def _set_aside(mngr: ocp.CheckpointManager, steps: list[int]) -> None:
     """Moves unreadable checkpoints to UNREADABLE_DIR (kept for inspection, out of the step list)."""
     if jax.process_index() == 0:
-        target = os.path.join(mngr.directory, UNREADABLE_DIR)
-        os.makedirs(target, exist_ok=True)
+        target = mngr.directory / UNREADABLE_DIR  # epath: also on object stores
+        target.mkdir(parents=True, exist_ok=True)
         for step in steps:
-            os.replace(mngr.directory / str(step), os.path.join(target, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"))
+            (mngr.directory / str(step)).rename(target / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("t5r_checkpoint_set_aside")
     mngr.reload()
