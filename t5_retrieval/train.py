@@ -188,6 +188,7 @@ def train(model_dir: str,
           init_from: str | None = None,
           data_overrides: dict[str, Any] | None = None,
           max_nonfinite_in_a_row: int = 10,
+          stop_passage_gradient: bool = False,
           ) -> TrainState:
     """Trains (or resumes) a dual encoder in `model_dir`; returns the final state.
 
@@ -208,6 +209,8 @@ def train(model_dir: str,
       max_nonfinite_in_a_row: a step with a non-finite loss, gradient or update is skipped (params
         and optimiser state unchanged, counted as `skipped_steps`); this many in a row stop the
         run with `NonFiniteError` (the last checkpoint stays the latest good state).
+      stop_passage_gradient: only the query side learns from the loss (passage embeddings are
+        constants in it); with `separate_query_encoder` the passage encoder stays as initialised.
     """
     mesh = sharding.make_mesh()
     rules = sharding.logical_axis_rules()
@@ -258,7 +261,8 @@ def train(model_dir: str,
     step_fn = make_train_step(model, optimizer, task_names, per_task=multitask is not None,
                               logit_scale=config["dual_encoder"]["logit_scale"],
                               extra_metrics=None if multitask is None else multitask_metrics,
-                              max_nonfinite_in_a_row=max_nonfinite_in_a_row)
+                              max_nonfinite_in_a_row=max_nonfinite_in_a_row,
+                              stop_passage_gradient=stop_passage_gradient)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         first = next(data)
         batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, np.ndim(x)), first)

@@ -53,7 +53,7 @@ def query_tower(model: nn.Module, task_index: int) -> int | None:
     return model.config.query_tower(task_index)
 
 
-def task_loss_fn(model: nn.Module, logit_scale: float) -> Callable:
+def task_loss_fn(model: nn.Module, logit_scale: float, stop_passage_gradient: bool = False) -> Callable:
     """(params, task_batch, rng, task_index) -> (loss, metrics) for one task's sub-batch."""
 
     def loss_fn(params: Params, task_batch: dict[str, jax.Array], rng: jax.Array, task_index: int = 0):
@@ -62,6 +62,8 @@ def task_loss_fn(model: nn.Module, logit_scale: float) -> Callable:
                               rngs={"dropout": query_rng}, tower=query_tower(model, task_index))
         passages = model.apply({"params": params}, task_batch["passage_tokens"], deterministic=False,
                                rngs={"dropout": passage_rng})
+        if stop_passage_gradient:
+            passages = jax.lax.stop_gradient(passages)
         return in_batch_softmax_loss(queries, passages, logit_scale)
 
     return loss_fn
@@ -89,7 +91,7 @@ def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_nam
 
 
 def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_names: Sequence[str],
-                       rng: jax.Array) -> Callable:
+                       rng: jax.Array, stop_passage_gradient: bool = False) -> Callable:
     """params -> (sum of task losses, (losses [K], metrics)), every task's texts in one model call."""
 
     def total_loss(params: Params):
@@ -105,6 +107,8 @@ def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_
             query_emb = model.apply({"params": params}, queries, deterministic=False, rngs={"dropout": query_rng},
                                     tower=query_tower(model, 0))
         passage_emb = model.apply({"params": params}, passages, deterministic=False, rngs={"dropout": passage_rng})
+        if stop_passage_gradient:
+            passage_emb = jax.lax.stop_gradient(passage_emb)
         losses, metrics = [], {}
         q_start = p_start = 0
         for name in task_names:
@@ -122,15 +126,17 @@ def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_
 
 
 def summed_gradient(model: nn.Module, logit_scale: float, params: Params, batch: Batch,
-                    task_names: Sequence[str], rng: jax.Array) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+                    task_names: Sequence[str], rng: jax.Array, stop_passage_gradient: bool = False
+                    ) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
     """Gradient of the sum of task losses. Returns (gradient, losses [K], metrics)."""
-    total_loss = summed_task_losses(model, logit_scale, batch, task_names, rng)
+    total_loss = summed_task_losses(model, logit_scale, batch, task_names, rng, stop_passage_gradient)
     (_, (losses, metrics)), grad = jax.value_and_grad(total_loss, has_aux=True)(params)
     return grad, losses, metrics
 
 
 def retrieval_and_generation_gradients(model: nn.Module, logit_scale: float, params: Params, batch: Batch,
-                                       task_names: Sequence[str], rng: jax.Array
+                                       task_names: Sequence[str], rng: jax.Array,
+                                       stop_passage_gradient: bool = False
                                        ) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
     """GDMTL: gradients of the retrieval loss (summed over tasks) and of the query-generation loss.
 
@@ -140,7 +146,7 @@ def retrieval_and_generation_gradients(model: nn.Module, logit_scale: float, par
     two-objective transform such as `multitask.uncertainty_weighting(num_tasks=2)` combines them.
     """
     retrieval_rng, generation_rng = jax.random.split(rng)
-    retrieval_loss = summed_task_losses(model, logit_scale, batch, task_names, retrieval_rng)
+    retrieval_loss = summed_task_losses(model, logit_scale, batch, task_names, retrieval_rng, stop_passage_gradient)
 
     def objectives(params: Params):
         retrieval, (task_losses, metrics) = retrieval_loss(params)
@@ -171,12 +177,16 @@ def all_finite(*trees: Any) -> jax.Array:
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExtraArgs,
                     task_names: Sequence[str], per_task: bool, logit_scale: float = 1.0,
                     extra_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None,
-                    max_nonfinite_in_a_row: int | None = None) -> Callable:
+                    max_nonfinite_in_a_row: int | None = None, stop_passage_gradient: bool = False) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics), to be jitted with shardings by the caller.
 
     The optimiser receives the gradient of the summed task losses, or with ``per_task`` the K task
     gradients stacked on a leading axis; a model with ``query_generation`` (GDMTL) gives it the
     [retrieval, query generation] pair instead, so it needs a two-objective transform.
+
+    ``stop_passage_gradient``: the in-batch loss treats passage embeddings as constants, so only
+    the query side learns from it (the universal-DR thesis' stop-gradient loss; with a separate
+    query encoder the passage encoder then gets no gradient at all).
 
     A step whose losses, gradients or updates are not all finite is skipped: parameters and
     optimiser state (hence its step count and learning-rate schedule) stay as they were, the
@@ -189,18 +199,19 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
     if model.config.query_generation and not per_task:
         raise ValueError("a model with query_generation (GDMTL) needs a multi-task transform over its two "
                          "objectives, e.g. train.multitask = @multitask.uncertainty_weighting")
-    loss_fn = task_loss_fn(model, logit_scale)
+    loss_fn = task_loss_fn(model, logit_scale, stop_passage_gradient)
     task_names = tuple(task_names)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         rng, step_rng = jax.random.split(state.rng)
         if model.config.query_generation:
             grads, losses, metrics = retrieval_and_generation_gradients(
-                model, logit_scale, state.params, batch, task_names, step_rng)
+                model, logit_scale, state.params, batch, task_names, step_rng, stop_passage_gradient)
         elif per_task:
             grads, losses, metrics = per_task_gradients(loss_fn, state.params, batch, task_names, step_rng)
         else:
-            grads, losses, metrics = summed_gradient(model, logit_scale, state.params, batch, task_names, step_rng)
+            grads, losses, metrics = summed_gradient(model, logit_scale, state.params, batch, task_names, step_rng,
+                                                     stop_passage_gradient)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params, task_losses=losses)
         params = optax.apply_updates(state.params, updates)
         finite = all_finite(losses, grads, updates)

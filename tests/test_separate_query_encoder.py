@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.losses import in_batch_softmax_loss
 from t5_retrieval.models.bert import BertConfig
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder, BertDualEncoderConfig
 from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
@@ -84,3 +85,40 @@ def test_hf_init_gives_every_query_tower_the_pretrained_weights(family, tmp_path
     changed = [not np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(like[family]), jax.tree.leaves(params[family]))]
     assert all(changed), "every parameter of the main encoder must come from the checkpoint"
+
+
+@pytest.mark.parametrize("per_task", [False, True])
+def test_stop_passage_gradient_leaves_the_passage_encoder_untrained(per_task):
+    """The thesis' stop-gradient loss: with two towers, only the query tower gets a gradient; with
+    one shared encoder, the gradient is the one through the query embeddings alone."""
+    model = MODELS["t5"]()
+    data = RandomBatches(per_device_batch=4, local_data_devices=1, task_names=TASKS, vocab_size=64,
+                         query_len=6, passage_len=8, num_negatives=1)
+    batch = next(data)
+    params = nn.unbox(model.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"])
+    rng = jax.random.PRNGKey(1)
+    if per_task:
+        grads, _, _ = per_task_gradients(task_loss_fn(model, 1.0, stop_passage_gradient=True), params, batch,
+                                         TASKS, rng)
+    else:
+        grads, _, _ = summed_gradient(model, 1.0, params, batch, TASKS, rng, stop_passage_gradient=True)
+    assert _grad_norm(grads["t5"]) == 0, "no gradient may reach the passage encoder"
+    assert _grad_norm(grads["query_t5_0"]) > 0, "the query encoder must still learn"
+
+    shared = DualEncoder(model.t5_config, DualEncoderConfig())
+    shared_params = nn.unbox(shared.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"])
+    full, _, _ = summed_gradient(shared, 1.0, shared_params, batch, TASKS, rng)
+    stopped, _, _ = summed_gradient(shared, 1.0, shared_params, batch, TASKS, rng, stop_passage_gradient=True)
+
+    def query_side_loss(w):  # passages embedded with the current weights, held constant
+        passage_emb = {t: jax.lax.stop_gradient(shared.apply({"params": shared_params}, batch[t]["passage_tokens"]))
+                       for t in TASKS}
+        return sum(in_batch_softmax_loss(shared.apply({"params": w}, batch[t]["query_tokens"]), passage_emb[t], 1.0)[0]
+                   for t in TASKS)
+
+    expected = jax.grad(query_side_loss)(shared_params)
+    for g, e in zip(jax.tree.leaves(stopped), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-6,
+                                   err_msg="stop-gradient must keep only the query path's gradient")
+    assert any(not np.allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+               for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(stopped))), "the passage path must be cut"
