@@ -37,7 +37,7 @@ def prepare(data: str, out: str) -> tuple[str, str, str]:
     """Builds the data directory and vocabulary; returns (data_dir, vocabulary path, task family)."""
     from t5_retrieval.data import layout
     from t5_retrieval.data.demo import write_demo
-    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
+    from t5_retrieval.data.prepare import prepare_missing
     from t5_retrieval.data.vocab import train_vocabulary
 
     if data == "demo":
@@ -52,12 +52,7 @@ def prepare(data: str, out: str) -> tuple[str, str, str]:
             raise SystemExit(f"--data: expected 'demo' or a directory named one of {sorted(FAMILIES)}, got {data!r}")
     data_dir = os.path.join(out, "data")
     tasks = _tasks_in(raw_dir)
-    if not os.path.exists(os.path.join(layout.kb_dir(data_dir), "manifest.json")):
-        prepare_kb(os.path.join(raw_dir, "kb", "pages.jsonl"), data_dir)
-    if not all(os.path.exists(layout.examples_path(data_dir, t, "dev")) for t in tasks):
-        prepare_tasks(raw_dir, data_dir, tasks)
-    if not all(os.path.exists(layout.negatives_path(layout.negatives_dir(data_dir), t)) for t in tasks):
-        prepare_negatives(data_dir, tasks)
+    prepare_missing(os.path.join(raw_dir, "kb", "pages.jsonl"), raw_dir, data_dir, tasks)
     vocab_prefix = os.path.join(data_dir, "spm")
     if not os.path.exists(vocab_prefix + ".model"):
         train_vocabulary(layout.kb_dir(data_dir), vocab_prefix, vocab_size=4096 - 100)

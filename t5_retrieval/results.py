@@ -37,15 +37,9 @@ COLUMNS = (("Rprec", "R-prec"), ("recall@20", "R@20"))
 
 def prepare_data(raw_dir: str, data_dir: str) -> None:
     """KB from the paragraph passages, examples of every task, BM25 negatives (each step resumable)."""
-    from t5_retrieval.data import layout
-    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
+    from t5_retrieval.data.prepare import prepare_missing
 
-    if not os.path.exists(os.path.join(layout.kb_dir(data_dir), "manifest.json")):
-        prepare_kb(os.path.join(raw_dir, "kb", "passages.jsonl"), data_dir)
-    if not all(os.path.exists(layout.examples_path(data_dir, t, "dev")) for t in TASKS):
-        prepare_tasks(raw_dir, data_dir, TASKS)
-    if not all(os.path.exists(layout.negatives_path(layout.negatives_dir(data_dir), t)) for t in TASKS):
-        prepare_negatives(data_dir, TASKS)
+    prepare_missing(os.path.join(raw_dir, "kb", "passages.jsonl"), raw_dir, data_dir, TASKS)
 
 
 def bm25_row(row_dir: str, data_dir: str) -> None:

@@ -69,6 +69,17 @@ def prepare_tasks(input_dir: str, data_dir: str, tasks: Sequence[str], splits: S
     return out
 
 
+def prepare_missing(kb_source: str, input_dir: str, data_dir: str, tasks: Sequence[str]) -> None:
+    """The KB (from `kb_source`), the examples and the BM25 negatives of `tasks`, each built only
+    when its output is missing, so an interrupted preparation resumes."""
+    if not os.path.exists(os.path.join(layout.kb_dir(data_dir), "manifest.json")):
+        prepare_kb(kb_source, data_dir)
+    if not all(os.path.exists(layout.examples_path(data_dir, t, "dev")) for t in tasks):
+        prepare_tasks(input_dir, data_dir, tasks)
+    if not all(os.path.exists(layout.negatives_path(layout.negatives_dir(data_dir), t)) for t in tasks):
+        prepare_negatives(data_dir, tasks)
+
+
 @gin.configurable
 def prepare_negatives(data_dir: str, tasks: Sequence[str], splits: Sequence[str] = ("train",), top_k: int = 100,
                       index: BM25Index | None = None) -> dict[str, int]:

@@ -1,0 +1,41 @@
+"""`t5r results` on the real mini-KILT: the BM25 row reproduces the data's own BM25 reference."""
+
+import json
+import os
+
+import pytest
+
+from conftest import SHARED_DATA
+from t5_retrieval import cli
+from t5_retrieval.results import TASKS
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="needs ../shared mini-KILT")
+
+
+def test_bm25_row_matches_the_reference_and_a_rerun_resumes(tmp_path, capsys):
+    work_dir = str(tmp_path / "results")
+    assert cli.main(["results", "--data", SHARED_DATA, "--work_dir", work_dir, "--rows", "bm25",
+                     "--markdown", str(tmp_path / "table.md")]) == 0
+    with open(os.path.join(work_dir, "bm25", "eval", "results.json")) as f:
+        tables = json.load(f)
+    with open(os.path.join(SHARED_DATA, "bm25_reference_dev.json")) as f:
+        reference = json.load(f)
+    for task in TASKS:
+        ours, theirs = tables[task]["Rprec"], reference[f"{task}/dev"]["r_prec"]
+        assert abs(ours - theirs) <= 0.03, f"{task}: BM25 R-precision {ours:.3f}, reference {theirs:.3f}"
+    table = (tmp_path / "table.md").read_text()
+    assert table.splitlines()[2].startswith("| BM25 | "), table
+    assert f"{tables['fever']['Rprec']:.3f}" in table.splitlines()[2]
+
+    done = os.path.join(work_dir, "bm25", "eval", "DONE")
+    stamp = os.path.getmtime(done)
+    capsys.readouterr()
+    assert cli.main(["results", "--data", SHARED_DATA, "--work_dir", work_dir, "--rows", "bm25"]) == 0
+    assert os.path.getmtime(done) == stamp, "a finished row must not run again"
+    assert "| BM25 | " in capsys.readouterr().out
+
+
+def test_unknown_row_is_refused_with_the_known_ones(tmp_path, capsys):
+    assert cli.main(["results", "--data", SHARED_DATA, "--work_dir", str(tmp_path), "--rows", "bm25,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "minilm_zeroshot" in err, err
