@@ -121,17 +121,25 @@ def abstract_like(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def write_config(directory: str, config: dict[str, Any]) -> None:
-    """Records the model config; a different config in an existing directory is an error."""
+def write_config(directory: str, config: dict[str, Any],
+                 upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+    """Records the model config; a different config in an existing directory is an error.
+
+    `upgrade` maps a stored config to what this version would write for the same model (fields
+    added since, at their defaults); a stored config that upgrades to `config` is rewritten as it.
+    """
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CONFIG_FILE)
     if os.path.exists(path):
         existing = read_config(directory)
+        if upgrade is not None and existing != config:
+            existing = upgrade(existing)
         if existing != config:
             changed = sorted(k for k in set(existing) | set(config) if existing.get(k) != config.get(k))
             raise CheckpointError(f"{path}: the model config differs from this run's in {changed}; "
                                   f"use a new model_dir or the same config")
-        return
+        if read_config(directory) == config:
+            return
     if jax.process_index() == 0:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:

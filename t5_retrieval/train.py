@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from t5_retrieval import checkpoint, gin_utils, logs, sharding
 from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
+from t5_retrieval.data.text import PASSAGE_TEMPLATE
 from t5_retrieval.models import pretrained  # noqa: F401 (gin: @minilm_l6_dir)
 from t5_retrieval.models.bert import BertConfig
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder, BertDualEncoderConfig
@@ -78,6 +79,32 @@ def model_config(family: str = "t5", t5: T5Config | None = None, dual_encoder: D
     t5 = t5 or T5Config()
     dual_encoder = dual_encoder or DualEncoderConfig()
     return {"t5": dataclasses.asdict(t5), "dual_encoder": dataclasses.asdict(dual_encoder)}
+
+
+ARCHITECTURE = {"t5": {"t5": T5Config, "dual_encoder": DualEncoderConfig},
+                "bert": {"bert": BertConfig, "dual_encoder": BertDualEncoderConfig}}
+
+
+def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """A config stored by an earlier version as this version writes it, so that its run resumes.
+
+    Architecture fields added since take their dataclass defaults (the same model), the passage
+    template its only former value, and the tasks' step order (`index`, once implied by the
+    mixture) the current run's.
+    """
+    out = dict(stored)
+    for key, cls in ARCHITECTURE.get(stored.get("family", "t5"), {}).items():
+        if key in stored:
+            out[key] = dataclasses.asdict(cls(**stored[key]))
+    if "features" in stored:
+        features = dict(stored["features"])
+        if "passage_template" in current.get("features", {}):
+            features.setdefault("passage_template", PASSAGE_TEMPLATE)
+        order = current.get("features", {}).get("tasks", {})
+        features["tasks"] = {name: {"index": order[name]["index"], **spec} if name in order and "index" not in spec
+                             else spec for name, spec in features.get("tasks", {}).items()}
+        out["features"] = features
+    return out
 
 
 def build_model(config: dict[str, Any]) -> DualEncoder | BertDualEncoder:
@@ -228,7 +255,7 @@ def train(model_dir: str,
     if towers and towers != len(task_names):
         raise ValueError(f"DualEncoderConfig.query_towers={towers} but the mixture has {len(task_names)} tasks "
                          f"({', '.join(task_names)}); set one query tower per task")
-    checkpoint.write_config(model_dir, config)
+    checkpoint.write_config(model_dir, config, upgrade=lambda stored: upgraded_config(stored, config))
 
     model = build_model(config)
     params_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))

@@ -68,6 +68,26 @@ def test_model_dir_with_another_architecture_is_refused(finished_run, tmp_path):
         run(other, "train.num_steps = 60", "D_FF = 96")
 
 
+def test_a_run_written_before_newer_config_fields_resumes(finished_run, tmp_path):
+    """Fields added to the model config since a run started (at their defaults) do not block its resume."""
+    model_dir, final_params = finished_run
+    old = tmp_path / "old"
+    shutil.copytree(model_dir, old)
+    shutil.rmtree(old / "60")
+    config = checkpoint.read_config(str(old))
+    for field in ("separate_query_encoder", "query_generation"):
+        del config["dual_encoder"][field]
+    config["features"].pop("passage_template", None)  # the real iterator records one, RandomBatches none
+    for spec in config["features"]["tasks"].values():
+        del spec["index"]
+    with open(old / checkpoint.CONFIG_FILE, "w") as f:
+        json.dump(config, f)
+    state = run(old, "train.num_steps = 60", "train.checkpoint_every = 20")
+    for a, b in zip(jax.tree.leaves(final_params), jax.tree.leaves(jax.device_get(state.params))):
+        np.testing.assert_array_equal(a, b, err_msg="the upgraded run must resume bit-identically")
+    assert checkpoint.read_config(str(old)) == checkpoint.read_config(str(model_dir)), "config rewritten as now"
+
+
 def test_load_encoder_restores_the_trained_parameters(finished_run):
     model_dir, final_params = finished_run
     encoder = load_encoder(str(model_dir))
