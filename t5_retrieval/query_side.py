@@ -99,9 +99,8 @@ def retrieve_candidates(encoder: Any, index: Index, passages: PassageLookup, tas
             raise ValueError(f"index has {len(index)} passages, fewer than top_k={top_k}")
         matcher = task.matcher(example)
         for r in row:
-            if r not in text_of:
-                passage = passages.get(index.passage_ids[r])
-                text_of[int(r)] = f"{passage.title} {passage.text}"
+            if int(r) not in text_of:
+                text_of[int(r)] = _text(passages, index.passage_ids[r])
         hit = np.array([matcher(text_of[int(r)]) for r in row])
         if hit.any():
             keep.append(i)
@@ -245,6 +244,7 @@ def answer_recall(encoder: Any, index: Index, passages: PassageLookup, task: QAT
 
 
 def _text(passages: PassageLookup, pid: str) -> str:
+    """What an answer is matched against: "title text", as the qa_open labels were made."""
     passage = passages.get(pid)
     return f"{passage.title} {passage.text}"
 
