@@ -78,13 +78,12 @@ def minilm_zeroshot_row(row_dir: str, data_dir: str) -> None:
 
 def write_minilm_model_dir(model_dir: str) -> dict[str, Any]:
     """A model directory holding all-MiniLM-L6-v2 as `t5r train --init_from` would start from it."""
+    import gin
     import jax
 
     from t5_retrieval import checkpoint, gin_utils, sharding
     from t5_retrieval.models.pretrained import minilm_l6_dir
     from t5_retrieval.train import build_model, init_params, initial_params, model_config
-
-    import gin
 
     gin.clear_config()
     try:
