@@ -190,6 +190,11 @@ class QuerySideEncoder:
     def dim(self) -> int:
         return self.passage_encoder.dim
 
+    @property
+    def features(self) -> dict[str, Any]:
+        """How queries become model inputs (tasks, prefixes, lengths): the fine-tuned model's."""
+        return self.query_encoder.features
+
     def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
         return self.query_encoder.encode_queries(texts, task)
 
@@ -204,12 +209,17 @@ def save(output_dir: str, encoder: Any, params: Any, base_dir: str, as_task: str
     config["features"]["tasks"].setdefault(new_task, dict(config["features"]["tasks"][as_task]))
     checkpoint.write_config(output_dir, config)
     checkpoint.save(checkpoint.manager(output_dir), 0, {"params": params}, {})
-    record = {"base_checkpoint": os.path.abspath(base_dir), "base_fingerprint": encoder.fingerprint,
-              "as_task": as_task, "task": new_task, "history": history}
-    tmp = os.path.join(output_dir, QUERY_SIDE_FILE + ".tmp")
+    write_base_record(output_dir, base_dir, encoder.fingerprint, as_task=as_task, task=new_task, history=history)
+
+
+def write_base_record(model_dir: str, base_dir: str, base_fingerprint: str, **info: Any) -> None:
+    """Marks `model_dir` as a query-side model: its passages are encoded by `base_dir`'s model
+    (fingerprint `base_fingerprint`), and its indexes are the base's."""
+    record = {"base_checkpoint": os.path.abspath(base_dir), "base_fingerprint": base_fingerprint, **info}
+    tmp = os.path.join(model_dir, QUERY_SIDE_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1)
-    os.replace(tmp, os.path.join(output_dir, QUERY_SIDE_FILE))
+    os.replace(tmp, os.path.join(model_dir, QUERY_SIDE_FILE))
 
 
 def is_query_side_dir(directory: str) -> bool:

@@ -46,23 +46,27 @@ def datasets_of(encoder: Any) -> dict[str, str]:
     return {spec["dataset"]: task for task, spec in encoder.features["tasks"].items()}
 
 
-def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split: str = "dev") -> None:
+def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split: str = "dev",
+                       index_dir: str | None = None) -> None:
     """Encodes the KB with `model_dir`'s model, builds its index, and scores the eval split of every
-    dataset the model was trained on: `stage_dir/{embeddings,index,eval}`."""
+    dataset the model was trained on: `stage_dir/{embeddings,index,eval}`.
+
+    `index_dir`: score against this existing index instead (a query-side model searches its base's
+    index, which `Index.check` verifies through the fingerprint); nothing is encoded then."""
     from t5_retrieval.data import layout
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import read_examples
-    from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval import embeddings
     from t5_retrieval.retrieval.encode import encode_settings
+    from t5_retrieval.retrieval.encoder import load_checkpoint_encoder
     from t5_retrieval.retrieval.evaluate import evaluate, write_results
     from t5_retrieval.retrieval.index import Index, build_index
 
     store = PassageStore.open(layout.kb_dir(data_dir))
-    emb_dir, index_dir, eval_dir = (os.path.join(stage_dir, d) for d in ("embeddings", "index", "eval"))
+    emb_dir, eval_dir = os.path.join(stage_dir, "embeddings"), os.path.join(stage_dir, "eval")
 
     def encode_and_index() -> dict[str, Any]:
-        encoder = load_encoder(model_dir)
+        encoder = load_checkpoint_encoder(model_dir)
         embeddings.write_embeddings(encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir},
                                     **encode_settings())
         index = build_index(emb_dir)
@@ -70,7 +74,7 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
         return {"fingerprint": encoder.fingerprint, "passages": len(index)}
 
     def score() -> dict[str, Any]:
-        encoder = load_encoder(model_dir)
+        encoder = load_checkpoint_encoder(model_dir)
         index = Index.load(index_dir)
         index.check(encoder, store.ids())
         names = datasets_of(encoder)
@@ -78,7 +82,9 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
         result = evaluate(encoder, index, examples, store)
         result.tables = {task: result.tables[task] for task in sorted(result.tables)}
         write_results(result, eval_dir)
-        return {"tables": result.tables}
+        return {"tables": result.tables, "index": index_dir}
 
-    stage(index_dir, "encode + index", encode_and_index)
+    if index_dir is None:
+        index_dir = os.path.join(stage_dir, "index")
+        stage(index_dir, "encode + index", encode_and_index)
     stage(eval_dir, "evaluate", score)

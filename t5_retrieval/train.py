@@ -256,6 +256,8 @@ def train(model_dir: str,
         raise ValueError(f"DualEncoderConfig.query_towers={towers} but the mixture has {len(task_names)} tasks "
                          f"({', '.join(task_names)}); set one query tower per task")
     checkpoint.write_config(model_dir, config, upgrade=lambda stored: upgraded_config(stored, config))
+    if "passage_embeddings" in data.features:
+        record_passage_base(model_dir, init_from, data.features["passage_embeddings"], config)
 
     model = build_model(config)
     params_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
@@ -299,6 +301,27 @@ def train(model_dir: str,
                       max_nonfinite_in_a_row)
     export_taco_state(state.opt_state, task_names, model_dir)
     return state
+
+
+def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, str], config: dict[str, Any]) -> None:
+    """Training over stored passage embeddings only makes sense from the model that wrote them:
+    checks that `init_from` is it, and marks `model_dir` as a query-side model over that base (so
+    encode/index/eval/serve embed passages with the base and accept the base's indexes)."""
+    from t5_retrieval import query_side
+    from t5_retrieval.inference import load_encoder
+
+    if config["dual_encoder"].get("query_generation"):
+        raise ValueError("make_train_iterator.passage_embeddings: GDMTL's query generation needs passage tokens")
+    if not init_from or not os.path.exists(os.path.join(init_from, checkpoint.CONFIG_FILE)):
+        raise ValueError(f"make_train_iterator.passage_embeddings={table['directory']!r} needs train.init_from to be "
+                         f"the t5r model directory that wrote them (got {init_from!r})")
+    base = load_encoder(init_from)
+    if base.fingerprint != table["fingerprint"]:
+        raise ValueError(f"{table['directory']}: written by the model with fingerprint {table['fingerprint']!r}, but "
+                         f"train.init_from={init_from!r} has fingerprint {base.fingerprint!r}")
+    if jax.process_index() == 0:
+        query_side.write_base_record(model_dir, init_from, base.fingerprint, trained_by="t5r train",
+                                     passage_embeddings=table["directory"])
 
 
 def export_taco_state(opt_state: Any, task_names: list[str], model_dir: str) -> None:

@@ -53,6 +53,17 @@ def query_tower(model: nn.Module, task_index: int) -> int | None:
     return model.config.query_tower(task_index)
 
 
+def passage_embeddings(model: nn.Module, params: Params, task_batch: dict[str, jax.Array], rng: jax.Array,
+                       stop_gradient: bool) -> jax.Array:
+    """The passage side of the loss: stored embeddings (a frozen passage encoder, so constants) when
+    the batch carries them, else the model's embeddings of the passage tokens."""
+    if "passage_embeddings" in task_batch:
+        return task_batch["passage_embeddings"]
+    passages = model.apply({"params": params}, task_batch["passage_tokens"], deterministic=False,
+                           rngs={"dropout": rng})
+    return jax.lax.stop_gradient(passages) if stop_gradient else passages
+
+
 def task_loss_fn(model: nn.Module, logit_scale: float, stop_passage_gradient: bool = False) -> Callable:
     """(params, task_batch, rng, task_index) -> (loss, metrics) for one task's sub-batch."""
 
@@ -60,10 +71,7 @@ def task_loss_fn(model: nn.Module, logit_scale: float, stop_passage_gradient: bo
         query_rng, passage_rng = jax.random.split(rng)
         queries = model.apply({"params": params}, task_batch["query_tokens"], deterministic=False,
                               rngs={"dropout": query_rng}, tower=query_tower(model, task_index))
-        passages = model.apply({"params": params}, task_batch["passage_tokens"], deterministic=False,
-                               rngs={"dropout": passage_rng})
-        if stop_passage_gradient:
-            passages = jax.lax.stop_gradient(passages)
+        passages = passage_embeddings(model, params, task_batch, passage_rng, stop_passage_gradient)
         return in_batch_softmax_loss(queries, passages, logit_scale)
 
     return loss_fn
@@ -96,7 +104,8 @@ def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_
 
     def total_loss(params: Params):
         query_rng, passage_rng = jax.random.split(rng)
-        passages = jnp.concatenate([batch[t]["passage_tokens"] for t in task_names])
+        key = "passage_embeddings" if "passage_embeddings" in batch[task_names[0]] else "passage_tokens"
+        passages = {key: jnp.concatenate([batch[t][key] for t in task_names])}
         if model.config.query_towers:  # each task's queries through its own tower
             query_emb = jnp.concatenate([
                 model.apply({"params": params}, batch[t]["query_tokens"], deterministic=False,
@@ -106,13 +115,11 @@ def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_
             queries = jnp.concatenate([batch[t]["query_tokens"] for t in task_names])
             query_emb = model.apply({"params": params}, queries, deterministic=False, rngs={"dropout": query_rng},
                                     tower=query_tower(model, 0))
-        passage_emb = model.apply({"params": params}, passages, deterministic=False, rngs={"dropout": passage_rng})
-        if stop_passage_gradient:
-            passage_emb = jax.lax.stop_gradient(passage_emb)
+        passage_emb = passage_embeddings(model, params, passages, passage_rng, stop_passage_gradient)
         losses, metrics = [], {}
         q_start = p_start = 0
         for name in task_names:
-            q_rows, p_rows = batch[name]["query_tokens"].shape[0], batch[name]["passage_tokens"].shape[0]
+            q_rows, p_rows = batch[name]["query_tokens"].shape[0], batch[name][key].shape[0]
             loss, aux = in_batch_softmax_loss(query_emb[q_start:q_start + q_rows],
                                               passage_emb[p_start:p_start + p_rows], logit_scale)
             q_start, p_start = q_start + q_rows, p_start + p_rows

@@ -48,17 +48,22 @@ class _TaskData:
 
 
 class TrainIterator:
-    """Yields `{task: {"query_tokens", "passage_tokens", "task_ids"}}` per step (see make_train_iterator)."""
+    """Yields `{task: {"query_tokens", "passage_tokens", "task_ids"}}` per step (see make_train_iterator).
+
+    With a `passage_table` ([KB size, dim], rows in store order) sub-batches carry the passages'
+    stored embeddings as "passage_embeddings" instead of their tokens.
+    """
 
     def __init__(self, tasks: list[_TaskData], store: PassageStore, vocab: Vocabulary, passage_len: int,
                  num_negatives: int, seed: int, host_index: int, host_count: int,
-                 features: dict[str, Any] | None = None):
+                 features: dict[str, Any] | None = None, passage_table: np.ndarray | None = None):
         self._tasks = tasks
         # How queries and passages become model inputs; recorded with checkpoints for inference.
         self.features = features or {}
         self._store = store
         self._vocab = vocab
         self._passage_len = passage_len
+        self._passage_table = passage_table
         self._num_negatives = num_negatives
         self._seed = seed
         self._host = (host_index, host_count)
@@ -129,8 +134,11 @@ class TrainIterator:
                 negs += self._random_negatives(fill_rng, task.gold_pages[row], int(task.positives[row]),
                                                negs, self._num_negatives - len(negs))
             passage_ids += [int(task.positives[row]), *negs]
-        return {"query_tokens": task.query_tokens[rows],
-                "passage_tokens": np.stack([self._passage_tokens(i) for i in passage_ids]),
+        if self._passage_table is not None:
+            passages = {"passage_embeddings": self._passage_table[passage_ids]}
+        else:
+            passages = {"passage_tokens": np.stack([self._passage_tokens(i) for i in passage_ids])}
+        return {"query_tokens": task.query_tokens[rows], **passages,
                 "task_ids": np.full(len(rows), task_index, np.int32)}
 
     def _random_negatives(self, rng: np.random.Generator, gold: frozenset[str], positive: int,
@@ -192,7 +200,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                         per_device_batch: int, local_data_devices: int = 1, host_index: int = 0,
                         host_count: int = 1, seed: int = 0, temperature: float = registry.TEMPERATURE,
                         split: str = "train", max_examples_per_task: int | None = None,
-                        passage_template: str = PASSAGE_TEMPLATE) -> TrainIterator:
+                        passage_template: str = PASSAGE_TEMPLATE, passage_embeddings: str | None = None
+                        ) -> TrainIterator:
     """Builds the per-task training iterator over `<data_dir>/examples` and a negatives directory.
 
     `negatives` is a directory of `{dataset}-{split}.jsonl` negatives files (default
@@ -205,6 +214,11 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     `passage_template` is how a passage becomes text (`text.PASSAGE_TEMPLATES`; recorded in the
     features). `max_examples_per_task` keeps a fixed random subset of each task (MT-DPR's few-shot regimes:
     128 or 1,024 examples), the same on every host and for every `seed`.
+
+    `passage_embeddings`: an embeddings directory of this KB (`t5r encode`) whose vectors stand in
+    for the passages, so the passage side is frozen and costs nothing per step (query-side
+    training over a fixed index; `train` then requires `init_from` to be the model that wrote
+    them). Its fingerprint is recorded in the features.
     """
     import tasks  # noqa: F401  (registers the task specs)
 
@@ -237,5 +251,23 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                 # the config is stored with sorted keys.
                 "tasks": {spec.name: {"dataset": spec.dataset, "prefix": spec.prefix, "index": i}
                           for i, spec in enumerate(specs)}}
+    table = None
+    if passage_embeddings is not None:
+        table, features["passage_embeddings"] = passage_table(passage_embeddings, store)
     return TrainIterator(task_data, store, vocab, passage_len, num_negatives, seed, host_index, host_count,
-                         features)
+                         features, table)
+
+
+def passage_table(directory: str, store: PassageStore) -> tuple[np.ndarray, dict[str, str]]:
+    """The stored embeddings of every KB passage in store order, and {directory, fingerprint}."""
+    from t5_retrieval.retrieval import embeddings
+
+    manifest = embeddings.read_manifest(directory)
+    ids = embeddings.read_ids(directory)
+    if sorted(ids) != sorted(store.ids()):
+        raise DataError(f"{directory}: its {len(ids)} passage ids are not those of the KB {store.directory} "
+                        f"({len(store.ids())} passages); encode this KB with `t5r encode`")
+    matrix = embeddings.load_matrix(directory)
+    row_of = {pid: r for r, pid in enumerate(ids)}
+    table = matrix[[row_of[pid] for pid in store.ids()]]
+    return table, {"directory": os.path.abspath(directory), "fingerprint": manifest.fingerprint}

@@ -116,12 +116,18 @@ def encoder_from_flags(args: argparse.Namespace) -> Encoder:
         raise SystemExit("give exactly one of --checkpoint_dir and --lexical_baseline_dim")
     if args.lexical_baseline_dim is not None:
         return HashedBagOfWordsEncoder(args.lexical_baseline_dim)
+    return load_checkpoint_encoder(args.checkpoint_dir, args.step)
+
+
+def load_checkpoint_encoder(checkpoint_dir: str, step: int | None = None) -> Encoder:
+    """A t5r model directory as an `Encoder`; a query-side model (`t5r query-side`, or `t5r train`
+    over stored passage embeddings) embeds its passages with its base model."""
     # The model stack loads only when a checkpoint is used.
     from t5_retrieval import query_side
     from t5_retrieval.inference import load_encoder
 
-    if query_side.is_query_side_dir(args.checkpoint_dir):  # fine-tuned queries over its base's passages
-        if args.step is not None:
-            raise SystemExit(f"--step: {args.checkpoint_dir} is a query-side model with one checkpoint")
-        return query_side.load(args.checkpoint_dir)
-    return load_encoder(args.checkpoint_dir, step=args.step)
+    if query_side.is_query_side_dir(checkpoint_dir):
+        if step is not None:
+            raise SystemExit(f"--step: {checkpoint_dir} is a query-side model; it is used at its latest step")
+        return query_side.load(checkpoint_dir)
+    return load_encoder(checkpoint_dir, step=step)
