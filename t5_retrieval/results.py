@@ -1,6 +1,6 @@
 """`t5r results`: the mini-KILT results table, one resumable row at a time (docs/RESULTS.md).
 
-    t5r results --data=../shared/data/mini_kilt --work_dir=/runs/results [--rows bm25,minilm_zeroshot]
+    t5r results --data=../shared/data/mini_kilt --work_dir=/runs/results [--rows bm25,minilm_zeroshot,taco]
 
 Every row reads the same prepared data (KB = mini-KILT's `kb/passages.jsonl`, one passage per
 paragraph, as the reference numbers use; the six tasks' train/dev examples; BM25 negatives) and
@@ -14,6 +14,16 @@ Rows:
 - ``minilm_zeroshot``: the installed all-MiniLM-L6-v2, no training: mean pooling + L2 norm,
   passages "{title}: {text}" truncated to 256 tokens, queries to 128, exact search (the setting of
   mini-KILT's `minilm_zeroshot_reference_dev.json`).
+- trained rows (``naive_noprefix``, ``naive_prefix``, ``taco``, ``taco_typed``, ``pcgrad``, ``cgd``,
+  ``gradnorm``, ``mt_dpr_confounders``, ``task_specific``): the paper's run file on mini-KILT, from
+  MiniLM, with the shared settings of TRAIN_BINDINGS. Only the query side trains: the passages are
+  the zero-shot row's stored embeddings (`make_train_iterator.passage_embeddings`), so every row
+  searches the zero-shot index and the KB is encoded once. On this 2-core CPU that is what makes
+  a row take minutes instead of hours; it is a different regime from the papers', which train both
+  sides (docs/RESULTS.md says so next to the numbers).
+
+After the rows, the task-specialisation analysis (TACO Fig. 1-2) runs for naive multi-task and TACO
+(`sensitivity_analysis`) and its table is printed below the results.
 """
 
 from __future__ import annotations
@@ -102,10 +112,200 @@ def write_minilm_model_dir(model_dir: str) -> dict[str, Any]:
     return {"init_from": minilm_l6_dir()}
 
 
+# Every trained row fine-tunes MiniLM's query side over the zero-shot row's passage embeddings (the
+# passage encoder stays MiniLM, so every row searches the zero-shot index): on this CPU a step then
+# costs the queries' forward/backward only, and the KB is encoded once for all rows.
+TRAIN_BINDINGS = (
+    "LEARNING_RATE = 2e-5",
+    "PER_DEVICE_BATCH = 32",
+    "QUERY_LEN = 64",
+    "NUM_NEGATIVES = 2",
+    "NUM_STEPS = 200",
+    "train.checkpoint_every = 50",
+    "train.log_every = 20",
+    "make_train_iterator.passage_template = '{title}: {text}'",
+)
+
+# The EMA horizon 1 / (1 - beta) scaled to the run: the paper's 0.999 (1,000 steps) would keep the
+# zero-initialised EMA at a quarter of its signal after 300 steps, so the weights stay near uniform.
+TACO_BINDINGS = ("multitask.taco.beta = 0.99",)
+
+
+def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[[str, str], None]:
+    """A row trained with `runs/<run_file>` on `mixture`, from MiniLM, over its frozen passage embeddings."""
+
+    def row(row_dir: str, data_dir: str) -> None:
+        from t5_retrieval.stages import index_and_evaluate, stage
+
+        base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
+        minilm_zeroshot_row(base_dir, data_dir)  # the base model and its index (done once, then skipped)
+        model_dir = os.path.join(row_dir, "model")
+        gin_bindings = [f"DATA_DIR = '{data_dir}'", f"MIXTURE = '{mixture}'", *TRAIN_BINDINGS,
+                        f"train.init_from = '{os.path.join(base_dir, 'model')}'",
+                        f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'",
+                        *bindings]
+        stage(model_dir, f"train {run_file}", lambda: train_model(model_dir, [f"runs/{run_file}"], gin_bindings))
+        index_and_evaluate(row_dir, model_dir, data_dir, index_dir=os.path.join(base_dir, "index"))
+
+    return row
+
+
+# MT-DPR's confounders drop negatives that contain an answer only where an answer string means
+# relevance: QA and slot filling (not FEVER's labels, WoW's replies or entity titles).
+ANSWER_CHECKABLE = ("hotpotqa", "trex", "entityquestions")
+
+
+def confounders_row(row_dir: str, data_dir: str) -> None:
+    """MT-DPR's adversarial confounders: negatives mined by MiniLM (its top-110 minus gold pages and,
+    for ANSWER_CHECKABLE tasks, minus answer-holding passages), then naive multi-task without prefix."""
+    from t5_retrieval.stages import stage
+
+    base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
+    minilm_zeroshot_row(base_dir, data_dir)
+    negatives_dir = os.path.join(row_dir, "negatives")
+    stage(negatives_dir, "mine confounders", lambda: mine_confounders(base_dir, data_dir, negatives_dir))
+    trained_row("mt_dpr.gin", "mini_kilt_noprefix", f"NEGATIVES = '{negatives_dir}'")(row_dir, data_dir)
+
+
+def mine_confounders(base_dir: str, data_dir: str, negatives_dir: str) -> dict[str, Any]:
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.records import read_examples, write_negatives
+    from t5_retrieval.inference import load_encoder
+    from t5_retrieval.retrieval.index import Index
+    from t5_retrieval.retrieval.mine import mine_negatives
+
+    encoder, index = load_encoder(os.path.join(base_dir, "model")), Index.load(os.path.join(base_dir, "index"))
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    counts = {}
+    for task in TASKS:
+        examples = read_examples(layout.examples_path(data_dir, task, "train"))
+        rows = mine_negatives(encoder, index, examples, store, k=110, exclude_answers=task in ANSWER_CHECKABLE)
+        counts[task] = write_negatives(layout.negatives_path(negatives_dir, task, "train"), rows)
+    return {"queries": counts}
+
+
+def task_specific_row(row_dir: str, data_dir: str) -> None:
+    """One model per dataset (naive, no prefix, same steps as the multi-task rows), each scored on its
+    own dataset; the row's table joins the six."""
+    from t5_retrieval.stages import stage
+
+    for task in TASKS:
+        trained_row("single_task.gin", f"mini_kilt_{task}_noprefix")(os.path.join(row_dir, task), data_dir)
+    stage(os.path.join(row_dir, "eval"), "join task-specific tables", lambda: join_tables(row_dir))
+
+
+def join_tables(row_dir: str) -> dict[str, Any]:
+    tables = {}
+    for task in TASKS:
+        with open(os.path.join(row_dir, task, "eval", "results.json")) as f:
+            tables[task] = dataset_table(json.load(f), task)
+    with open(os.path.join(row_dir, "eval", "results.json"), "w") as f:
+        json.dump(tables, f, indent=1)
+    return {"tables": tables}
+
+
+def train_model(model_dir: str, run_files: list[str], bindings: list[str]) -> dict[str, Any]:
+    """`t5r train --gin_file=models/minilm_l6.gin --gin_file=<run files> --gin.<bindings>` in-process."""
+    import gin
+
+    from t5_retrieval import gin_utils
+    from t5_retrieval.train import train
+
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(["models/minilm_l6.gin", *run_files], bindings)
+        state = train(model_dir)
+    finally:
+        gin.clear_config()
+    return {"steps": int(state.step), "gin_files": ["models/minilm_l6.gin", *run_files], "bindings": bindings}
+
+
 ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "bm25": ("BM25", bm25_row),
     "minilm_zeroshot": ("MiniLM-L6 zero-shot", minilm_zeroshot_row),
+    "naive_noprefix": ("naive multi-task, no prefix", trained_row("naive_multitask.gin", "mini_kilt_noprefix")),
+    "naive_prefix": ("naive multi-task, dataset prefixes", trained_row("no_adaptive.gin", "mini_kilt")),
+    "taco": ("TACO", trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS)),
+    "taco_typed": ("TACO, task-type markers", trained_row("task_type_markers.gin", "mini_kilt_typed", *TACO_BINDINGS)),
+    "pcgrad": ("PCGrad", trained_row("pcgrad.gin", "mini_kilt")),
+    "cgd": ("CGD", trained_row("cgd.gin", "mini_kilt")),
+    "gradnorm": ("GradNorm", trained_row("gradnorm.gin", "mini_kilt")),
+    "mt_dpr_confounders": ("MT-DPR, adversarial confounders", confounders_row),
+    "task_specific": ("task-specific (one model per task)", task_specific_row),
 }
+
+
+PROBE_ROWS = ("naive_noprefix", "naive_prefix", "taco")  # the specialisation analysis compares these
+PROBE_BATCHES, PROBE_BETA, PROBE_SEED = 50, 0.98, 1  # EMA at 1 - 0.98^50 = 64% of its signal
+
+
+def sensitivity_analysis(work_dir: str) -> None:
+    """TACO paper Fig. 1-2 for the finished rows of PROBE_ROWS: each trained model's task
+    sensitivities probed on the same 50 training batches (`multitask.probe`), plus the TACO run's
+    own final EMA; figures and analysis.json in `<work_dir>/analysis/<name>`."""
+    from t5_retrieval.multitask.analysis import load_state_npz, write_analysis
+    from t5_retrieval.stages import is_done, stage
+    from t5_retrieval.train import TACO_STATE_FILE
+
+    for name in PROBE_ROWS:
+        model_dir = os.path.join(work_dir, name, "model")
+        if is_done(model_dir):
+            out = os.path.join(work_dir, "analysis", name)
+            stage(out, f"sensitivity probe {name}", lambda: probe_model(model_dir, out))
+    taco_state = os.path.join(work_dir, "taco", "model", TACO_STATE_FILE)
+    if os.path.exists(taco_state):
+        out = os.path.join(work_dir, "analysis", "taco_training")
+        stage(out, "TACO training state analysis",
+              lambda: analysis_numbers(write_analysis(*load_state_npz(taco_state), tau=2.0, out_dir=out)))
+
+
+def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
+    """Probes a row's trained model on batches of its own training data (seed PROBE_SEED)."""
+    import gin
+
+    from t5_retrieval import gin_utils, sharding
+    from t5_retrieval.data.batches import make_train_iterator
+    from t5_retrieval.inference import load_encoder
+    from t5_retrieval.multitask.analysis import save_state_npz, write_analysis
+    from t5_retrieval.multitask.probe import probe_sensitivities
+    from t5_retrieval.stages import DONE
+
+    with open(os.path.join(model_dir, DONE)) as f:
+        trained = json.load(f)
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(trained["gin_files"], trained["bindings"])
+        batches = make_train_iterator(per_device_batch=gin.query_parameter("%PER_DEVICE_BATCH"), seed=PROBE_SEED)
+    finally:
+        gin.clear_config()
+    encoder = load_encoder(model_dir)
+    ema = probe_sensitivities(encoder.model, encoder.params, batches, batches.task_names, PROBE_BATCHES, PROBE_BETA,
+                              encoder.config["dual_encoder"]["logit_scale"], sharding.make_mesh())
+    save_state_npz(ema, batches.task_names, os.path.join(out_dir, "probe_state.npz"))
+    return analysis_numbers(write_analysis(ema, batches.task_names, tau=2.0, out_dir=out_dir))
+
+
+def analysis_numbers(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: summary[k] for k in ("task_specific_fraction", "not_activated_fraction", "mean_entropy", "max_entropy")}
+
+
+def analysis_table(work_dir: str) -> str:
+    """One line per analysed model: specialised / not-activated share and mean task entropy."""
+    lines = []
+    for name in (*PROBE_ROWS, "taco_training"):
+        path = os.path.join(work_dir, "analysis", name, DONE)
+        if os.path.exists(path):
+            with open(path) as f:
+                a = json.load(f)
+            title, source = (("TACO", "its training EMA") if name == "taco_training"
+                             else (ROWS[name][0], f"probe, {PROBE_BATCHES} batches, beta {PROBE_BETA}"))
+            lines.append(f"| {title} | {source} | {100 * a['task_specific_fraction']:.2f}% | "
+                         f"{100 * a['not_activated_fraction']:.2f}% | {a['mean_entropy']:.3f} ({a['max_entropy']:.3f}) |")
+    if not lines:
+        return ""
+    return "\n".join(["| model | sensitivities | task specific (entropy < 0.3) | not activated | mean entropy (max) |",
+                      "|---|---|---|---|---|", *lines]) + "\n"
 
 
 def markdown_table(work_dir: str) -> str:
@@ -118,11 +318,20 @@ def markdown_table(work_dir: str) -> str:
             continue
         with open(path) as f:
             tables = json.load(f)
-        values = {t: [tables[t][k] for k, _ in COLUMNS] for t in TASKS}
+        values = {t: [dataset_table(tables, t)[k] for k, _ in COLUMNS] for t in TASKS}
         values["mean"] = [sum(values[t][i] for t in TASKS) / len(TASKS) for i in range(len(COLUMNS))]
         cells = [f"{v:.3f}" for t in (*TASKS, "mean") for v in values[t]]
         lines.append(f"| {title} | " + " | ".join(cells) + f" | {row_seconds(os.path.join(work_dir, name)):.0f} s |")
     return "\n".join(lines) + "\n"
+
+
+def dataset_table(tables: dict[str, Any], dataset: str) -> dict[str, Any]:
+    """A dataset's entry of a `t5r eval` table, keyed by the model's name for it (the dataset itself,
+    or the registered `mini_kilt_{dataset}` task in any prefix variant)."""
+    for name in (dataset, *(f"mini_kilt_{dataset}{v}" for v in ("", "_noprefix", "_typed"))):
+        if name in tables:
+            return tables[name]
+    raise KeyError(f"no table for {dataset} among {sorted(tables)}")
 
 
 def row_seconds(row_dir: str) -> float:
@@ -155,7 +364,8 @@ def main(argv: list[str]) -> int:
         start = time.time()
         ROWS[name][1](os.path.join(args.work_dir, name), data_dir)
         log.info("results: row %s done in %.0f s", name, time.time() - start)
-    table = markdown_table(args.work_dir)
+    sensitivity_analysis(args.work_dir)
+    table = "\n".join(t for t in (markdown_table(args.work_dir), analysis_table(args.work_dir)) if t)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)
