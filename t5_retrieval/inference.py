@@ -130,7 +130,10 @@ def load_encoder(checkpoint_dir: str, step: int | None = None, batch_size: int =
     """Rebuilds the model from `checkpoint_dir`'s config and restores its parameters (only)."""
     config = checkpoint.read_config(checkpoint_dir)
     model = build_model(config)
-    mesh = sharding.make_mesh()
+    # This process's devices only: in a multi-process job each process encodes its own texts (its
+    # shards of the KB, its queries), different ones and different numbers of them, so an encode
+    # step must not be a collective over every process's devices.
+    mesh = sharding.make_mesh(devices=jax.local_devices())
     rules = sharding.logical_axis_rules()
     boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))["params"])
     shardings = sharding.tree_shardings(mesh, rules, nn.get_partition_spec(boxed))
