@@ -12,18 +12,14 @@ import glob
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-XLA_CACHE = os.path.join(REPO, ".pytest_cache", "xla")
-TIMEOUT_S = 600
+from multiprocess import TIMEOUT_S, job_flags, run_processes, start
+
 NUM_STEPS, CHECKPOINT_EVERY = 8, 4
 GIN = ["--gin_file=models/t5_tiny.gin"] + [f"--gin.{b}" for b in (
     "VOCAB_SIZE=64", "D_MODEL=16", "D_FF=32", "NUM_LAYERS=1", "NUM_HEADS=2", "D_KV=8", "DROPOUT=0.1",
@@ -34,46 +30,14 @@ GIN = ["--gin_file=models/t5_tiny.gin"] + [f"--gin.{b}" for b in (
     "make_optimizer.burn_in_fraction=0.25")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_processes(model_dir: str, launch_flags: list[list[str]], devices_per_process: int) -> list[str]:
+def train(model_dir: str, launch_flags: list[list[str]], devices_per_process: int) -> list[str]:
     """Runs one `launch/run.py ... -- train` per entry of launch_flags, concurrently; returns their logs."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
-    logs = [os.path.join(os.path.dirname(model_dir), f"process_{i}_{len(os.listdir(os.path.dirname(model_dir)))}.log")
-            for i in range(len(launch_flags))]
-    procs = []
-    for flags, log in zip(launch_flags, logs):
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.join(REPO, "launch", "run.py"), *flags, "--", "train",
-                 "--model_dir", model_dir, *GIN], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
-    try:
-        for proc in procs:
-            proc.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a process did not finish within {TIMEOUT_S}s (hung collective?); logs: {logs}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    texts = [open(log).read() for log in logs]
-    for proc, text in zip(procs, texts):
-        assert proc.returncode == 0, f"process failed (exit {proc.returncode}):\n{text[-3000:]}"
-    return texts
+    return run_processes(["train", "--model_dir", model_dir, *GIN], launch_flags, devices_per_process,
+                         log_dir=os.path.dirname(model_dir))
 
 
 def two_processes(model_dir: str) -> list[str]:
-    coordinator = f"127.0.0.1:{free_port()}"
-    return run_processes(model_dir, [["--coordinator", coordinator, "--num_processes", "2", "--process_id", str(i)]
-                                     for i in range(2)], devices_per_process=1)
+    return train(model_dir, job_flags(2), devices_per_process=1)
 
 
 def final_state(model_dir: str) -> dict:
@@ -95,7 +59,7 @@ def runs(tmp_path_factory):
     assert sorted(int(n) for n in os.listdir(multi) if n.isdigit()) == [CHECKPOINT_EVERY, NUM_STEPS]
     shutil.rmtree(os.path.join(multi, str(NUM_STEPS)))  # as if preempted after the step-4 checkpoint
     resumed = two_processes(multi)
-    run_processes(single, [[]], devices_per_process=2)
+    train(single, [[]], devices_per_process=2)
     return multi, single, first, resumed
 
 
@@ -136,21 +100,11 @@ def test_sigterm_to_one_host_checkpoints_the_same_step_on_both_and_stops_them(tm
     import time
 
     model_dir = str(tmp_path / "model")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    coordinator = f"127.0.0.1:{free_port()}"
     gin = [g for g in GIN if "num_steps" not in g and "checkpoint_every" not in g]
     gin += ["--gin.train.num_steps=400", "--gin.train.checkpoint_every=1000"]
     logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
-    procs = []
-    for i, log in enumerate(logs):
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.join(REPO, "launch", "run.py"), "--coordinator", coordinator,
-                 "--num_processes", "2", "--process_id", str(i), "--", "train", "--model_dir", model_dir, *gin],
-                cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
+    procs = [start(flags, ["train", "--model_dir", model_dir, *gin], log, devices_per_process=1)
+             for flags, log in zip(job_flags(2), logs)]
     try:
         metrics = os.path.join(model_dir, "metrics.jsonl")
         deadline = time.monotonic() + TIMEOUT_S
