@@ -190,8 +190,8 @@ def write_embeddings(
     mine = process_shards(manifest.num_shards, process_index, process_count)
     todo = [s for s in mine if not shard_done(directory, manifest, s)]
     skipped = tuple(s for s in mine if s not in todo)
-    if skipped:
-        log.info("resuming: %d of this process's %d shards already on disk", len(skipped), len(mine))
+    log.info("process %d of %d: shards [%d, %d) of %d, %d of them already on disk", process_index, process_count,
+             mine.start, mine.stop, manifest.num_shards, len(skipped))
 
     from tqdm import tqdm  # Imported here: only encoding shows progress.
 
@@ -231,6 +231,7 @@ def write_embeddings(
         tmp = f"{path}.tmp-{os.getpid()}.npy"
         np.save(tmp, out)
         os.replace(tmp, path)
+        log.info("process %d: wrote %s (rows [%d, %d))", process_index, manifest.shard_name(shard), start, stop)
     bar.close()
     return EncodeReport(tuple(todo), skipped, complete=not missing_shards(directory, manifest))
 
