@@ -123,3 +123,20 @@ def test_training_over_stored_passages_gives_a_query_side_model_of_the_base(tiny
     index_and_evaluate(stage_dir, model_dir, run.data_dir, index_dir=run.index_dirs[0])
     assert sorted(os.listdir(stage_dir)) == ["eval"], "nothing is encoded when the base's index is given"
     assert os.path.exists(os.path.join(stage_dir, "eval", "results.json"))
+
+
+def test_fusion_experts_read_the_stored_embeddings_behind_their_index(tiny, tmp_path):
+    from t5_retrieval.fusion.experts import ExpertSpec, PassageVectors, StoredPassageVectors, load_expert, passage_vectors
+
+    root, run = tiny
+    store = PassageStore.open(layout.kb_dir(run.data_dir))
+    expert = load_expert(ExpertSpec("trex", run.model_dirs[0], run.index_dirs[0]), store.ids())
+    stored = passage_vectors(expert, store)
+    assert isinstance(stored, StoredPassageVectors), "the index records the embeddings it was built from"
+    ids = store.ids()[3:9]
+    np.testing.assert_allclose(stored.get(ids), PassageVectors(expert.encoder, store).get(ids), rtol=1e-5, atol=1e-6)
+
+    moved = Index.load(run.index_dirs[0])
+    moved.embeddings_dir = str(tmp_path / "gone")
+    expert.index = moved
+    assert isinstance(passage_vectors(expert, store), PassageVectors), "without them, the encoder embeds on demand"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -109,6 +110,7 @@ class PassageVectors:
 
     def __init__(self, encoder: Encoder, passages: PassageLookup, batch_size: int = 256):
         self.encoder = encoder
+        self.dim = encoder.dim
         self.passages = passages
         self.batch_size = batch_size
         self._cache: dict[str, np.ndarray] = {}
@@ -124,11 +126,40 @@ class PassageVectors:
         return np.stack([self._cache[i] for i in ids])
 
 
-def candidate_arrays(candidate_ids: Sequence[Sequence[str]], vectors: PassageVectors,
-                     top_l: int) -> tuple[np.ndarray, np.ndarray]:
+class StoredPassageVectors:
+    """An expert's passage embeddings read from the embeddings its index was built from."""
+
+    def __init__(self, matrix: np.ndarray, passage_ids: Sequence[str]):
+        self.matrix = matrix
+        self.dim = matrix.shape[1]
+        self._row = {pid: r for r, pid in enumerate(passage_ids)}
+
+    def get(self, ids: Sequence[str]) -> np.ndarray:
+        return self.matrix[[self._row[i] for i in ids]] if ids else np.zeros((0, self.dim), np.float32)
+
+
+Vectors = PassageVectors | StoredPassageVectors
+
+
+def passage_vectors(expert: Expert, passages: PassageLookup) -> Vectors:
+    """The stored embeddings behind the expert's index when they are still there (and are the
+    index's: same fingerprint and ids), else the expert's encoder on demand."""
+    from t5_retrieval.retrieval import embeddings
+
+    directory = expert.index.embeddings_dir
+    if directory and os.path.exists(os.path.join(directory, embeddings.MANIFEST)):
+        manifest = embeddings.read_manifest(directory)
+        ids = embeddings.read_ids(directory)
+        if manifest.fingerprint == expert.index.fingerprint and ids == expert.index.passage_ids:
+            log.info("expert %s: passage vectors from %s", expert.task, directory)
+            return StoredPassageVectors(embeddings.load_matrix(directory), ids)
+    return PassageVectors(expert.encoder, passages)
+
+
+def candidate_arrays(candidate_ids: Sequence[Sequence[str]], vectors: Vectors, top_l: int) -> tuple[np.ndarray, np.ndarray]:
     """Padded candidate embeddings [n, L, d] and their validity mask [n, L] from ranked id lists."""
     n = len(candidate_ids)
-    out = np.zeros((n, top_l, vectors.encoder.dim), np.float32)
+    out = np.zeros((n, top_l, vectors.dim), np.float32)
     valid = np.zeros((n, top_l), bool)
     for i, ids in enumerate(candidate_ids):
         ids = list(ids)[:top_l]
@@ -144,7 +175,7 @@ def _is_gold(example: Example, passages: PassageLookup, pid: str) -> bool:
     return passages.page_of(pid) in {p for s in example.gold_pages for p in s}
 
 
-def training_set(expert: Expert, examples: Sequence[Example], passages: PassageLookup, vectors: PassageVectors,
+def training_set(expert: Expert, examples: Sequence[Example], passages: PassageLookup, vectors: Vectors,
                  top_l: int, batch_size: int = 128) -> muf.TrainingSet:
     """The expert's top-L for its own task's train queries, labelled gold (see `muf` docstring)."""
     query_vectors, hits = expert.search([e.query for e in examples], top_l, batch_size)
@@ -177,9 +208,9 @@ def top1_on_gold_page(examples: Sequence[Example], hits: Hits, passages: Passage
 def train_and_calibrate(expert: Expert, train_examples: Sequence[Example],
                         calibration_examples: Mapping[str, Sequence[Example]], passages: PassageLookup,
                         config: muf.EnsembleConfig, batch_size: int = 128,
-                        vectors: PassageVectors | None = None) -> muf.Ensemble:
+                        vectors: Vectors | None = None) -> muf.Ensemble:
     """Trains the expert's ensemble on its task's train queries; calibrates T on all tasks' dev queries."""
-    vectors = vectors or PassageVectors(expert.encoder, passages)
+    vectors = vectors or passage_vectors(expert, passages)
     data = training_set(expert, train_examples, passages, vectors, config.top_l, batch_size)
     if not len(data.queries):
         raise ValueError(f"expert {expert.task}: none of its {len(train_examples)} train queries has a gold "

@@ -115,7 +115,7 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
         raise ValueError(f"FuseConfig.depth must be >= 1, got {config.depth}")
     from t5_retrieval.data.negatives import bm25_query
 
-    vectors = {x.task: experts_lib.PassageVectors(x.encoder, passages) for x in experts}
+    vectors = {x.task: experts_lib.passage_vectors(x, passages) for x in experts}
     ensembles = {}
     for x in experts:
         if x.task not in train_examples:
@@ -156,7 +156,7 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
 
 
 def _search_with_confidence(expert: experts_lib.Expert, ensemble: muf.Ensemble,
-                            vectors: experts_lib.PassageVectors, queries: Sequence[str], depth: int, top_l: int,
+                            vectors: experts_lib.Vectors, queries: Sequence[str], depth: int, top_l: int,
                             batch_size: int) -> tuple[list[tuple[list[str], np.ndarray]], np.ndarray]:
     """The expert's top-`depth` (ids, scores) per query and its confidence per query (from its top-L)."""
     query_vectors, hits = expert.search(queries, max(depth, top_l), batch_size)

@@ -114,8 +114,11 @@ class Index:
     """A ScaNN searcher plus what it was built from: passage ids (row order) and model fingerprint."""
 
     def __init__(self, searcher: Any, passage_ids: Sequence[str], fingerprint: str, dim: int,
-                 config: ScannConfig, source: str = "", meta: dict[str, Any] | None = None):
+                 config: ScannConfig, source: str = "", meta: dict[str, Any] | None = None,
+                 embeddings_dir: str = ""):
         self.searcher = searcher
+        # The embeddings directory it was built from (their stored vectors are the index's vectors).
+        self.embeddings_dir = embeddings_dir
         self.meta = dict(meta or {})  # The embeddings' provenance (checkpoint, step, KB).
         self.passage_ids = list(passage_ids)
         self.fingerprint = fingerprint
@@ -174,7 +177,8 @@ class Index:
             f.writelines(f"{pid}\n" for pid in self.passage_ids)
         meta = {"format": FORMAT, "fingerprint": self.fingerprint, "dim": self.dim,
                 "num_passages": len(self.passage_ids), "ids_sha256": ids_digest(self.passage_ids),
-                "scann": dataclasses.asdict(self.config), "meta": self.meta}
+                "scann": dataclasses.asdict(self.config), "meta": self.meta,
+                "embeddings_dir": self.embeddings_dir}
         tmp = os.path.join(directory, f"{INDEX_JSON}.tmp-{os.getpid()}")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
@@ -195,7 +199,7 @@ class Index:
             raise IndexMismatchError(f"{directory}/{embeddings.IDS_FILE}: does not match {INDEX_JSON}'s ids_sha256")
         searcher = _scann().load_searcher(os.path.join(directory, SCANN_DIR))
         return cls(searcher, ids, meta["fingerprint"], int(meta["dim"]), ScannConfig(**meta["scann"]),
-                   source=directory, meta=meta.get("meta", {}))
+                   source=directory, meta=meta.get("meta", {}), embeddings_dir=meta.get("embeddings_dir", ""))
 
 
 def build_index(embeddings_dir: str, config: ScannConfig | None = None, staging_dir: str | None = None) -> Index:
@@ -220,7 +224,7 @@ def build_index(embeddings_dir: str, config: ScannConfig | None = None, staging_
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Index(searcher, ids, manifest.fingerprint, manifest.dim, config, source=embeddings_dir,
-                 meta=manifest.meta)
+                 meta=manifest.meta, embeddings_dir=os.path.abspath(embeddings_dir))
 
 
 def main(argv: list[str]) -> int:
