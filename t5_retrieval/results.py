@@ -32,6 +32,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -185,13 +186,17 @@ def mine_confounders(base_dir: str, data_dir: str, negatives_dir: str) -> dict[s
     return {"queries": counts}
 
 
+TASK_SPECIFIC_STEPS = 100  # per model: >= 1 epoch of every dataset's 32-query batches; 6 models cost 3x a row
+
+
 def task_specific_row(row_dir: str, data_dir: str) -> None:
-    """One model per dataset (naive, no prefix, same steps as the multi-task rows), each scored on its
-    own dataset; the row's table joins the six."""
+    """One model per dataset (naive, no prefix, TASK_SPECIFIC_STEPS steps of its own queries), each
+    scored on its own dataset; the row's table joins the six."""
     from t5_retrieval.stages import stage
 
     for task in TASKS:
-        trained_row("single_task.gin", f"mini_kilt_{task}_noprefix")(os.path.join(row_dir, task), data_dir)
+        trained_row("single_task.gin", f"mini_kilt_{task}_noprefix", f"NUM_STEPS = {TASK_SPECIFIC_STEPS}")(
+            os.path.join(row_dir, task), data_dir)
     stage(os.path.join(row_dir, "eval"), "join task-specific tables", lambda: join_tables(row_dir))
 
 
@@ -203,6 +208,30 @@ def join_tables(row_dir: str) -> dict[str, Any]:
     with open(os.path.join(row_dir, "eval", "results.json"), "w") as f:
         json.dump(tables, f, indent=1)
     return {"tables": tables}
+
+
+def dpr_muf_row(row_dir: str, data_dir: str) -> None:
+    """DPR-MUF (`t5r fuse --gin_file=runs/dpr_muf.gin`) over the task-specific row's six experts,
+    which share the zero-shot index (their passage side is MiniLM's); the row reports the fused
+    ("muf") ranking, `<row>/fusion` also holds the uniform sum and each expert alone."""
+    from t5_retrieval import cli
+    from t5_retrieval.stages import stage
+
+    experts_dir = os.path.join(os.path.dirname(row_dir), "task_specific")
+    task_specific_row(experts_dir, data_dir)
+    index_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot", "index")
+    fusion_dir = os.path.join(row_dir, "fusion")
+
+    def fuse() -> dict[str, Any]:
+        argv = ["fuse", "--gin_file=runs/dpr_muf.gin", "--data_dir", data_dir, "--output_dir", fusion_dir,
+                *(f"--expert={t},{os.path.join(experts_dir, t, 'model')},{index_dir}" for t in TASKS)]
+        if cli.main(argv) != 0:
+            raise RuntimeError(f"t5r fuse failed: {' '.join(argv)}")
+        os.makedirs(os.path.join(row_dir, "eval"), exist_ok=True)
+        shutil.copy(os.path.join(fusion_dir, "muf", "results.json"), os.path.join(row_dir, "eval", "results.json"))
+        return {"command": "t5r " + " ".join(argv)}
+
+    stage(fusion_dir, "DPR-MUF fusion", fuse)
 
 
 def train_model(model_dir: str, run_files: list[str], bindings: list[str]) -> dict[str, Any]:
@@ -233,6 +262,7 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "gradnorm": ("GradNorm", trained_row("gradnorm.gin", "mini_kilt")),
     "mt_dpr_confounders": ("MT-DPR, adversarial confounders", confounders_row),
     "task_specific": ("task-specific (one model per task)", task_specific_row),
+    "dpr_muf": ("DPR-MUF (fusion of the task-specific models)", dpr_muf_row),
 }
 
 
