@@ -8,7 +8,9 @@ DATA    ?= demo
 OUT     ?= demo_out
 export PYTHONHASHSEED := 0
 
-.PHONY: install test demo bench clean
+RESULTS ?= results_out
+
+.PHONY: install test demo results bench clean
 
 install: $(STAMP)
 
@@ -26,6 +28,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m t5_retrieval.demo --data=$(DATA) --out=$(OUT)
+
+# docs/RESULTS.md from scratch on mini-KILT (hours on a CPU; shows progress, resumes when rerun).
+results: $(STAMP)
+	$(VENV)/bin/t5r results --data=../shared/data/mini_kilt --work_dir=$(RESULTS) --markdown=$(RESULTS)/table.md
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
