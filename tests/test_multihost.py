@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from multiprocess import TIMEOUT_S, job_flags, run_processes, start
+from process_harness import TIMEOUT_S, job_flags, run_processes, start
 
 NUM_STEPS, CHECKPOINT_EVERY = 8, 4
 GIN = ["--gin_file=models/t5_tiny.gin"] + [f"--gin.{b}" for b in (

@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 
-from multiprocess import job_flags, run_processes
+from process_harness import job_flags, run_processes
 from tiny_model import build_tiny_run
 
 SHARD_SIZE = 7  # the tiny KB's 80 passages -> 12 shards, the last one partial
