@@ -132,13 +132,14 @@ TRAIN_BINDINGS = (
 TACO_BINDINGS = ("multitask.taco.beta = 0.99",)
 
 
-def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[[str, str], None]:
-    """A row trained with `runs/<run_file>` on `mixture`, from MiniLM, over its frozen passage embeddings."""
+def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., None]:
+    """A row trained with `runs/<run_file>` on `mixture`, from MiniLM, over its frozen passage embeddings
+    (those of the zero-shot row in `base_dir`, by default the row's sibling `minilm_zeroshot`)."""
 
-    def row(row_dir: str, data_dir: str) -> None:
+    def row(row_dir: str, data_dir: str, base_dir: str | None = None) -> None:
         from t5_retrieval.stages import index_and_evaluate, stage
 
-        base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
+        base_dir = base_dir or os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
         minilm_zeroshot_row(base_dir, data_dir)  # the base model and its index (done once, then skipped)
         model_dir = os.path.join(row_dir, "model")
         gin_bindings = [f"DATA_DIR = '{data_dir}'", f"MIXTURE = '{mixture}'", *TRAIN_BINDINGS,
@@ -194,9 +195,10 @@ def task_specific_row(row_dir: str, data_dir: str) -> None:
     scored on its own dataset; the row's table joins the six."""
     from t5_retrieval.stages import stage
 
+    base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
     for task in TASKS:
         trained_row("single_task.gin", f"mini_kilt_{task}_noprefix", f"NUM_STEPS = {TASK_SPECIFIC_STEPS}")(
-            os.path.join(row_dir, task), data_dir)
+            os.path.join(row_dir, task), data_dir, base_dir)
     stage(os.path.join(row_dir, "eval"), "join task-specific tables", lambda: join_tables(row_dir))
 
 
