@@ -185,11 +185,13 @@ def test_truncated_latest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     expected, _ = final_checkpoint(model_dir)
     assert completed_steps(model_dir) == [20, 22, 24], completed_steps(model_dir)
 
-    # Truncate the largest array file of the last checkpoint, as a disk-full or killed copy would.
+    # Truncate the array files of the last checkpoint, as a disk-full or killed copy would. Every one
+    # of them: with only the largest cut, the restore still succeeded in about 1 run of 3 here.
     files = glob.glob(os.path.join(model_dir, str(NUM_STEPS), "state", "**", "d", "*"), recursive=True)
-    largest = max(files, key=os.path.getsize)
-    with open(largest, "r+b") as f:
-        f.truncate(os.path.getsize(largest) // 2)
+    assert files, "no array files found in the last checkpoint"
+    for path in files:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
     broken = os.path.join(model_dir, str(NUM_STEPS))
     assert checkpoint.manager(model_dir).latest_step() == NUM_STEPS
 
