@@ -179,6 +179,7 @@ def mine_confounders(base_dir: str, data_dir: str, negatives_dir: str) -> dict[s
 
     encoder, index = load_encoder(os.path.join(base_dir, "model")), Index.load(os.path.join(base_dir, "index"))
     store = PassageStore.open(layout.kb_dir(data_dir))
+    index.check(encoder, store.ids())  # as `ance` mines: never from another model's or KB's index
     counts = {}
     for task in TASKS:
         examples = read_examples(layout.examples_path(data_dir, task, "train"))
