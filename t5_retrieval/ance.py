@@ -17,7 +17,6 @@ mixture), e.g. `warmup/make_optimizer.learning_rate = 1e-5`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -28,38 +27,11 @@ import gin
 import optax
 
 from t5_retrieval import gin_utils, logs
-from t5_retrieval.stages import datasets_of, index_and_evaluate, stage
-from t5_retrieval.data import layout
-from t5_retrieval.data.kb import PassageStore
-from t5_retrieval.data.records import read_examples, write_negatives
-from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.evaluate import format_table
-from t5_retrieval.retrieval.index import Index
-from t5_retrieval.retrieval.mine import mine_negatives
+from t5_retrieval.stages import index_and_evaluate, mine_stage, stage
 from t5_retrieval.train import train
 
 log = logging.getLogger(__name__)
-
-
-def _mine(stage_dir: str, previous: str, store: PassageStore, data_dir: str, depth: int) -> str:
-    """Hard negatives for every training query from the previous stage's model and index."""
-    negatives_dir = os.path.join(stage_dir, "negatives")
-
-    def run() -> dict[str, Any]:
-        encoder = load_encoder(os.path.join(previous, "model"))
-        index = Index.load(os.path.join(previous, "index"))
-        index.check(encoder, store.ids())
-        counts = {}
-        for dataset, task in datasets_of(encoder).items():
-            # Queries are encoded as the model's task for this dataset (its prefix).
-            examples = [dataclasses.replace(e, task=task)
-                        for e in read_examples(layout.examples_path(data_dir, dataset, "train"))]
-            rows = mine_negatives(encoder, index, examples, store, k=depth)
-            counts[dataset] = write_negatives(layout.negatives_path(negatives_dir, dataset, "train"), rows)
-        return {"negatives": counts}
-
-    stage(negatives_dir, "mine", run)
-    return negatives_dir
 
 
 @gin.configurable(denylist=["work_dir"])
@@ -69,6 +41,7 @@ def ance(work_dir: str,
          taco_episodes: Sequence[int] = (),
          episode_multitask: Callable[..., optax.GradientTransformation] | None = None,
          mine_depth: int = 110,
+         answer_checkable: Sequence[str] = (),
          eval_split: str = "dev") -> dict[str, dict[str, float]]:
     """Runs (or resumes) warm-up and `num_episodes` ANCE episodes; returns the last eval table.
 
@@ -77,8 +50,9 @@ def ance(work_dir: str,
       taco_episodes: 1-based episodes that train with `episode_multitask` (e.g. `@multitask.taco`);
         the others sum the task losses. The reference recipe uses TACO in the last episode.
       mine_depth: passages retrieved per training query when mining (top-110 minus gold).
+      answer_checkable: datasets whose mined negatives also drop answer-holding passages (MT-DPR's
+        adversarial confounders; only where an answer string means relevance, e.g. QA).
     """
-    store = PassageStore.open(layout.kb_dir(data_dir))
     stages = ["warmup"] + [f"episode_{e}" for e in range(1, num_episodes + 1)]
     for number, name in enumerate(stages):
         stage_dir = os.path.join(work_dir, name)
@@ -88,7 +62,9 @@ def ance(work_dir: str,
                 stage(model_dir, "warm-up training", lambda: _train(model_dir))
         else:
             previous = os.path.join(work_dir, stages[number - 1])
-            negatives = _mine(stage_dir, previous, store, data_dir, mine_depth)
+            negatives = os.path.join(stage_dir, "negatives")
+            mine_stage(negatives, os.path.join(previous, "model"), os.path.join(previous, "index"), data_dir,
+                       mine_depth, answer_checkable)
             multitask = episode_multitask if number in taco_episodes else None
             with gin.config_scope("episode"):
                 stage(model_dir, f"episode {number} training",

@@ -19,6 +19,9 @@ its embedding space is the index's.
     t5r query-side --checkpoint_dir=run/model --index_dir=run/index --embeddings_dir=run/emb \
         --kb_dir=data/kb --qa_dir=../shared/data/mini_kilt/qa_open --task=nq_open --as_task=mini_kilt_hotpotqa \
         --output_dir=run/query_side_nq
+
+`--task` takes a comma-separated list (`nq_open,triviaqa_open,webq,curatedtrec`) to adapt to the
+union of several question sets; each keeps its own answer matching and gets its own dev recall.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from tqdm import tqdm
 
 from t5_retrieval import checkpoint
 from t5_retrieval.data.qa_open import QATask
-from t5_retrieval.data.records import Passage
+from t5_retrieval.data.records import Passage, write_json_atomic
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenize import tokenize
 from t5_retrieval.retrieval import embeddings
@@ -50,6 +53,7 @@ from t5_retrieval.retrieval.passages import PassageLookup
 
 log = logging.getLogger(__name__)
 QUERY_SIDE_FILE = "query_side.json"
+REPORT_FILE = "query_side_report.json"  # dev answer recall before / after, per task, and the rounds
 
 
 @gin.configurable
@@ -84,6 +88,11 @@ class Candidates:
     rows: np.ndarray  # int64 [n, k]
     positive: np.ndarray  # bool [n, k]
     skipped: int  # questions with no answer-holding passage among their candidates
+
+    @classmethod
+    def union(cls, parts: Sequence[Candidates]) -> Candidates:
+        return cls(np.concatenate([p.tokens for p in parts]), np.concatenate([p.rows for p in parts]),
+                   np.concatenate([p.positive for p in parts]), sum(p.skipped for p in parts))
 
 
 def retrieve_candidates(encoder: Any, index: Index, passages: PassageLookup, task: QATask, as_task: str,
@@ -128,9 +137,11 @@ def make_step(model: Any, optimizer: optax.GradientTransformation):
     return step
 
 
-def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, passages: PassageLookup, task: QATask,
-             as_task: str, config: QuerySideConfig, progress: bool = True) -> tuple[Any, list[dict[str, float]]]:
-    """Fine-tunes `encoder`'s query path (a `DualEncoderInference`, updated in place between rounds).
+def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, passages: PassageLookup,
+             tasks: Sequence[QATask], as_task: str, config: QuerySideConfig,
+             progress: bool = True) -> tuple[Any, list[dict[str, float]]]:
+    """Fine-tunes `encoder`'s query path (a `DualEncoderInference`, updated in place between rounds)
+    on the union of `tasks`' questions, all queried with `as_task`'s prefix.
 
     Returns (final params, per-round statistics: questions used and skipped, first/last batch loss).
     """
@@ -148,10 +159,11 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, passages: P
     history: list[dict[str, float]] = []
     for round_index in range(config.rounds):
         encoder.params = params
-        data = retrieve_candidates(encoder, index, passages, task, as_task, config.top_k)
+        data = Candidates.union([retrieve_candidates(encoder, index, passages, task, as_task, config.top_k)
+                                 for task in tasks])
         batches = len(data.rows) // config.batch_size
         if batches == 0:
-            raise ValueError(f"{task.name}: only {len(data.rows)} questions have an answer in their top-"
+            raise ValueError(f"{','.join(t.name for t in tasks)}: only {len(data.rows)} questions have an answer in their top-"
                              f"{config.top_k} (batch_size {config.batch_size}); nothing to train on")
         losses = []
         bar = tqdm(total=batches * config.epochs_per_round, desc=f"query-side round {round_index + 1}",
@@ -202,24 +214,23 @@ class QuerySideEncoder:
         return self.passage_encoder.encode_passages(passages)
 
 
-def save(output_dir: str, encoder: Any, params: Any, base_dir: str, as_task: str, new_task: str,
+def save(output_dir: str, encoder: Any, params: Any, base_dir: str, as_task: str, new_tasks: Sequence[str],
          history: list[dict[str, float]]) -> None:
-    """A model directory: the base's config (new task -> as_task's prefix), the params, and its base."""
+    """A model directory: the base's config (each new task -> as_task's prefix), the params, and its base."""
     config = json.loads(json.dumps(encoder.config))
-    config["features"]["tasks"].setdefault(new_task, dict(config["features"]["tasks"][as_task]))
+    for task in new_tasks:
+        config["features"]["tasks"].setdefault(task, dict(config["features"]["tasks"][as_task]))
     checkpoint.write_config(output_dir, config)
     checkpoint.save(checkpoint.manager(output_dir), 0, {"params": params}, {})
-    write_base_record(output_dir, base_dir, encoder.fingerprint, as_task=as_task, task=new_task, history=history)
+    write_base_record(output_dir, base_dir, encoder.fingerprint, as_task=as_task, tasks=list(new_tasks),
+                      history=history)
 
 
 def write_base_record(model_dir: str, base_dir: str, base_fingerprint: str, **info: Any) -> None:
     """Marks `model_dir` as a query-side model: its passages are encoded by `base_dir`'s model
     (fingerprint `base_fingerprint`), and its indexes are the base's."""
     record = {"base_checkpoint": os.path.abspath(base_dir), "base_fingerprint": base_fingerprint, **info}
-    tmp = os.path.join(model_dir, QUERY_SIDE_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, os.path.join(model_dir, QUERY_SIDE_FILE))
+    write_json_atomic(os.path.join(model_dir, QUERY_SIDE_FILE), record)
 
 
 def is_query_side_dir(directory: str) -> bool:
@@ -244,10 +255,17 @@ def answer_recall(encoder: Any, index: Index, passages: PassageLookup, task: QAT
     """Answer-in-passage recall@k (the thesis' R@5 / R@20): a question counts when a top-k passage matches."""
     vectors = encoder.encode_queries([e.query for e in task.examples], query_task)
     rows, _ = index.search(vectors, max(ks))
+    return ranking_answer_recall(passages, task, [[index.passage_ids[r] for r in row] for row in rows], ks)
+
+
+def ranking_answer_recall(passages: PassageLookup, task: QATask, rankings: Sequence[Sequence[str]],
+                          ks: Sequence[int] = (5, 20, 100)) -> dict[str, float]:
+    """Answer-in-passage recall@k of given rankings (passage ids, best first; one per question),
+    so that any retriever (BM25 too) is scored by the same matching."""
     hits = {k: 0 for k in ks}
-    for example, row in zip(task.examples, rows):
+    for example, ranking in zip(task.examples, rankings, strict=True):
         matcher = task.matcher(example)
-        first = next((rank for rank, r in enumerate(row, 1) if matcher(_text(passages, index.passage_ids[r]))), None)
+        first = next((rank for rank, pid in enumerate(ranking[:max(ks)], 1) if matcher(_text(passages, pid))), None)
         for k in ks:
             hits[k] += first is not None and first <= k
     return {"n": len(task.examples), **{f"answer_recall@{k}": hits[k] / len(task.examples) for k in ks}}
@@ -274,7 +292,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--embeddings_dir", required=True, help="the embeddings the index was built from")
     parser.add_argument("--kb_dir", required=True, help="the passage store the embeddings cover")
     parser.add_argument("--qa_dir", required=True, help="directory of {task}-{split}-kilt.jsonl answer-only files")
-    parser.add_argument("--task", required=True, help="the QA task to adapt to, e.g. nq_open")
+    parser.add_argument("--task", required=True,
+                        help="the QA task(s) to adapt to, comma-separated, e.g. nq_open or nq_open,webq")
     parser.add_argument("--as_task", required=True,
                         help="a task of the base model whose query prefix the new questions take")
     parser.add_argument("--output_dir", required=True)
@@ -282,8 +301,9 @@ def main(argv: list[str]) -> int:
     logs.setup()
     try:
         store = PassageStore.open(args.kb_dir)
-        train_task = read_qa_task(args.qa_dir, args.task, "train")
-        dev_task = read_qa_task(args.qa_dir, args.task, "dev")
+        names = [t for t in args.task.split(",") if t]
+        train_tasks = [read_qa_task(args.qa_dir, t, "train") for t in names]
+        dev_tasks = [read_qa_task(args.qa_dir, t, "dev") for t in names]
         index = Index.load(args.index_dir)
         encoder = load_encoder(args.checkpoint_dir)
         index.check(encoder, store.ids())
@@ -293,13 +313,12 @@ def main(argv: list[str]) -> int:
     except (DataError, IndexMismatchError, KeyError, checkpoint.CheckpointError) as e:
         print(f"t5r query-side: error: {e}", file=sys.stderr)
         return 2
-    before = answer_recall(encoder, index, store, dev_task, args.as_task)
-    params, history = finetune(encoder, index, embeddings.load_matrix(args.embeddings_dir), store, train_task,
+    before = {t.name: answer_recall(encoder, index, store, t, args.as_task) for t in dev_tasks}
+    params, history = finetune(encoder, index, embeddings.load_matrix(args.embeddings_dir), store, train_tasks,
                                args.as_task, QuerySideConfig())
-    after = answer_recall(encoder, index, store, dev_task, args.as_task)
-    save(args.output_dir, encoder, params, args.checkpoint_dir, args.as_task, args.task, history)
-    report = {"task": args.task, "dev_before": before, "dev_after": after, "history": history}
-    with open(os.path.join(args.output_dir, "query_side_report.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    after = {t.name: answer_recall(encoder, index, store, t, args.as_task) for t in dev_tasks}
+    save(args.output_dir, encoder, params, args.checkpoint_dir, args.as_task, names, history)
+    report = {"tasks": names, "dev_before": before, "dev_after": after, "history": history}
+    write_json_atomic(os.path.join(args.output_dir, REPORT_FILE), report)
     print(json.dumps(report, indent=1))
     return 0

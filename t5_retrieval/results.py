@@ -146,7 +146,8 @@ def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., No
                         f"train.init_from = '{os.path.join(base_dir, 'model')}'",
                         f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'",
                         *bindings]
-        stage(model_dir, f"train {run_file}", lambda: train_model(model_dir, [f"runs/{run_file}"], gin_bindings))
+        stage(model_dir, f"train {run_file}",
+              lambda: train_model(model_dir, ["models/minilm_l6.gin", f"runs/{run_file}"], gin_bindings))
         index_and_evaluate(row_dir, model_dir, data_dir, index_dir=os.path.join(base_dir, "index"))
 
     return row
@@ -160,32 +161,14 @@ ANSWER_CHECKABLE = ("hotpotqa", "trex", "entityquestions")
 def confounders_row(row_dir: str, data_dir: str) -> None:
     """MT-DPR's adversarial confounders: negatives mined by MiniLM (its top-110 minus gold pages and,
     for ANSWER_CHECKABLE tasks, minus answer-holding passages), then naive multi-task without prefix."""
-    from t5_retrieval.stages import stage
+    from t5_retrieval.stages import mine_stage
 
     base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
     minilm_zeroshot_row(base_dir, data_dir)
     negatives_dir = os.path.join(row_dir, "negatives")
-    stage(negatives_dir, "mine confounders", lambda: mine_confounders(base_dir, data_dir, negatives_dir))
+    mine_stage(negatives_dir, os.path.join(base_dir, "model"), os.path.join(base_dir, "index"), data_dir, 110,
+               ANSWER_CHECKABLE)
     trained_row("mt_dpr.gin", "mini_kilt_noprefix", f"NEGATIVES = '{negatives_dir}'")(row_dir, data_dir)
-
-
-def mine_confounders(base_dir: str, data_dir: str, negatives_dir: str) -> dict[str, Any]:
-    from t5_retrieval.data import layout
-    from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.records import read_examples, write_negatives
-    from t5_retrieval.inference import load_encoder
-    from t5_retrieval.retrieval.index import Index
-    from t5_retrieval.retrieval.mine import mine_negatives
-
-    encoder, index = load_encoder(os.path.join(base_dir, "model")), Index.load(os.path.join(base_dir, "index"))
-    store = PassageStore.open(layout.kb_dir(data_dir))
-    index.check(encoder, store.ids())  # as `ance` mines: never from another model's or KB's index
-    counts = {}
-    for task in TASKS:
-        examples = read_examples(layout.examples_path(data_dir, task, "train"))
-        rows = mine_negatives(encoder, index, examples, store, k=110, exclude_answers=task in ANSWER_CHECKABLE)
-        counts[task] = write_negatives(layout.negatives_path(negatives_dir, task, "train"), rows)
-    return {"queries": counts}
 
 
 TASK_SPECIFIC_STEPS = 100  # per model: >= 1 epoch of every dataset's 32-query batches; 6 models cost 3x a row
@@ -204,12 +187,13 @@ def task_specific_row(row_dir: str, data_dir: str) -> None:
 
 
 def join_tables(row_dir: str) -> dict[str, Any]:
+    from t5_retrieval.data.records import write_json_atomic
+
     tables = {}
     for task in TASKS:
         with open(os.path.join(row_dir, task, "eval", "results.json")) as f:
             tables[task] = dataset_table(json.load(f), task)
-    with open(os.path.join(row_dir, "eval", "results.json"), "w") as f:
-        json.dump(tables, f, indent=1)
+    write_json_atomic(os.path.join(row_dir, "eval", "results.json"), tables)
     return {"tables": tables}
 
 
@@ -217,7 +201,6 @@ def dpr_muf_row(row_dir: str, data_dir: str) -> None:
     """DPR-MUF (`t5r fuse --gin_file=runs/dpr_muf.gin`) over the task-specific row's six experts,
     which share the zero-shot index (their passage side is MiniLM's); the row reports the fused
     ("muf") ranking, `<row>/fusion` also holds the uniform sum and each expert alone."""
-    from t5_retrieval import cli
     from t5_retrieval.stages import stage
 
     experts_dir = os.path.join(os.path.dirname(row_dir), "task_specific")
@@ -228,17 +211,151 @@ def dpr_muf_row(row_dir: str, data_dir: str) -> None:
     def fuse() -> dict[str, Any]:
         argv = ["fuse", "--gin_file=runs/dpr_muf.gin", "--data_dir", data_dir, "--output_dir", fusion_dir,
                 *(f"--expert={t},{os.path.join(experts_dir, t, 'model')},{index_dir}" for t in TASKS)]
-        if cli.main(argv) != 0:
-            raise RuntimeError(f"t5r fuse failed: {' '.join(argv)}")
+        info = run_cli(argv)
         os.makedirs(os.path.join(row_dir, "eval"), exist_ok=True)
         shutil.copy(os.path.join(fusion_dir, "muf", "results.json"), os.path.join(row_dir, "eval", "results.json"))
-        return {"command": "t5r " + " ".join(argv)}
+        return info
 
     stage(fusion_dir, "DPR-MUF fusion", fuse)
 
 
-def train_model(model_dir: str, run_files: list[str], bindings: list[str]) -> dict[str, Any]:
-    """`t5r train --gin_file=models/minilm_l6.gin --gin_file=<run files> --gin.<bindings>` in-process."""
+QA_OPEN_TASKS = ("nq_open", "triviaqa_open", "webq", "curatedtrec")
+QA_OPEN_KS = (5, 20, 100)
+
+
+def query_side_row(row_dir: str, data_dir: str) -> None:
+    """The thesis' query-side fine-tuning (`t5r query-side --gin_file=runs/query_side.gin`): MiniLM's
+    query side adapted to the four qa_open question sets over the zero-shot index, positives = the
+    passages of its top-100 that hold an answer. Scored on the mini-KILT dev sets like every row, and
+    on the qa_open dev sets by answer-in-passage recall, next to BM25's (`qa_open_table`)."""
+    from t5_retrieval.data import layout
+    from t5_retrieval.stages import index_and_evaluate, stage
+
+    base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
+    minilm_zeroshot_row(base_dir, data_dir)
+    model_dir, qa_dir = os.path.join(row_dir, "model"), qa_open_dir(data_dir)
+    argv = ["query-side", "--gin_file=runs/query_side.gin", "--checkpoint_dir", os.path.join(base_dir, "model"),
+            "--index_dir", os.path.join(base_dir, "index"), "--embeddings_dir", os.path.join(base_dir, "embeddings"),
+            "--kb_dir", layout.kb_dir(data_dir), "--qa_dir", qa_dir, "--task", ",".join(QA_OPEN_TASKS),
+            "--as_task", "hotpotqa", "--output_dir", model_dir]
+    stage(model_dir, "query-side fine-tuning on qa_open", lambda: run_cli(argv))
+    index_and_evaluate(row_dir, model_dir, data_dir, index_dir=os.path.join(base_dir, "index"))
+    stage(os.path.join(row_dir, "qa_open_bm25"), "BM25 answer recall on qa_open",
+          lambda: bm25_answer_recall(data_dir, qa_dir))
+
+
+def qa_open_dir(data_dir: str) -> str:
+    """The qa_open questions beside the mini-KILT files the prepared KB was read from."""
+    from t5_retrieval.data import layout
+
+    with open(os.path.join(layout.kb_dir(data_dir), "manifest.json")) as f:
+        source = json.load(f)["source"]
+    qa_dir = os.path.join(os.path.dirname(os.path.dirname(source)), "qa_open")
+    if not os.path.isdir(qa_dir):
+        raise FileNotFoundError(f"{qa_dir}: no qa_open directory beside the KB source {source}")
+    return qa_dir
+
+
+def bm25_answer_recall(data_dir: str, qa_dir: str, tasks: tuple[str, ...] = QA_OPEN_TASKS) -> dict[str, Any]:
+    """BM25's answer-in-passage recall@QA_OPEN_KS on each task's dev questions (as the data's reference)."""
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.bm25 import BM25Index
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.qa_open import read_qa_task
+    from t5_retrieval.query_side import ranking_answer_recall
+
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    index = BM25Index(store)
+    recall = {}
+    for name in tasks:
+        task = read_qa_task(qa_dir, name, "dev")
+        rankings = [[index.ids[i] for i in index.search(e.query, max(QA_OPEN_KS))[0]] for e in task.examples]
+        recall[name] = ranking_answer_recall(store, task, rankings, QA_OPEN_KS)
+    return {"dev": recall}
+
+
+def run_cli(argv: list[str]) -> dict[str, Any]:
+    """`t5r <argv>` in-process; raises if it fails. Returns the command for the stage record."""
+    import gin
+
+    from t5_retrieval import cli
+
+    try:
+        if cli.main(argv) != 0:
+            raise RuntimeError(f"t5r {argv[0]} failed: t5r {' '.join(argv)}")
+    finally:
+        gin.clear_config()
+    return {"command": "t5r " + " ".join(argv)}
+
+
+def qa_open_table(work_dir: str) -> str:
+    """Answer-in-passage recall@5/20/100 on the qa_open dev sets: BM25, MiniLM zero-shot, query-side."""
+    from t5_retrieval.query_side import REPORT_FILE
+
+    row_dir = os.path.join(work_dir, "query_side")
+    report_path, bm25_path = os.path.join(row_dir, "model", REPORT_FILE), os.path.join(row_dir, "qa_open_bm25", DONE)
+    if not (os.path.exists(report_path) and os.path.exists(bm25_path)):
+        return ""
+    with open(report_path) as f:
+        report = json.load(f)
+    with open(bm25_path) as f:
+        bm25 = json.load(f)["dev"]
+    header = "| retriever | " + " | ".join(f"{t} R@{k}" for t in QA_OPEN_TASKS for k in QA_OPEN_KS) + " |"
+    lines = [header, "|" + "---|" * (1 + len(QA_OPEN_TASKS) * len(QA_OPEN_KS))]
+    for title, recall in (("BM25", bm25), ("MiniLM-L6 zero-shot", report["dev_before"]),
+                          ("query-side fine-tuned", report["dev_after"])):
+        cells = [f"{recall[t][f'answer_recall@{k}']:.3f}" for t in QA_OPEN_TASKS for k in QA_OPEN_KS]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# No pretrained T5 can be had offline, so the T5 rows start from scratch: t5_tiny shapes (2 layers,
+# d_model 64) over a 4k sentencepiece vocabulary trained on the KB. Both sides train (ST5-EncDec
+# shares one T5), so each row encodes the KB with its own model. They measure GDMTL against the same
+# T5 trained without its generative objective, not against the pretrained MiniLM rows.
+T5_SCRATCH_BINDINGS = (
+    "VOCAB_SIZE = 4096",
+    "DROPOUT = 0.0",
+    "LEARNING_RATE = 2e-3",
+    "PER_DEVICE_BATCH = 48",
+    "QUERY_LEN = 64",
+    "PASSAGE_LEN = 128",
+    "NUM_NEGATIVES = 1",
+    "NUM_STEPS = 1000",
+    "train.checkpoint_every = 250",
+    "train.log_every = 50",
+    "make_train_iterator.passage_template = '{title}: {text}'",
+)
+T5_VOCAB_SIZE = 4096 - 100  # T5Config.vocab_size counts the 100 sentinel ids on top of the pieces
+
+
+def t5_scratch_row(run_file: str) -> Callable[..., None]:
+    """A T5 row trained with `runs/<run_file>` from scratch on mini-KILT without prefixes."""
+
+    def row(row_dir: str, data_dir: str) -> None:
+        from t5_retrieval.stages import index_and_evaluate, stage
+
+        vocab_dir = os.path.join(os.path.dirname(row_dir), "t5_vocabulary")
+        stage(vocab_dir, "T5 vocabulary", lambda: train_t5_vocabulary(data_dir, vocab_dir))
+        model_dir = os.path.join(row_dir, "model")
+        gin_bindings = [f"DATA_DIR = '{data_dir}'", "MIXTURE = 'mini_kilt_noprefix'", *T5_SCRATCH_BINDINGS,
+                        f"VOCABULARY = '{os.path.join(vocab_dir, 'spm.model')}'"]
+        stage(model_dir, f"train {run_file} (T5 from scratch)",
+              lambda: train_model(model_dir, ["models/t5_tiny.gin", f"runs/{run_file}"], gin_bindings))
+        index_and_evaluate(row_dir, model_dir, data_dir)
+
+    return row
+
+
+def train_t5_vocabulary(data_dir: str, vocab_dir: str) -> dict[str, Any]:
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.vocab import train_vocabulary
+
+    return {"model": train_vocabulary(layout.kb_dir(data_dir), os.path.join(vocab_dir, "spm"), T5_VOCAB_SIZE)}
+
+
+def train_model(model_dir: str, gin_files: list[str], bindings: list[str]) -> dict[str, Any]:
+    """`t5r train --gin_file=<gin files> --gin.<bindings>` in-process."""
     import gin
 
     from t5_retrieval import gin_utils
@@ -246,11 +363,11 @@ def train_model(model_dir: str, run_files: list[str], bindings: list[str]) -> di
 
     gin.clear_config()
     try:
-        gin_utils.parse_gin(["models/minilm_l6.gin", *run_files], bindings)
+        gin_utils.parse_gin(gin_files, bindings)
         state = train(model_dir)
     finally:
         gin.clear_config()
-    return {"steps": int(state.step), "gin_files": ["models/minilm_l6.gin", *run_files], "bindings": bindings}
+    return {"steps": int(state.step), "gin_files": gin_files, "bindings": bindings}
 
 
 ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
@@ -266,6 +383,9 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "mt_dpr_confounders": ("MT-DPR, adversarial confounders", confounders_row),
     "task_specific": ("task-specific (one model per task)", task_specific_row),
     "dpr_muf": ("DPR-MUF (fusion of the task-specific models)", dpr_muf_row),
+    "query_side": ("query-side fine-tuning on qa_open (thesis)", query_side_row),
+    "t5_scratch_naive": ("T5 from scratch, naive multi-task (GDMTL's control)", t5_scratch_row("naive_multitask.gin")),
+    "gdmtl": ("GDMTL (T5 from scratch)", t5_scratch_row("gdmtl.gin")),
 }
 
 
@@ -398,7 +518,8 @@ def main(argv: list[str]) -> int:
         ROWS[name][1](os.path.join(args.work_dir, name), data_dir)
         log.info("results: row %s done in %.0f s", name, time.time() - start)
     sensitivity_analysis(args.work_dir)
-    table = "\n".join(t for t in (markdown_table(args.work_dir), analysis_table(args.work_dir)) if t)
+    table = "\n".join(t for t in (markdown_table(args.work_dir), analysis_table(args.work_dir),
+                                   qa_open_table(args.work_dir)) if t)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)

@@ -7,11 +7,12 @@ its last shard). `index_and_evaluate` is the stage pair every trained or loaded 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -88,3 +89,33 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
         index_dir = os.path.join(stage_dir, "index")
         stage(index_dir, "encode + index", encode_and_index)
     stage(eval_dir, "evaluate", score)
+
+
+def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str, depth: int,
+               answer_checkable: Sequence[str] = ()) -> None:
+    """Hard negatives for every training query of every dataset the model was trained on, mined with
+    `model_dir`'s model from its index (checked to be that model's, over this KB): its top-`depth`
+    minus gold pages and, for the datasets in `answer_checkable` (where an answer string means
+    relevance: QA, slot filling), minus answer-holding passages, MT-DPR's confounders."""
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.records import read_examples, write_negatives
+    from t5_retrieval.inference import load_encoder
+    from t5_retrieval.retrieval.index import Index
+    from t5_retrieval.retrieval.mine import mine_negatives
+
+    def run() -> dict[str, Any]:
+        store = PassageStore.open(layout.kb_dir(data_dir))
+        encoder, index = load_encoder(model_dir), Index.load(index_dir)
+        index.check(encoder, store.ids())
+        counts = {}
+        for dataset, task in datasets_of(encoder).items():
+            # Queries are encoded as the model's task for this dataset (its prefix).
+            examples = [dataclasses.replace(e, task=task)
+                        for e in read_examples(layout.examples_path(data_dir, dataset, "train"))]
+            rows = mine_negatives(encoder, index, examples, store, k=depth,
+                                  exclude_answers=dataset in answer_checkable)
+            counts[dataset] = write_negatives(layout.negatives_path(negatives_dir, dataset, "train"), rows)
+        return {"negatives": counts, "model": model_dir, "answer_checkable": sorted(answer_checkable)}
+
+    stage(negatives_dir, "mine", run)

@@ -100,3 +100,27 @@ def test_rerun_resumes_with_every_stage_done(ance_run):
     before = {p: os.path.getmtime(p) for p in (os.path.join(work_dir, s, "DONE") for s in ("warmup/model", "episode_1/eval"))}
     assert ance(work_dir) == tables
     assert before == {p: os.path.getmtime(p) for p in before}, "a finished stage was run again"
+
+
+def test_answer_checks_apply_only_to_the_answer_checkable_datasets(ance_run, tmp_path):
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.records import read_examples
+    from t5_retrieval.retrieval.metrics import has_answer
+    from t5_retrieval.stages import mine_stage
+
+    work_dir, data_dir, _ = ance_run
+    warmup = os.path.join(work_dir, "warmup")
+    checked_dir = str(tmp_path / "negatives")
+    mine_stage(checked_dir, os.path.join(warmup, "model"), os.path.join(warmup, "index"), data_dir, 12,
+               answer_checkable=("trex",))
+    episode_dir = os.path.join(work_dir, "episode_1", "negatives")  # same model and depth, no answer check
+    assert read_negatives(layout.negatives_path(checked_dir, "fever")) == \
+        read_negatives(layout.negatives_path(episode_dir, "fever")), "FEVER's labels are not answers to check"
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    plain, checked = (read_negatives(layout.negatives_path(d, "trex")) for d in (episode_dir, checked_dir))
+    dropped = 0
+    for example in read_examples(layout.examples_path(data_dir, "trex", "train")):
+        holds_answer = [has_answer(store.get(p).text, example.answers) for p in plain[example.id]]
+        assert list(checked[example.id]) == [p for p, a in zip(plain[example.id], holds_answer) if not a], example.id
+        dropped += sum(holds_answer)
+    assert dropped > 0, "the check never fired: no trex negative held an answer"

@@ -13,6 +13,7 @@ from t5_retrieval.data import layout
 from t5_retrieval.data.kb import PassageStore
 from t5_retrieval.data.qa_open import AnswerMatcher, QATask, read_qa_task
 from t5_retrieval.data.records import DataError, Example, read_examples
+from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval import embeddings
 from t5_retrieval.retrieval.encoder import add_encoder_flags, encoder_from_flags
 from t5_retrieval.retrieval.index import Index
@@ -97,13 +98,13 @@ def test_finetuning_lowers_the_loss_keeps_passages_frozen_and_reloads_with_the_b
     fixed = query_side.retrieve_candidates(encoder, index, store, task, "demo_trex", config.top_k)
     assert len(fixed.rows) >= 4, f"need questions with an answer among 20 of {len(index)} passages, got {len(fixed.rows)}"
     before = loss_on(base_params, fixed)
-    params, history = query_side.finetune(encoder, index, matrix, store, task, "demo_trex", config, progress=False)
+    params, history = query_side.finetune(encoder, index, matrix, store, [task], "demo_trex", config, progress=False)
     after = loss_on(params, fixed)
     assert after < 0.9 * before, f"loss on the first round's candidates: {before:.4f} -> {after:.4f}"
     assert [h["round"] for h in history] == [1, 2] and all(h["questions"] >= 4 for h in history), history
 
     out = os.path.join(root, "query_side")
-    query_side.save(out, encoder, params, run.model_dirs[0], "demo_trex", task.name, history)
+    query_side.save(out, encoder, params, run.model_dirs[0], "demo_trex", [task.name], history)
     parser = __import__("argparse").ArgumentParser()
     add_encoder_flags(parser)
     loaded = encoder_from_flags(parser.parse_args(["--checkpoint_dir", out]))
@@ -121,3 +122,40 @@ def test_finetuning_lowers_the_loss_keeps_passages_frozen_and_reloads_with_the_b
 
     recall = query_side.answer_recall(loaded, index, store, task, task.name, ks=(1, 5, 20))
     assert recall["n"] == len(task.examples) and 0 <= recall["answer_recall@1"] <= recall["answer_recall@20"] <= 1
+
+
+def _write_qa_file(path: str, examples: list[Example], regex: bool) -> None:
+    with open(path, "w") as f:
+        for e in examples:
+            answers = [a.replace(" ", r"\s+") for a in e.answers] if regex else list(e.answers)
+            f.write(json.dumps({"id": e.id, "input": e.query, "output": [{"answer": a} for a in answers],
+                                "meta": {"match": "regex" if regex else "string"}}) + "\n")
+
+
+def test_cli_adapts_to_several_qa_tasks_with_their_own_matching_and_reports_each(tiny, tmp_path, clean_gin):
+    root, run = tiny
+    examples = [e for e in read_examples(layout.examples_path(run.data_dir, "trex", "train")) if e.answers]
+    qa_dir = tmp_path / "qa"
+    qa_dir.mkdir()
+    half = len(examples) // 2
+    for name, part, regex in (("plain", examples[:half], False), ("regexy", examples[half:], True)):
+        for split in ("train", "dev"):
+            _write_qa_file(str(qa_dir / f"{name}-{split}-kilt.jsonl"), part, regex)
+    out = str(tmp_path / "qs")
+    argv = ["--checkpoint_dir", run.model_dirs[0], "--index_dir", run.index_dirs[0],
+            "--embeddings_dir", os.path.join(root, "emb_0"), "--kb_dir", layout.kb_dir(run.data_dir),
+            "--qa_dir", str(qa_dir), "--task", "plain,regexy", "--as_task", "demo_trex", "--output_dir", out,
+            "--gin.QuerySideConfig.top_k=20", "--gin.QuerySideConfig.batch_size=2"]
+    assert query_side.main(argv) == 0
+    with open(os.path.join(out, query_side.REPORT_FILE)) as f:
+        report = json.load(f)
+    assert report["tasks"] == ["plain", "regexy"]
+    for when in ("dev_before", "dev_after"):
+        assert {t: r["n"] for t, r in report[when].items()} == {"plain": half, "regexy": len(examples) - half}
+    store, index = PassageStore.open(layout.kb_dir(run.data_dir)), Index.load(run.index_dirs[0])
+    base = load_encoder(run.model_dirs[0])  # not run.encoders[0]: the test above fine-tuned it in place
+    separately = sum(len(query_side.retrieve_candidates(base, index, store, read_qa_task(str(qa_dir), t, "train"),
+                                                        "demo_trex", 20).rows) for t in ("plain", "regexy"))
+    assert report["history"][0]["questions"] == separately, "the round must train on the union of both tasks"
+    loaded = query_side.load(out)
+    assert {"plain", "regexy"} <= set(loaded.features["tasks"]), "each new task must be queryable"

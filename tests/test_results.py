@@ -7,15 +7,22 @@ import pytest
 
 from conftest import SHARED_DATA
 from t5_retrieval import cli
-from t5_retrieval.results import TASKS, analysis_table, markdown_table
+from t5_retrieval.results import TASKS, analysis_table, bm25_answer_recall, markdown_table, qa_open_dir, qa_open_table
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="needs ../shared mini-KILT")
 
 
-def test_bm25_row_matches_the_reference_and_a_rerun_resumes(tmp_path, capsys):
-    work_dir = str(tmp_path / "results")
+@pytest.fixture(scope="module")
+def bm25_run(tmp_path_factory) -> str:
+    """`t5r results --rows bm25` on mini-KILT (prepares the data directory too)."""
+    work_dir = str(tmp_path_factory.mktemp("results"))
     assert cli.main(["results", "--data", SHARED_DATA, "--work_dir", work_dir, "--rows", "bm25",
-                     "--markdown", str(tmp_path / "table.md")]) == 0
+                     "--markdown", os.path.join(work_dir, "table.md")]) == 0
+    return work_dir
+
+
+def test_bm25_row_matches_the_reference_and_a_rerun_resumes(bm25_run, capsys):
+    work_dir = bm25_run
     with open(os.path.join(work_dir, "bm25", "eval", "results.json")) as f:
         tables = json.load(f)
     with open(os.path.join(SHARED_DATA, "bm25_reference_dev.json")) as f:
@@ -23,7 +30,8 @@ def test_bm25_row_matches_the_reference_and_a_rerun_resumes(tmp_path, capsys):
     for task in TASKS:
         ours, theirs = tables[task]["Rprec"], reference[f"{task}/dev"]["r_prec"]
         assert abs(ours - theirs) <= 0.03, f"{task}: BM25 R-precision {ours:.3f}, reference {theirs:.3f}"
-    table = (tmp_path / "table.md").read_text()
+    with open(os.path.join(work_dir, "table.md")) as f:
+        table = f.read()
     assert table.splitlines()[2].startswith("| BM25 | "), table
     assert f"{tables['fever']['Rprec']:.3f}" in table.splitlines()[2]
 
@@ -54,3 +62,36 @@ def test_table_reads_trained_rows_by_the_models_task_names_and_sums_stage_times(
     assert row == ["| TACO | " + " | ".join(f"{0.1 * (i + 1):.3f} | 0.500" for i in range(len(TASKS)))
                    + " | 0.350 | 0.500 | 120 s |"], row
     assert analysis_table(work_dir) == "", "no analysed model, no analysis table"
+
+
+def test_bm25_answer_recall_on_qa_open_matches_the_datas_reference(bm25_run):
+    data_dir = os.path.join(bm25_run, "data")
+    qa_dir = qa_open_dir(data_dir)
+    assert os.path.samefile(qa_dir, os.path.join(SHARED_DATA, "qa_open"))
+    ours = bm25_answer_recall(data_dir, qa_dir, ("webq", "curatedtrec"))["dev"]
+    with open(os.path.join(qa_dir, "bm25_answer_recall_dev.json")) as f:
+        reference = json.load(f)
+    for task, recall in ours.items():
+        theirs = reference[f"{task}/dev"]
+        assert recall["n"] == theirs["n"]
+        for k in (5, 20, 100):
+            assert abs(recall[f"answer_recall@{k}"] - theirs[f"recall{k}"]) <= 0.02, (task, k, recall, theirs)
+
+
+def test_qa_open_table_puts_bm25_before_and_after_side_by_side(tmp_path):
+    from t5_retrieval.query_side import REPORT_FILE
+    from t5_retrieval.results import QA_OPEN_KS, QA_OPEN_TASKS
+
+    row_dir = tmp_path / "query_side"
+    assert qa_open_table(str(tmp_path)) == "", "no query-side row, no table"
+
+    def recall(value: float) -> dict:
+        return {t: {"n": 10, **{f"answer_recall@{k}": value + k / 1000 for k in QA_OPEN_KS}} for t in QA_OPEN_TASKS}
+
+    (row_dir / "model").mkdir(parents=True)
+    (row_dir / "qa_open_bm25").mkdir()
+    (row_dir / "model" / REPORT_FILE).write_text(json.dumps({"dev_before": recall(0.1), "dev_after": recall(0.2)}))
+    (row_dir / "qa_open_bm25" / "DONE").write_text(json.dumps({"dev": recall(0.0)}))
+    lines = qa_open_table(str(tmp_path)).splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| BM25", "| MiniLM-L6 zero-shot", "| query-side fine-tuned"]
+    assert lines[4].split(" | ")[1:4] == ["0.205", "0.220", "0.300"], lines[4]

@@ -99,6 +99,14 @@ def write_jsonl_atomic(path: str | os.PathLike[str], rows: Iterable[dict[str, An
     return count
 
 
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """One JSON document, written like `write_jsonl_atomic`: whole or not at all."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
 def read_examples(path: str | os.PathLike[str]) -> list[Example]:
     examples = []
     for line_no, row in read_jsonl(path):
