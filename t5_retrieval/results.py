@@ -14,13 +14,18 @@ Rows:
 - ``minilm_zeroshot``: the installed all-MiniLM-L6-v2, no training: mean pooling + L2 norm,
   passages "{title}: {text}" truncated to 256 tokens, queries to 128, exact search (the setting of
   mini-KILT's `minilm_zeroshot_reference_dev.json`).
-- trained rows (``naive_noprefix``, ``naive_prefix``, ``taco``, ``taco_typed``, ``pcgrad``, ``cgd``,
-  ``gradnorm``, ``mt_dpr_confounders``, ``task_specific``): the paper's run file on mini-KILT, from
-  MiniLM, with the shared settings of TRAIN_BINDINGS. Only the query side trains: the passages are
-  the zero-shot row's stored embeddings (`make_train_iterator.passage_embeddings`), so every row
-  searches the zero-shot index and the KB is encoded once. On this 2-core CPU that is what makes
-  a row take minutes instead of hours; it is a different regime from the papers', which train both
-  sides (docs/RESULTS.md says so next to the numbers).
+- trained rows (``naive_noprefix``, ``naive_prefix``, ``naive_typed``, ``taco``, ``taco_typed``,
+  ``pcgrad``, ``cgd``, ``gradnorm``, ``mt_dpr_confounders``, ``task_specific``): the paper's run file
+  on mini-KILT, from MiniLM, with the shared settings of TRAIN_BINDINGS. Only the query side trains:
+  the passages are the zero-shot row's stored embeddings (`make_train_iterator.passage_embeddings`),
+  so every row searches the zero-shot index and the KB is encoded once. On this 2-core CPU that is
+  what makes a row take minutes instead of hours; it is a different regime from the papers', which
+  train both sides (docs/RESULTS.md says so next to the numbers).
+- ``dpr_muf``: DPR-MUF fusion over the task-specific row's experts.
+- ``query_side``: the thesis' query-side fine-tuning of MiniLM on the qa_open questions (answer-holding
+  passages as positives); also scored by answer recall on the qa_open dev sets (`qa_open_table`).
+- ``t5_scratch_naive``, ``gdmtl``: a tiny T5 from scratch (no pretrained T5 offline), both sides
+  trained, naive multi-task without and with GDMTL's query-generation objective.
 
 After the rows, the task-specialisation analysis (TACO Fig. 1-2) runs for naive multi-task and TACO
 (`sensitivity_analysis`) and its table is printed below the results.
@@ -375,6 +380,8 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "minilm_zeroshot": ("MiniLM-L6 zero-shot", minilm_zeroshot_row),
     "naive_noprefix": ("naive multi-task, no prefix", trained_row("naive_multitask.gin", "mini_kilt_noprefix")),
     "naive_prefix": ("naive multi-task, dataset prefixes", trained_row("no_adaptive.gin", "mini_kilt")),
+    "naive_typed": ("naive multi-task, task-type markers (MT-DPR)",
+                    trained_row("mt_dpr_task_markers.gin", "mini_kilt_typed")),
     "taco": ("TACO", trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS)),
     "taco_typed": ("TACO, task-type markers", trained_row("task_type_markers.gin", "mini_kilt_typed", *TACO_BINDINGS)),
     "pcgrad": ("PCGrad", trained_row("pcgrad.gin", "mini_kilt")),
@@ -384,7 +391,8 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "task_specific": ("task-specific (one model per task)", task_specific_row),
     "dpr_muf": ("DPR-MUF (fusion of the task-specific models)", dpr_muf_row),
     "query_side": ("query-side fine-tuning on qa_open (thesis)", query_side_row),
-    "t5_scratch_naive": ("T5 from scratch, naive multi-task (GDMTL's control)", t5_scratch_row("naive_multitask.gin")),
+    "t5_scratch_naive": ("T5 from scratch, naive multi-task (GDMTL's control)",
+                         t5_scratch_row("naive_multitask.gin")),
     "gdmtl": ("GDMTL (T5 from scratch)", t5_scratch_row("gdmtl.gin")),
 }
 

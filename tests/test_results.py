@@ -93,5 +93,6 @@ def test_qa_open_table_puts_bm25_before_and_after_side_by_side(tmp_path):
     (row_dir / "model" / REPORT_FILE).write_text(json.dumps({"dev_before": recall(0.1), "dev_after": recall(0.2)}))
     (row_dir / "qa_open_bm25" / "DONE").write_text(json.dumps({"dev": recall(0.0)}))
     lines = qa_open_table(str(tmp_path)).splitlines()
-    assert [line.split(" | ")[0] for line in lines[2:]] == ["| BM25", "| MiniLM-L6 zero-shot", "| query-side fine-tuned"]
+    titles = [line.split(" | ")[0] for line in lines[2:]]
+    assert titles == ["| BM25", "| MiniLM-L6 zero-shot", "| query-side fine-tuned"], titles
     assert lines[4].split(" | ")[1:4] == ["0.205", "0.220", "0.300"], lines[4]
