@@ -163,6 +163,23 @@ def test_taco_exact_median_is_lower_median_like_torch():
                                   err_msg="even count: lower middle value (torch.median), not the mean")
 
 
+def test_taco_median_over_nonzero_is_each_tasks_lower_median_of_its_nonzero_values():
+    rng = np.random.default_rng(5)
+    # Task 0 mostly zero (an embedding table a batch barely touches), task 1 dense, task 2 all zero.
+    leaves = [np.abs(rng.standard_normal((3,) + s)).astype(np.float32) for s in [(50, 8), (31,)]]
+    leaves[0][0, 3:] = 0.0
+    leaves[1][0, ::2] = 0.0
+    leaves[0][2], leaves[1][2] = 0.0, 0.0
+    flat = np.concatenate([x.reshape(3, -1) for x in leaves], axis=1)
+    expected = [np.sort(row[row > 0])[(np.count_nonzero(row) - 1) // 2] if row.any() else 0.0 for row in flat]
+    assert expected[0] > 0 and np.sort(flat[0])[(flat.shape[1] - 1) // 2] == 0, "case must separate the two"
+    for mode, kw in (("exact", {}), ("approx", {"num_samples": flat.shape[1]})):  # a full sample is exact
+        median = jax.jit(lambda x: mt.taco_global_median(x, mode, over="nonzero", **kw))
+        np.testing.assert_array_equal(np.asarray(median(leaves)), np.float32(expected), err_msg=mode)
+    with pytest.raises(ValueError, match="median_over"):
+        mt.taco(num_tasks=3, burn_in_steps=0, median_over="touched")
+
+
 def test_taco_exact_median_radix_select_equals_sorting_with_ties_and_zeros():
     rng = np.random.default_rng(11)
     median = jax.jit(lambda leaves: mt.taco_global_median(leaves, "exact"))
