@@ -401,13 +401,14 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
 
 
 PROBE_ROWS = ("naive_noprefix", "naive_prefix", "taco")  # the specialisation analysis compares these
+TACO_ROWS = ("taco", "taco_nonzero_median")  # and the weights these used in training (their final EMA)
 PROBE_BATCHES, PROBE_BETA, PROBE_SEED = 50, 0.98, 1  # EMA at 1 - 0.98^50 = 64% of its signal
 
 
 def sensitivity_analysis(work_dir: str) -> None:
     """TACO paper Fig. 1-2 for the finished rows of PROBE_ROWS: each trained model's task
-    sensitivities probed on the same 50 training batches (`multitask.probe`), plus the TACO run's
-    own final EMA; figures and analysis.json in `<work_dir>/analysis/<name>`."""
+    sensitivities probed on the same 50 training batches (`multitask.probe`), plus the final EMA
+    of the TACO_ROWS runs (the weights they trained with); figures and analysis.json in `<work_dir>/analysis/<name>`."""
     from t5_retrieval.multitask.analysis import load_state_npz, write_analysis
     from t5_retrieval.stages import is_done, stage
     from t5_retrieval.train import TACO_STATE_FILE
@@ -417,11 +418,12 @@ def sensitivity_analysis(work_dir: str) -> None:
         if is_done(model_dir):
             out = os.path.join(work_dir, "analysis", name)
             stage(out, f"sensitivity probe {name}", lambda: probe_model(model_dir, out))
-    taco_state = os.path.join(work_dir, "taco", "model", TACO_STATE_FILE)
-    if os.path.exists(taco_state):
-        out = os.path.join(work_dir, "analysis", "taco_training")
-        stage(out, "TACO training state analysis",
-              lambda: analysis_numbers(write_analysis(*load_state_npz(taco_state), tau=2.0, out_dir=out)))
+    for name in TACO_ROWS:
+        taco_state = os.path.join(work_dir, name, "model", TACO_STATE_FILE)
+        if os.path.exists(taco_state):
+            out = os.path.join(work_dir, "analysis", f"{name}_training")
+            stage(out, f"{name} training state analysis",
+                  lambda: analysis_numbers(write_analysis(*load_state_npz(taco_state), tau=2.0, out_dir=out)))
 
 
 def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
@@ -457,13 +459,14 @@ def analysis_numbers(summary: dict[str, Any]) -> dict[str, Any]:
 def analysis_table(work_dir: str) -> str:
     """One line per analysed model: specialised / not-activated share and mean task entropy."""
     lines = []
-    for name in (*PROBE_ROWS, "taco_training"):
+    analysed = [(n, n, f"probe, {PROBE_BATCHES} batches, beta {PROBE_BETA}") for n in PROBE_ROWS]
+    analysed += [(f"{n}_training", n, "its training EMA") for n in TACO_ROWS]
+    for name, row, source in analysed:
         path = os.path.join(work_dir, "analysis", name, DONE)
         if os.path.exists(path):
             with open(path) as f:
                 a = json.load(f)
-            title, source = (("TACO", "its training EMA") if name == "taco_training"
-                             else (ROWS[name][0], f"probe, {PROBE_BATCHES} batches, beta {PROBE_BETA}"))
+            title = ROWS[row][0]
             lines.append(f"| {title} | {source} | {100 * a['task_specific_fraction']:.2f}% | "
                          f"{100 * a['not_activated_fraction']:.2f}% | {a['mean_entropy']:.3f} ({a['max_entropy']:.3f}) |")
     if not lines:
