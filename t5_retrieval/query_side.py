@@ -43,13 +43,12 @@ import optax
 from tqdm import tqdm
 
 from t5_retrieval import checkpoint
-from t5_retrieval.data.qa_open import QATask
+from t5_retrieval.data.qa_open import AnswerTexts, QATask
 from t5_retrieval.data.records import Passage, write_json_atomic
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenize import tokenize
 from t5_retrieval.retrieval import embeddings
 from t5_retrieval.retrieval.index import Index, IndexMismatchError
-from t5_retrieval.retrieval.passages import PassageLookup
 
 log = logging.getLogger(__name__)
 QUERY_SIDE_FILE = "query_side.json"
@@ -95,22 +94,18 @@ class Candidates:
                    np.concatenate([p.positive for p in parts]), sum(p.skipped for p in parts))
 
 
-def retrieve_candidates(encoder: Any, index: Index, passages: PassageLookup, task: QATask, as_task: str,
+def retrieve_candidates(encoder: Any, index: Index, passages: AnswerTexts, task: QATask, as_task: str,
                         top_k: int) -> Candidates:
     """The current query encoder's top-k per question, labelled by answer match; positiveless rows dropped."""
     texts = [e.query for e in task.examples]
     vectors = encoder.encode_queries(texts, as_task)
     rows, _ = index.search(vectors, top_k)
     keep, all_rows, labels = [], [], []
-    text_of: dict[int, str] = {}
     for i, (example, row) in enumerate(zip(task.examples, rows)):
         if len(row) < top_k:
             raise ValueError(f"index has {len(index)} passages, fewer than top_k={top_k}")
         matcher = task.matcher(example)
-        for r in row:
-            if int(r) not in text_of:
-                text_of[int(r)] = _text(passages, index.passage_ids[r])
-        hit = np.array([matcher(text_of[int(r)]) for r in row])
+        hit = np.array([passages.holds_answer(matcher, index.passage_ids[r]) for r in row])
         if hit.any():
             keep.append(i)
             all_rows.append(row)
@@ -137,7 +132,7 @@ def make_step(model: Any, optimizer: optax.GradientTransformation):
     return step
 
 
-def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, passages: PassageLookup,
+def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, passages: AnswerTexts,
              tasks: Sequence[QATask], as_task: str, config: QuerySideConfig,
              progress: bool = True) -> tuple[Any, list[dict[str, float]]]:
     """Fine-tunes `encoder`'s query path (a `DualEncoderInference`, updated in place between rounds)
@@ -250,7 +245,7 @@ def load(directory: str) -> QuerySideEncoder:
     return QuerySideEncoder(load_encoder(directory), base)
 
 
-def answer_recall(encoder: Any, index: Index, passages: PassageLookup, task: QATask, query_task: str,
+def answer_recall(encoder: Any, index: Index, passages: AnswerTexts, task: QATask, query_task: str,
                   ks: Sequence[int] = (5, 20, 100)) -> dict[str, float]:
     """Answer-in-passage recall@k (the thesis' R@5 / R@20): a question counts when a top-k passage matches."""
     vectors = encoder.encode_queries([e.query for e in task.examples], query_task)
@@ -258,23 +253,18 @@ def answer_recall(encoder: Any, index: Index, passages: PassageLookup, task: QAT
     return ranking_answer_recall(passages, task, [[index.passage_ids[r] for r in row] for row in rows], ks)
 
 
-def ranking_answer_recall(passages: PassageLookup, task: QATask, rankings: Sequence[Sequence[str]],
+def ranking_answer_recall(passages: AnswerTexts, task: QATask, rankings: Sequence[Sequence[str]],
                           ks: Sequence[int] = (5, 20, 100)) -> dict[str, float]:
     """Answer-in-passage recall@k of given rankings (passage ids, best first; one per question),
     so that any retriever (BM25 too) is scored by the same matching."""
     hits = {k: 0 for k in ks}
     for example, ranking in zip(task.examples, rankings, strict=True):
         matcher = task.matcher(example)
-        first = next((rank for rank, pid in enumerate(ranking[:max(ks)], 1) if matcher(_text(passages, pid))), None)
+        first = next((rank for rank, pid in enumerate(ranking[:max(ks)], 1) if passages.holds_answer(matcher, pid)),
+                     None)
         for k in ks:
             hits[k] += first is not None and first <= k
     return {"n": len(task.examples), **{f"answer_recall@{k}": hits[k] / len(task.examples) for k in ks}}
-
-
-def _text(passages: PassageLookup, pid: str) -> str:
-    """What an answer is matched against: "title text", as the qa_open labels were made."""
-    passage = passages.get(pid)
-    return f"{passage.title} {passage.text}"
 
 
 def main(argv: list[str]) -> int:
@@ -313,10 +303,11 @@ def main(argv: list[str]) -> int:
     except (DataError, IndexMismatchError, KeyError, checkpoint.CheckpointError) as e:
         print(f"t5r query-side: error: {e}", file=sys.stderr)
         return 2
-    before = {t.name: answer_recall(encoder, index, store, t, args.as_task) for t in dev_tasks}
-    params, history = finetune(encoder, index, embeddings.load_matrix(args.embeddings_dir), store, train_tasks,
+    texts = AnswerTexts(store)
+    before = {t.name: answer_recall(encoder, index, texts, t, args.as_task) for t in dev_tasks}
+    params, history = finetune(encoder, index, embeddings.load_matrix(args.embeddings_dir), texts, train_tasks,
                                args.as_task, QuerySideConfig())
-    after = {t.name: answer_recall(encoder, index, store, t, args.as_task) for t in dev_tasks}
+    after = {t.name: answer_recall(encoder, index, texts, t, args.as_task) for t in dev_tasks}
     save(args.output_dir, encoder, params, args.checkpoint_dir, args.as_task, names, history)
     report = {"tasks": names, "dev_before": before, "dev_after": after, "history": history}
     write_json_atomic(os.path.join(args.output_dir, REPORT_FILE), report)

@@ -266,16 +266,16 @@ def bm25_answer_recall(data_dir: str, qa_dir: str, tasks: tuple[str, ...] = QA_O
     from t5_retrieval.data import layout
     from t5_retrieval.data.bm25 import BM25Index
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.qa_open import read_qa_task
+    from t5_retrieval.data.qa_open import AnswerTexts, read_qa_task
     from t5_retrieval.query_side import ranking_answer_recall
 
     store = PassageStore.open(layout.kb_dir(data_dir))
-    index = BM25Index(store)
+    index, texts = BM25Index(store), AnswerTexts(store)
     recall = {}
     for name in tasks:
         task = read_qa_task(qa_dir, name, "dev")
         rankings = [[index.ids[i] for i in index.search(e.query, max(QA_OPEN_KS))[0]] for e in task.examples]
-        recall[name] = ranking_answer_recall(store, task, rankings, QA_OPEN_KS)
+        recall[name] = ranking_answer_recall(texts, task, rankings, QA_OPEN_KS)
     return {"dev": recall}
 
 

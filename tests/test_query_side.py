@@ -11,7 +11,7 @@ from conftest import SHARED_DATA
 from t5_retrieval import query_side
 from t5_retrieval.data import layout
 from t5_retrieval.data.kb import PassageStore
-from t5_retrieval.data.qa_open import AnswerMatcher, QATask, read_qa_task
+from t5_retrieval.data.qa_open import AnswerMatcher, AnswerTexts, QATask, read_qa_task
 from t5_retrieval.data.records import DataError, Example, read_examples
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval import embeddings
@@ -95,10 +95,11 @@ def test_finetuning_lowers_the_loss_keeps_passages_frozen_and_reloads_with_the_b
         queries = encoder.model.apply({"params": params}, data.tokens)
         return float(query_side.query_side_loss(queries, matrix[data.rows], data.positive))
 
-    fixed = query_side.retrieve_candidates(encoder, index, store, task, "demo_trex", config.top_k)
+    texts = AnswerTexts(store)
+    fixed = query_side.retrieve_candidates(encoder, index, texts, task, "demo_trex", config.top_k)
     assert len(fixed.rows) >= 4, f"need questions with an answer among 20 of {len(index)} passages, got {len(fixed.rows)}"
     before = loss_on(base_params, fixed)
-    params, history = query_side.finetune(encoder, index, matrix, store, [task], "demo_trex", config, progress=False)
+    params, history = query_side.finetune(encoder, index, matrix, texts, [task], "demo_trex", config, progress=False)
     after = loss_on(params, fixed)
     assert after < 0.9 * before, f"loss on the first round's candidates: {before:.4f} -> {after:.4f}"
     assert [h["round"] for h in history] == [1, 2] and all(h["questions"] >= 4 for h in history), history
@@ -120,7 +121,7 @@ def test_finetuning_lowers_the_loss_keeps_passages_frozen_and_reloads_with_the_b
     base_queries = query_side.load(out).passage_encoder.encode_queries(questions, "demo_trex")
     assert not np.allclose(base_queries, loaded.encode_queries(questions, task.name)), "queries must have changed"
 
-    recall = query_side.answer_recall(loaded, index, store, task, task.name, ks=(1, 5, 20))
+    recall = query_side.answer_recall(loaded, index, texts, task, task.name, ks=(1, 5, 20))
     assert recall["n"] == len(task.examples) and 0 <= recall["answer_recall@1"] <= recall["answer_recall@20"] <= 1
 
 
@@ -152,9 +153,10 @@ def test_cli_adapts_to_several_qa_tasks_with_their_own_matching_and_reports_each
     assert report["tasks"] == ["plain", "regexy"]
     for when in ("dev_before", "dev_after"):
         assert {t: r["n"] for t, r in report[when].items()} == {"plain": half, "regexy": len(examples) - half}
-    store, index = PassageStore.open(layout.kb_dir(run.data_dir)), Index.load(run.index_dirs[0])
+    texts = AnswerTexts(PassageStore.open(layout.kb_dir(run.data_dir)))
+    index = Index.load(run.index_dirs[0])
     base = load_encoder(run.model_dirs[0])  # not run.encoders[0]: the test above fine-tuned it in place
-    separately = sum(len(query_side.retrieve_candidates(base, index, store, read_qa_task(str(qa_dir), t, "train"),
+    separately = sum(len(query_side.retrieve_candidates(base, index, texts, read_qa_task(str(qa_dir), t, "train"),
                                                         "demo_trex", 20).rows) for t in ("plain", "regexy"))
     assert report["history"][0]["questions"] == separately, "the round must train on the union of both tasks"
     loaded = query_side.load(out)

@@ -18,6 +18,7 @@ from t5_retrieval.data.kilt import kilt_file
 from t5_retrieval.data.records import DataError, Example, read_jsonl, require
 from t5_retrieval.data.text import normalize_query
 from t5_retrieval.retrieval import metrics
+from t5_retrieval.retrieval.passages import PassageLookup
 
 MATCH_KINDS = ("string", "regex")
 _ARTICLES = frozenset(("a", "an", "the"))
@@ -44,10 +45,31 @@ class AnswerMatcher:
         else:
             object.__setattr__(self, "_needles", [t for t in map(answer_tokens, self.answers) if t])
 
-    def __call__(self, text: str) -> bool:
+    def __call__(self, text: str, tokens: list[str] | None = None) -> bool:
+        """`tokens`: `answer_tokens(text)` if the caller has them (it is most of a match's cost)."""
         if self.regex:
             return any(p.search(text) for p in self._patterns)  # type: ignore[attr-defined]
-        return metrics.answer_in_tokens(answer_tokens(text), self._needles)  # type: ignore[attr-defined]
+        tokens = answer_tokens(text) if tokens is None else tokens
+        return metrics.answer_in_tokens(tokens, self._needles)  # type: ignore[attr-defined]
+
+
+class AnswerTexts:
+    """What answers are matched against, per passage id: "title text" and its answer tokens, each
+    computed once (a question set's top-k lists overlap heavily, and rounds repeat them)."""
+
+    def __init__(self, passages: PassageLookup):
+        self.passages = passages
+        self._texts: dict[str, tuple[str, list[str]]] = {}
+
+    def __getitem__(self, pid: str) -> tuple[str, list[str]]:
+        if pid not in self._texts:
+            passage = self.passages.get(pid)
+            text = f"{passage.title} {passage.text}"
+            self._texts[pid] = (text, answer_tokens(text))
+        return self._texts[pid]
+
+    def holds_answer(self, matcher: AnswerMatcher, pid: str) -> bool:
+        return matcher(*self[pid])
 
 
 @dataclasses.dataclass(frozen=True)
