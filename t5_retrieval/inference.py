@@ -113,17 +113,28 @@ class DualEncoderInference:
         length / LENGTH_BUCKET shapes get compiled. `tower` selects a task's own query encoder
         (models with per-task query towers)."""
         out = np.empty((len(tokens), self.dim), np.float32)
-        lengths = tokens.shape[1] - np.argmax(tokens[:, ::-1] != 0, axis=1)  # up to the last non-padding id
+        lengths = token_lengths(tokens)
         order = np.argsort(lengths, kind="stable")
         with jax.set_mesh(self._mesh), nn.logical_axis_rules(sharding.logical_axis_rules()):
             for start in range(0, len(tokens), self.batch_size):
                 rows = order[start:start + self.batch_size]
-                width = min(tokens.shape[1], -(-int(lengths[rows].max()) // LENGTH_BUCKET) * LENGTH_BUCKET)
+                width = bucketed_width(lengths[rows], tokens.shape[1])
                 padded = np.zeros((self.batch_size, width), np.int32)
                 padded[:len(rows)] = tokens[rows, :width]
                 padded[len(rows):, 0] = 1  # filler rows that are never all-padding (their output is dropped)
                 out[rows] = np.asarray(self._embed(self.params, padded, tower))[:len(rows)]
         return out
+
+
+def token_lengths(tokens: np.ndarray) -> np.ndarray:
+    """[n, length] token ids -> [n]: each row's length up to its last non-padding id."""
+    return tokens.shape[1] - np.argmax(tokens[:, ::-1] != 0, axis=1)
+
+
+def bucketed_width(lengths: np.ndarray, max_width: int) -> int:
+    """The width a batch of rows with these lengths can be cut to: the longest, rounded up to a
+    multiple of LENGTH_BUCKET (padding is masked, so the cut changes no output)."""
+    return min(max_width, -(-int(lengths.max()) // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
 def load_encoder(checkpoint_dir: str, step: int | None = None, batch_size: int = 64) -> DualEncoderInference:

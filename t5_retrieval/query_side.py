@@ -47,6 +47,7 @@ from t5_retrieval.data.qa_open import AnswerTexts, QATask
 from t5_retrieval.data.records import Passage, write_json_atomic
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenize import tokenize
+from t5_retrieval.inference import bucketed_width, token_lengths
 from t5_retrieval.retrieval import embeddings
 from t5_retrieval.retrieval.index import Index, IndexMismatchError
 
@@ -156,7 +157,7 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, passages: A
         encoder.params = params
         data = Candidates.union([retrieve_candidates(encoder, index, passages, task, as_task, config.top_k)
                                  for task in tasks])
-        batches = len(data.rows) // config.batch_size
+        batches, lengths = len(data.rows) // config.batch_size, token_lengths(data.tokens)
         if batches == 0:
             raise ValueError(f"{','.join(t.name for t in tasks)}: only {len(data.rows)} questions have an answer in their top-"
                              f"{config.top_k} (batch_size {config.batch_size}); nothing to train on")
@@ -167,7 +168,9 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, passages: A
             order = rng.permutation(len(data.rows))
             for b in range(batches):
                 chosen = order[b * config.batch_size:(b + 1) * config.batch_size]
-                params, opt_state, loss = step(params, opt_state, data.tokens[chosen],
+                # Questions are far shorter than query_len: cut each batch's padding (a few shapes compile).
+                width = bucketed_width(lengths[chosen], data.tokens.shape[1])
+                params, opt_state, loss = step(params, opt_state, data.tokens[chosen, :width],
                                                passage_matrix[data.rows[chosen]], data.positive[chosen])
                 losses.append(float(loss))
                 bar.update(1)

@@ -1,5 +1,6 @@
 """Query-side fine-tuning: the loss, answer-only QA data, and a round trip on a tiny real model and index."""
 
+import dataclasses
 import json
 import os
 
@@ -13,7 +14,7 @@ from t5_retrieval.data import layout
 from t5_retrieval.data.kb import PassageStore
 from t5_retrieval.data.qa_open import AnswerMatcher, AnswerTexts, QATask, read_qa_task
 from t5_retrieval.data.records import DataError, Example, read_examples
-from t5_retrieval.inference import load_encoder
+from t5_retrieval.inference import load_encoder, token_lengths
 from t5_retrieval.retrieval import embeddings
 from t5_retrieval.retrieval.encoder import add_encoder_flags, encoder_from_flags
 from t5_retrieval.retrieval.index import Index
@@ -99,6 +100,9 @@ def test_finetuning_lowers_the_loss_keeps_passages_frozen_and_reloads_with_the_b
     fixed = query_side.retrieve_candidates(encoder, index, texts, task, "demo_trex", config.top_k)
     assert len(fixed.rows) >= 4, f"need questions with an answer among 20 of {len(index)} passages, got {len(fixed.rows)}"
     before = loss_on(base_params, fixed)
+    short = dataclasses.replace(fixed, tokens=fixed.tokens[:, :int(token_lengths(fixed.tokens).max())])
+    np.testing.assert_allclose(loss_on(base_params, short), before, rtol=1e-5,
+                               err_msg="training cuts batches' padding: the loss must not depend on it")
     params, history = query_side.finetune(encoder, index, matrix, texts, [task], "demo_trex", config, progress=False)
     after = loss_on(params, fixed)
     assert after < 0.9 * before, f"loss on the first round's candidates: {before:.4f} -> {after:.4f}"
