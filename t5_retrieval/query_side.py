@@ -214,10 +214,11 @@ class QuerySideEncoder:
 
 def save(output_dir: str, encoder: Any, params: Any, base_dir: str, as_task: str, new_tasks: Sequence[str],
          history: list[dict[str, float]]) -> None:
-    """A model directory: the base's config (each new task -> as_task's prefix), the params, and its base."""
+    """A model directory: the base's config (each new task -> as_task's prefix, its own dataset), the
+    params, and its base."""
     config = json.loads(json.dumps(encoder.config))
     for task in new_tasks:
-        config["features"]["tasks"].setdefault(task, dict(config["features"]["tasks"][as_task]))
+        config["features"]["tasks"].setdefault(task, {**config["features"]["tasks"][as_task], "dataset": task})
     checkpoint.write_config(output_dir, config)
     checkpoint.save(checkpoint.manager(output_dir), 0, {"params": params}, {})
     write_base_record(output_dir, base_dir, encoder.fingerprint, as_task=as_task, tasks=list(new_tasks),

@@ -48,9 +48,9 @@ def datasets_of(encoder: Any) -> dict[str, str]:
 
 
 def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split: str = "dev",
-                       index_dir: str | None = None) -> None:
+                       index_dir: str | None = None, datasets: Sequence[str] | None = None) -> None:
     """Encodes the KB with `model_dir`'s model, builds its index, and scores the eval split of every
-    dataset the model was trained on: `stage_dir/{embeddings,index,eval}`.
+    dataset the model was trained on (or of `datasets`): `stage_dir/{embeddings,index,eval}`.
 
     `index_dir`: score against this existing index instead (a query-side model searches its base's
     index, which `Index.check` verifies through the fingerprint); nothing is encoded then."""
@@ -79,7 +79,10 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
         index = Index.load(index_dir)
         index.check(encoder, store.ids())
         names = datasets_of(encoder)
-        examples = {names[d]: read_examples(layout.examples_path(data_dir, d, eval_split)) for d in names}
+        unknown = sorted(set(datasets or ()) - set(names))
+        if unknown:
+            raise KeyError(f"{model_dir}: the model has no task for datasets {unknown}; it has {sorted(names)}")
+        examples = {names[d]: read_examples(layout.examples_path(data_dir, d, eval_split)) for d in datasets or names}
         result = evaluate(encoder, index, examples, store)
         result.tables = {task: result.tables[task] for task in sorted(result.tables)}
         write_results(result, eval_dir)
