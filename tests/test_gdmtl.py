@@ -56,13 +56,14 @@ def test_gdmtl_gradients_are_the_retrieval_gradient_and_the_generation_loss_grad
     rng = jax.random.PRNGKey(1)
     grads, losses, metrics = jax.jit(
         lambda p: retrieval_and_generation_gradients(model, 1.0, p, batch, TASKS, rng))(params)
-    retrieval_grad, retrieval_losses, _ = summed_gradient(model, 1.0, params, batch, TASKS, rng)
+    # Jitted, as training runs them (op-by-op they take a minute on CPU).
+    retrieval_grad, retrieval_losses, _ = jax.jit(lambda p: summed_gradient(model, 1.0, p, batch, TASKS, rng))(params)
     np.testing.assert_allclose(float(losses[0]), float(jnp.sum(retrieval_losses)), rtol=1e-5)
     np.testing.assert_allclose(float(losses[1]), _numpy_generation_loss(model, params, batch), rtol=1e-4,
                                err_msg="generation loss != token CE of the teacher-forced query given its positive")
     assert {"generation_loss/a", "generation_loss/b", "retrieval_loss"} <= set(metrics)
 
-    expected_generation_grad = jax.grad(lambda p: _generation_loss(model, p, batch))(params)
+    expected_generation_grad = jax.jit(jax.grad(lambda p: _generation_loss(model, p, batch)))(params)
     for path_g, g_ret, g_gen in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(retrieval_grad),
                                     jax.tree.leaves(expected_generation_grad)):
         path, g = path_g
