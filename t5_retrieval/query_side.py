@@ -95,7 +95,7 @@ class Candidates:
                    np.concatenate([p.positive for p in parts]), sum(p.skipped for p in parts))
 
 
-def retrieve_candidates(encoder: Any, index: Index, passages: AnswerTexts, task: QATask, as_task: str,
+def retrieve_candidates(encoder: Any, index: Index, answer_texts: AnswerTexts, task: QATask, as_task: str,
                         top_k: int) -> Candidates:
     """The current query encoder's top-k per question, labelled by answer match; positiveless rows dropped."""
     texts = [e.query for e in task.examples]
@@ -106,7 +106,7 @@ def retrieve_candidates(encoder: Any, index: Index, passages: AnswerTexts, task:
         if len(row) < top_k:
             raise ValueError(f"index has {len(index)} passages, fewer than top_k={top_k}")
         matcher = task.matcher(example)
-        hit = np.array([passages.holds_answer(matcher, index.passage_ids[r]) for r in row])
+        hit = np.array([answer_texts.holds_answer(matcher, index.passage_ids[r]) for r in row])
         if hit.any():
             keep.append(i)
             all_rows.append(row)
@@ -133,7 +133,7 @@ def make_step(model: Any, optimizer: optax.GradientTransformation):
     return step
 
 
-def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, passages: AnswerTexts,
+def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_texts: AnswerTexts,
              tasks: Sequence[QATask], as_task: str, config: QuerySideConfig,
              progress: bool = True) -> tuple[Any, list[dict[str, float]]]:
     """Fine-tunes `encoder`'s query path (a `DualEncoderInference`, updated in place between rounds)
@@ -155,12 +155,12 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, passages: A
     history: list[dict[str, float]] = []
     for round_index in range(config.rounds):
         encoder.params = params
-        data = Candidates.union([retrieve_candidates(encoder, index, passages, task, as_task, config.top_k)
+        data = Candidates.union([retrieve_candidates(encoder, index, answer_texts, task, as_task, config.top_k)
                                  for task in tasks])
         batches, lengths = len(data.rows) // config.batch_size, token_lengths(data.tokens)
         if batches == 0:
-            raise ValueError(f"{','.join(t.name for t in tasks)}: only {len(data.rows)} questions have an answer in their top-"
-                             f"{config.top_k} (batch_size {config.batch_size}); nothing to train on")
+            raise ValueError(f"{','.join(t.name for t in tasks)}: only {len(data.rows)} questions have an answer "
+                             f"in their top-{config.top_k} (batch_size {config.batch_size}); nothing to train on")
         losses = []
         bar = tqdm(total=batches * config.epochs_per_round, desc=f"query-side round {round_index + 1}",
                    disable=not progress, mininterval=5.0)
@@ -249,23 +249,23 @@ def load(directory: str) -> QuerySideEncoder:
     return QuerySideEncoder(load_encoder(directory), base)
 
 
-def answer_recall(encoder: Any, index: Index, passages: AnswerTexts, task: QATask, query_task: str,
+def answer_recall(encoder: Any, index: Index, answer_texts: AnswerTexts, task: QATask, query_task: str,
                   ks: Sequence[int] = (5, 20, 100)) -> dict[str, float]:
     """Answer-in-passage recall@k (the thesis' R@5 / R@20): a question counts when a top-k passage matches."""
     vectors = encoder.encode_queries([e.query for e in task.examples], query_task)
     rows, _ = index.search(vectors, max(ks))
-    return ranking_answer_recall(passages, task, [[index.passage_ids[r] for r in row] for row in rows], ks)
+    return ranking_answer_recall(answer_texts, task, [[index.passage_ids[r] for r in row] for row in rows], ks)
 
 
-def ranking_answer_recall(passages: AnswerTexts, task: QATask, rankings: Sequence[Sequence[str]],
+def ranking_answer_recall(answer_texts: AnswerTexts, task: QATask, rankings: Sequence[Sequence[str]],
                           ks: Sequence[int] = (5, 20, 100)) -> dict[str, float]:
     """Answer-in-passage recall@k of given rankings (passage ids, best first; one per question),
     so that any retriever (BM25 too) is scored by the same matching."""
     hits = {k: 0 for k in ks}
     for example, ranking in zip(task.examples, rankings, strict=True):
         matcher = task.matcher(example)
-        first = next((rank for rank, pid in enumerate(ranking[:max(ks)], 1) if passages.holds_answer(matcher, pid)),
-                     None)
+        first = next((rank for rank, pid in enumerate(ranking[:max(ks)], 1)
+                      if answer_texts.holds_answer(matcher, pid)), None)
         for k in ks:
             hits[k] += first is not None and first <= k
     return {"n": len(task.examples), **{f"answer_recall@{k}": hits[k] / len(task.examples) for k in ks}}
