@@ -49,17 +49,19 @@ from t5_retrieval.models.dual_encoder import DualEncoder  # noqa: E402
 from t5_retrieval.models.t5 import T5Config  # noqa: E402
 from t5_retrieval.optim import make_optimizer  # noqa: E402
 from t5_retrieval.train import init_params, opt_state_shardings  # noqa: E402
-from t5_retrieval.train_step import TrainState, make_train_step  # noqa: E402
+from t5_retrieval.train_step import TrainState, make_train_step, task_groups  # noqa: E402
 
 TARGET_RATIO = 1.15  # the target: TACO step time <= 1.15x the naive step
 
 # Per-device batch shapes. TACO's cost is O(K x params) per step whatever the batch, so its
 # overhead relative to the step depends on the batch: ``recipe`` is what a run trains with
 # (gin_configs/runs/base.gin: 64 queries per device split over the tasks, 2 hard negatives,
-# queries 64 and passages 256 tokens), ``reduced`` a small CPU-sized batch (the worst case).
+# queries 64 and passages 256 tokens), ``reduced`` a small CPU-sized batch (the worst case) whose
+# 24 queries split evenly over K = 6 and 8 tasks, so that the per-task step is one `lax.scan`
+# (`train_step.task_groups`); the recipe batch at K = 6 has two sub-batch sizes (11 and 10).
 BATCHES = {
     "recipe": {"per_device_batch": 64, "query_len": 64, "passage_len": 256, "hard_negatives": 2},
-    "reduced": {"per_device_batch": 12, "query_len": 32, "passage_len": 64, "hard_negatives": 1},
+    "reduced": {"per_device_batch": 24, "query_len": 32, "passage_len": 64, "hard_negatives": 1},
 }
 
 
@@ -131,9 +133,10 @@ def bench(size: str, k: int, args) -> dict:
                          num_negatives=batch_shape["hard_negatives"])
     row: dict = {"config": {"d_model": cfg.d_model, "num_heads": cfg.num_heads, "d_ff": cfg.d_ff,
                             "layers": cfg.num_encoder_layers, "vocab_size": cfg.vocab_size},
-                 "batch": {"preset": args.batch, **batch_shape}}
+                 "batch": {"preset": args.batch, **batch_shape, "subbatch_sizes": data.sizes}}
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         batch = sharding.global_batch(mesh, next(data))
+        row["task_groups"] = task_groups(model, batch, task_names)  # one compiled backward pass per group
         steps = {}
         for name, (factory, per_task) in variants(args.median_samples).items():
             steps[name] = Step(model, mesh, rules, factory, per_task, task_names, batch)

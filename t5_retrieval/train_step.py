@@ -77,25 +77,68 @@ def task_loss_fn(model: nn.Module, logit_scale: float, stop_passage_gradient: bo
     return loss_fn
 
 
+def task_groups(model: nn.Module, batch: Batch, task_names: Sequence[str]) -> list[list[int]]:
+    """Tasks that can share one compiled forward/backward pass: same query tower and sub-batches of
+    the same shapes and dtypes (equal mixture rates, or rates that round to the same size)."""
+    groups: dict[tuple, list[int]] = {}
+    for k, name in enumerate(task_names):
+        arrays = tuple(sorted((key, x.shape, jnp.dtype(x.dtype).name) for key, x in batch[name].items()))
+        groups.setdefault((query_tower(model, k), arrays), []).append(k)
+    return list(groups.values())
+
+
 def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_names: Sequence[str],
-                       rng: jax.Array) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+                       rng: jax.Array, groups: Sequence[Sequence[int]] | None = None
+                       ) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
     """Each task's gradient, one task's activations alive at a time.
 
-    Returns (gradients stacked on a leading task axis, losses [K], metrics).
+    ``groups`` (default: every task alone) lists tasks that `task_groups` found interchangeable:
+    a group's sub-batches are stacked and its gradients computed by one `lax.scan`, so XLA
+    compiles one forward/backward pass per group instead of one per task (compile time and
+    program size grow with the number of distinct sub-batch shapes, not with K). Groups run one
+    after another, chained by `optimization_barrier`; task i uses ``split(rng, K)[i]`` either way,
+    so grouping does not change the result.
+
+    Returns (gradients stacked on a leading task axis in ``task_names`` order, losses [K], metrics).
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True, argnums=0)
+    groups = [[k] for k in range(len(task_names))] if groups is None else [list(g) for g in groups]
+    if sorted(k for g in groups for k in g) != list(range(len(task_names))):
+        raise ValueError(f"groups {groups} must hold each of the {len(task_names)} task indices once")
     rngs = jax.random.split(rng, len(task_names))
-    grads, losses, metrics = [], [], {}
-    task_params = params
-    for k, name in enumerate(task_names):
-        (loss, aux), grad = grad_fn(task_params, batch[name], rngs[k], k)
-        # The next task reads params only after this task's gradient is complete.
-        grad, task_params = jax.lax.optimization_barrier((grad, params))
+    grads, losses, aux = [], [], []
+    group_params = params
+    for group in groups:
+        stacked = jax.tree.map(lambda *x: jnp.stack(x), *[batch[task_names[k]] for k in group])
+
+        def task_gradient(_, xs, group_params=group_params, task_index=group[0]):
+            task_batch, task_rng = xs
+            (loss, task_aux), grad = grad_fn(group_params, task_batch, task_rng, task_index)
+            return None, (grad, loss, task_aux)
+
+        _, (grad, loss, group_aux) = jax.lax.scan(task_gradient, None, (stacked, rngs[jnp.asarray(group)]))
+        # The next group reads params only after this group's gradients are complete.
+        grad, group_params = jax.lax.optimization_barrier((grad, params))
         grads.append(grad)
         losses.append(loss)
-        metrics[f"loss/{name}"] = loss
-        metrics.update({f"{key}/{name}": value for key, value in aux.items()})
-    return jax.tree.map(lambda *g: jnp.stack(g), *grads), jnp.stack(losses), metrics
+        aux.append(group_aux)
+    order = [k for g in groups for k in g]
+    position = {k: i for i, k in enumerate(order)}
+    if len(groups) == 1:
+        stacked_grads, stacked_losses = grads[0], losses[0]
+    else:
+        stacked_grads = jax.tree.map(lambda *g: jnp.concatenate(g), *grads)
+        stacked_losses = jnp.concatenate(losses)
+    if order != sorted(order):
+        inverse = jnp.asarray([position[k] for k in range(len(task_names))])
+        stacked_grads = jax.tree.map(lambda g: g[inverse], stacked_grads)
+        stacked_losses = stacked_losses[inverse]
+    metrics = {}
+    group_aux = {key: jnp.concatenate([a[key] for a in aux]) for key in aux[0]}
+    for k, name in enumerate(task_names):
+        metrics[f"loss/{name}"] = stacked_losses[k]
+        metrics.update({f"{key}/{name}": value[position[k]] for key, value in group_aux.items()})
+    return stacked_grads, stacked_losses, metrics
 
 
 def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_names: Sequence[str],
@@ -215,7 +258,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
             grads, losses, metrics = retrieval_and_generation_gradients(
                 model, logit_scale, state.params, batch, task_names, step_rng, stop_passage_gradient)
         elif per_task:
-            grads, losses, metrics = per_task_gradients(loss_fn, state.params, batch, task_names, step_rng)
+            grads, losses, metrics = per_task_gradients(loss_fn, state.params, batch, task_names, step_rng,
+                                                        task_groups(model, batch, task_names))
         else:
             grads, losses, metrics = summed_gradient(model, logit_scale, state.params, batch, task_names, step_rng,
                                                      stop_passage_gradient)

@@ -1,12 +1,14 @@
-"""The two gradient paths of the train step agree: per-task (stacked) gradients sum to the naive one."""
+"""The two gradient paths of the train step agree: per-task (stacked) gradients sum to the naive one,
+and grouping tasks into one `lax.scan` changes the program size, not the gradients."""
 
 import jax
 import numpy as np
+import pytest
 
 from t5_retrieval.data.random_batches import RandomBatches
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
-from t5_retrieval.train_step import per_task_gradients, summed_gradient, task_loss_fn
+from t5_retrieval.train_step import per_task_gradients, summed_gradient, task_groups, task_loss_fn
 
 CFG = T5Config(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_encoder_layers=1,
                num_decoder_layers=1, dropout_rate=0.0)
@@ -50,3 +52,61 @@ def test_task_specific_query_towers_get_gradient_only_from_their_task():
             assert (norm > 0) == (j == k), f"task {j}'s loss should reach query tower {k} only if j == k"
     for g_k, g in zip(jax.tree.leaves(stacked), jax.tree.leaves(summed)):
         np.testing.assert_allclose(np.asarray(g_k).sum(0), np.asarray(g), rtol=1e-4, atol=1e-6)
+
+
+def _tiny_batch(tasks, per_device_batch):
+    data = RandomBatches(per_device_batch=per_device_batch, local_data_devices=1, task_names=tasks, vocab_size=64,
+                         query_len=6, passage_len=10, num_negatives=1)
+    return next(data)
+
+
+def test_task_groups_join_tasks_with_equal_sub_batches_and_towers():
+    from t5_retrieval.models.dual_encoder import DualEncoderConfig
+
+    uneven = _tiny_batch(["a", "b", "c", "d"], 7)  # sizes 2, 2, 2, 1
+    assert task_groups(DualEncoder(CFG), uneven, ["a", "b", "c", "d"]) == [[0, 1, 2], [3]]
+    towers = DualEncoder(CFG, DualEncoderConfig(query_towers=4))
+    assert task_groups(towers, uneven, ["a", "b", "c", "d"]) == [[0], [1], [2], [3]], "own towers: no sharing"
+
+
+def test_grouping_tasks_gives_the_same_gradients_losses_and_metrics_in_task_order():
+    model = DualEncoder(CFG)
+    batch = _tiny_batch(TASKS, 6)
+    params = model.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"]
+    rng = jax.random.PRNGKey(1)
+    loss_fn = task_loss_fn(model, 1.0)
+    alone = jax.jit(lambda p: per_task_gradients(loss_fn, p, batch, TASKS, rng))(params)
+    # One scan over all tasks (what task_groups gives here), and an out-of-order grouping.
+    for groups in ([[0, 1, 2]], [[2, 0], [1]]):
+        grouped = jax.jit(lambda p: per_task_gradients(loss_fn, p, batch, TASKS, rng, groups))(params)
+        np.testing.assert_allclose(np.asarray(grouped[1]), np.asarray(alone[1]), rtol=1e-6, err_msg=str(groups))
+        assert set(grouped[2]) == set(alone[2])
+        for key in alone[2]:
+            np.testing.assert_allclose(np.asarray(grouped[2][key]), np.asarray(alone[2][key]), rtol=1e-6,
+                                       err_msg=f"{groups}: metric {key}")
+        for g, a in zip(jax.tree.leaves(grouped[0]), jax.tree.leaves(alone[0])):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(a), rtol=1e-5, atol=1e-7, err_msg=str(groups))
+
+
+def test_one_group_compiles_one_backward_pass_whatever_the_number_of_tasks():
+    model = DualEncoder(CFG)
+    loss_fn = task_loss_fn(model, 1.0)
+
+    def matmuls(num_tasks: int, grouped: bool) -> int:
+        names = [f"t{k}" for k in range(num_tasks)]
+        batch = _tiny_batch(names, 2 * num_tasks)
+        params = model.init(jax.random.PRNGKey(0), batch["t0"]["query_tokens"])["params"]
+        groups = task_groups(model, batch, names) if grouped else None
+        step = jax.jit(lambda p: per_task_gradients(loss_fn, p, batch, names, jax.random.PRNGKey(1), groups))
+        return step.lower(params).as_text().count("dot_general")
+
+    assert matmuls(6, grouped=True) == matmuls(2, grouped=True)
+    assert matmuls(6, grouped=False) == 3 * matmuls(2, grouped=False), "the count should see each task's copy"
+
+
+def test_groups_must_cover_every_task_once():
+    model = DualEncoder(CFG)
+    batch = _tiny_batch(TASKS, 6)
+    params = model.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"]
+    with pytest.raises(ValueError, match="each of the 3 task indices once"):
+        per_task_gradients(task_loss_fn(model, 1.0), params, batch, TASKS, jax.random.PRNGKey(1), [[0, 1], [1]])

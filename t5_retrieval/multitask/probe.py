@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from t5_retrieval import sharding
 from t5_retrieval.multitask.transforms import taco
-from t5_retrieval.train_step import per_task_gradients, task_loss_fn
+from t5_retrieval.train_step import per_task_gradients, task_groups, task_loss_fn
 
 
 def probe_sensitivities(model: nn.Module, params: Any, batches: Iterator[dict[str, dict[str, Any]]],
@@ -33,7 +33,8 @@ def probe_sensitivities(model: nn.Module, params: Any, batches: Iterator[dict[st
 
     @jax.jit
     def step(state, params, batch, rng):
-        grads, _, _ = per_task_gradients(loss_fn, params, batch, task_names, rng)
+        grads, _, _ = per_task_gradients(loss_fn, params, batch, task_names, rng,
+                                         task_groups(model, batch, task_names))
         return transform.update(grads, state, params)[1]
 
     rng = jax.random.PRNGKey(seed)
