@@ -25,6 +25,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from t5_retrieval.data.records import write_json_atomic
+
 CONFIG_FILE = "model_config.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
 log = logging.getLogger(__name__)
@@ -141,10 +143,7 @@ def write_config(directory: str, config: dict[str, Any],
         if read_config(directory) == config:
             return
     if jax.process_index() == 0:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(config, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        write_json_atomic(path, config, sort_keys=True)
 
 
 def read_config(directory: str) -> dict[str, Any]:

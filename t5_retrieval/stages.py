@@ -8,12 +8,13 @@ its last shard). `index_and_evaluate` is the stage pair every trained or loaded 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from t5_retrieval.data.records import write_json_atomic
 
 log = logging.getLogger(__name__)
 DONE = "DONE"
@@ -24,10 +25,7 @@ def is_done(directory: str) -> bool:
 
 
 def mark_done(directory: str, info: dict[str, Any]) -> None:
-    tmp = os.path.join(directory, f"{DONE}.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **info}, f)
-    os.replace(tmp, os.path.join(directory, DONE))
+    write_json_atomic(os.path.join(directory, DONE), {"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **info})
 
 
 def stage(directory: str, name: str, run: Callable[[], dict[str, Any] | None]) -> None:

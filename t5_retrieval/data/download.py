@@ -12,6 +12,8 @@ import os
 import urllib.request
 from collections.abc import Mapping, Sequence
 
+from t5_retrieval.data.records import write_text_atomic
+
 KILT_BASE_URL = "http://dl.fbaipublicfiles.com/KILT/"
 SUMS_FILE = "SHA256SUMS"
 _CHUNK = 1 << 20
@@ -39,11 +41,7 @@ def _read_sums(out_dir: str) -> dict[str, str]:
 
 
 def _write_sums(out_dir: str, sums: Mapping[str, str]) -> None:
-    tmp = os.path.join(out_dir, f"{SUMS_FILE}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for name in sorted(sums):
-            f.write(f"{sums[name]}  {name}\n")
-    os.replace(tmp, os.path.join(out_dir, SUMS_FILE))
+    write_text_atomic(os.path.join(out_dir, SUMS_FILE), "".join(f"{sums[name]}  {name}\n" for name in sorted(sums)))
 
 
 def fetch(url: str, dest: str, expected_sha256: str | None = None, timeout: float = 60.0) -> str:

@@ -99,12 +99,17 @@ def write_jsonl_atomic(path: str | os.PathLike[str], rows: Iterable[dict[str, An
     return count
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """One JSON document, written like `write_jsonl_atomic`: whole or not at all."""
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Writes text like `write_jsonl_atomic`: whole or not at all."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
+        f.write(text)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, sort_keys: bool = False) -> None:
+    """One JSON document, written like `write_jsonl_atomic`: whole or not at all."""
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=sort_keys))
 
 
 def read_examples(path: str | os.PathLike[str]) -> list[Example]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from t5_retrieval.data.records import Passage
+from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.passages import ids_digest
 
@@ -77,13 +77,6 @@ class Manifest:
             raise EmbeddingsError(f"{path}: missing field {e.args[0]!r}") from None
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def read_manifest(directory: str) -> Manifest:
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
@@ -115,8 +108,8 @@ def prepare(directory: str, manifest: Manifest, passage_ids: Sequence[str]) -> N
                     f"{path}: field {field!r} is {old!r} but this run has {new!r}; "
                     "refusing to mix embeddings: use a fresh output directory")
         return
-    _write_atomic(os.path.join(directory, IDS_FILE), "".join(f"{pid}\n" for pid in passage_ids).encode("utf-8"))
-    _write_atomic(path, json.dumps(manifest.to_json(), indent=1).encode("utf-8"))
+    write_text_atomic(os.path.join(directory, IDS_FILE), "".join(f"{pid}\n" for pid in passage_ids))
+    write_json_atomic(path, manifest.to_json())
 
 
 def process_shards(num_shards: int, process_index: int, process_count: int) -> range:

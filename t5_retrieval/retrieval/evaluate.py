@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
-import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -23,7 +22,7 @@ from typing import Any
 import gin
 import numpy as np
 
-from t5_retrieval.data.records import Example, write_jsonl_atomic
+from t5_retrieval.data.records import Example, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from t5_retrieval.retrieval import metrics
 from t5_retrieval.retrieval.encoder import Encoder, add_encoder_flags, encoder_from_flags
 from t5_retrieval.retrieval.index import Index, IndexMismatchError
@@ -156,12 +155,8 @@ def write_results(result: EvalResult, output_dir: str) -> None:
         os.remove(os.path.join(output_dir, "results.json"))
     for task, rows in result.predictions.items():
         write_jsonl_atomic(os.path.join(output_dir, "predictions", f"{task}.jsonl"), rows)
-    for name, text in (("results.txt", format_table(result.tables)),
-                       ("results.json", json.dumps(result.tables, indent=1))):
-        tmp = os.path.join(output_dir, f"{name}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(output_dir, name))
+    write_text_atomic(os.path.join(output_dir, "results.txt"), format_table(result.tables))
+    write_json_atomic(os.path.join(output_dir, "results.json"), result.tables)
 
 
 def load_task_examples(data_dir: str, split: str, tasks: Sequence[str] | None) -> dict[str, list[Example]]:

@@ -28,6 +28,7 @@ import gin
 import numpy as np
 
 from t5_retrieval import logs
+from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.retrieval import embeddings
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.passages import ids_digest
@@ -179,10 +180,7 @@ class Index:
                 "num_passages": len(self.passage_ids), "ids_sha256": ids_digest(self.passage_ids),
                 "scann": dataclasses.asdict(self.config), "meta": self.meta,
                 "embeddings_dir": self.embeddings_dir}
-        tmp = os.path.join(directory, f"{INDEX_JSON}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(tmp, os.path.join(directory, INDEX_JSON))
+        write_json_atomic(os.path.join(directory, INDEX_JSON), meta)
 
     @classmethod
     def load(cls, directory: str) -> "Index":
