@@ -7,7 +7,10 @@ import pytest
 
 from conftest import SHARED_DATA
 from t5_retrieval import cli
-from t5_retrieval.results import TASKS, analysis_table, bm25_answer_recall, markdown_table, qa_open_dir, qa_open_table
+from t5_retrieval.results.analysis import analysis_table
+from t5_retrieval.results.common import TASKS
+from t5_retrieval.results.qa_open import bm25_answer_recall, qa_open_dir, qa_open_table
+from t5_retrieval.results.tables import markdown_table
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="needs ../shared mini-KILT")
 
@@ -80,7 +83,7 @@ def test_bm25_answer_recall_on_qa_open_matches_the_datas_reference(bm25_run):
 
 def test_qa_open_table_puts_bm25_before_and_after_side_by_side(tmp_path):
     from t5_retrieval.query_side import REPORT_FILE
-    from t5_retrieval.results import QA_OPEN_KS, QA_OPEN_TASKS
+    from t5_retrieval.results.qa_open import QA_OPEN_KS, QA_OPEN_TASKS
 
     row_dir = tmp_path / "query_side"
     assert qa_open_table(str(tmp_path)) == "", "no query-side row, no table"

@@ -1,0 +1,80 @@
+"""`t5r results`: the mini-KILT results table, one resumable row at a time (docs/RESULTS.md).
+
+    t5r results --data=../shared/data/mini_kilt --work_dir=/runs/results [--rows bm25,minilm_zeroshot,taco]
+
+Every row reads the same prepared data (KB = mini-KILT's `kb/passages.jsonl`, one passage per
+paragraph, as the reference numbers use; the six tasks' train/dev examples; BM25 negatives) and
+writes `<work_dir>/<row>/eval/results.json` with the KILT table of `t5r eval`. A finished stage is
+marked DONE and skipped when the command is run again, so an interrupted run resumes. At the end
+the page-level R-precision and recall@20 of every finished row, per task and their mean, are
+printed as a Markdown table (and written to `--markdown`).
+
+Rows:
+- ``bm25``: BM25 (k1 0.9, b 0.4) over "title text", passages max-pooled to pages.
+- ``minilm_zeroshot``: the installed all-MiniLM-L6-v2, no training: mean pooling + L2 norm,
+  passages "{title}: {text}" truncated to 256 tokens, queries to 128, exact search (the setting of
+  mini-KILT's `minilm_zeroshot_reference_dev.json`).
+- trained rows (``naive_noprefix``, ``naive_prefix``, ``naive_typed``, ``taco``, ``taco_typed``,
+  ``pcgrad``, ``cgd``, ``gradnorm``, ``mt_dpr_confounders``, ``task_specific``): the paper's run file
+  on mini-KILT, from MiniLM, with the shared settings of TRAIN_BINDINGS. Only the query side trains:
+  the passages are the zero-shot row's stored embeddings (`make_train_iterator.passage_embeddings`),
+  so every row searches the zero-shot index and the KB is encoded once. On this 2-core CPU that is
+  what makes a row take minutes instead of hours; it is a different regime from the papers', which
+  train both sides (docs/RESULTS.md says so next to the numbers).
+- ``dpr_muf``: DPR-MUF fusion over the task-specific row's experts.
+- ``query_side``: the thesis' query-side fine-tuning of MiniLM on the qa_open questions (answer-holding
+  passages as positives); also scored by answer recall on the qa_open dev sets (`qa_open_table`).
+- ``t5_scratch_naive``, ``gdmtl``: a tiny T5 from scratch (no pretrained T5 offline), both sides
+  trained, naive multi-task without and with GDMTL's query-generation objective.
+
+After the rows, the task-specialisation analysis (TACO Fig. 1-2) runs for naive multi-task and TACO
+(`sensitivity_analysis`) and its table is printed below the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from t5_retrieval import logs
+from t5_retrieval.results.analysis import analysis_table, sensitivity_analysis
+from t5_retrieval.results.common import prepare_data
+from t5_retrieval.results.qa_open import qa_open_table
+from t5_retrieval.results.rows import ROWS
+from t5_retrieval.results.tables import markdown_table
+
+
+log = logging.getLogger(__name__)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="t5r results", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="the mini-KILT directory (../shared/data/mini_kilt)")
+    parser.add_argument("--work_dir", required=True, help="where every row writes (resumed if it exists)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from: {', '.join(ROWS)}")
+    parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    args = parser.parse_args(argv)
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        print(f"t5r results: error: unknown rows {unknown}; known: {', '.join(ROWS)}", file=sys.stderr)
+        return 2
+    logs.setup()
+    data_dir = os.path.join(args.work_dir, "data")
+    prepare_data(os.path.abspath(args.data), data_dir)
+    for name in rows:
+        start = time.time()
+        ROWS[name][1](os.path.join(args.work_dir, name), data_dir)
+        log.info("results: row %s done in %.0f s", name, time.time() - start)
+    sensitivity_analysis(args.work_dir)
+    table = "\n".join(t for t in (markdown_table(args.work_dir), analysis_table(args.work_dir),
+                                   qa_open_table(args.work_dir)) if t)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    print(table, end="")
+    return 0

@@ -1,0 +1,87 @@
+"""The task-specialisation analysis (TACO paper Fig. 1-2) of the finished rows, and its table."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from t5_retrieval.results.rows import ROWS
+from t5_retrieval.stages import DONE
+
+
+PROBE_ROWS = ("naive_noprefix", "naive_prefix", "taco")  # the specialisation analysis compares these
+
+
+TACO_ROWS = ("taco", "taco_nonzero_median")  # and the weights these used in training (their final EMA)
+PROBE_BATCHES, PROBE_BETA, PROBE_SEED = 50, 0.98, 1  # EMA at 1 - 0.98^50 = 64% of its signal
+
+
+def sensitivity_analysis(work_dir: str) -> None:
+    """TACO paper Fig. 1-2 for the finished rows of PROBE_ROWS: each trained model's task
+    sensitivities probed on the same 50 training batches (`multitask.probe`), plus the final EMA
+    of the TACO_ROWS runs (the weights they trained with); figures and analysis.json in `<work_dir>/analysis/<name>`."""
+    from t5_retrieval.multitask.analysis import load_state_npz, write_analysis
+    from t5_retrieval.stages import is_done, stage
+    from t5_retrieval.train import TACO_STATE_FILE
+
+    for name in PROBE_ROWS:
+        model_dir = os.path.join(work_dir, name, "model")
+        if is_done(model_dir):
+            out = os.path.join(work_dir, "analysis", name)
+            stage(out, f"sensitivity probe {name}", lambda: probe_model(model_dir, out))
+    for name in TACO_ROWS:
+        taco_state = os.path.join(work_dir, name, "model", TACO_STATE_FILE)
+        if os.path.exists(taco_state):
+            out = os.path.join(work_dir, "analysis", f"{name}_training")
+            stage(out, f"{name} training state analysis",
+                  lambda: analysis_numbers(write_analysis(*load_state_npz(taco_state), tau=2.0, out_dir=out)))
+
+
+def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
+    """Probes a row's trained model on batches of its own training data (seed PROBE_SEED)."""
+    import gin
+
+    from t5_retrieval import gin_utils, sharding
+    from t5_retrieval.data.batches import make_train_iterator
+    from t5_retrieval.inference import load_encoder
+    from t5_retrieval.multitask.analysis import save_state_npz, write_analysis
+    from t5_retrieval.multitask.probe import probe_sensitivities
+    from t5_retrieval.stages import DONE
+
+    with open(os.path.join(model_dir, DONE)) as f:
+        trained = json.load(f)
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(trained["gin_files"], trained["bindings"])
+        batches = make_train_iterator(per_device_batch=gin.query_parameter("%PER_DEVICE_BATCH"), seed=PROBE_SEED)
+    finally:
+        gin.clear_config()
+    encoder = load_encoder(model_dir)
+    ema = probe_sensitivities(encoder.model, encoder.params, batches, batches.task_names, PROBE_BATCHES, PROBE_BETA,
+                              encoder.config["dual_encoder"]["logit_scale"], sharding.make_mesh())
+    save_state_npz(ema, batches.task_names, os.path.join(out_dir, "probe_state.npz"))
+    return analysis_numbers(write_analysis(ema, batches.task_names, tau=2.0, out_dir=out_dir))
+
+
+def analysis_numbers(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: summary[k] for k in ("task_specific_fraction", "not_activated_fraction", "mean_entropy", "max_entropy")}
+
+
+def analysis_table(work_dir: str) -> str:
+    """One line per analysed model: specialised / not-activated share and mean task entropy."""
+    lines = []
+    analysed = [(n, n, f"probe, {PROBE_BATCHES} batches, beta {PROBE_BETA}") for n in PROBE_ROWS]
+    analysed += [(f"{n}_training", n, "its training EMA") for n in TACO_ROWS]
+    for name, row, source in analysed:
+        path = os.path.join(work_dir, "analysis", name, DONE)
+        if os.path.exists(path):
+            with open(path) as f:
+                a = json.load(f)
+            title = ROWS[row][0]
+            lines.append(f"| {title} | {source} | {100 * a['task_specific_fraction']:.2f}% | "
+                         f"{100 * a['not_activated_fraction']:.2f}% | {a['mean_entropy']:.3f} ({a['max_entropy']:.3f}) |")
+    if not lines:
+        return ""
+    return "\n".join(["| model | sensitivities | task specific (entropy < 0.3) | not activated | mean entropy (max) |",
+                      "|---|---|---|---|---|", *lines]) + "\n"

@@ -1,0 +1,55 @@
+"""What every row shares: the six tasks, the prepared data, and in-process `t5r` commands."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+TASKS = ("fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking")
+
+
+def prepare_data(raw_dir: str, data_dir: str) -> None:
+    """KB from the paragraph passages, examples of every task, BM25 negatives (each step resumable)."""
+    from t5_retrieval.data.prepare import prepare_missing
+
+    prepare_missing(os.path.join(raw_dir, "kb", "passages.jsonl"), raw_dir, data_dir, TASKS)
+
+
+def dataset_table(tables: dict[str, Any], dataset: str) -> dict[str, Any]:
+    """A dataset's entry of a `t5r eval` table, keyed by the model's name for it (the dataset itself,
+    or the registered `mini_kilt_{dataset}` task in any prefix variant)."""
+    for name in (dataset, *(f"mini_kilt_{dataset}{v}" for v in ("", "_noprefix", "_typed"))):
+        if name in tables:
+            return tables[name]
+    raise KeyError(f"no table for {dataset} among {sorted(tables)}")
+
+
+def run_cli(argv: list[str]) -> dict[str, Any]:
+    """`t5r <argv>` in-process; raises if it fails. Returns the command for the stage record."""
+    import gin
+
+    from t5_retrieval import cli
+
+    try:
+        if cli.main(argv) != 0:
+            raise RuntimeError(f"t5r {argv[0]} failed: t5r {' '.join(argv)}")
+    finally:
+        gin.clear_config()
+    return {"command": "t5r " + " ".join(argv)}
+
+
+def train_model(model_dir: str, gin_files: list[str], bindings: list[str]) -> dict[str, Any]:
+    """`t5r train --gin_file=<gin files> --gin.<bindings>` in-process."""
+    import gin
+
+    from t5_retrieval import gin_utils
+    from t5_retrieval.train import train
+
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(gin_files, bindings)
+        state = train(model_dir)
+    finally:
+        gin.clear_config()
+    return {"steps": int(state.step), "gin_files": gin_files, "bindings": bindings}

@@ -1,0 +1,180 @@
+"""The rows built on all-MiniLM-L6-v2: BM25 beside it, zero-shot, the trained multi-task rows over its
+frozen passage embeddings, the task-specific experts and their DPR-MUF fusion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+from t5_retrieval.results.common import TASKS, dataset_table, run_cli, train_model
+
+
+def bm25_row(row_dir: str, data_dir: str) -> None:
+    """BM25's top-100 passages per dev query, scored like `t5r eval`."""
+    from t5_retrieval.stages import stage
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.bm25 import BM25Index
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.negatives import bm25_query
+    from t5_retrieval.data.records import read_examples
+    from t5_retrieval.retrieval.evaluate import RankingScorer, write_results
+
+    def run() -> dict[str, Any]:
+        store = PassageStore.open(layout.kb_dir(data_dir))
+        index = BM25Index(store)
+        scorer = RankingScorer(store)
+        for task in TASKS:
+            examples = read_examples(layout.examples_path(data_dir, task, "dev"))
+            rankings = [[index.ids[i] for i in index.search(bm25_query(e.query), 100)[0]] for e in examples]
+            scorer.add_task(task, examples, rankings)
+        result = scorer.result()
+        write_results(result, os.path.join(row_dir, "eval"))
+        return {"tables": result.tables}
+
+    stage(os.path.join(row_dir, "eval"), "bm25 evaluate", run)
+
+
+def minilm_zeroshot_row(row_dir: str, data_dir: str) -> None:
+    """The pretrained MiniLM written as a t5r model directory, then encode -> exact index -> eval."""
+    from t5_retrieval.stages import index_and_evaluate, stage
+
+    model_dir = os.path.join(row_dir, "model")
+    stage(model_dir, "minilm model directory", lambda: write_minilm_model_dir(model_dir))
+    index_and_evaluate(row_dir, model_dir, data_dir)
+
+
+def write_minilm_model_dir(model_dir: str) -> dict[str, Any]:
+    """A model directory holding all-MiniLM-L6-v2 as `t5r train --init_from` would start from it."""
+    import gin
+    import jax
+
+    from t5_retrieval import checkpoint, gin_utils, sharding
+    from t5_retrieval.models.pretrained import minilm_l6_dir
+    from t5_retrieval.train import build_model, init_params, initial_params, model_config
+
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(["models/minilm_l6.gin"], [])
+        config = model_config()
+    finally:
+        gin.clear_config()
+    config["features"] = {"vocabulary": minilm_l6_dir(), "query_len": 128, "passage_len": 256,
+                          "passage_template": "{title}: {text}",
+                          "tasks": {t: {"dataset": t, "prefix": None, "index": i} for i, t in enumerate(TASKS)}}
+    model = build_model(config)
+    params, _ = init_params(model, jax.random.PRNGKey(0), sharding.make_mesh(), sharding.logical_axis_rules())
+    params = initial_params(minilm_l6_dir(), params)
+    checkpoint.write_config(model_dir, config)
+    checkpoint.save(checkpoint.manager(model_dir), 0, {"params": params}, {})
+    return {"init_from": minilm_l6_dir()}
+
+
+# Every trained row fine-tunes MiniLM's query side over the zero-shot row's passage embeddings (the
+# passage encoder stays MiniLM, so every row searches the zero-shot index): on this CPU a step then
+# costs the queries' forward/backward only, and the KB is encoded once for all rows.
+TRAIN_BINDINGS = (
+    "LEARNING_RATE = 2e-5",
+    "PER_DEVICE_BATCH = 32",
+    "QUERY_LEN = 64",
+    "NUM_NEGATIVES = 2",
+    "NUM_STEPS = 200",
+    "train.checkpoint_every = 50",
+    "train.log_every = 20",
+    "make_train_iterator.passage_template = '{title}: {text}'",
+)
+
+
+# The EMA horizon 1 / (1 - beta) scaled to the run: the paper's 0.999 (1,000 steps) would keep the
+# zero-initialised EMA at a quarter of its signal after 300 steps, so the weights stay near uniform.
+TACO_BINDINGS = ("multitask.taco.beta = 0.99",)
+
+
+def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., None]:
+    """A row trained with `runs/<run_file>` on `mixture`, from MiniLM, over its frozen passage embeddings
+    (those of the zero-shot row in `base_dir`, by default the row's sibling `minilm_zeroshot`)."""
+
+    def row(row_dir: str, data_dir: str, base_dir: str | None = None) -> None:
+        from t5_retrieval.stages import index_and_evaluate, stage
+
+        base_dir = base_dir or os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
+        minilm_zeroshot_row(base_dir, data_dir)  # the base model and its index (done once, then skipped)
+        model_dir = os.path.join(row_dir, "model")
+        gin_bindings = [f"DATA_DIR = '{data_dir}'", f"MIXTURE = '{mixture}'", *TRAIN_BINDINGS,
+                        f"train.init_from = '{os.path.join(base_dir, 'model')}'",
+                        f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'",
+                        *bindings]
+        stage(model_dir, f"train {run_file}",
+              lambda: train_model(model_dir, ["models/minilm_l6.gin", f"runs/{run_file}"], gin_bindings))
+        index_and_evaluate(row_dir, model_dir, data_dir, index_dir=os.path.join(base_dir, "index"))
+
+    return row
+
+
+# MT-DPR's confounders drop negatives that contain an answer only where an answer string means
+# relevance: QA and slot filling (not FEVER's labels, WoW's replies or entity titles).
+ANSWER_CHECKABLE = ("hotpotqa", "trex", "entityquestions")
+
+
+def confounders_row(row_dir: str, data_dir: str) -> None:
+    """MT-DPR's adversarial confounders: negatives mined by MiniLM (its top-110 minus gold pages and,
+    for ANSWER_CHECKABLE tasks, minus answer-holding passages), then naive multi-task without prefix."""
+    from t5_retrieval.stages import mine_stage
+
+    base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
+    minilm_zeroshot_row(base_dir, data_dir)
+    negatives_dir = os.path.join(row_dir, "negatives")
+    mine_stage(negatives_dir, os.path.join(base_dir, "model"), os.path.join(base_dir, "index"), data_dir, 110,
+               ANSWER_CHECKABLE)
+    trained_row("mt_dpr.gin", "mini_kilt_noprefix", f"NEGATIVES = '{negatives_dir}'")(row_dir, data_dir)
+
+
+TASK_SPECIFIC_STEPS = 100  # per model: >= 1 epoch of every dataset's 32-query batches; 6 models cost 3x a row
+
+
+def task_specific_row(row_dir: str, data_dir: str) -> None:
+    """One model per dataset (naive, no prefix, TASK_SPECIFIC_STEPS steps of its own queries), each
+    scored on its own dataset; the row's table joins the six."""
+    from t5_retrieval.stages import stage
+
+    base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
+    for task in TASKS:
+        trained_row("single_task.gin", f"mini_kilt_{task}_noprefix", f"NUM_STEPS = {TASK_SPECIFIC_STEPS}")(
+            os.path.join(row_dir, task), data_dir, base_dir)
+    stage(os.path.join(row_dir, "eval"), "join task-specific tables", lambda: join_tables(row_dir))
+
+
+def join_tables(row_dir: str) -> dict[str, Any]:
+    from t5_retrieval.data.records import write_json_atomic
+
+    tables = {}
+    for task in TASKS:
+        with open(os.path.join(row_dir, task, "eval", "results.json")) as f:
+            tables[task] = dataset_table(json.load(f), task)
+    write_json_atomic(os.path.join(row_dir, "eval", "results.json"), tables)
+    return {"tables": tables}
+
+
+def dpr_muf_row(row_dir: str, data_dir: str) -> None:
+    """DPR-MUF (`t5r fuse --gin_file=runs/dpr_muf.gin`) over the task-specific row's six experts,
+    which share the zero-shot index (their passage side is MiniLM's); the row reports the fused
+    ("muf") ranking, `<row>/fusion` also holds the uniform sum and each expert alone."""
+    from t5_retrieval.stages import stage
+
+    experts_dir = os.path.join(os.path.dirname(row_dir), "task_specific")
+    task_specific_row(experts_dir, data_dir)
+    index_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot", "index")
+    fusion_dir = os.path.join(row_dir, "fusion")
+
+    def fuse() -> dict[str, Any]:
+        argv = ["fuse", "--gin_file=runs/dpr_muf.gin", "--data_dir", data_dir, "--output_dir", fusion_dir,
+                *(f"--expert={t},{os.path.join(experts_dir, t, 'model')},{index_dir}" for t in TASKS)]
+        info = run_cli(argv)
+        os.makedirs(os.path.join(row_dir, "eval"), exist_ok=True)
+        shutil.copy(os.path.join(fusion_dir, "muf", "results.json"), os.path.join(row_dir, "eval", "results.json"))
+        return info
+
+    stage(fusion_dir, "DPR-MUF fusion", fuse)
