@@ -139,7 +139,8 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_text
     """Fine-tunes `encoder`'s query path (a `DualEncoderInference`, updated in place between rounds)
     on the union of `tasks`' questions, all queried with `as_task`'s prefix.
 
-    Returns (final params, per-round statistics: questions used and skipped, first/last batch loss).
+    Returns (final params, per-round statistics: questions used and skipped, first and last batch
+    loss, and the mean loss of each pass over the questions, which says whether training helps).
     """
     if encoder.model.config.query_towers:
         raise ValueError("query-side fine-tuning of a model with per-task query towers is not supported: "
@@ -161,10 +162,11 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_text
         if batches == 0:
             raise ValueError(f"{','.join(t.name for t in tasks)}: only {len(data.rows)} questions have an answer "
                              f"in their top-{config.top_k} (batch_size {config.batch_size}); nothing to train on")
-        losses = []
+        losses: list[list[float]] = []
         bar = tqdm(total=batches * config.epochs_per_round, desc=f"query-side round {round_index + 1}",
                    disable=not progress, mininterval=5.0)
         for _ in range(config.epochs_per_round):
+            losses.append([])
             order = rng.permutation(len(data.rows))
             for b in range(batches):
                 chosen = order[b * config.batch_size:(b + 1) * config.batch_size]
@@ -172,11 +174,12 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_text
                 width = bucketed_width(lengths[chosen], data.tokens.shape[1])
                 params, opt_state, loss = step(params, opt_state, data.tokens[chosen, :width],
                                                passage_matrix[data.rows[chosen]], data.positive[chosen])
-                losses.append(float(loss))
+                losses[-1].append(float(loss))
                 bar.update(1)
         bar.close()
         history.append({"round": round_index + 1, "questions": len(data.rows), "skipped": data.skipped,
-                        "first_loss": losses[0], "last_loss": losses[-1]})
+                        "first_loss": losses[0][0], "last_loss": losses[-1][-1],
+                        "epoch_mean_loss": [float(np.mean(epoch)) for epoch in losses]})
         log.info("query-side round %d: %s", round_index + 1, history[-1])
     encoder.params = params
     return params, history

@@ -108,6 +108,8 @@ def test_finetuning_lowers_the_loss_keeps_passages_frozen_and_reloads_with_the_b
     after = loss_on(params, fixed)
     assert after < 0.9 * before, f"loss on the first round's candidates: {before:.4f} -> {after:.4f}"
     assert [h["round"] for h in history] == [1, 2] and all(h["questions"] >= 4 for h in history), history
+    first_round = history[0]["epoch_mean_loss"]
+    assert len(first_round) == 3 and first_round[-1] < first_round[0], f"mean loss per pass: {first_round}"
 
     out = os.path.join(root, "query_side")
     query_side.save(out, encoder, params, run.model_dirs[0], "demo_trex", [task.name], history)
