@@ -228,6 +228,41 @@ def test_taco_bfloat16_state_tracks_float32_state():
                                err_msg="bf16 state must give nearly the same combined gradient")
 
 
+def test_taco_bfloat16_state_follows_float32_at_the_default_beta():
+    """beta 0.999 moves the EMA by 0.1% of the gap per step, under half a bf16 ulp: rounded to
+    nearest it would stall near a quarter of its value; stochastic rounding must keep it on track."""
+    rng = np.random.default_rng(8)
+    k, steps = 3, 1500
+    params = {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.float32)}
+    grads = {"w": jnp.asarray(rng.normal(size=(k, 64, 64)), jnp.float32)}
+
+    def final_ema(state_dtype):
+        tx = mt.taco(k, burn_in_steps=0, beta=0.999, state_dtype=state_dtype)
+        body = lambda state, _: (tx.update(grads, state, params)[1], None)  # noqa: E731
+        ema = jax.jit(lambda: jax.lax.scan(body, tx.init(params), None, length=steps)[0])().ema["w"]
+        assert ema.dtype == jnp.dtype(state_dtype)
+        return np.asarray(ema, np.float64)
+
+    ema32, ema16 = final_ema(jnp.float32), final_ema(jnp.bfloat16)
+    assert np.median(ema32) > 0.5, "the fp32 EMA should be well warmed up"
+    ratio = (ema16 / ema32).reshape(k, -1)
+    # Rounding noise: a few % per element, unbiased, so the per-task mean ratio is 1 within ~0.1%.
+    np.testing.assert_allclose(ratio.mean(axis=1), 1.0, atol=3e-3, err_msg="bf16 EMA must follow fp32 on average")
+    assert ratio.std() < 0.05, f"bf16 EMA noise {ratio.std():.3f} of its value: more than a few ulps"
+
+
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(200, 300)).astype(np.float32))
+    rounded = np.stack([np.asarray(mt.stochastic_round_bfloat16(x, np.uint32(s)).astype(jnp.float32))
+                        for s in range(64)])
+    truncated = jax.lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFFFF0000)
+    down, up = (np.asarray(jax.lax.bitcast_convert_type(b, jnp.float32)) for b in (truncated, truncated + 0x10000))
+    assert np.all((rounded == down) | (rounded == up)), "must round to one of the two bf16 neighbours"
+    bias = np.abs(rounded.mean(0) - np.asarray(x)) / np.abs(up - down)
+    assert np.mean(bias) < 0.1 and np.max(bias) < 0.5, f"mean |bias| {np.mean(bias):.3f} ulp"
+    assert len({r.tobytes() for r in rounded}) == 64, "each salt must draw new rounding bits"
+
+
 def test_taco_chains_with_clip_and_adamw_under_jit():
     rng = np.random.default_rng(6)
     k = 3

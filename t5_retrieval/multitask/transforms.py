@@ -300,7 +300,9 @@ def taco(
       keep_naive_scale: False divides by K in every branch, as the reference code does (so the
         gradient shrinks ~K-fold when burn-in ends). True returns sum_k G_k in burn-in and
         K * sum_k W_k G_k afterwards, keeping the scale of the naive sum throughout.
-      state_dtype: dtype of the EMA (bfloat16 halves its K x P memory); maths runs in float32.
+      state_dtype: dtype of the EMA: float32, or bfloat16 (half the K x P memory), which is
+        written with stochastic rounding (`stochastic_round_bfloat16`): rounded to nearest, an EMA
+        with beta 0.999 stalls at a quarter of its value. Maths runs in float32.
     """
     if num_tasks < 1:
         raise ValueError(f"taco: num_tasks must be >= 1, got {num_tasks}")
@@ -312,6 +314,13 @@ def taco(
         raise ValueError(f"taco: median must be 'exact' or 'approx', got {median!r}")
     if median_over not in MEDIAN_OVER:
         raise ValueError(f"taco: median_over must be one of {MEDIAN_OVER}, got {median_over!r}")
+    if jnp.dtype(state_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"taco: state_dtype must be float32 or bfloat16, got {jnp.dtype(state_dtype).name}")
+
+    def to_state_dtype(ema: jax.Array, step: jax.Array, leaf: int) -> jax.Array:
+        if jnp.dtype(state_dtype) == jnp.dtype(jnp.float32):
+            return ema
+        return stochastic_round_bfloat16(ema, step.astype(jnp.uint32) * np.uint32(0x27D4EB2F) + np.uint32(leaf))
 
     def init_fn(params):
         ema = jax.tree_util.tree_map(
@@ -344,11 +353,11 @@ def taco(
         active = state.step >= burn_in_steps
         weighted = finite & active
         combined, new_ema = [], []
-        for g, p, e in zip(grad_leaves, param_leaves, ema_leaves):
+        for leaf, (g, p, e) in enumerate(zip(grad_leaves, param_leaves, ema_leaves)):
             ema, weighted_sum = _taco_leaf(g, p.astype(jnp.float32), e, inv_median, beta, tau)
             plain_sum = _sum_tasks(g.astype(jnp.float32)) * burn_in_scale
             combined.append(jnp.where(weighted, weighted_sum * active_scale, plain_sum).astype(g.dtype))
-            new_ema.append(jnp.where(finite, ema.astype(state_dtype), e))
+            new_ema.append(jnp.where(finite, to_state_dtype(ema, state.step, leaf), e))
         return treedef.unflatten(combined), TacoState(
             step=jnp.where(finite, state.step + 1, state.step), ema=treedef.unflatten(new_ema),
             active=jnp.where(finite, active, state.active), tau=state.tau)
@@ -374,6 +383,33 @@ def _taco_leaf(g: jax.Array, theta: jax.Array, ema: jax.Array, inv_median: jax.A
     e = [jnp.exp(z_i - z_max) for z_i in z]
     numerator = functools.reduce(jnp.add, [e_i * g[i].astype(jnp.float32) for i, e_i in enumerate(e)])
     return new_ema, numerator / functools.reduce(jnp.add, e)
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: every input bit flips each output bit with probability ~1/2."""
+    h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def stochastic_round_bfloat16(x: jax.Array, salt: jax.Array) -> jax.Array:
+    """float32 -> bfloat16, rounded up with probability equal to the distance to the lower value
+    (so unbiased: E[result] = x).
+
+    Why: an EMA's per-step change (1 - beta) * (s - ema) is below half a bfloat16 ulp once ema is
+    a few hundred times larger than it, so round-to-nearest never moves it again (beta 0.999 and a
+    constant input 1 stall at 0.25). Rounded stochastically the EMA follows the float32 one in
+    expectation, with noise of a few ulps. The random bits are a hash of each element's index
+    and ``salt`` (a uint32, e.g. from the step): integer ops that fuse into the update's pass,
+    the same on any sharding, and far cheaper than a PRNG draw of K x P values.
+    """
+    index = jnp.zeros(x.shape, jnp.uint32)
+    for axis, size in enumerate(x.shape):
+        index = index * np.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
+    noise = _mix32(index * np.uint32(0x9E3779B1) + _mix32(jnp.asarray(salt, jnp.uint32))) >> 16
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    truncated = jax.lax.bitcast_convert_type((bits + noise) & np.uint32(0xFFFF0000), jnp.float32)
+    return truncated.astype(jnp.bfloat16)  # exact: the low 16 bits are zero
 
 
 def taco_weight_statistics(state: TacoState) -> dict[str, jax.Array]:
