@@ -122,22 +122,18 @@ def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_nam
         grads.append(grad)
         losses.append(loss)
         aux.append(group_aux)
+    stacked_grads = jax.tree.map(lambda *g: jnp.concatenate(g), *grads)
+    stacked_losses = jnp.concatenate(losses)
+    stacked_aux = {key: jnp.concatenate([a[key] for a in aux]) for key in aux[0]}
     order = [k for g in groups for k in g]
-    position = {k: i for i, k in enumerate(order)}
-    if len(groups) == 1:
-        stacked_grads, stacked_losses = grads[0], losses[0]
-    else:
-        stacked_grads = jax.tree.map(lambda *g: jnp.concatenate(g), *grads)
-        stacked_losses = jnp.concatenate(losses)
-    if order != sorted(order):
-        inverse = jnp.asarray([position[k] for k in range(len(task_names))])
-        stacked_grads = jax.tree.map(lambda g: g[inverse], stacked_grads)
-        stacked_losses = stacked_losses[inverse]
+    if order != sorted(order):  # groups interleave tasks: back to task order
+        inverse = jnp.asarray([order.index(k) for k in range(len(task_names))])
+        stacked_grads, stacked_losses, stacked_aux = jax.tree.map(lambda x: x[inverse],
+                                                                  (stacked_grads, stacked_losses, stacked_aux))
     metrics = {}
-    group_aux = {key: jnp.concatenate([a[key] for a in aux]) for key in aux[0]}
     for k, name in enumerate(task_names):
         metrics[f"loss/{name}"] = stacked_losses[k]
-        metrics.update({f"{key}/{name}": value[position[k]] for key, value in group_aux.items()})
+        metrics.update({f"{key}/{name}": value[k] for key, value in stacked_aux.items()})
     return stacked_grads, stacked_losses, metrics
 
 
@@ -238,7 +234,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
     the query side learns from it (the universal-DR thesis' stop-gradient loss; with a separate
     query encoder the passage encoder then gets no gradient at all).
 
-    A step whose losses, gradients or updates are not all finite is skipped: parameters and
+    A step whose losses or updates are not all finite is skipped (a non-finite gradient reaches
+    the update through every transform, clipping and AdamW; checking the K x P per-task gradients
+    themselves would cost a pass over them every step): parameters and
     optimiser state (hence its step count and learning-rate schedule) stay as they were, the
     batch is consumed and `step` advances. Metric ``skipped`` is 1 for such a step; when the state
     carries the counters, ``skipped_steps`` and ``nonfinite_in_a_row`` report them. Once the streak
@@ -265,7 +263,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
                                                      stop_passage_gradient)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params, task_losses=losses)
         params = optax.apply_updates(state.params, updates)
-        finite = all_finite(losses, grads, updates)
+        finite = all_finite(losses, updates)
         counters = {}
         if state.nonfinite_in_a_row is not None:
             if max_nonfinite_in_a_row is not None:

@@ -52,7 +52,7 @@ def test_stored_passage_embeddings_give_the_stop_gradient_loss_and_gradient(per_
     else:
         expected = summed_gradient(model, 1.0, params, batch, STEP_TASKS, rng, stop_passage_gradient=True)
         got = summed_gradient(model, 1.0, params, stored, STEP_TASKS, rng)
-    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(expected[1]), rtol=1e-6, err_msg="task losses")
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(expected[1]), rtol=1e-5, err_msg="task losses")
     for g, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(expected[0])):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)
     assert sum(float(np.abs(np.asarray(g)).sum()) for g in jax.tree.leaves(got[0])) > 0

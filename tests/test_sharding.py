@@ -35,6 +35,16 @@ def test_sharded_train_step_equals_single_device(report, layout):
     assert r["param_sharding_kept"], f"{layout}: the train step changed a parameter's sharding"
 
 
+@pytest.mark.parametrize("layout", sorted(sharding.LAYOUTS))
+def test_sharded_per_task_step_equals_single_device_naive_step(report, layout):
+    r = report[layout]
+    np.testing.assert_allclose(r["per_task_losses"], r["ref_losses"], rtol=1e-5,
+                               err_msg=f"{layout}: the per-task (scanned) losses differ from the 1-device ones")
+    assert r["per_task_param_max_abs_diff_after_step"] <= 1e-5, (
+        f"{layout}: the summed per-task gradients differ from the 1-device gradient by "
+        f"{r['per_task_param_max_abs_diff_after_step']:.3g}")
+
+
 EXPECTED_SPECS = {
     # name: (embedding [vocab, embed], wi_0 [embed, mlp], query [embed, heads, kv])
     # (PartitionSpecs without trailing Nones)

@@ -1,5 +1,9 @@
 """Run with 8 forced CPU devices (by tests/test_sharding.py): prints a JSON report comparing one
-sharded train step per layout with the same step on one device, and where parameters landed."""
+sharded train step per layout with the same step on one device, and where parameters landed.
+
+Each layout runs the step twice: the naive path (all tasks in one model call) and the per-task
+path (one `lax.scan` over the tasks, K gradients summed by `multitask.naive_sum`), which must
+give the same update as the 1-device naive step."""
 
 import json
 import os
@@ -13,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from t5_retrieval import sharding  # noqa: E402
+from t5_retrieval import multitask, sharding  # noqa: E402
 from t5_retrieval.data.random_batches import RandomBatches  # noqa: E402
 from t5_retrieval.models.dual_encoder import DualEncoder  # noqa: E402
 from t5_retrieval.models.t5 import T5Config  # noqa: E402
@@ -27,6 +31,7 @@ LAYOUTS = {"data_parallel": 1, "fsdp": 1, "tensor_parallel": 2, "fsdp_tensor_par
 # SGD with lr 1: the step's parameter change is exactly minus the gradient, so comparing parameters
 # after one step compares gradients (Adam's first step would be ~sign(g), hiding differences).
 OPTIMIZER = optax.sgd(1.0, momentum=0.9)
+PER_TASK_OPTIMIZER = optax.chain(multitask.naive_sum(), OPTIMIZER)
 
 
 def spec(x) -> list:
@@ -43,17 +48,18 @@ def batch_for(data_devices: int) -> dict:
                               task_names=TASKS, vocab_size=128, query_len=8, passage_len=12, num_negatives=1))
 
 
-def step_on(mesh, rules, model):
+def step_on(mesh, rules, model, per_task: bool = False):
+    optimizer = PER_TASK_OPTIMIZER if per_task else OPTIMIZER
     params, param_shardings = init_params(model, jax.random.PRNGKey(0), mesh, rules)
-    opt_shardings = opt_state_shardings(jax.eval_shape(OPTIMIZER.init, params), params, param_shardings, mesh)
-    opt_state = jax.jit(OPTIMIZER.init, out_shardings=opt_shardings)(params)
+    opt_shardings = opt_state_shardings(jax.eval_shape(optimizer.init, params), params, param_shardings, mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     replicated = sharding.replicated(mesh)
     state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params,
                        opt_state=opt_state, rng=jax.device_put(jax.random.PRNGKey(1), replicated))
     shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         batch = sharding.global_batch(mesh, batch_for(mesh.shape["data"]))
-        step = jax.jit(make_train_step(model, OPTIMIZER, TASKS, per_task=False),
+        step = jax.jit(make_train_step(model, optimizer, TASKS, per_task=per_task),
                        in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
                        out_shardings=(shardings, replicated))
         new_state, metrics = step(state, batch)
@@ -65,8 +71,12 @@ def run_layout(layout: str, model_parallelism: int, reference: tuple) -> dict:
     mesh = sharding.make_mesh(model_parallelism)
     params, batch, new_state, metrics = step_on(mesh, sharding.LAYOUTS[layout], model)
     ref_params, ref_metrics = reference
-    diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-             for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(ref_params))]
+    _, _, per_task_state, per_task_metrics = step_on(mesh, sharding.LAYOUTS[layout], model, per_task=True)
+
+    def max_diff(tree) -> float:
+        return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                   for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(ref_params)))
+
     t5 = params["t5"]
     kernel = ("t5", "encoder", "layers_0", "mlp", "wi_0", "kernel")
 
@@ -78,7 +88,9 @@ def run_layout(layout: str, model_parallelism: int, reference: tuple) -> dict:
     return {
         "losses": [float(metrics[f"loss/{t}"]) for t in TASKS],
         "ref_losses": [float(ref_metrics[f"loss/{t}"]) for t in TASKS],
-        "param_max_abs_diff_after_step": max(diffs),
+        "param_max_abs_diff_after_step": max_diff(new_state.params),
+        "per_task_losses": [float(per_task_metrics[f"loss/{t}"]) for t in TASKS],
+        "per_task_param_max_abs_diff_after_step": max_diff(per_task_state.params),
         "param_sharding_kept": all(spec(a) == spec(b) for a, b in zip(jax.tree.leaves(params),
                                                                          jax.tree.leaves(new_state.params))),
         "momentum_spec": spec(at(new_state.opt_state[0].trace, kernel)),
