@@ -23,7 +23,7 @@ and compiles about as fast as the naive one: on a quiet 2-core machine ~20 s per
 ``JAX_COMPILATION_CACHE_DIR`` (and ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1``) a rerun
 reuses what was compiled.
 
-    .venv/bin/python benchmarks/bench_taco_step.py [--sizes tiny small] [--tasks 6 8] [--repeats 3]
+    .venv/bin/python benchmarks/bench_taco_step.py [--sizes tiny small] [--tasks 6 8] [--repeats 3] [--tiny_repeats 20]
         [--batch recipe|reduced]
 """
 
@@ -146,7 +146,7 @@ def bench(size: str, k: int, args) -> dict:
             row[f"{name}_first_loss"] = steps[name]()  # warm-up
             print(f"  {size} K={k} {name}: compiled in {steps[name].compile_s:.1f} s, first step "
                   f"{time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
-        times = common.interleaved_times(steps, args.repeats)
+        times = common.interleaved_times(steps, args.tiny_repeats if size == "tiny" else args.repeats)
     row["num_params"] = int(steps["naive"].num_params)
     row["param_bytes"] = int(steps["naive"].param_bytes)
     row["taco_state_bytes_float32"] = int(steps["taco_exact"].taco_state_bytes)
@@ -170,7 +170,8 @@ def main() -> int:
     parser.add_argument("--batch", choices=sorted(BATCHES), default="recipe",
                         help="recipe: gin_configs/runs/base.gin's per-device batch; reduced: a CPU-sized one")
     parser.add_argument("--median_samples", type=int, default=1 << 18)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds of the small steps (seconds each)")
+    parser.add_argument("--tiny_repeats", type=int, default=20, help="timed rounds of the tiny steps (~0.1-0.4 s each)")
     parser.add_argument("--out", default=None, help="results JSON (default results/taco_step.json)")
     args = parser.parse_args()
 
@@ -187,8 +188,8 @@ def main() -> int:
                          f"{ratio('taco_exact'):.2f}x, stacked sum {ratio('stacked_sum'):.2f}x")
             result["machine"]["load_average_1m_end"] = float(np.round(os.getloadavg()[0], 2))
             # Written after every (size, K): compiles are minutes each on a loaded 2-core machine.
-            common.write_results("taco_step", result, f"step time / naive step ({args.repeats} "
-                                 "rounds): " + "; ".join(parts), args.out)
+            common.write_results("taco_step", result, f"step time / naive step ({args.tiny_repeats} / "
+                                 f"{args.repeats} rounds for tiny / small): " + "; ".join(parts), args.out)
     return 0
 
 
