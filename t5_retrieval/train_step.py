@@ -8,10 +8,11 @@ Two ways to get gradients, same losses:
 - naive multi-task (no multi-task transform): all tasks' queries go through the model in one call
   and all passages in another, the task losses are summed, and one backward pass gives the
   gradient of the sum. Few large matmuls instead of 2K small ones.
-- per-task gradients (TACO, PCGrad, ...): tasks are processed one after another, chained by
-  `optimization_barrier`, so that only one task's activations are alive at a time (the next task's
-  forward pass cannot start before the previous task's gradient exists); the K gradients are
-  stacked on a leading task axis for the optimiser.
+- per-task gradients (TACO, PCGrad, ...): tasks are processed one after another, so that only one
+  task's activations are alive at a time: tasks with sub-batches of one shape by a `lax.scan` (one
+  compiled backward pass for all of them), such groups chained by `optimization_barrier` (the
+  next group's forward pass cannot start before the previous group's gradients exist); the K
+  gradients are stacked on a leading task axis for the optimiser.
 """
 
 from __future__ import annotations
