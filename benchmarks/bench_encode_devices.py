@@ -39,7 +39,7 @@ def measure(size: str, passages: int, length: int, batch: int, repeats: int, emb
     from t5_retrieval.inference import DualEncoderInference
     from t5_retrieval.models.dual_encoder import DualEncoder
     from t5_retrieval.models.t5 import T5Config
-    from t5_retrieval.train import init_params
+    from t5_retrieval.models.build import init_params
 
     model = DualEncoder(T5Config(vocab_size=8192, dropout_rate=0.0, **SIZES[size]))
     mesh = sharding.make_mesh()

@@ -29,7 +29,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 from t5_retrieval.data.kb import write_passage_store  # noqa: E402
 from t5_retrieval.data.records import Passage  # noqa: E402
-from t5_retrieval.retrieval import embeddings, index  # noqa: E402
+from t5_retrieval.data import embedding_store
+from t5_retrieval.retrieval import index  # noqa: E402
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder  # noqa: E402
 
 VOCAB = [f"w{i}" for i in range(5000)]
@@ -120,7 +121,7 @@ def main(argv: list[str]) -> int:
         kb_dir, emb_dir, index_dir = (os.path.join(tmp, d) for d in ("kb", "emb", "idx"))
         write_passage_store(((p, None) for p in passages), kb_dir)
         encoder = HashedBagOfWordsEncoder(args.dim)
-        embeddings.write_embeddings(encoder, passages, [p.id for p in passages], emb_dir, progress=False)
+        embedding_store.write_embeddings(encoder, passages, [p.id for p in passages], emb_dir, progress=False)
         index.build_index(emb_dir).save(index_dir)
 
         rng = np.random.default_rng(1)

@@ -49,7 +49,8 @@ from t5_retrieval.data.random_batches import RandomBatches  # noqa: E402
 from t5_retrieval.models.dual_encoder import DualEncoder  # noqa: E402
 from t5_retrieval.models.t5 import T5Config  # noqa: E402
 from t5_retrieval.optim import make_optimizer  # noqa: E402
-from t5_retrieval.train import init_params, opt_state_shardings  # noqa: E402
+from t5_retrieval.models.build import init_params  # noqa: E402
+from t5_retrieval.train import opt_state_shardings  # noqa: E402
 from t5_retrieval.train_step import TrainState, make_train_step, task_groups  # noqa: E402
 
 TARGET_RATIO = 1.15  # the target: TACO step time <= 1.15x the naive step

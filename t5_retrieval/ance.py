@@ -1,6 +1,6 @@
 """`t5r ance`: BM25-negative warm-up, then ANCE episodes of (mine -> train -> index -> evaluate).
 
-The TACO recipe (DESIGN §3): warm up on BM25 negatives; then each episode mines new hard negatives
+The TACO recipe: warm up on BM25 negatives; then each episode mines new hard negatives
 with the current model (top-k minus gold), trains from the current weights with a fresh optimiser
 and fresh TACO state (TACO only in the episodes the config names), re-encodes the KB, and
 evaluates. Every stage writes into its own directory under `work_dir` and is marked finished by a

@@ -1,6 +1,7 @@
-"""A trained dual encoder as one object: text in, embeddings out.
+"""A model directory as one object: text in, embeddings out.
 
-Encode, index, eval, mine and serve all go through `load_encoder`, so every stage formats queries
+Every command that embeds text (encode, eval, mine, serve, export, fuse, query-side) opens its
+model with `load_encoder`, so every stage formats queries
 (task prefix, `[SEP]` -> `</s>`), tokenizes and pads exactly as training did: the features recorded
 with the checkpoint say how. Batches are sharded over the mesh's data axis; the last partial batch
 is padded so one compiled shape serves the whole corpus.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5_retrieval import checkpoint, sharding
-from t5_retrieval.data.records import Passage
+from t5_retrieval.data.records import Passage, write_json_atomic
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage, format_query
 from t5_retrieval.data.tokenize import load_vocabulary, tokenize
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
+from t5_retrieval.models.build import build_model
 from t5_retrieval.models.dual_encoder import DualEncoder
-from t5_retrieval.models.t5 import T5Config
-from t5_retrieval.train import build_model
+from t5_retrieval.retrieval.index import IndexMismatchError
 
 
 def fingerprint_of(config: dict[str, Any], params: Any, step: int) -> str:
@@ -137,9 +139,30 @@ def bucketed_width(lengths: np.ndarray, max_width: int) -> int:
     return min(max_width, -(-int(lengths.max()) // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
-def load_encoder(checkpoint_dir: str, step: int | None = None, batch_size: int = 64) -> DualEncoderInference:
-    """Rebuilds the model from `checkpoint_dir`'s config and restores its parameters (only)."""
-    config = checkpoint.read_config(checkpoint_dir)
+def load_encoder(model_dir: str, step: int | None = None, batch_size: int = 64
+                 ) -> DualEncoderInference | QuerySideEncoder:
+    """The one way to open a model directory the project writes, as a retrieval `Encoder`.
+
+    A trained (or imported, e.g. MiniLM) model is rebuilt from its stored config with its
+    parameters restored; a query-side model (`t5r query-side`, or `t5r train` over stored passage
+    embeddings) encodes queries with its own weights and passages with its base model's.
+    """
+    if not is_query_side_dir(model_dir):
+        return load_dual_encoder(model_dir, step, batch_size)
+    if step is not None:
+        raise ValueError(f"step={step}: {model_dir} is a query-side model; it is used at its latest step")
+    record = read_base_record(model_dir)
+    base = load_encoder(record["base_checkpoint"], batch_size=batch_size)
+    if base.fingerprint != record["base_fingerprint"]:
+        raise IndexMismatchError(f"{model_dir}/{QUERY_SIDE_FILE}: base checkpoint {record['base_checkpoint']} now "
+                                 f"has fingerprint {base.fingerprint!r}, fine-tuned against {record['base_fingerprint']!r}")
+    return QuerySideEncoder(load_dual_encoder(model_dir, batch_size=batch_size), base)
+
+
+def load_dual_encoder(model_dir: str, step: int | None = None, batch_size: int = 64) -> DualEncoderInference:
+    """A model directory's own network and parameters (what training, export and analysis need);
+    retrieval uses `load_encoder`, which also resolves a query-side model's passage encoder."""
+    config = checkpoint.read_config(model_dir)
     model = build_model(config)
     # This process's devices only: in a multi-process job each process encodes its own texts (its
     # shards of the KB, its queries), different ones and different numbers of them, so an encode
@@ -150,9 +173,58 @@ def load_encoder(checkpoint_dir: str, step: int | None = None, batch_size: int =
     shardings = sharding.tree_shardings(mesh, rules, nn.get_partition_spec(boxed))
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             nn.unbox(boxed), shardings)
-    params, restored_step = checkpoint.restore_params(checkpoint_dir, abstract, step)
+    params, restored_step = checkpoint.restore_params(model_dir, abstract, step)
     return DualEncoderInference(model, params, config, fingerprint_of(config, params, restored_step), mesh,
                                 batch_size)
 
 
-__all__ = ["DualEncoderInference", "load_encoder", "fingerprint_of", "T5Config"]
+class QuerySideEncoder:
+    """Queries through the fine-tuned model, passages through its frozen base (the `Encoder` protocol).
+
+    `fingerprint` is the base's: the embedding space, and so the index it may search, is the base's.
+    """
+
+    def __init__(self, query_encoder: DualEncoderInference, passage_encoder: Any):
+        self.query_encoder = query_encoder
+        self.passage_encoder = passage_encoder
+
+    @property
+    def fingerprint(self) -> str:
+        return self.passage_encoder.fingerprint
+
+    @property
+    def dim(self) -> int:
+        return self.passage_encoder.dim
+
+    @property
+    def features(self) -> dict[str, Any]:
+        """How queries become model inputs (tasks, prefixes, lengths): the fine-tuned model's."""
+        return self.query_encoder.features
+
+    def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
+        return self.query_encoder.encode_queries(texts, task)
+
+    def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
+        return self.passage_encoder.encode_passages(passages)
+
+
+QUERY_SIDE_FILE = "query_side.json"  # in a query-side model directory: its base model and fingerprint
+
+
+def write_base_record(model_dir: str, base_dir: str, base_fingerprint: str, **info: Any) -> None:
+    """Marks `model_dir` as a query-side model: its passages are encoded by `base_dir`'s model
+    (fingerprint `base_fingerprint`), and its indexes are the base's."""
+    record = {"base_checkpoint": os.path.abspath(base_dir), "base_fingerprint": base_fingerprint, **info}
+    write_json_atomic(os.path.join(model_dir, QUERY_SIDE_FILE), record)
+
+
+def read_base_record(model_dir: str) -> dict[str, Any]:
+    with open(os.path.join(model_dir, QUERY_SIDE_FILE)) as f:
+        return json.load(f)
+
+
+def is_query_side_dir(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, QUERY_SIDE_FILE))
+
+
+__all__ = ["DualEncoderInference", "QuerySideEncoder", "load_encoder", "load_dual_encoder", "fingerprint_of"]

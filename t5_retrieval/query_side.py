@@ -12,7 +12,7 @@ and so the index, stay fixed. Here, per question:
 with e_c the *stored* passage embeddings, so no gradient ever reaches the passage side (the
 stop-gradient loss). Only the model's query path is trained (for ST5 the shared T5, for a
 two-tower model its query tower); passages keep the base checkpoint's encoder, which is why the
-result is written as a model directory that points at its base: `QuerySideEncoder` encodes queries
+result is written as a model directory that points at its base: `inference.QuerySideEncoder` encodes queries
 with the fine-tuned weights and passages with the base, and carries the base's fingerprint, since
 its embedding space is the index's.
 
@@ -43,16 +43,16 @@ import optax
 from tqdm import tqdm
 
 from t5_retrieval import checkpoint
-from t5_retrieval.data.qa_open import AnswerTexts, QATask
-from t5_retrieval.data.records import Passage, write_json_atomic
+from t5_retrieval.data.answers import AnswerTexts, recall_at_ks
+from t5_retrieval.data.qa_open import QATask
+from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenize import tokenize
-from t5_retrieval.inference import bucketed_width, token_lengths
-from t5_retrieval.retrieval import embeddings
+from t5_retrieval.data import embedding_store
+from t5_retrieval.inference import bucketed_width, load_dual_encoder, token_lengths, write_base_record
 from t5_retrieval.retrieval.index import Index, IndexMismatchError
 
 log = logging.getLogger(__name__)
-QUERY_SIDE_FILE = "query_side.json"
 REPORT_FILE = "query_side_report.json"  # dev answer recall before / after, per task, and the rounds
 
 
@@ -185,36 +185,6 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_text
     return params, history
 
 
-class QuerySideEncoder:
-    """Queries through the fine-tuned model, passages through its frozen base (the `Encoder` protocol).
-
-    `fingerprint` is the base's: the embedding space, and so the index it may search, is the base's.
-    """
-
-    def __init__(self, query_encoder: Any, passage_encoder: Any):
-        self.query_encoder = query_encoder
-        self.passage_encoder = passage_encoder
-
-    @property
-    def fingerprint(self) -> str:
-        return self.passage_encoder.fingerprint
-
-    @property
-    def dim(self) -> int:
-        return self.passage_encoder.dim
-
-    @property
-    def features(self) -> dict[str, Any]:
-        """How queries become model inputs (tasks, prefixes, lengths): the fine-tuned model's."""
-        return self.query_encoder.features
-
-    def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
-        return self.query_encoder.encode_queries(texts, task)
-
-    def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
-        return self.passage_encoder.encode_passages(passages)
-
-
 def save(output_dir: str, encoder: Any, params: Any, base_dir: str, as_task: str, new_tasks: Sequence[str],
          history: list[dict[str, float]]) -> None:
     """A model directory: the base's config (each new task -> as_task's prefix, its own dataset), the
@@ -226,30 +196,6 @@ def save(output_dir: str, encoder: Any, params: Any, base_dir: str, as_task: str
     checkpoint.save(checkpoint.manager(output_dir), 0, {"params": params}, {})
     write_base_record(output_dir, base_dir, encoder.fingerprint, as_task=as_task, tasks=list(new_tasks),
                       history=history)
-
-
-def write_base_record(model_dir: str, base_dir: str, base_fingerprint: str, **info: Any) -> None:
-    """Marks `model_dir` as a query-side model: its passages are encoded by `base_dir`'s model
-    (fingerprint `base_fingerprint`), and its indexes are the base's."""
-    record = {"base_checkpoint": os.path.abspath(base_dir), "base_fingerprint": base_fingerprint, **info}
-    write_json_atomic(os.path.join(model_dir, QUERY_SIDE_FILE), record)
-
-
-def is_query_side_dir(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, QUERY_SIDE_FILE))
-
-
-def load(directory: str) -> QuerySideEncoder:
-    """The encoder a `save`d directory describes; refuses a base checkpoint that has changed since."""
-    from t5_retrieval.inference import load_encoder
-
-    with open(os.path.join(directory, QUERY_SIDE_FILE)) as f:
-        record = json.load(f)
-    base = load_encoder(record["base_checkpoint"])
-    if base.fingerprint != record["base_fingerprint"]:
-        raise IndexMismatchError(f"{directory}/{QUERY_SIDE_FILE}: base checkpoint {record['base_checkpoint']} now "
-                                 f"has fingerprint {base.fingerprint!r}, fine-tuned against {record['base_fingerprint']!r}")
-    return QuerySideEncoder(load_encoder(directory), base)
 
 
 def answer_recall(encoder: Any, index: Index, answer_texts: AnswerTexts, task: QATask, query_task: str,
@@ -264,14 +210,10 @@ def ranking_answer_recall(answer_texts: AnswerTexts, task: QATask, rankings: Seq
                           ks: Sequence[int] = (5, 20, 100)) -> dict[str, float]:
     """Answer-in-passage recall@k of given rankings (passage ids, best first; one per question),
     so that any retriever (BM25 too) is scored by the same matching."""
-    hits = {k: 0 for k in ks}
-    for example, ranking in zip(task.examples, rankings, strict=True):
-        matcher = task.matcher(example)
-        first = next((rank for rank, pid in enumerate(ranking[:max(ks)], 1)
-                      if answer_texts.holds_answer(matcher, pid)), None)
-        for k in ks:
-            hits[k] += first is not None and first <= k
-    return {"n": len(task.examples), **{f"answer_recall@{k}": hits[k] / len(task.examples) for k in ks}}
+    per_question = [recall_at_ks(answer_texts.first_answer_rank(task.matcher(example), ranking[:max(ks)]), ks)
+                    for example, ranking in zip(task.examples, rankings, strict=True)]
+    return {"n": len(task.examples), **{key: sum(q[key] for q in per_question) / len(task.examples)
+                                        for key in per_question[0]}}
 
 
 def main(argv: list[str]) -> int:
@@ -280,7 +222,6 @@ def main(argv: list[str]) -> int:
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.qa_open import read_qa_task
     from t5_retrieval.data.records import DataError
-    from t5_retrieval.inference import load_encoder
 
     parser = argparse.ArgumentParser(prog="t5r query-side", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,9 +243,9 @@ def main(argv: list[str]) -> int:
         train_tasks = [read_qa_task(args.qa_dir, t, "train") for t in names]
         dev_tasks = [read_qa_task(args.qa_dir, t, "dev") for t in names]
         index = Index.load(args.index_dir)
-        encoder = load_encoder(args.checkpoint_dir)
+        encoder = load_dual_encoder(args.checkpoint_dir)
         index.check(encoder, store.ids())
-        if embeddings.read_ids(args.embeddings_dir) != index.passage_ids:
+        if embedding_store.read_ids(args.embeddings_dir) != index.passage_ids:
             raise IndexMismatchError(f"{args.embeddings_dir}: passage ids differ from the index at {args.index_dir}")
         encoder.prefix_of(args.as_task)
     except (DataError, IndexMismatchError, KeyError, checkpoint.CheckpointError) as e:
@@ -312,7 +253,7 @@ def main(argv: list[str]) -> int:
         return 2
     texts = AnswerTexts(store)
     before = {t.name: answer_recall(encoder, index, texts, t, args.as_task) for t in dev_tasks}
-    params, history = finetune(encoder, index, embeddings.load_matrix(args.embeddings_dir), texts, train_tasks,
+    params, history = finetune(encoder, index, embedding_store.load_matrix(args.embeddings_dir), texts, train_tasks,
                                args.as_task, QuerySideConfig())
     after = {t.name: answer_recall(encoder, index, texts, t, args.as_task) for t in dev_tasks}
     save(args.output_dir, encoder, params, args.checkpoint_dir, args.as_task, names, history)

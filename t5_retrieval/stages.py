@@ -52,12 +52,10 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
 
     `index_dir`: score against this existing index instead (a query-side model searches its base's
     index, which `Index.check` verifies through the fingerprint); nothing is encoded then."""
-    from t5_retrieval.data import layout
+    from t5_retrieval.data import embedding_store, layout
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import read_examples
-    from t5_retrieval.retrieval import embeddings
-    from t5_retrieval.retrieval.encode import encode_settings
-    from t5_retrieval.retrieval.encoder import load_checkpoint_encoder
+    from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.evaluate import evaluate, write_results
     from t5_retrieval.retrieval.index import Index, build_index
 
@@ -65,15 +63,15 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
     emb_dir, eval_dir = os.path.join(stage_dir, "embeddings"), os.path.join(stage_dir, "eval")
 
     def encode_and_index() -> dict[str, Any]:
-        encoder = load_checkpoint_encoder(model_dir)
-        embeddings.write_embeddings(encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir},
-                                    **encode_settings())
+        encoder = load_encoder(model_dir)
+        embedding_store.write_embeddings(encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir},
+                                         **embedding_store.encode_settings())
         index = build_index(emb_dir)
         index.save(index_dir)
         return {"fingerprint": encoder.fingerprint, "passages": len(index)}
 
     def score() -> dict[str, Any]:
-        encoder = load_checkpoint_encoder(model_dir)
+        encoder = load_encoder(model_dir)
         index = Index.load(index_dir)
         index.check(encoder, store.ids())
         names = datasets_of(encoder)

@@ -9,7 +9,6 @@ mesh -> data -> model + sharded init -> optimiser -> restore -> jitted step -> l
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -27,16 +26,13 @@ import optax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+import tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
 from t5_retrieval import checkpoint, gin_utils, logs, sharding
 from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
-from t5_retrieval.data.text import PASSAGE_TEMPLATE
-from t5_retrieval.models import pretrained  # noqa: F401 (gin: @minilm_l6_dir)
-from t5_retrieval.models.bert import BertConfig
-from t5_retrieval.models.bert_dual_encoder import BertDualEncoder, BertDualEncoderConfig
-from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
+from t5_retrieval.inference import load_encoder, write_base_record
+from t5_retrieval.models.build import build_model, init_params, initial_params, model_config, upgraded_config
 from t5_retrieval.multitask import find_taco_state, multitask_metrics, taco_metrics
 from t5_retrieval.multitask.analysis import save_state_npz
-from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.optim import make_optimizer
 from t5_retrieval.train_step import TrainState, make_train_step
 
@@ -55,104 +51,6 @@ class BatchIterator(Protocol):
     def __next__(self) -> dict[str, dict[str, np.ndarray]]: ...
     def state(self) -> dict[str, Any]: ...
     def restore(self, state: dict[str, Any]) -> None: ...
-
-
-FAMILIES = ("t5", "bert")
-
-
-@gin.configurable
-def model_config(family: str = "t5", t5: T5Config | None = None, dual_encoder: DualEncoderConfig | None = None,
-                 bert: BertConfig | None = None, bert_dual_encoder: BertDualEncoderConfig | None = None
-                 ) -> dict[str, Any]:
-    """The architecture as plain data: stored with checkpoints, rebuilt by `build_model`.
-
-    `family` "t5" (ST5 dual encoder; the stored config has no "family" key, as before BERT existed)
-    or "bert" (MT-DPR / sentence-transformers: {"family": "bert", "bert", "dual_encoder"}).
-    """
-    if family == "bert":
-        bert = bert or BertConfig()  # constructed here, so that gin bindings apply
-        bert_dual_encoder = bert_dual_encoder or BertDualEncoderConfig()
-        return {"family": "bert", "bert": dataclasses.asdict(bert),
-                "dual_encoder": dataclasses.asdict(bert_dual_encoder)}
-    if family != "t5":
-        raise ValueError(f"model_config.family: expected one of {FAMILIES}, got {family!r}")
-    t5 = t5 or T5Config()
-    dual_encoder = dual_encoder or DualEncoderConfig()
-    return {"t5": dataclasses.asdict(t5), "dual_encoder": dataclasses.asdict(dual_encoder)}
-
-
-ARCHITECTURE = {"t5": {"t5": T5Config, "dual_encoder": DualEncoderConfig},
-                "bert": {"bert": BertConfig, "dual_encoder": BertDualEncoderConfig}}
-
-
-def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
-    """A config stored by an earlier version as this version writes it, so that its run resumes.
-
-    Architecture fields added since take their dataclass defaults (the same model), the passage
-    template its only former value, and the tasks' step order (`index`, once implied by the
-    mixture) the current run's.
-    """
-    out = dict(stored)
-    for key, cls in ARCHITECTURE.get(stored.get("family", "t5"), {}).items():
-        if key in stored:
-            out[key] = dataclasses.asdict(cls(**stored[key]))
-    if "features" in stored:
-        features = dict(stored["features"])
-        if "passage_template" in current.get("features", {}):
-            features.setdefault("passage_template", PASSAGE_TEMPLATE)
-        order = current.get("features", {}).get("tasks", {})
-        features["tasks"] = {name: {"index": order[name]["index"], **spec} if name in order and "index" not in spec
-                             else spec for name, spec in features.get("tasks", {}).items()}
-        out["features"] = features
-    return out
-
-
-def build_model(config: dict[str, Any]) -> DualEncoder | BertDualEncoder:
-    family = config.get("family", "t5")
-    if family == "bert":
-        return BertDualEncoder(BertConfig(**config["bert"]), BertDualEncoderConfig(**config["dual_encoder"]))
-    if family != "t5":
-        raise ValueError(f"stored model config has family {family!r}; this version knows {FAMILIES}")
-    return DualEncoder(T5Config(**config["t5"]), DualEncoderConfig(**config["dual_encoder"]))
-
-
-def init_params(model: nn.Module, rng: jax.Array, mesh: jax.sharding.Mesh, rules: sharding.Rules
-                ) -> tuple[Any, Any]:
-    """Initialises parameters directly into their shardings; returns (params, shardings)."""
-
-    def boxed_init(key: jax.Array) -> Any:
-        return model.init({"params": key}, jnp.ones((1, 4), jnp.int32))["params"]
-
-    logical_specs = nn.get_partition_spec(jax.eval_shape(boxed_init, rng))
-    shardings = sharding.tree_shardings(mesh, rules, logical_specs)
-    params = jax.jit(lambda key: nn.unbox(boxed_init(key)), out_shardings=shardings)(rng)
-    return params, shardings
-
-
-def initial_params(source: str, like: Any) -> Any:
-    """Weights to start from: a t5r model directory's latest checkpoint, or a Hugging Face T5 or BERT
-    directory. Query encoders (separate or per task) start from the same pretrained weights as the
-    main one, as in DPR / MT-DPR."""
-    abstract = checkpoint.abstract_like(like)
-    if os.path.exists(os.path.join(source, checkpoint.CONFIG_FILE)):
-        params, step = checkpoint.restore_params(source, abstract)
-        log.info("initialised from %s step %d", source, step)
-        return params
-    if os.path.exists(os.path.join(source, "config.json")):
-        from t5_retrieval.models import hf_bert_import, hf_import
-        if hf_bert_import.is_bert_config(hf_bert_import.read_hf_config(source)):
-            family, load = "bert", hf_bert_import.load_bert
-        else:
-            family, load = "t5", hf_import.load_t5
-        if family not in like:
-            raise checkpoint.CheckpointError(
-                f"init_from={source!r} is a Hugging Face {family.upper()} directory, but the model is not "
-                f"(its encoders: {sorted(like)}; see model_config.family)")
-        encoders = [name for name in like if name == family or name.startswith(f"query_{family}_")]
-        # Shapes are checked tensor by tensor against each encoder's own parameter tree.
-        return {**like, **{name: load(source, abstract[name]) for name in encoders}}
-    raise checkpoint.CheckpointError(f"init_from={source!r}: neither a t5r model directory ({checkpoint.CONFIG_FILE}) "
-                                     "nor a Hugging Face T5 or BERT directory (config.json)")
 
 
 def opt_state_shardings(abstract_opt_state: Any, params: Any, param_shardings: Any,
@@ -307,9 +205,6 @@ def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, 
     """Training over stored passage embeddings only makes sense from the model that wrote them:
     checks that `init_from` is it, and marks `model_dir` as a query-side model over that base (so
     encode/index/eval/serve embed passages with the base and accept the base's indexes)."""
-    from t5_retrieval import query_side
-    from t5_retrieval.inference import load_encoder
-
     if config["dual_encoder"].get("query_generation"):
         raise ValueError("make_train_iterator.passage_embeddings: GDMTL's query generation needs passage tokens")
     if not init_from or not os.path.exists(os.path.join(init_from, checkpoint.CONFIG_FILE)):
@@ -320,7 +215,7 @@ def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, 
         raise ValueError(f"{table['directory']}: written by the model with fingerprint {table['fingerprint']!r}, but "
                          f"train.init_from={init_from!r} has fingerprint {base.fingerprint!r}")
     if jax.process_index() == 0:
-        query_side.write_base_record(model_dir, init_from, base.fingerprint, trained_by="t5r train",
+        write_base_record(model_dir, init_from, base.fingerprint, trained_by="t5r train",
                                      passage_embeddings=table["directory"])
 
 

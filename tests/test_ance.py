@@ -105,7 +105,7 @@ def test_rerun_resumes_with_every_stage_done(ance_run):
 def test_answer_checks_apply_only_to_the_answer_checkable_datasets(ance_run, tmp_path):
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import read_examples
-    from t5_retrieval.retrieval.metrics import has_answer
+    from t5_retrieval.data.answers import has_answer
     from t5_retrieval.stages import mine_stage
 
     work_dir, data_dir, _ = ance_run

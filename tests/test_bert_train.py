@@ -13,7 +13,8 @@ from t5_retrieval.data.kb import PassageStore
 from t5_retrieval.data.tokenize import tokenize
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.models.pretrained import minilm_l6_dir
-from t5_retrieval.train import build_model, train
+from t5_retrieval.models.build import build_model
+from t5_retrieval.train import train
 
 TASKS = ("fever", "trex")
 CLS, SEP = 101, 102  # in MiniLM's (BERT uncased) vocab.txt

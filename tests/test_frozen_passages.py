@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from t5_retrieval import gin_utils, query_side
+from t5_retrieval import gin_utils
 from t5_retrieval.data import layout
 from t5_retrieval.data.batches import make_train_iterator, passage_table
 from t5_retrieval.data.kb import PassageStore
@@ -18,8 +18,8 @@ from t5_retrieval.data.random_batches import RandomBatches
 from t5_retrieval.data.records import DataError
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
-from t5_retrieval.retrieval import embeddings
-from t5_retrieval.retrieval.encoder import load_checkpoint_encoder
+from t5_retrieval.data import embedding_store
+from t5_retrieval.inference import QuerySideEncoder, load_encoder
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.stages import index_and_evaluate
 from t5_retrieval.train import train
@@ -87,7 +87,7 @@ def test_embeddings_of_another_kb_are_refused_naming_the_directory(tiny, tmp_pat
     store = PassageStore.open(layout.kb_dir(run.data_dir))
     partial = str(tmp_path / "partial")
     ids = store.ids()[:5]
-    embeddings.write_embeddings(run.encoders[0], [store.get(p) for p in ids], ids, partial, progress=False)
+    embedding_store.write_embeddings(run.encoders[0], [store.get(p) for p in ids], ids, partial, progress=False)
     with pytest.raises(DataError, match="partial.*not those of the KB"):
         passage_table(partial, store)
 
@@ -106,8 +106,8 @@ def test_training_over_stored_passages_gives_a_query_side_model_of_the_base(tiny
     _gin(run, [*bindings, f"train.init_from = '{base_dir}'"])
     train(model_dir)
     gin.clear_config()
-    trained = load_checkpoint_encoder(model_dir)
-    assert isinstance(trained, query_side.QuerySideEncoder)
+    trained = load_encoder(model_dir)
+    assert isinstance(trained, QuerySideEncoder)
     store = PassageStore.open(layout.kb_dir(run.data_dir))
     Index.load(run.index_dirs[0]).check(trained, store.ids())  # the base's index accepts it
     with pytest.raises(Exception, match="fingerprint"):

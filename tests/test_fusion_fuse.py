@@ -15,7 +15,8 @@ from t5_retrieval.data.kb import PassageStore
 from t5_retrieval.data.prepare import prepare_kb, prepare_tasks
 from t5_retrieval.data.records import read_jsonl
 from t5_retrieval.fusion import experts, fuse, muf
-from t5_retrieval.retrieval import embeddings, evaluate, index
+from t5_retrieval.data import embedding_store
+from t5_retrieval.retrieval import evaluate, index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
 TASKS = ("nq", "trex")
@@ -63,7 +64,7 @@ def demo(tmp_path_factory):
     specs = {}
     for task, dim in zip(TASKS, (128, 512)):
         emb, idx = str(root / f"emb-{task}"), str(root / f"idx-{task}")
-        embeddings.write_embeddings(HashedBagOfWordsEncoder(dim), store, store.ids(), emb, shard_size=500,
+        embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim), store, store.ids(), emb, shard_size=500,
                                     progress=False)
         index.build_index(emb, index.ScannConfig(mode="brute_force")).save(idx)
         specs[task] = f"{task},lexical:{dim},{idx}"

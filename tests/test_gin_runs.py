@@ -12,7 +12,7 @@ from t5_retrieval import gin_utils
 RUNS = sorted(glob.glob(os.path.join(gin_utils.REPO_GIN_DIR, "runs", "*.gin")))
 # The modules whose configurables the run files bind (what `t5r train/ance/query-side` import).
 MODULES = ("t5_retrieval.train", "t5_retrieval.ance", "t5_retrieval.query_side", "t5_retrieval.multitask")
-# What a user gives on the command line (DESIGN: a run is reproducible from its command line).
+# What a user gives on the command line (a run is reproducible from its command line).
 COMMAND_LINE = ["DATA_DIR = '/data'", "VOCABULARY = '/spm.model'", "NUM_STEPS = 10", "INIT_FROM = '/runs/loo'"]
 
 
@@ -22,7 +22,7 @@ def test_run_file_parses_and_its_mixture_and_model_exist(run_file, clean_gin):
         importlib.import_module(module)
     import tasks  # noqa: F401  (registers the mixtures)
     from t5_retrieval.data import registry
-    from t5_retrieval.train import model_config
+    from t5_retrieval.models.build import model_config
 
     bindings = COMMAND_LINE + (["MIXTURE = 'kilt_nq'"] if run_file == "single_task.gin" else [])
     gin_utils.parse_gin(["models/t5_tiny.gin", f"runs/{run_file}"], bindings)

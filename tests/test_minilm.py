@@ -23,7 +23,7 @@ from t5_retrieval.data.text import format_passage, format_query
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.models import hf_bert_import
 from t5_retrieval.models.pretrained import minilm_l6_dir
-from t5_retrieval.train import build_model, init_params, initial_params, model_config
+from t5_retrieval.models.build import build_model, init_params, initial_params, model_config
 
 QUERY_LEN, PASSAGE_LEN = 32, 128
 TEXTS = ["Who wrote the novel Frankenstein?", "Aleister Crowley was born on June 12, 1875.",

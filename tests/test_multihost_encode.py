@@ -34,7 +34,7 @@ def shard_files(directory: str) -> dict[str, tuple[int, int]]:
 def runs(tmp_path_factory):
     from t5_retrieval.data import layout
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.retrieval import embeddings
+    from t5_retrieval.data import embedding_store
 
     root = tmp_path_factory.mktemp("multihost_encode")
     tiny = build_tiny_run(str(root))  # a model dir, its KB and a single-process encode of that KB
@@ -43,9 +43,9 @@ def runs(tmp_path_factory):
     command = ["encode", "--checkpoint_dir", tiny.model_dirs[0], "--kb_dir", kb_dir, "--output_dir", emb_dir,
                "--no_progress", f"--gin.encode_settings.shard_size={SHARD_SIZE}"]
     first = run_processes(command, job_flags(2), devices_per_process=1, log_dir=log_dir)
-    first_matrix = embeddings.load_matrix(emb_dir)
-    manifest = embeddings.read_manifest(emb_dir)
-    lost = embeddings.process_shards(manifest.num_shards, 1, 2)[1]  # not process 1's first: rows before it are skipped
+    first_matrix = embedding_store.load_matrix(emb_dir)
+    manifest = embedding_store.read_manifest(emb_dir)
+    lost = embedding_store.process_shards(manifest.num_shards, 1, 2)[1]  # not process 1's first: rows before it are skipped
     before = shard_files(emb_dir)
     os.remove(os.path.join(emb_dir, manifest.shard_name(lost)))
     resumed = run_processes(command, job_flags(2), devices_per_process=1, log_dir=log_dir)
@@ -55,12 +55,12 @@ def runs(tmp_path_factory):
 
 
 def test_each_process_writes_only_its_own_contiguous_range_of_shards(runs):
-    from t5_retrieval.retrieval import embeddings
+    from t5_retrieval.data import embedding_store
 
     num_shards = runs["manifest"].num_shards
     assert num_shards == -(-len(runs["store"].ids()) // SHARD_SIZE) and num_shards >= 4, runs["manifest"]
     for i, log in enumerate(runs["first"]):
-        mine = list(embeddings.process_shards(num_shards, i, 2))
+        mine = list(embedding_store.process_shards(num_shards, i, 2))
         assert f"t5r encode: process {i}/2: wrote {len(mine)} shards" in log, \
             f"process {i} should know itself as {i} of 2 from jax.distributed and write {len(mine)} shards:\n{log[-2000:]}"
         assert shards_written(log, i) == mine, \
@@ -69,26 +69,27 @@ def test_each_process_writes_only_its_own_contiguous_range_of_shards(runs):
 
 
 def test_two_process_embeddings_equal_a_single_process_encode(runs):
-    from t5_retrieval.retrieval import embeddings
+    from t5_retrieval.data import embedding_store
 
-    reference = embeddings.load_matrix(runs["reference_dir"])
-    assert embeddings.read_ids(runs["emb_dir"]) == embeddings.read_ids(runs["reference_dir"]) == runs["store"].ids()
+    reference = embedding_store.load_matrix(runs["reference_dir"])
+    assert embedding_store.read_ids(runs["emb_dir"]) == embedding_store.read_ids(runs["reference_dir"]) == runs["store"].ids()
     np.testing.assert_allclose(runs["first_matrix"], reference, rtol=0, atol=1e-5,
                                err_msg="2 processes x 1 device vs 1 process: embeddings differ")
 
 
 def test_manifest_is_complete_and_the_index_builder_accepts_it(runs):
-    from t5_retrieval.retrieval import embeddings, index
+    from t5_retrieval.data import embedding_store
+    from t5_retrieval.retrieval import index
 
-    manifest = embeddings.check_complete(runs["emb_dir"])
-    reference = embeddings.read_manifest(runs["reference_dir"])
+    manifest = embedding_store.check_complete(runs["emb_dir"])
+    reference = embedding_store.read_manifest(runs["reference_dir"])
     assert (manifest.num_passages, manifest.shard_size, manifest.fingerprint, manifest.dim, manifest.ids_sha256) == \
         (len(runs["store"].ids()), SHARD_SIZE, reference.fingerprint, reference.dim, reference.ids_sha256), manifest
     assert any("; complete:" in log for log in runs["first"]), "the process that finished last should report complete"
     index.build_index(runs["emb_dir"], index.ScannConfig(mode="brute_force")).save(runs["index_dir"])
     built = index.Index.load(runs["index_dir"])
     built.check(runs["tiny"].encoders[0], runs["store"].ids())  # same model fingerprint, same KB rows
-    matrix = embeddings.load_matrix(runs["emb_dir"])
+    matrix = embedding_store.load_matrix(runs["emb_dir"])
     queries = matrix[::9]
     rows, scores = built.search(queries, k=3)
     exact = queries @ matrix.T
@@ -99,7 +100,7 @@ def test_manifest_is_complete_and_the_index_builder_accepts_it(runs):
 
 
 def test_rerun_after_losing_one_shard_of_process_1_recomputes_only_that_shard(runs):
-    from t5_retrieval.retrieval import embeddings
+    from t5_retrieval.data import embedding_store
 
     manifest, lost = runs["manifest"], runs["lost"]
     zero, one = runs["resumed"]
@@ -112,5 +113,5 @@ def test_rerun_after_losing_one_shard_of_process_1_recomputes_only_that_shard(ru
             assert after[name] != stat
         else:
             assert after[name] == stat, f"{name} was rewritten, but only {manifest.shard_name(lost)} was missing"
-    np.testing.assert_allclose(embeddings.load_matrix(runs["emb_dir"]), runs["first_matrix"], rtol=0, atol=1e-5,
+    np.testing.assert_allclose(embedding_store.load_matrix(runs["emb_dir"]), runs["first_matrix"], rtol=0, atol=1e-5,
                                err_msg="the recomputed shard differs from the first run's")

@@ -12,11 +12,12 @@ from conftest import SHARED_DATA
 from t5_retrieval import query_side
 from t5_retrieval.data import layout
 from t5_retrieval.data.kb import PassageStore
-from t5_retrieval.data.qa_open import AnswerMatcher, AnswerTexts, QATask, read_qa_task
+from t5_retrieval.data.answers import AnswerMatcher, AnswerTexts
+from t5_retrieval.data.qa_open import QATask, read_qa_task
 from t5_retrieval.data.records import DataError, Example, read_examples
-from t5_retrieval.inference import load_encoder, token_lengths
-from t5_retrieval.retrieval import embeddings
-from t5_retrieval.retrieval.encoder import add_encoder_flags, encoder_from_flags
+from t5_retrieval.inference import QuerySideEncoder, load_encoder, token_lengths
+from t5_retrieval.data import embedding_store
+from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.stages import datasets_of, index_and_evaluate
 from tiny_model import build_tiny_run
@@ -89,7 +90,7 @@ def test_finetuning_lowers_the_loss_keeps_passages_frozen_and_reloads_with_the_b
     base_params = encoder.params
     emb_dir, index_dir = os.path.join(root, "emb_0"), run.index_dirs[0]
     index, store = Index.load(index_dir), PassageStore.open(layout.kb_dir(run.data_dir))
-    matrix = embeddings.load_matrix(emb_dir)
+    matrix = embedding_store.load_matrix(emb_dir)
     task = _qa_task(run)
     config = query_side.QuerySideConfig(top_k=20, batch_size=2, learning_rate=3e-3, rounds=2, epochs_per_round=3)
 
@@ -116,7 +117,7 @@ def test_finetuning_lowers_the_loss_keeps_passages_frozen_and_reloads_with_the_b
     parser = __import__("argparse").ArgumentParser()
     add_encoder_flags(parser)
     loaded = encoder_from_flags(parser.parse_args(["--checkpoint_dir", out]))
-    assert isinstance(loaded, query_side.QuerySideEncoder)
+    assert isinstance(loaded, QuerySideEncoder)
     index.check(loaded, store.ids())  # the base's index accepts it
     passages = [store.get(pid) for pid in store.ids()[:5]]
     np.testing.assert_array_equal(loaded.encode_passages(passages), matrix[:5],
@@ -125,7 +126,7 @@ def test_finetuning_lowers_the_loss_keeps_passages_frozen_and_reloads_with_the_b
     np.testing.assert_allclose(loaded.encode_queries(questions, task.name), encoder.encode_queries(questions, "demo_trex"),
                                rtol=1e-5, atol=1e-6, err_msg="the new task must query with as_task's prefix and "
                                                              "the fine-tuned weights")
-    base_queries = query_side.load(out).passage_encoder.encode_queries(questions, "demo_trex")
+    base_queries = load_encoder(out).passage_encoder.encode_queries(questions, "demo_trex")
     assert not np.allclose(base_queries, loaded.encode_queries(questions, task.name)), "queries must have changed"
 
     recall = query_side.answer_recall(loaded, index, texts, task, task.name, ks=(1, 5, 20))
@@ -166,7 +167,7 @@ def test_cli_adapts_to_several_qa_tasks_with_their_own_matching_and_reports_each
     separately = sum(len(query_side.retrieve_candidates(base, index, texts, read_qa_task(str(qa_dir), t, "train"),
                                                         "demo_trex", 20).rows) for t in ("plain", "regexy"))
     assert report["history"][0]["questions"] == separately, "the round must train on the union of both tasks"
-    loaded = query_side.load(out)
+    loaded = load_encoder(out)
     assert {"plain", "regexy"} <= set(loaded.features["tasks"]), "each new task must be queryable"
     assert datasets_of(loaded)["trex"] == "demo_trex", "a new task must not claim its as_task's dataset"
 

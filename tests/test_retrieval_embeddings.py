@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from t5_retrieval.data.records import Passage
-from t5_retrieval.retrieval import embeddings
+from t5_retrieval.data import embedding_store
 from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder
 
 
@@ -48,19 +48,19 @@ def test_hashed_encoder_implements_the_protocol_deterministically():
 def test_shards_and_manifest_hold_every_passage_in_order(tmp_path):
     passages = make_passages(23)
     enc = HashedBagOfWordsEncoder(dim=16)
-    report = embeddings.write_embeddings(enc, passages, [p.id for p in passages], str(tmp_path),
+    report = embedding_store.write_embeddings(enc, passages, [p.id for p in passages], str(tmp_path),
                                          shard_size=5, batch_size=3, progress=False)
     assert report.complete and report.shards_written == (0, 1, 2, 3, 4)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["num_shards"] == 5 and manifest["dim"] == 16 and manifest["fingerprint"] == enc.fingerprint
-    assert embeddings.read_ids(str(tmp_path)) == [p.id for p in passages]
+    assert embedding_store.read_ids(str(tmp_path)) == [p.id for p in passages]
     assert "shard-00004-of-00005.npy" in os.listdir(tmp_path)
-    np.testing.assert_allclose(embeddings.load_matrix(str(tmp_path)), enc.encode_passages(passages), rtol=1e-6)
+    np.testing.assert_allclose(embedding_store.load_matrix(str(tmp_path)), enc.encode_passages(passages), rtol=1e-6)
 
 
 def test_processes_write_disjoint_contiguous_shard_ranges_covering_all():
     for num_shards, count in [(10, 3), (2, 4), (7, 7)]:
-        ranges = [embeddings.process_shards(num_shards, p, count) for p in range(count)]
+        ranges = [embedding_store.process_shards(num_shards, p, count) for p in range(count)]
         flat = [s for r in ranges for s in r]
         assert flat == list(range(num_shards)), f"{num_shards} shards over {count} processes: {ranges}"
 
@@ -69,26 +69,26 @@ def test_two_processes_together_complete_the_embeddings(tmp_path):
     passages = make_passages(17)
     ids = [p.id for p in passages]
     enc = HashedBagOfWordsEncoder(dim=8)
-    first = embeddings.write_embeddings(enc, passages, ids, str(tmp_path), shard_size=4, process_index=0,
+    first = embedding_store.write_embeddings(enc, passages, ids, str(tmp_path), shard_size=4, process_index=0,
                                         process_count=2, progress=False)
     assert not first.complete, "process 0 alone must leave process 1's shards missing"
-    with pytest.raises(embeddings.EmbeddingsError, match="shards missing"):
-        embeddings.load_matrix(str(tmp_path))
-    second = embeddings.write_embeddings(enc, passages, ids, str(tmp_path), shard_size=4, process_index=1,
+    with pytest.raises(embedding_store.EmbeddingsError, match="shards missing"):
+        embedding_store.load_matrix(str(tmp_path))
+    second = embedding_store.write_embeddings(enc, passages, ids, str(tmp_path), shard_size=4, process_index=1,
                                          process_count=2, progress=False)
     assert set(first.shards_written) | set(second.shards_written) == set(range(5)) and second.complete
-    np.testing.assert_allclose(embeddings.load_matrix(str(tmp_path)), enc.encode_passages(passages), rtol=1e-6)
+    np.testing.assert_allclose(embedding_store.load_matrix(str(tmp_path)), enc.encode_passages(passages), rtol=1e-6)
 
 
 def test_resume_recomputes_only_missing_shards(tmp_path):
     passages = make_passages(20)
     ids = [p.id for p in passages]
     enc = CountingEncoder(HashedBagOfWordsEncoder(dim=8))
-    embeddings.write_embeddings(enc, passages, ids, str(tmp_path), shard_size=6, progress=False)
-    manifest = embeddings.read_manifest(str(tmp_path))
+    embedding_store.write_embeddings(enc, passages, ids, str(tmp_path), shard_size=6, progress=False)
+    manifest = embedding_store.read_manifest(str(tmp_path))
     os.remove(tmp_path / manifest.shard_name(1))  # As if interrupted while writing shard 1.
     enc.encoded = 0
-    report = embeddings.write_embeddings(enc, passages, ids, str(tmp_path), shard_size=6, progress=False)
+    report = embedding_store.write_embeddings(enc, passages, ids, str(tmp_path), shard_size=6, progress=False)
     assert report.shards_written == (1,) and report.shards_skipped == (0, 2, 3)
     assert enc.encoded == 6, f"expected only shard 1's 6 passages re-encoded, got {enc.encoded}"
     assert report.complete
@@ -97,13 +97,13 @@ def test_resume_recomputes_only_missing_shards(tmp_path):
 def test_existing_run_with_another_model_or_kb_is_refused(tmp_path):
     passages = make_passages(6)
     ids = [p.id for p in passages]
-    embeddings.write_embeddings(HashedBagOfWordsEncoder(dim=8), passages, ids, str(tmp_path), shard_size=4,
+    embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=8), passages, ids, str(tmp_path), shard_size=4,
                                 progress=False)
-    with pytest.raises(embeddings.EmbeddingsError, match="field 'fingerprint'"):
-        embeddings.write_embeddings(_OtherModel(), passages, ids,
+    with pytest.raises(embedding_store.EmbeddingsError, match="field 'fingerprint'"):
+        embedding_store.write_embeddings(_OtherModel(), passages, ids,
                                     str(tmp_path), shard_size=4, progress=False)
-    with pytest.raises(embeddings.EmbeddingsError, match="field 'ids_sha256'"):
-        embeddings.write_embeddings(HashedBagOfWordsEncoder(dim=8), passages[::-1], ids[::-1], str(tmp_path),
+    with pytest.raises(embedding_store.EmbeddingsError, match="field 'ids_sha256'"):
+        embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=8), passages[::-1], ids[::-1], str(tmp_path),
                                     shard_size=4, progress=False)
 
 
@@ -119,14 +119,14 @@ class _OtherModel(HashedBagOfWordsEncoder):
 def test_kb_rows_that_disagree_with_the_ids_list_are_reported(tmp_path):
     passages = make_passages(4)
     ids = ["p0", "p1", "pX", "p3"]
-    with pytest.raises(embeddings.EmbeddingsError, match="KB row 2: passage id 'p2'"):
-        embeddings.write_embeddings(HashedBagOfWordsEncoder(dim=8), passages, ids, str(tmp_path), progress=False)
+    with pytest.raises(embedding_store.EmbeddingsError, match="KB row 2: passage id 'p2'"):
+        embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=8), passages, ids, str(tmp_path), progress=False)
 
 
 def test_float16_shards_load_as_float32(tmp_path):
     passages = make_passages(5)
-    embeddings.write_embeddings(HashedBagOfWordsEncoder(dim=8), passages, [p.id for p in passages], str(tmp_path),
+    embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=8), passages, [p.id for p in passages], str(tmp_path),
                                 dtype="float16", progress=False)
-    matrix = embeddings.load_matrix(str(tmp_path))
+    matrix = embedding_store.load_matrix(str(tmp_path))
     assert matrix.dtype == np.float32
     np.testing.assert_allclose(matrix, HashedBagOfWordsEncoder(dim=8).encode_passages(passages), atol=1e-3)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from t5_retrieval.data.records import Passage
-from t5_retrieval.retrieval import embeddings, index
+from t5_retrieval.data import embedding_store
+from t5_retrieval.retrieval import index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
 
@@ -36,7 +37,7 @@ def clustered(n: int, dim: int, seed: int = 0) -> np.ndarray:
 def write(tmp_path, matrix: np.ndarray, fingerprint: str = "matrix-v1") -> tuple[str, list[Passage]]:
     passages = [Passage(f"p{i}", f"w{i // 3}", f"T{i // 3}", "text") for i in range(len(matrix))]
     out = str(tmp_path / "emb")
-    embeddings.write_embeddings(MatrixEncoder(matrix, fingerprint), passages, [p.id for p in passages], out,
+    embedding_store.write_embeddings(MatrixEncoder(matrix, fingerprint), passages, [p.id for p in passages], out,
                                 shard_size=max(1, len(matrix) // 3), progress=False,
                                 meta={"checkpoint_dir": "ckpt", "step": 7})
     return out, passages
@@ -103,9 +104,9 @@ def test_index_refuses_another_model_or_another_kb(tmp_path):
 
 def test_incomplete_embeddings_and_missing_index_are_clear_errors(tmp_path):
     emb_dir, _ = write(tmp_path, clustered(30, 8))
-    manifest = embeddings.read_manifest(emb_dir)
+    manifest = embedding_store.read_manifest(emb_dir)
     (tmp_path / "emb" / manifest.shard_name(1)).unlink()
-    with pytest.raises(embeddings.EmbeddingsError, match="1 of 3 shards missing"):
+    with pytest.raises(embedding_store.EmbeddingsError, match="1 of 3 shards missing"):
         index.build_index(emb_dir)
     with pytest.raises(index.IndexMismatchError, match="not an index directory"):
         index.Index.load(str(tmp_path))

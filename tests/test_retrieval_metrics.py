@@ -78,20 +78,3 @@ def test_mean_scores_average_over_queries():
 
 def test_passage_r_precision_uses_gold_passages_as_one_set():
     assert metrics.passage_r_precision(["p1", "p2"], ["p2", "p9", "p1"]) == 0.5
-
-
-def test_has_answer_matches_normalised_token_sequences():
-    assert metrics.has_answer("The Eiffel Tower is in Paris, France.", ["paris"])
-    assert metrics.has_answer("Born in São Paulo.", ["Sao Paulo"]), "accents are stripped"
-    assert not metrics.has_answer("Parisian cafes", ["Paris"]), "matches whole tokens only"
-    assert not metrics.has_answer("anything", ["", "!!"]), "empty answers never match"
-    texts = ["nothing here", "still nothing", "the answer is 42"]
-    assert metrics.answer_recall_at_k(texts, ["42"], 2) == 0.0
-    assert metrics.answer_recall_at_k(texts, ["42"], 3) == 1.0
-
-
-def test_first_answer_rank_gives_answer_recall_at_every_k():
-    tokens = [metrics.normalize_answer_tokens(t) for t in ["no", "Café au lait", "the answer is 42"]]
-    assert metrics.first_answer_rank(tokens, ["cafe"]) == 2
-    assert metrics.first_answer_rank(tokens, ["answer is 42", "x"]) == 3
-    assert metrics.first_answer_rank(tokens, ["missing"]) is None

@@ -7,12 +7,14 @@ import gin
 import numpy as np
 import pytest
 
-from t5_retrieval.data import layout
+from t5_retrieval.data import answers, layout
 from t5_retrieval.data.kb import PassageStore, write_passage_store
 from t5_retrieval.data.records import Example, Passage, read_jsonl, read_negatives
-from t5_retrieval.retrieval import embeddings, encode, evaluate, index, metrics, mine
+from t5_retrieval.data import embedding_store
+from t5_retrieval.commands import encode as encode_command, evaluate as eval_command, mine as mine_command
+from t5_retrieval.retrieval import evaluate, index, metrics, mine
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
-from t5_retrieval.retrieval.passages import PassageTable
+from t5_retrieval.data.passages import PassageTable
 
 MINI_KILT = "/work/shared/data/mini_kilt"
 
@@ -46,7 +48,7 @@ def clean_gin():
 def tiny(tmp_path_factory):
     encoder = HashedBagOfWordsEncoder(dim=512)
     directory = str(tmp_path_factory.mktemp("emb"))
-    embeddings.write_embeddings(encoder, KB, [p.id for p in KB], directory, shard_size=3, progress=False)
+    embedding_store.write_embeddings(encoder, KB, [p.id for p in KB], directory, shard_size=3, progress=False)
     return encoder, index.build_index(directory, index.ScannConfig(mode="brute_force")), PassageTable(KB)
 
 
@@ -101,7 +103,7 @@ def test_answer_bearing_passages_can_be_excluded_from_negatives(tiny):
     (plain,) = mine.mine_negatives(encoder, idx, [example], table, k=7)
     (checked,) = mine.mine_negatives(encoder, idx, [example], table, k=7, exclude_answers=True)
     assert "berlin_0" in plain.negatives and "berlin_0" not in checked.negatives
-    assert all(not metrics.has_answer(table.get(p).text, ["capital"]) for p in checked.negatives)
+    assert all(not answers.has_answer(table.get(p).text, ["capital"]) for p in checked.negatives)
 
 
 def _mini_kilt_data(tmp_path, n_queries: int) -> str:
@@ -126,16 +128,16 @@ def test_cli_pipeline_on_real_mini_kilt(tmp_path, capsys):
     data_dir = _mini_kilt_data(tmp_path, n_queries=100)
     kb_dir, emb, idx_dir, out = layout.kb_dir(data_dir), str(tmp_path / "emb"), str(tmp_path / "idx"), str(tmp_path / "ev")
     model = ["--lexical_baseline_dim", "4096"]
-    assert encode.main([*model, "--kb_dir", kb_dir, "--output_dir", emb, "--no_progress",
+    assert encode_command.main([*model, "--kb_dir", kb_dir, "--output_dir", emb, "--no_progress",
                         "--gin.encode_settings.shard_size=4000"]) == 0
-    assert embeddings.read_manifest(emb).num_shards == 4
+    assert embedding_store.read_manifest(emb).num_shards == 4
     assert index.main(["--embeddings_dir", emb, "--output_dir", idx_dir]) == 0
-    assert evaluate.main([*model, "--index_dir", idx_dir, "--data_dir", data_dir, "--output_dir", out]) == 0
+    assert eval_command.main([*model, "--index_dir", idx_dir, "--data_dir", data_dir, "--output_dir", out]) == 0
     table = json.loads(open(os.path.join(out, "results.json")).read())["fever"]
     # A hashed bag of words is a weak lexical model (0.42 on all of fever dev; BM25 reaches 0.685).
     assert table["n"] == 100 and 0.3 <= table["Rprec"] <= 0.8, table
     assert table["recall@20"] >= table["recall@5"] >= table["Rprec"] - 1e-9, table
-    assert mine.main([*model, "--index_dir", idx_dir, "--data_dir", data_dir, "--split", "dev", "--source", "t"]) == 0
+    assert mine_command.main([*model, "--index_dir", idx_dir, "--data_dir", data_dir, "--split", "dev", "--source", "t"]) == 0
     negatives = read_negatives(layout.negatives_path(layout.negatives_dir(data_dir, "t"), "fever", "dev"))
     store = PassageStore.open(kb_dir)
     first = evaluate.load_task_examples(data_dir, "dev", ["fever"])["fever"][0]
@@ -143,6 +145,6 @@ def test_cli_pipeline_on_real_mini_kilt(tmp_path, capsys):
     assert not {store.page_of(p) for p in negatives[first.id]} & set(first.gold_pages[0])
     capsys.readouterr()
     # Another model's queries against this index are refused, naming both fingerprints.
-    assert evaluate.main(["--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--data_dir", data_dir,
+    assert eval_command.main(["--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--data_dir", data_dir,
                           "--output_dir", out]) == 2
     assert "hashed-bow-v2-dim4096" in capsys.readouterr().err

@@ -9,9 +9,10 @@ import urllib.request
 import pytest
 
 from t5_retrieval.data.records import Passage
-from t5_retrieval.retrieval import embeddings, index, serve
+from t5_retrieval.data import embedding_store
+from t5_retrieval.retrieval import index, serve
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
-from t5_retrieval.retrieval.passages import PassageTable
+from t5_retrieval.data.passages import PassageTable
 
 KB = [
     Passage("paris_0", "paris", "Paris", "Paris is the capital and largest city of France."),
@@ -25,7 +26,7 @@ KB = [
 def server(tmp_path_factory):
     encoder = HashedBagOfWordsEncoder(dim=256)
     directory = str(tmp_path_factory.mktemp("emb"))
-    embeddings.write_embeddings(encoder, KB, [p.id for p in KB], directory, progress=False)
+    embedding_store.write_embeddings(encoder, KB, [p.id for p in KB], directory, progress=False)
     idx = index.build_index(directory, index.ScannConfig(mode="brute_force"))
     limits = serve.ServeLimits(max_k=3, default_k=2, max_queries=2, max_query_chars=50, max_body_bytes=2000)
     service = serve.SearchService(encoder, idx, PassageTable(KB), ["nq", "fever"], limits)
@@ -113,7 +114,7 @@ def test_oversized_body_and_unknown_paths_are_refused_and_the_server_lives_on(se
 
 def test_service_refuses_an_index_built_by_another_model(tmp_path):
     directory = str(tmp_path / "emb")
-    embeddings.write_embeddings(HashedBagOfWordsEncoder(dim=64), KB, [p.id for p in KB], directory, progress=False)
+    embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=64), KB, [p.id for p in KB], directory, progress=False)
     idx = index.build_index(directory, index.ScannConfig(mode="brute_force"))
     with pytest.raises(index.IndexMismatchError, match="fingerprint"):
         serve.SearchService(HashedBagOfWordsEncoder(dim=128), idx, PassageTable(KB), ["nq"])
@@ -124,7 +125,7 @@ def test_cli_refuses_to_serve_an_index_of_another_model(tmp_path, capsys):
 
     kb_dir, emb_dir, idx_dir = (str(tmp_path / d) for d in ("kb", "emb", "idx"))
     write_passage_store(((p, None) for p in KB), kb_dir)
-    embeddings.write_embeddings(HashedBagOfWordsEncoder(dim=64), KB, [p.id for p in KB], emb_dir, progress=False)
+    embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=64), KB, [p.id for p in KB], emb_dir, progress=False)
     index.build_index(emb_dir, index.ScannConfig(mode="brute_force")).save(idx_dir)
     code = serve.main(["--lexical_baseline_dim", "32", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq"])
     assert code == 2 and "hashed-bow-v2-dim64" in capsys.readouterr().err

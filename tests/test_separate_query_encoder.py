@@ -59,7 +59,7 @@ def test_queries_train_the_query_encoder_and_passages_the_main_one(family):
 def test_hf_init_gives_every_query_tower_the_pretrained_weights(family, tmp_path):
     import json
 
-    from t5_retrieval.train import initial_params
+    from t5_retrieval.models.build import initial_params
 
     if family == "t5":
         from test_t5_hf_numerics import save_random_hf_t5

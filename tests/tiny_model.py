@@ -41,7 +41,7 @@ def write_model_dir(model_dir: str, data_dir: str, vocabulary: str, seed: int, e
 
     from t5_retrieval import checkpoint, sharding
     from t5_retrieval.data.batches import make_train_iterator
-    from t5_retrieval.train import build_model, init_params, model_config
+    from t5_retrieval.models.build import build_model, init_params, model_config
 
     gin.clear_config()
     try:
@@ -66,7 +66,8 @@ def build_tiny_run(root: str, models: tuple[tuple[int, tuple[str, ...]], ...] = 
     from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
     from t5_retrieval.data.vocab import train_vocabulary
     from t5_retrieval.inference import load_encoder
-    from t5_retrieval.retrieval import embeddings, index
+    from t5_retrieval.data import embedding_store
+    from t5_retrieval.retrieval import index
 
     raw, data_dir = os.path.join(root, "raw"), os.path.join(root, "data")
     write_demo(raw, num_pages=num_pages, train_per_task=8, dev_per_task=4)
@@ -80,7 +81,7 @@ def build_tiny_run(root: str, models: tuple[tuple[int, tuple[str, ...]], ...] = 
         model_dir, emb_dir, index_dir = (os.path.join(root, f"{name}_{seed}") for name in ("model", "emb", "index"))
         write_model_dir(model_dir, data_dir, vocabulary, seed, extra_bindings)
         encoder = load_encoder(model_dir)
-        embeddings.write_embeddings(encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir},
+        embedding_store.write_embeddings(encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir},
                                     progress=False)
         index.build_index(emb_dir, index.ScannConfig(mode="brute_force")).save(index_dir)
         model_dirs.append(model_dir)

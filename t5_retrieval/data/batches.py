@@ -220,8 +220,6 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     training over a fixed index; `train` then requires `init_from` to be the model that wrote
     them). Its fingerprint is recorded in the features.
     """
-    import tasks  # noqa: F401  (registers the task specs)
-
     specs = registry.resolve(mixture_or_task_names)
     if not 0 <= host_index < host_count:
         raise ValueError(f"host_index {host_index} not in [0, {host_count})")
@@ -260,14 +258,14 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
 
 def passage_table(directory: str, store: PassageStore) -> tuple[np.ndarray, dict[str, str]]:
     """The stored embeddings of every KB passage in store order, and {directory, fingerprint}."""
-    from t5_retrieval.retrieval import embeddings
+    from t5_retrieval.data import embedding_store
 
-    manifest = embeddings.read_manifest(directory)
-    ids = embeddings.read_ids(directory)
+    manifest = embedding_store.read_manifest(directory)
+    ids = embedding_store.read_ids(directory)
     if sorted(ids) != sorted(store.ids()):
         raise DataError(f"{directory}: its {len(ids)} passage ids are not those of the KB {store.directory} "
                         f"({len(store.ids())} passages); encode this KB with `t5r encode`")
-    matrix = embeddings.load_matrix(directory)
+    matrix = embedding_store.load_matrix(directory)
     row_of = {pid: r for r, pid in enumerate(ids)}
     table = matrix[[row_of[pid] for pid in store.ids()]]
     return table, {"directory": os.path.abspath(directory), "fingerprint": manifest.fingerprint}

@@ -28,12 +28,15 @@ def main(argv: list[str]) -> int:
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import DataError
     from t5_retrieval.export.savedmodel import export_savedmodel
-    from t5_retrieval.inference import load_encoder
+    from t5_retrieval.inference import DualEncoderInference, load_encoder
     from t5_retrieval.retrieval.index import IndexMismatchError
 
     try:
         store = PassageStore.open(args.kb_dir)
         encoder = load_encoder(args.checkpoint_dir, step=args.step)
+        if not isinstance(encoder, DualEncoderInference):
+            raise ValueError(f"{args.checkpoint_dir}: a query-side model (queries and passages go through different "
+                             "networks); a SavedModel holds one network, so it cannot be exported")
         record = export_savedmodel(encoder, args.index_dir, store, args.output_dir)
     except (CheckpointError, DataError, IndexMismatchError, FileExistsError, ValueError) as e:
         print(f"t5r export: error: {e}", file=sys.stderr)

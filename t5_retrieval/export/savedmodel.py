@@ -40,7 +40,7 @@ from t5_retrieval.data.kb import PassageStore
 from t5_retrieval.export import preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
 from t5_retrieval.inference import DualEncoderInference
-from t5_retrieval.retrieval import embeddings
+from t5_retrieval.data import embedding_store
 from t5_retrieval.retrieval.index import INDEX_JSON, SCANN_DIR, Index
 
 FORMAT = "t5r-savedmodel-v1"
@@ -113,7 +113,7 @@ class RetrievalModule(tf.Module):
                                       tf.TensorSpec([None], tf.int32, name="task_ids")])
         self._searcher = ScannSearcher(os.path.join(index_dir, SCANN_DIR))
         passages = [store.get(pid) for pid in index.passage_ids]
-        self._passage_ids = _row_table(os.path.join(index_dir, embeddings.IDS_FILE))
+        self._passage_ids = _row_table(os.path.join(index_dir, embedding_store.IDS_FILE))
         self._page_ids = _row_table(_write_lines(os.path.join(staging, "page_ids.txt"),
                                                  [p.wikipedia_id for p in passages], "page id"))
         self._titles = _row_table(_write_lines(os.path.join(staging, "titles.txt"), [p.title for p in passages],

@@ -7,7 +7,6 @@ its frozen query embeddings and the frozen embeddings of the passages it retriev
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
@@ -17,9 +16,10 @@ import numpy as np
 
 from t5_retrieval.data.records import Example
 from t5_retrieval.fusion import muf
-from t5_retrieval.retrieval.encoder import Encoder, encoder_from_flags
+from t5_retrieval.inference import load_encoder
+from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder
 from t5_retrieval.retrieval.index import Index
-from t5_retrieval.retrieval.passages import PassageLookup
+from t5_retrieval.data.passages import PassageLookup
 
 LEXICAL = "lexical:"  # checkpoint spec for the hashed bag-of-words baseline: "lexical:<dim>"
 
@@ -78,10 +78,9 @@ def load_expert(spec: ExpertSpec, passage_ids: Sequence[str] | None = None) -> E
         except ValueError:
             raise ValueError(f"expert {spec.task}: checkpoint {spec.checkpoint!r}: "
                              f"expected {LEXICAL}<int dim>") from None
-        flags = argparse.Namespace(checkpoint_dir=None, step=None, lexical_baseline_dim=dim)
+        encoder: Encoder = HashedBagOfWordsEncoder(dim)
     else:
-        flags = argparse.Namespace(checkpoint_dir=spec.checkpoint, step=None, lexical_baseline_dim=None)
-    encoder = encoder_from_flags(flags)
+        encoder = load_encoder(spec.checkpoint)
     index = Index.load(spec.index_dir)
     index.check(encoder, passage_ids)  # IndexMismatchError names the index dir and both fingerprints.
     return Expert(spec, encoder, index, model_task_name(encoder, spec))
@@ -144,15 +143,15 @@ Vectors = PassageVectors | StoredPassageVectors
 def passage_vectors(expert: Expert, passages: PassageLookup) -> Vectors:
     """The stored embeddings behind the expert's index when they are still there (and are the
     index's: same fingerprint and ids), else the expert's encoder on demand."""
-    from t5_retrieval.retrieval import embeddings
+    from t5_retrieval.data import embedding_store
 
     directory = expert.index.embeddings_dir
-    if directory and os.path.exists(os.path.join(directory, embeddings.MANIFEST)):
-        manifest = embeddings.read_manifest(directory)
-        ids = embeddings.read_ids(directory)
+    if directory and os.path.exists(os.path.join(directory, embedding_store.MANIFEST)):
+        manifest = embedding_store.read_manifest(directory)
+        ids = embedding_store.read_ids(directory)
         if manifest.fingerprint == expert.index.fingerprint and ids == expert.index.passage_ids:
             log.info("expert %s: passage vectors from %s", expert.task, directory)
-            return StoredPassageVectors(embeddings.load_matrix(directory), ids)
+            return StoredPassageVectors(embedding_store.load_matrix(directory), ids)
     return PassageVectors(expert.encoder, passages)
 
 

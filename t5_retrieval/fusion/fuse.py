@@ -36,7 +36,7 @@ from t5_retrieval.data.records import Example
 from t5_retrieval.fusion import experts as experts_lib
 from t5_retrieval.fusion import muf
 from t5_retrieval.retrieval.evaluate import EvalResult, RankingScorer
-from t5_retrieval.retrieval.passages import PassageLookup
+from t5_retrieval.data.passages import PassageLookup
 
 Ranking = tuple[list[str], np.ndarray]  # passage ids and scores, best first
 

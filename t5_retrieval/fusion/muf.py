@@ -3,7 +3,7 @@
 DPR-MUF (Li et al. 2021, "Multi-task Dense Retrieval via Model Uncertainty Fusion for Open-Domain
 Question Answering", Findings of EMNLP) fuses one expert retriever per task, weighting each expert,
 per query, by how certain it is. The paper's text is not available here; this is our reading of
-it, with DESIGN.md §5, written down so that every number can be traced:
+it, written down so that every number can be traced:
 
 **Members.** Expert x has a frozen query encoder q(.) (dim d) and index. Member e of its ensemble
 (e = 1..E, default E = 5) is a residual two-layer MLP on the frozen query embedding,
@@ -30,7 +30,7 @@ the member index (the ensemble's epistemic uncertainty) is MI = H(P) - mean_e H(
 in [0, log E]; the per-query confidence is c = 1 - MI / log E (1 when all members agree, 0 when
 they disagree maximally: E one-hot members on E different passages).
 
-**Calibration.** T starts at 1e-3 (DESIGN §5: with small T each member is nearly its arg max, so c
+**Calibration.** T starts at 1e-3 (with small T each member is nearly its arg max, so c
 measures the members' agreement on the top passage) and is chosen on dev from the grid
 T0 * 10^(k / per_decade), |k| <= decades * per_decade, to minimise the expected calibration error
 of c as a predictor of "the expert's own top-1 passage is on a gold page", over the dev queries of

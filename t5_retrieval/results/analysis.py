@@ -43,8 +43,9 @@ def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
     import gin
 
     from t5_retrieval import gin_utils, sharding
+    import tasks  # noqa: F401  (registers the mixtures the rows train on)
     from t5_retrieval.data.batches import make_train_iterator
-    from t5_retrieval.inference import load_encoder
+    from t5_retrieval.inference import load_dual_encoder
     from t5_retrieval.multitask.analysis import save_state_npz, write_analysis
     from t5_retrieval.multitask.probe import probe_sensitivities
     from t5_retrieval.stages import DONE
@@ -57,7 +58,7 @@ def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
         batches = make_train_iterator(per_device_batch=gin.query_parameter("%PER_DEVICE_BATCH"), seed=PROBE_SEED)
     finally:
         gin.clear_config()
-    encoder = load_encoder(model_dir)
+    encoder = load_dual_encoder(model_dir)
     ema = probe_sensitivities(encoder.model, encoder.params, batches, batches.task_names, PROBE_BATCHES, PROBE_BETA,
                               encoder.config["dual_encoder"]["logit_scale"], sharding.make_mesh())
     save_state_npz(ema, batches.task_names, os.path.join(out_dir, "probe_state.npz"))

@@ -54,7 +54,7 @@ def write_minilm_model_dir(model_dir: str) -> dict[str, Any]:
 
     from t5_retrieval import checkpoint, gin_utils, sharding
     from t5_retrieval.models.pretrained import minilm_l6_dir
-    from t5_retrieval.train import build_model, init_params, initial_params, model_config
+    from t5_retrieval.models.build import build_model, init_params, initial_params, model_config
 
     gin.clear_config()
     try:

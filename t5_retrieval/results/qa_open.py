@@ -61,7 +61,8 @@ def bm25_answer_recall(data_dir: str, qa_dir: str, tasks: tuple[str, ...] = QA_O
     from t5_retrieval.data import layout
     from t5_retrieval.data.bm25 import BM25Index
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.qa_open import AnswerTexts, read_qa_task
+    from t5_retrieval.data.answers import AnswerTexts
+    from t5_retrieval.data.qa_open import read_qa_task
     from t5_retrieval.query_side import ranking_answer_recall
 
     store = PassageStore.open(layout.kb_dir(data_dir))

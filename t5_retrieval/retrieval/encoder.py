@@ -1,14 +1,13 @@
 """What the retrieval stages need from a model: the `Encoder` protocol, plus a real lexical one.
 
 Encoding, indexing, evaluation, mining and serving only ever see this protocol, so they are tested
-with `HashedBagOfWordsEncoder` (deterministic, no parameters, fast) and run unchanged with the
-trained dual encoder returned by `t5_retrieval.inference.load_encoder`. The hashed encoder is also
+with `HashedBagOfWordsEncoder` (deterministic, no parameters, fast) and run unchanged with any model
+directory opened by `t5_retrieval.inference.load_encoder` (one layer up). The hashed encoder is also
 a lexical baseline: a dot product of L2-normalised hashed term-frequency vectors.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import math
 import re
@@ -101,33 +100,3 @@ class HashedBagOfWordsEncoder:
 
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
         return self._encode([passage_text(p) for p in passages])
-
-
-def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags every retrieval CLI uses to choose its query/passage encoder."""
-    parser.add_argument("--checkpoint_dir", help="trained model checkpoint (t5r train)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    parser.add_argument("--lexical_baseline_dim", type=int, default=None,
-                        help="use the hashed bag-of-words baseline of this dim instead of a checkpoint")
-
-
-def encoder_from_flags(args: argparse.Namespace) -> Encoder:
-    if (args.checkpoint_dir is None) == (args.lexical_baseline_dim is None):
-        raise SystemExit("give exactly one of --checkpoint_dir and --lexical_baseline_dim")
-    if args.lexical_baseline_dim is not None:
-        return HashedBagOfWordsEncoder(args.lexical_baseline_dim)
-    return load_checkpoint_encoder(args.checkpoint_dir, args.step)
-
-
-def load_checkpoint_encoder(checkpoint_dir: str, step: int | None = None) -> Encoder:
-    """A t5r model directory as an `Encoder`; a query-side model (`t5r query-side`, or `t5r train`
-    over stored passage embeddings) embeds its passages with its base model."""
-    # The model stack loads only when a checkpoint is used.
-    from t5_retrieval import query_side
-    from t5_retrieval.inference import load_encoder
-
-    if query_side.is_query_side_dir(checkpoint_dir):
-        if step is not None:
-            raise SystemExit(f"--step: {checkpoint_dir} is a query-side model; it is used at its latest step")
-        return query_side.load(checkpoint_dir)
-    return load_encoder(checkpoint_dir, step=step)

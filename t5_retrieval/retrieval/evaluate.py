@@ -5,28 +5,25 @@ the official KILT scorer (`metrics.kilt_scores`), plus passage-level R-precision
 gold passages) and answer-in-passage recall@k (examples with answer strings, for tasks whose
 answers are strings to find: not FEVER labels nor WoW replies). It also writes the predictions in
 the official KILT format, so `kilt/eval_retrieval.py` can re-score them independently.
-
-`t5r eval --index_dir=... --data_dir=... --output_dir=... (--checkpoint_dir=... | --lexical_baseline_dim=N)`
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gin
 import numpy as np
 
+from t5_retrieval.data import answers
 from t5_retrieval.data.records import Example, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from t5_retrieval.retrieval import metrics
-from t5_retrieval.retrieval.encoder import Encoder, add_encoder_flags, encoder_from_flags
-from t5_retrieval.retrieval.index import Index, IndexMismatchError
-from t5_retrieval.retrieval.passages import PassageLookup
+from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.retrieval.index import Index
+from t5_retrieval.data.passages import PassageLookup
 
 
 def retrieve(encoder: Encoder, index: Index, queries: Sequence[str], task: str, k: int,
@@ -95,7 +92,7 @@ class RankingScorer:
 
     def _tokens_of(self, pid: str) -> list[str]:
         if pid not in self._tokens:
-            self._tokens[pid] = metrics.normalize_answer_tokens(self.passages.get(pid).text)
+            self._tokens[pid] = answers.dpr_answer_tokens(self.passages.get(pid).text)
         return self._tokens[pid]
 
     def add_task(self, task: str, examples: Sequence[Example], rankings: Sequence[Sequence[str]]) -> None:
@@ -111,8 +108,8 @@ class RankingScorer:
             if example.positive_passages:
                 passage_scores.append({"passage_Rprec": metrics.passage_r_precision(example.positive_passages, pids)})
             if example.answers and task not in self.skip_answer_recall:
-                rank = metrics.first_answer_rank((self._tokens_of(pid) for pid in pids[:max(ks)]), example.answers)
-                answer_scores.append({f"answer_recall@{k}": float(rank is not None and rank <= k) for k in ks})
+                rank = answers.first_answer_rank((self._tokens_of(pid) for pid in pids[:max(ks)]), example.answers)
+                answer_scores.append(answers.recall_at_ks(rank, ks))
         table: dict[str, float] = {"n": len(examples), **metrics.mean_scores(page_scores)}
         table.update(metrics.mean_scores(passage_scores))
         table["n_passage_gold"] = len(passage_scores)
@@ -178,59 +175,3 @@ def load_task_examples(data_dir: str, split: str, tasks: Sequence[str] | None) -
             raise DataError(f"{path}: no examples for task {task!r}, split {split!r}")
         out[task] = read_examples(path)
     return out
-
-
-@dataclasses.dataclass
-class SearchInputs:
-    """What `t5r eval` and `t5r mine` both start from, checked against each other."""
-
-    store: Any  # data.kb.PassageStore
-    examples: dict[str, list[Any]]
-    index: Index
-    encoder: Encoder
-
-
-def add_search_flags(parser: argparse.ArgumentParser, default_split: str) -> None:
-    """Flags shared by the CLIs that search an index with a query encoder over task examples."""
-    add_encoder_flags(parser)
-    parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
-    parser.add_argument("--data_dir", required=True, help="processed data (examples/, kb/, negatives/)")
-    parser.add_argument("--kb_dir", default=None, help="passage store (default: <data_dir>/kb)")
-    parser.add_argument("--tasks", default="", help="comma-separated tasks (default: all found)")
-    parser.add_argument("--split", default=default_split)
-
-
-def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
-    """Opens the KB, examples, index and encoder of `add_search_flags`; refuses a mismatched index.
-
-    Raises DataError or IndexMismatchError naming the file or field at fault.
-    """
-    from t5_retrieval.data import layout
-    from t5_retrieval.data.kb import PassageStore
-
-    store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
-    examples = load_task_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
-    index = Index.load(args.index_dir)
-    encoder = encoder_from_flags(args)
-    index.check(encoder, store.ids())
-    return SearchInputs(store, examples, index, encoder)
-
-
-def main(argv: list[str]) -> int:
-    """`t5r eval`: KILT metrics per task for an index and a query encoder."""
-    from t5_retrieval import gin_utils
-    from t5_retrieval.data.records import DataError
-
-    parser = argparse.ArgumentParser(prog="t5r eval", description=__doc__.splitlines()[0])
-    add_search_flags(parser, default_split="dev")
-    parser.add_argument("--output_dir", required=True)
-    args = gin_utils.parse_args(parser, argv)
-    try:
-        inputs = load_search_inputs(args)
-    except (DataError, IndexMismatchError) as e:
-        print(f"t5r eval: error: {e}", file=sys.stderr)
-        return 2
-    result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store)
-    write_results(result, args.output_dir)
-    print(format_table(result.tables), end="")
-    return 0

@@ -29,9 +29,9 @@ import numpy as np
 
 from t5_retrieval import logs
 from t5_retrieval.data.records import write_json_atomic
-from t5_retrieval.retrieval import embeddings
+from t5_retrieval.data import embedding_store
 from t5_retrieval.retrieval.encoder import Encoder
-from t5_retrieval.retrieval.passages import ids_digest
+from t5_retrieval.data.passages import ids_digest
 
 FORMAT = "t5r-scann-index-v1"
 INDEX_JSON = "index.json"
@@ -174,7 +174,7 @@ class Index:
             os.remove(commit)
         os.makedirs(os.path.join(directory, SCANN_DIR), exist_ok=True)
         self.searcher.serialize(os.path.join(directory, SCANN_DIR), relative_path=True)
-        with open(os.path.join(directory, embeddings.IDS_FILE), "w", encoding="utf-8") as f:
+        with open(os.path.join(directory, embedding_store.IDS_FILE), "w", encoding="utf-8") as f:
             f.writelines(f"{pid}\n" for pid in self.passage_ids)
         meta = {"format": FORMAT, "fingerprint": self.fingerprint, "dim": self.dim,
                 "num_passages": len(self.passage_ids), "ids_sha256": ids_digest(self.passage_ids),
@@ -191,10 +191,10 @@ class Index:
             meta = json.load(f)
         if meta.get("format") != FORMAT:
             raise IndexMismatchError(f"{path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
-        with open(os.path.join(directory, embeddings.IDS_FILE), encoding="utf-8") as f:
+        with open(os.path.join(directory, embedding_store.IDS_FILE), encoding="utf-8") as f:
             ids = f.read().splitlines()
         if ids_digest(ids) != meta["ids_sha256"] or len(ids) != meta["num_passages"]:
-            raise IndexMismatchError(f"{directory}/{embeddings.IDS_FILE}: does not match {INDEX_JSON}'s ids_sha256")
+            raise IndexMismatchError(f"{directory}/{embedding_store.IDS_FILE}: does not match {INDEX_JSON}'s ids_sha256")
         searcher = _scann().load_searcher(os.path.join(directory, SCANN_DIR))
         return cls(searcher, ids, meta["fingerprint"], int(meta["dim"]), ScannConfig(**meta["scann"]),
                    source=directory, meta=meta.get("meta", {}), embeddings_dir=meta.get("embeddings_dir", ""))
@@ -206,16 +206,16 @@ def build_index(embeddings_dir: str, config: ScannConfig | None = None, staging_
     The staging file (in `staging_dir`, default the system temp dir) is deleted once ScaNN holds its
     own copy, so peak memory is one matrix plus one shard.
     """
-    manifest = embeddings.check_complete(embeddings_dir)
-    ids = embeddings.read_ids(embeddings_dir)
+    manifest = embedding_store.check_complete(embeddings_dir)
+    ids = embedding_store.read_ids(embeddings_dir)
     if ids_digest(ids) != manifest.ids_sha256:
-        raise embeddings.EmbeddingsError(f"{embeddings_dir}/{embeddings.IDS_FILE}: does not match the manifest")
+        raise embedding_store.EmbeddingsError(f"{embeddings_dir}/{embedding_store.IDS_FILE}: does not match the manifest")
     config = (config or ScannConfig()).resolved(manifest.num_passages)
     staging = tempfile.mkdtemp(prefix="t5r-index-", dir=staging_dir)
     try:
         matrix = np.lib.format.open_memmap(os.path.join(staging, "matrix.npy"), mode="w+", dtype=np.float32,
                                            shape=(manifest.num_passages, manifest.dim))
-        embeddings.load_matrix(embeddings_dir, out=matrix)
+        embedding_store.load_matrix(embeddings_dir, out=matrix)
         log.info("index: building %s over %d x %d", config.mode, manifest.num_passages, manifest.dim)
         searcher = build_searcher(matrix, config)
         del matrix
@@ -237,7 +237,7 @@ def main(argv: list[str]) -> int:
     logs.setup()
     try:
         index = build_index(args.embeddings_dir, ScannConfig(), args.staging_dir)
-    except (embeddings.EmbeddingsError, ValueError) as e:
+    except (embedding_store.EmbeddingsError, ValueError) as e:
         print(f"t5r index: {e}")
         return 2
     index.save(args.output_dir)

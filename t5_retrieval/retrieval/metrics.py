@@ -2,7 +2,7 @@
 
 Plain functions over (gold evidence sets, ranked ids), independent of models, indexes and files,
 so that every number this project reports can be checked against the KILT definitions by reading
-one page. The definitions (DESIGN.md §6):
+one page. The definitions:
 
 * Guesses are deduplicated keeping the first occurrence (`dedup_keep_first`), best first.
 * **R-precision**: for each evidence set with R distinct ids, |top-R guesses in the set| / R;
@@ -14,14 +14,12 @@ one page. The definitions (DESIGN.md §6):
   first k| / number of distinct evidence sets; **success@k** (k > 1) = any True slot in the first k.
 
 Passage-level R-precision (Maillard et al., 2021) is the same R-precision over passage ids, with
-the gold passages as one evidence set. Answer-in-passage recall@k (DPR; Sciavolino 2022) asks
-whether any of the top-k passage texts contains a normalised answer string.
+the gold passages as one evidence set. Answer-in-passage recall@k (DPR; Sciavolino 2022), whether
+any of the top-k passage texts contains a normalised answer string, is in `data.answers`.
 """
 
 from __future__ import annotations
 
-import string
-import unicodedata
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
@@ -139,46 +137,3 @@ def mean_scores(per_query: Iterable[Mapping[str, float]]) -> dict[str, float]:
 def passage_r_precision(gold_passages: Iterable[Id], ranked_passages: Sequence[Id]) -> float:
     """Passage-level R-precision (Maillard et al.): the gold passages form one evidence set."""
     return r_precision([tuple(gold_passages)], ranked_passages)
-
-
-_PUNCT_TO_SPACE = str.maketrans({c: " " for c in string.punctuation})
-
-
-def normalize_answer_tokens(text: str) -> list[str]:
-    """Lower-cased, accent-stripped, punctuation-free word tokens (DPR's has_answer normalisation)."""
-    if not text.isascii():
-        text = "".join(c for c in unicodedata.normalize("NFD", text) if not unicodedata.combining(c))
-    return text.lower().translate(_PUNCT_TO_SPACE).split()
-
-
-def answer_in_tokens(tokens: Sequence[str], answers_tokens: Iterable[Sequence[str]]) -> bool:
-    """True when some (normalised) answer occurs as a contiguous run of the (normalised) tokens."""
-    for needle in answers_tokens:
-        n = len(needle)
-        if n and any(tokens[i:i + n] == needle for i in range(len(tokens) - n + 1) if tokens[i] == needle[0]):
-            return True
-    return False
-
-
-def has_answer(text: str, answers: Iterable[str]) -> bool:
-    """True when some answer's token sequence occurs contiguously in the text's tokens."""
-    return answer_in_tokens(normalize_answer_tokens(text), [normalize_answer_tokens(a) for a in answers])
-
-
-def first_answer_rank(passage_tokens: Iterable[Sequence[str]], answers: Iterable[str]) -> int | None:
-    """1-based rank of the first passage (given as normalised tokens) holding an answer, or None.
-
-    answer-in-passage recall@k is then `rank is not None and rank <= k` for every k at once.
-    """
-    needles = [list(t) for t in (normalize_answer_tokens(a) for a in answers) if t]
-    for rank, tokens in enumerate(passage_tokens, start=1):
-        if answer_in_tokens(tokens, needles):
-            return rank
-    return None
-
-
-def answer_recall_at_k(passage_texts: Sequence[str], answers: Iterable[str], k: int) -> float:
-    """1.0 when one of the top-k passage texts contains an answer, else 0.0."""
-    _check_k(k, 1)
-    rank = first_answer_rank((normalize_answer_tokens(t) for t in passage_texts[:k]), answers)
-    return float(rank is not None)

@@ -4,26 +4,20 @@ The output is the shared negatives format (`records.write_negatives`, best first
 BM25 negatives, so the next training episode reads them without knowing their source. With
 `exclude_answers`, passages that contain an answer string are dropped too: MT-DPR's
 "adversarial confounders" for answer-checkable QA, where such a passage may well be relevant.
-
-`t5r mine --index_dir=... --data_dir=... --source=ance-1 (--checkpoint_dir=... | --lexical_baseline_dim=N)`
-writes `<data_dir>/negatives/<source>/{task}-{split}.jsonl`.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from collections.abc import Sequence
 
 import gin
 
+from t5_retrieval.data import answers
 from t5_retrieval.data.records import Example, Negatives
-from t5_retrieval.retrieval import metrics
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.evaluate import retrieve
-from t5_retrieval.retrieval.index import Index, IndexMismatchError
-from t5_retrieval.retrieval.passages import PassageLookup
+from t5_retrieval.retrieval.index import Index
+from t5_retrieval.data.passages import PassageLookup
 
 
 @gin.configurable(denylist=["encoder", "index", "examples", "passages"])
@@ -53,31 +47,6 @@ def mine_negatives(
             positives = set(example.positive_passages)
             negatives = [pid for pid in pids if pid not in positives and passages.page_of(pid) not in gold_pages]
             if exclude_answers and example.answers:
-                negatives = [pid for pid in negatives if not metrics.has_answer(passages.get(pid).text, example.answers)]
+                negatives = [pid for pid in negatives if not answers.has_answer(passages.get(pid).text, example.answers)]
             out[i] = Negatives(example.id, tuple(negatives))
     return [n for n in out if n is not None]
-
-
-def main(argv: list[str]) -> int:
-    """`t5r mine`: hard negatives for every training query with the current model."""
-    from t5_retrieval import gin_utils
-    from t5_retrieval.data import layout
-    from t5_retrieval.data.records import DataError, write_negatives
-    from t5_retrieval.retrieval.evaluate import add_search_flags, load_search_inputs
-
-    parser = argparse.ArgumentParser(prog="t5r mine", description=__doc__.splitlines()[0])
-    add_search_flags(parser, default_split="train")
-    parser.add_argument("--source", required=True, help="negatives name, e.g. ance-1 (bm25 is the data stage's)")
-    args = gin_utils.parse_args(parser, argv)
-    try:
-        inputs = load_search_inputs(args)
-    except (DataError, IndexMismatchError) as e:
-        print(f"t5r mine: error: {e}", file=sys.stderr)
-        return 2
-    out_dir = layout.negatives_dir(args.data_dir, args.source)
-    os.makedirs(out_dir, exist_ok=True)
-    for task, task_examples in inputs.examples.items():
-        path = layout.negatives_path(out_dir, task, args.split)
-        count = write_negatives(path, mine_negatives(inputs.encoder, inputs.index, task_examples, inputs.store))
-        print(f"t5r mine: {task}: {count} queries -> {path}")
-    return 0

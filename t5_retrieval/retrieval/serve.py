@@ -34,7 +34,7 @@ import numpy as np
 from t5_retrieval import logs
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.index import Index
-from t5_retrieval.retrieval.passages import PassageLookup
+from t5_retrieval.data.passages import PassageLookup
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def main(argv: list[str]) -> int:
     from t5_retrieval import gin_utils
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import DataError
-    from t5_retrieval.retrieval.encoder import add_encoder_flags, encoder_from_flags
+    from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
     from t5_retrieval.retrieval.index import IndexMismatchError
 
     parser = argparse.ArgumentParser(prog="t5r serve", description=__doc__.splitlines()[0])

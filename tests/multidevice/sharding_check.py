@@ -21,7 +21,8 @@ from t5_retrieval import multitask, sharding  # noqa: E402
 from t5_retrieval.data.random_batches import RandomBatches  # noqa: E402
 from t5_retrieval.models.dual_encoder import DualEncoder  # noqa: E402
 from t5_retrieval.models.t5 import T5Config  # noqa: E402
-from t5_retrieval.train import init_params, opt_state_shardings  # noqa: E402
+from t5_retrieval.models.build import init_params  # noqa: E402
+from t5_retrieval.train import opt_state_shardings  # noqa: E402
 from t5_retrieval.train_step import TrainState, make_train_step  # noqa: E402
 
 CFG = T5Config(vocab_size=128, d_model=32, num_heads=4, d_kv=8, d_ff=64, num_encoder_layers=1,

@@ -21,13 +21,13 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
+import gin
 import numpy as np
 
+from t5_retrieval.data.passages import ids_digest
 from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
-from t5_retrieval.retrieval.encoder import Encoder
-from t5_retrieval.retrieval.passages import ids_digest
 
 FORMAT = "t5r-embeddings-v1"
 MANIFEST = "manifest.json"
@@ -35,6 +35,28 @@ IDS_FILE = "passage_ids.txt"
 DTYPES = ("float32", "float16")
 
 log = logging.getLogger(__name__)
+
+
+class PassageEncoder(Protocol):
+    """What writing embeddings needs of a model: the passage side of the retrieval `Encoder`."""
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray: ...
+
+
+@gin.configurable
+def encode_settings(shard_size: int = 50_000, batch_size: int = 1024, dtype: str = "float32") -> dict:
+    """Keyword arguments for `write_embeddings`: rows per shard file, passages per encoder call and
+    stored dtype (float32 or float16). One gin-configurable place, shared by `t5r encode` and the
+    ANCE orchestrator. The encoder sorts each call's passages by length and cuts its device batches
+    to their longest row, so larger calls waste less padding (mini-KILT: 62% of the full-width cost
+    at 256 passages per call, 52% at 1024)."""
+    return {"shard_size": shard_size, "batch_size": batch_size, "dtype": dtype}
 
 
 class EmbeddingsError(ValueError):
@@ -151,7 +173,7 @@ class EncodeReport:
 
 
 def write_embeddings(
-    encoder: Encoder,
+    encoder: PassageEncoder,
     passages: Iterable[Passage],
     passage_ids: Sequence[str],
     directory: str,

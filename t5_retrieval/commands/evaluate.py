@@ -1,0 +1,34 @@
+"""`t5r eval`: retrieve with a model and an index, score every task with the KILT metrics.
+
+`t5r eval --index_dir=... --data_dir=... --output_dir=... (--checkpoint_dir=... | --lexical_baseline_dim=N)`
+writes results.json, results.txt and predictions/{task}.jsonl (official KILT format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from t5_retrieval.commands.inputs import add_search_flags, load_search_inputs
+from t5_retrieval.retrieval.evaluate import evaluate, format_table, write_results
+from t5_retrieval.retrieval.index import IndexMismatchError
+
+
+def main(argv: list[str]) -> int:
+    """`t5r eval`: KILT metrics per task for an index and a query encoder."""
+    from t5_retrieval import gin_utils
+    from t5_retrieval.data.records import DataError
+
+    parser = argparse.ArgumentParser(prog="t5r eval", description=__doc__.splitlines()[0])
+    add_search_flags(parser, default_split="dev")
+    parser.add_argument("--output_dir", required=True)
+    args = gin_utils.parse_args(parser, argv)
+    try:
+        inputs = load_search_inputs(args)
+    except (DataError, IndexMismatchError) as e:
+        print(f"t5r eval: error: {e}", file=sys.stderr)
+        return 2
+    result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store)
+    write_results(result, args.output_dir)
+    print(format_table(result.tables), end="")
+    return 0

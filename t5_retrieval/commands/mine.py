@@ -1,0 +1,39 @@
+"""`t5r mine`: hard negatives for every training query with the current model (ANCE).
+
+`t5r mine --index_dir=... --data_dir=... --source=ance-1 (--checkpoint_dir=... | --lexical_baseline_dim=N)`
+writes `<data_dir>/negatives/<source>/{task}-{split}.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from t5_retrieval.commands.inputs import add_search_flags, load_search_inputs
+from t5_retrieval.retrieval.index import IndexMismatchError
+from t5_retrieval.retrieval.mine import mine_negatives
+
+
+def main(argv: list[str]) -> int:
+    """`t5r mine`: hard negatives for every training query with the current model."""
+    from t5_retrieval import gin_utils
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.records import DataError, write_negatives
+
+    parser = argparse.ArgumentParser(prog="t5r mine", description=__doc__.splitlines()[0])
+    add_search_flags(parser, default_split="train")
+    parser.add_argument("--source", required=True, help="negatives name, e.g. ance-1 (bm25 is the data stage's)")
+    args = gin_utils.parse_args(parser, argv)
+    try:
+        inputs = load_search_inputs(args)
+    except (DataError, IndexMismatchError) as e:
+        print(f"t5r mine: error: {e}", file=sys.stderr)
+        return 2
+    out_dir = layout.negatives_dir(args.data_dir, args.source)
+    os.makedirs(out_dir, exist_ok=True)
+    for task, task_examples in inputs.examples.items():
+        path = layout.negatives_path(out_dir, task, args.split)
+        count = write_negatives(path, mine_negatives(inputs.encoder, inputs.index, task_examples, inputs.store))
+        print(f"t5r mine: {task}: {count} queries -> {path}")
+    return 0

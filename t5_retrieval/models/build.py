@@ -1,0 +1,125 @@
+"""The one model factory: architecture config as plain data -> Flax module -> sharded parameters.
+
+Training, inference and export all build models here, so a checkpoint's stored `model_config.json`
+rebuilds exactly the module that wrote it. `initial_params` loads the weights a run starts from
+(a t5r model directory, or a Hugging Face T5 / BERT directory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+from t5_retrieval import checkpoint, sharding
+from t5_retrieval.data.text import PASSAGE_TEMPLATE
+from t5_retrieval.models import pretrained  # noqa: F401 (gin: @minilm_l6_dir)
+from t5_retrieval.models.bert import BertConfig
+from t5_retrieval.models.bert_dual_encoder import BertDualEncoder, BertDualEncoderConfig
+from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
+from t5_retrieval.models.t5 import T5Config
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("t5", "bert")
+
+
+@gin.configurable
+def model_config(family: str = "t5", t5: T5Config | None = None, dual_encoder: DualEncoderConfig | None = None,
+                 bert: BertConfig | None = None, bert_dual_encoder: BertDualEncoderConfig | None = None
+                 ) -> dict[str, Any]:
+    """The architecture as plain data: stored with checkpoints, rebuilt by `build_model`.
+
+    `family` "t5" (ST5 dual encoder; the stored config has no "family" key, as before BERT existed)
+    or "bert" (MT-DPR / sentence-transformers: {"family": "bert", "bert", "dual_encoder"}).
+    """
+    if family == "bert":
+        bert = bert or BertConfig()  # constructed here, so that gin bindings apply
+        bert_dual_encoder = bert_dual_encoder or BertDualEncoderConfig()
+        return {"family": "bert", "bert": dataclasses.asdict(bert),
+                "dual_encoder": dataclasses.asdict(bert_dual_encoder)}
+    if family != "t5":
+        raise ValueError(f"model_config.family: expected one of {FAMILIES}, got {family!r}")
+    t5 = t5 or T5Config()
+    dual_encoder = dual_encoder or DualEncoderConfig()
+    return {"t5": dataclasses.asdict(t5), "dual_encoder": dataclasses.asdict(dual_encoder)}
+
+
+ARCHITECTURE = {"t5": {"t5": T5Config, "dual_encoder": DualEncoderConfig},
+                "bert": {"bert": BertConfig, "dual_encoder": BertDualEncoderConfig}}
+
+
+def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """A config stored by an earlier version as this version writes it, so that its run resumes.
+
+    Architecture fields added since take their dataclass defaults (the same model), the passage
+    template its only former value, and the tasks' step order (`index`, once implied by the
+    mixture) the current run's.
+    """
+    out = dict(stored)
+    for key, cls in ARCHITECTURE.get(stored.get("family", "t5"), {}).items():
+        if key in stored:
+            out[key] = dataclasses.asdict(cls(**stored[key]))
+    if "features" in stored:
+        features = dict(stored["features"])
+        if "passage_template" in current.get("features", {}):
+            features.setdefault("passage_template", PASSAGE_TEMPLATE)
+        order = current.get("features", {}).get("tasks", {})
+        features["tasks"] = {name: {"index": order[name]["index"], **spec} if name in order and "index" not in spec
+                             else spec for name, spec in features.get("tasks", {}).items()}
+        out["features"] = features
+    return out
+
+
+def build_model(config: dict[str, Any]) -> DualEncoder | BertDualEncoder:
+    family = config.get("family", "t5")
+    if family == "bert":
+        return BertDualEncoder(BertConfig(**config["bert"]), BertDualEncoderConfig(**config["dual_encoder"]))
+    if family != "t5":
+        raise ValueError(f"stored model config has family {family!r}; this version knows {FAMILIES}")
+    return DualEncoder(T5Config(**config["t5"]), DualEncoderConfig(**config["dual_encoder"]))
+
+
+def init_params(model: nn.Module, rng: jax.Array, mesh: jax.sharding.Mesh, rules: sharding.Rules
+                ) -> tuple[Any, Any]:
+    """Initialises parameters directly into their shardings; returns (params, shardings)."""
+
+    def boxed_init(key: jax.Array) -> Any:
+        return model.init({"params": key}, jnp.ones((1, 4), jnp.int32))["params"]
+
+    logical_specs = nn.get_partition_spec(jax.eval_shape(boxed_init, rng))
+    shardings = sharding.tree_shardings(mesh, rules, logical_specs)
+    params = jax.jit(lambda key: nn.unbox(boxed_init(key)), out_shardings=shardings)(rng)
+    return params, shardings
+
+
+def initial_params(source: str, like: Any) -> Any:
+    """Weights to start from: a t5r model directory's latest checkpoint, or a Hugging Face T5 or BERT
+    directory. Query encoders (separate or per task) start from the same pretrained weights as the
+    main one, as in DPR / MT-DPR."""
+    abstract = checkpoint.abstract_like(like)
+    if os.path.exists(os.path.join(source, checkpoint.CONFIG_FILE)):
+        params, step = checkpoint.restore_params(source, abstract)
+        log.info("initialised from %s step %d", source, step)
+        return params
+    if os.path.exists(os.path.join(source, "config.json")):
+        from t5_retrieval.models import hf_bert_import, hf_import
+        if hf_bert_import.is_bert_config(hf_bert_import.read_hf_config(source)):
+            family, load = "bert", hf_bert_import.load_bert
+        else:
+            family, load = "t5", hf_import.load_t5
+        if family not in like:
+            raise checkpoint.CheckpointError(
+                f"init_from={source!r} is a Hugging Face {family.upper()} directory, but the model is not "
+                f"(its encoders: {sorted(like)}; see model_config.family)")
+        encoders = [name for name in like if name == family or name.startswith(f"query_{family}_")]
+        # Shapes are checked tensor by tensor against each encoder's own parameter tree.
+        return {**like, **{name: load(source, abstract[name]) for name in encoders}}
+    raise checkpoint.CheckpointError(f"init_from={source!r}: neither a t5r model directory ({checkpoint.CONFIG_FILE}) "
+                                     "nor a Hugging Face T5 or BERT directory (config.json)")

@@ -1,0 +1,111 @@
+"""The package's layer order (docs/architecture.md), enforced on every import, also inside functions.
+
+A module may import from its own component (e.g. `retrieval` from `retrieval`) and from components
+of lower layers only. The `t5r` dispatch table in `cli.py` names commands by string
+(`importlib.import_module`), which is the one way a lower layer reaches a higher one.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Lowest first. Components in one layer do not import each other.
+LAYERS: list[tuple[str, ...]] = [
+    ("__init__", "logs", "gin_utils", "sharding"),
+    ("data",),
+    ("tasks",),
+    ("checkpoint",),
+    ("models",),
+    ("losses", "multitask", "retrieval", "optim"),
+    ("inference",),
+    ("train_step",),
+    ("train", "query_side", "fusion", "export"),
+    ("stages",),
+    ("ance", "commands"),
+    ("cli",),
+    ("results", "demo"),
+]
+LAYER_OF = {component: i for i, layer in enumerate(LAYERS) for component in layer}
+
+
+def component_of(module: str) -> str | None:
+    """'t5_retrieval.data.kb' -> 'data'; 'tasks.kilt' -> 'tasks'; third-party modules -> None."""
+    parts = module.split(".")
+    if parts[0] == "tasks":
+        return "tasks"
+    if parts[0] != "t5_retrieval":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def source_files() -> list[tuple[str, str]]:
+    """(path, module name) of every Python file of the library and the task declarations."""
+    out = []
+    for top in ("t5_retrieval", "tasks"):
+        for root, _, files in os.walk(os.path.join(REPO, top)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(root, name)
+                    rel = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                    out.append((path, rel.removesuffix(".__init__")))
+    return out
+
+
+def imported_modules(path: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, at any depth; `from p import a` yields p.a."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: relative import; the layer check reads absolute ones"
+            out += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return out
+
+
+def upward_imports() -> list[str]:
+    problems = []
+    for path, module in source_files():
+        own = component_of(module)
+        for line, target in imported_modules(path):
+            other = component_of(target)
+            if other is None or other == own:
+                continue
+            if LAYER_OF[other] >= LAYER_OF[own]:
+                problems.append(f"{os.path.relpath(path, REPO)}:{line}: {own} (layer {LAYER_OF[own]}) imports "
+                                f"{target} ({other}, layer {LAYER_OF[other]})")
+    return problems
+
+
+def test_every_component_has_a_layer():
+    components = {component_of(module) for _, module in source_files()}
+    missing = sorted(components - set(LAYER_OF))
+    assert not missing, f"components not placed in LAYERS (and docs/architecture.md): {missing}"
+
+
+def test_no_module_imports_from_its_own_layer_or_above():
+    problems = upward_imports()
+    order = " < ".join(", ".join(layer) for layer in LAYERS)
+    assert not problems, "imports against the layer order " + order + ":\n" + "\n".join(problems)
+
+
+def test_the_check_sees_imports_inside_functions(tmp_path, monkeypatch):
+    """The scan must catch a lazy import, the usual way a back-edge hides."""
+    package = tmp_path / "t5_retrieval" / "data"
+    package.mkdir(parents=True)
+    (package / "sneaky.py").write_text("def f():\n    from t5_retrieval.train import train\n    return train\n")
+    monkeypatch.setattr(__import__(__name__), "REPO", str(tmp_path))
+    assert upward_imports() == [
+        "t5_retrieval/data/sneaky.py:2: data (layer 1) imports t5_retrieval.train.train (train, layer 8)"]
+
+
+@pytest.mark.parametrize("module,component", [("t5_retrieval.data.kb", "data"), ("tasks.kilt", "tasks"),
+                                              ("t5_retrieval", "__init__"), ("numpy", None)])
+def test_component_of(module, component):
+    assert component_of(module) == component
