@@ -33,11 +33,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _usage() -> str:
-    width = max(len(name) for name in COMMANDS)
-    lines = ["usage: t5r COMMAND [args...]   (t5r COMMAND --help for a command's flags)", ""]
-    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+def _usage(group: str | None = None) -> str:
+    """The command list; for a group ("data"), its subcommands only."""
+    names = [n for n in COMMANDS if group is None or n.split()[0] == group]
+    width = max(len(name) for name in names)
+    head = f"t5r {group} SUBCOMMAND" if group else "t5r COMMAND"
+    lines = [f"usage: {head} [args...]   ({head} --help for its flags)", ""]
+    lines += [f"  {name:<{width}}  {COMMANDS[name][1]}" for name in names]
     return "\n".join(lines)
+
+
+GROUPS = sorted({name.split()[0] for name in COMMANDS if " " in name})
 
 
 def resolve(argv: list[str]) -> tuple[str, list[str]]:
@@ -54,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in GROUPS and (len(argv) == 1 or argv[1] in ("-h", "--help")):
+        print(_usage(argv[0]))
         return 0
     name, rest = resolve(argv)
     target, _ = COMMANDS[name]

@@ -2,8 +2,8 @@
 
 mesh -> data -> model + sharded init -> optimiser -> restore -> jitted step -> loop (log, checkpoint).
 
-    t5r train --gin_file=models/t5_tiny.gin --gin_file=runs/train_demo.gin \
-        --gin.train.model_dir="'/tmp/run'"
+    t5r train --model_dir=/tmp/run --gin_file=models/t5_base.gin --gin_file=runs/taco.gin \
+        --gin.DATA_DIR="'/data/kilt'" --gin.VOCABULARY="'/models/t5/spiece.model'" --gin.NUM_STEPS=20000
 """
 
 from __future__ import annotations

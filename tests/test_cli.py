@@ -23,6 +23,16 @@ def test_every_command_has_help(name, capsys):
     assert "usage:" in capsys.readouterr().out, f"t5r {name} --help printed no usage"
 
 
+@pytest.mark.parametrize("group", cli.GROUPS)
+def test_a_command_group_lists_its_subcommands(group, capsys):
+    for argv in ([group], [group, "--help"]):
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        subcommands = [name for name in cli.COMMANDS if name.startswith(group + " ")]
+        listed = [" ".join(line.split()[:2]) for line in out.splitlines() if line.startswith("  ")]
+        assert subcommands and listed == subcommands, out
+
+
 def test_two_word_commands_are_resolved_before_one_word_ones():
     assert cli.resolve(["data", "kb", "--x"]) == ("data kb", ["--x"])
     assert cli.resolve(["train", "--model_dir", "d"]) == ("train", ["--model_dir", "d"])
