@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage, format_query
-from t5_retrieval.data.tokenize import load_vocabulary, tokenize
+from t5_retrieval.data.tokenize import load_vocabulary, tokenize, vocabulary_digest
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
@@ -29,8 +30,16 @@ from t5_retrieval.train import build_model
 
 
 def fingerprint_of(config: dict[str, Any], params: Any, step: int) -> str:
-    """Identifies a model: its config, its checkpoint step and a cheap digest of every weight."""
+    """Identifies a model: its config, its vocabulary's content, its checkpoint step and a cheap
+    digest of every weight.
+
+    The config names the vocabulary by path only, and other token ids through the same weights
+    are another model: an index built before the file changed must not match after.
+    """
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    vocabulary = config.get("features", {}).get("vocabulary")
+    if vocabulary:
+        digest.update(f"vocabulary={vocabulary_digest(vocabulary)}".encode())
     digest.update(str(step).encode())
     sums = jax.device_get(jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32) ** 2), params))
     for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]:
@@ -137,9 +146,26 @@ def bucketed_width(lengths: np.ndarray, max_width: int) -> int:
     return min(max_width, -(-int(lengths.max()) // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
+def check_vocabulary(features: dict[str, Any], checkpoint_dir: str) -> None:
+    """Refuses a vocabulary that is missing, or whose content differs from the one the model was
+    trained with (its digest, recorded with the features; models trained before it was recorded
+    carry none and are not checked)."""
+    path, recorded = features.get("vocabulary"), features.get("vocabulary_digest")
+    if not path:
+        return
+    if not os.path.exists(path):
+        raise checkpoint.CheckpointError(f"{checkpoint_dir}: the model's vocabulary {path} does not exist")
+    current = vocabulary_digest(path)
+    if recorded and current != recorded:
+        raise checkpoint.CheckpointError(
+            f"{checkpoint_dir}: the vocabulary {path} has content digest {current}, but the model was trained "
+            f"with digest {recorded}: the file changed since training, and the model's token ids with it")
+
+
 def load_encoder(checkpoint_dir: str, step: int | None = None, batch_size: int = 64) -> DualEncoderInference:
     """Rebuilds the model from `checkpoint_dir`'s config and restores its parameters (only)."""
     config = checkpoint.read_config(checkpoint_dir)
+    check_vocabulary(config.get("features", {}), checkpoint_dir)
     model = build_model(config)
     # This process's devices only: in a multi-process job each process encodes its own texts (its
     # shards of the KB, its queries), different ones and different numbers of them, so an encode

@@ -89,8 +89,8 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
     """A config stored by an earlier version as this version writes it, so that its run resumes.
 
     Architecture fields added since take their dataclass defaults (the same model), the passage
-    template its only former value, and the tasks' step order (`index`, once implied by the
-    mixture) the current run's.
+    template its only former value, the vocabulary digest the current one, and the tasks' step
+    order (`index`, once implied by the mixture) the current run's.
     """
     out = dict(stored)
     for key, cls in ARCHITECTURE.get(stored.get("family", "t5"), {}).items():
@@ -100,6 +100,8 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
         features = dict(stored["features"])
         if "passage_template" in current.get("features", {}):
             features.setdefault("passage_template", PASSAGE_TEMPLATE)
+        if "vocabulary_digest" in current.get("features", {}):  # not recorded before: nothing to compare
+            features.setdefault("vocabulary_digest", current["features"]["vocabulary_digest"])
         order = current.get("features", {}).get("tasks", {})
         features["tasks"] = {name: {"index": order[name]["index"], **spec} if name in order and "index" not in spec
                              else spec for name, spec in features.get("tasks", {}).items()}
