@@ -131,10 +131,11 @@ def init_params(model: nn.Module, rng: jax.Array, mesh: jax.sharding.Mesh, rules
     return params, shardings
 
 
-def initial_params(source: str, like: Any) -> Any:
+def initial_params(source: str, like: Any, config: dict[str, Any]) -> Any:
     """Weights to start from: a t5r model directory's latest checkpoint, or a Hugging Face T5 or BERT
     directory. Query encoders (separate or per task) start from the same pretrained weights as the
-    main one, as in DPR / MT-DPR."""
+    main one, as in DPR / MT-DPR. `config` is the model's (`model_config()`): a Hugging Face
+    directory must describe the same network."""
     abstract = checkpoint.abstract_like(like)
     if os.path.exists(os.path.join(source, checkpoint.CONFIG_FILE)):
         params, step = checkpoint.restore_params(source, abstract)
@@ -151,8 +152,9 @@ def initial_params(source: str, like: Any) -> Any:
                 f"init_from={source!r} is a Hugging Face {family.upper()} directory, but the model is not "
                 f"(its encoders: {sorted(like)}; see model_config.family)")
         encoders = [name for name in like if name == family or name.startswith(f"query_{family}_")]
-        # Shapes are checked tensor by tensor against each encoder's own parameter tree.
-        return {**like, **{name: load(source, abstract[name]) for name in encoders}}
+        # The file's config.json against the model's; shapes tensor by tensor against each encoder's tree.
+        architecture = ARCHITECTURE[family][family](**config[family])
+        return {**like, **{name: load(source, abstract[name], architecture) for name in encoders}}
     raise checkpoint.CheckpointError(f"init_from={source!r}: neither a t5r model directory ({checkpoint.CONFIG_FILE}) "
                                      "nor a Hugging Face T5 or BERT directory (config.json)")
 
@@ -265,7 +267,7 @@ def train(model_dir: str,
     params_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
     params, param_shardings = init_params(model, params_rng, mesh, rules)
     if init_from:
-        params = jax.device_put(initial_params(init_from, params), param_shardings)
+        params = jax.device_put(initial_params(init_from, params, config), param_shardings)
     # GDMTL's transform combines two objectives (retrieval, query generation), others the tasks.
     num_objectives = 2 if model.config.query_generation else len(task_names)
     optimizer = make_optimizer(total_steps=num_steps, num_tasks=num_objectives, multitask=multitask)
