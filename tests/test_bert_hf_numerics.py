@@ -140,7 +140,8 @@ def test_a_config_that_changes_numerics_is_refused_naming_the_field_and_both_val
     file_cfg = hf_bert_import.bert_config_from_hf(hf_bert_import.read_hf_config(directory))
     model_cfg = dataclasses.replace(file_cfg, **{field: value})
     target = abstract_params(Bert(model_cfg), jnp.ones((1, 4), jnp.int32))
-    pattern = rf"{field}: checkpoint {re.escape(repr(getattr(file_cfg, field)))} \(config.json {key}\), model {re.escape(repr(value))}"
+    checkpoint_value, model_value = re.escape(repr(getattr(file_cfg, field))), re.escape(repr(value))
+    pattern = rf"{field}: checkpoint {checkpoint_value} \(config.json {key}\), model {model_value}"
     with pytest.raises(HFImportError, match=pattern):
         hf_bert_import.load_bert(directory, target, model_cfg)
 

@@ -56,7 +56,8 @@ def _model_dir(tmp_path, features):
     checkpoint.write_config(model_dir, config)
     import flax.linen as nn
 
-    params = nn.unbox(DualEncoder(CFG, DualEncoderConfig()).init(jax.random.PRNGKey(0), np.ones((1, 4), np.int32))["params"])
+    boxed = DualEncoder(CFG, DualEncoderConfig()).init(jax.random.PRNGKey(0), np.ones((1, 4), np.int32))["params"]
+    params = nn.unbox(boxed)
     checkpoint.save(checkpoint.manager(model_dir), 0, {"params": params}, {})
     return model_dir
 

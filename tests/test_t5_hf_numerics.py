@@ -163,7 +163,8 @@ def test_a_config_that_changes_numerics_is_refused_naming_the_field_and_both_val
     with open(tmp_path / "config.json") as f:
         file_cfg = hf_import.t5_config_from_hf(json.load(f))
     model_cfg = dataclasses.replace(file_cfg, **{field: value})
-    pattern = rf"{field}: checkpoint {re.escape(repr(getattr(file_cfg, field)))} \(config.json {key}.*model {re.escape(repr(value))}"
+    checkpoint_value, model_value = re.escape(repr(getattr(file_cfg, field))), re.escape(repr(value))
+    pattern = rf"{field}: checkpoint {checkpoint_value} \(config.json {key}.*model {model_value}"
     with pytest.raises(hf_import.HFImportError, match=pattern):
         hf_import.load_t5(str(tmp_path), _model_target(model_cfg), model_cfg)
 
@@ -182,7 +183,8 @@ def test_a_misshaped_attention_weight_is_named_before_any_reshape(tmp_path):
     tensors = hf_import.read_safetensors(str(tmp_path))
     tensors["encoder.block.0.layer.0.SelfAttention.q.weight"] = np.zeros((30, 32), np.float32)  # 30 = no heads*d_kv
     with pytest.raises(hf_import.HFImportError,
-                       match=r"'encoder\.block\.0\.layer\.0\.SelfAttention\.q\.weight' has shape \(30, 32\), expected \(32, 32\)"):
+                       match=r"'encoder\.block\.0\.layer\.0\.SelfAttention\.q\.weight' has shape \(30, 32\), "
+                             r"expected \(32, 32\)"):
         hf_import.convert(tensors, cfg, target)
 
 
