@@ -23,7 +23,7 @@ import numpy as np
 from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.records import Passage, write_json_atomic
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage, format_query
-from t5_retrieval.data.tokenize import load_vocabulary, tokenize
+from t5_retrieval.data.tokenize import load_vocabulary, tokenize, vocabulary_digest
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.build import build_model
 from t5_retrieval.models.dual_encoder import DualEncoder
@@ -31,8 +31,16 @@ from t5_retrieval.retrieval.index import IndexMismatchError
 
 
 def fingerprint_of(config: dict[str, Any], params: Any, step: int) -> str:
-    """Identifies a model: its config, its checkpoint step and a cheap digest of every weight."""
+    """Identifies a model: its config, its vocabulary's content, its checkpoint step and a cheap
+    digest of every weight.
+
+    The config names the vocabulary by path only, and other token ids through the same weights
+    are another model: an index built before the file changed must not match after.
+    """
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    vocabulary = config.get("features", {}).get("vocabulary")
+    if vocabulary:
+        digest.update(f"vocabulary={vocabulary_digest(vocabulary)}".encode())
     digest.update(str(step).encode())
     sums = jax.device_get(jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32) ** 2), params))
     for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]:
@@ -139,6 +147,22 @@ def bucketed_width(lengths: np.ndarray, max_width: int) -> int:
     return min(max_width, -(-int(lengths.max()) // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
+def check_vocabulary(features: dict[str, Any], checkpoint_dir: str) -> None:
+    """Refuses a vocabulary that is missing, or whose content differs from the one the model was
+    trained with (its digest, recorded with the features; models trained before it was recorded
+    carry none and are not checked)."""
+    path, recorded = features.get("vocabulary"), features.get("vocabulary_digest")
+    if not path:
+        return
+    if not os.path.exists(path):
+        raise checkpoint.CheckpointError(f"{checkpoint_dir}: the model's vocabulary {path} does not exist")
+    current = vocabulary_digest(path)
+    if recorded and current != recorded:
+        raise checkpoint.CheckpointError(
+            f"{checkpoint_dir}: the vocabulary {path} has content digest {current}, but the model was trained "
+            f"with digest {recorded}: the file changed since training, and the model's token ids with it")
+
+
 def load_encoder(model_dir: str, step: int | None = None, batch_size: int = 64
                  ) -> DualEncoderInference | QuerySideEncoder:
     """The one way to open a model directory the project writes, as a retrieval `Encoder`.
@@ -163,6 +187,7 @@ def load_dual_encoder(model_dir: str, step: int | None = None, batch_size: int =
     """A model directory's own network and parameters (what training, export and analysis need);
     retrieval uses `load_encoder`, which also resolves a query-side model's passage encoder."""
     config = checkpoint.read_config(model_dir)
+    check_vocabulary(config.get("features", {}), model_dir)
     model = build_model(config)
     # This process's devices only: in a multi-process job each process encodes its own texts (its
     # shards of the KB, its queries), different ones and different numbers of them, so an encode

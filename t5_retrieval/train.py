@@ -161,7 +161,7 @@ def train(model_dir: str,
     params_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
     params, param_shardings = init_params(model, params_rng, mesh, rules)
     if init_from:
-        params = jax.device_put(initial_params(init_from, params), param_shardings)
+        params = jax.device_put(initial_params(init_from, params, config), param_shardings)
     # GDMTL's transform combines two objectives (retrieval, query generation), others the tasks.
     num_objectives = 2 if model.config.query_generation else len(task_names)
     optimizer = make_optimizer(total_steps=num_steps, num_tasks=num_objectives, multitask=multitask)

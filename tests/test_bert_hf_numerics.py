@@ -1,5 +1,8 @@
 """Our Flax BERT against transformers' PyTorch BertModel on the same random weights."""
 
+import dataclasses
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -45,7 +48,7 @@ def import_dir(directory: str):
     cfg = hf_bert_import.bert_config_from_hf(hf_bert_import.read_hf_config(directory))
     model = Bert(cfg)
     target = abstract_params(model, jnp.ones((1, 4), jnp.int32))
-    return cfg, model, hf_bert_import.load_bert(directory, target)
+    return cfg, model, hf_bert_import.load_bert(directory, target, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -121,4 +124,33 @@ def test_init_from_a_bert_directory_refuses_a_t5_model(hf_dir):
                               num_decoder_layers=1))
     like = nn.unbox(t5.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))["params"])
     with pytest.raises(CheckpointError, match="is a Hugging Face BERT directory, but the model is not"):
-        initial_params(hf_dir[0], like)
+        initial_params(hf_dir[0], like, {"t5": dataclasses.asdict(t5.t5_config)})
+
+
+@pytest.mark.parametrize("field, value, key", [
+    ("num_layers", 1, "num_hidden_layers"),
+    ("layer_norm_epsilon", 1e-6, "layer_norm_eps"),  # shapes alike
+    ("max_position_embeddings", 64, "max_position_embeddings"),
+    ("num_heads", 2, "num_attention_heads"),  # shapes alike: only the split into heads changes
+    ("intermediate_size", 64, "intermediate_size"),
+    ("type_vocab_size", 1, "type_vocab_size"),
+])
+def test_a_config_that_changes_numerics_is_refused_naming_the_field_and_both_values(hf_dir, field, value, key):
+    directory, _ = hf_dir
+    file_cfg = hf_bert_import.bert_config_from_hf(hf_bert_import.read_hf_config(directory))
+    model_cfg = dataclasses.replace(file_cfg, **{field: value})
+    target = abstract_params(Bert(model_cfg), jnp.ones((1, 4), jnp.int32))
+    checkpoint_value, model_value = re.escape(repr(getattr(file_cfg, field))), re.escape(repr(value))
+    pattern = rf"{field}: checkpoint {checkpoint_value} \(config.json {key}\), model {model_value}"
+    with pytest.raises(HFImportError, match=pattern):
+        hf_bert_import.load_bert(directory, target, model_cfg)
+
+
+def test_a_misshaped_attention_bias_is_named_before_any_reshape(hf_dir):
+    directory, _ = hf_dir
+    cfg, _, params = import_dir(directory)
+    tensors = read_safetensors(directory)
+    tensors["encoder.layer.0.attention.self.query.bias"] = np.zeros((30,), np.float32)
+    with pytest.raises(HFImportError,
+                       match=r"'encoder\.layer\.0\.attention\.self\.query\.bias' has shape \(30,\), expected \(32,\)"):
+        hf_bert_import.convert(tensors, cfg, params)

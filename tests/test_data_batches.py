@@ -167,3 +167,13 @@ def test_passage_template_is_recorded_and_used_for_passage_tokens(data_dir, voca
     assert all(r.tobytes() in every_passage for r in rows), "passages must be tokenised as '{title}: {text}'"
     with pytest.raises(ValueError, match="passage template"):
         passage_text(store.get(store.ids()[0]), "{text} ({title})")
+
+
+def test_the_vocabulary_content_digest_is_recorded_with_its_path(data_dir):
+    import hashlib
+
+    features = _iterator(data_dir, SPM).features
+    with open(SPM, "rb") as f:
+        content = hashlib.sha256(f.read()).hexdigest()[:16]
+    assert features["vocabulary"] == os.path.abspath(SPM)
+    assert features["vocabulary_digest"] == content, "the digest must be of the file's bytes, not of its path"

@@ -10,7 +10,7 @@ from t5_retrieval.data.kilt import convert_task_file, kilt_file
 from t5_retrieval.data.mixing import subbatch_sizes, temperature_rates
 from t5_retrieval.data.negatives import mine_bm25_negatives
 from t5_retrieval.data.prepare import _LazyBM25
-from t5_retrieval.data.records import DataError
+from t5_retrieval.data.records import DataError, read_examples, read_negatives
 from t5_retrieval.data.text import format_query
 
 PAGES = [
@@ -68,7 +68,8 @@ def test_min_bleu_drops_only_provenance_with_a_low_score(tmp_path, store):
         {"id": "d", "input": "q4", "output": [{"answer": "no provenance"}]},
     ]
     examples, stats = _convert(_write(tmp_path, rows), store, min_bleu=0.5)
-    assert [e.id for e in examples] == ["b", "c"]
+    assert [e.id for e in examples] == ["b", "c", "d"], "only the example whose provenance all fell below is dropped"
+    assert examples[2].gold_pages == () and examples[2].positive_passages == ()
     assert stats.provenance_below_bleu == 1 and stats.no_provenance == 1
 
 
@@ -96,7 +97,33 @@ def test_bad_records_name_file_line_and_field(tmp_path, store):
     with pytest.raises(DataError, match=r":1: output\[0\].provenance\[0\]: missing field 'wikipedia_id'"):
         _convert(_write(tmp_path, [{"id": "a", "input": "q", "output": [{"provenance": [{"title": "x"}]}]}]), store)
     with pytest.raises(DataError, match=r":2: malformed json"):
-        _convert(_write(tmp_path, [{"id": "a", "input": "q"}, "{oops"]), store)
+        _convert(_write(tmp_path, [{"id": "a", "input": "q", "output": []}, "{oops"]), store)
+
+
+def test_an_example_without_output_is_an_error_naming_file_and_line(tmp_path, store):
+    rows = [{"id": "a", "input": "q", "output": [{"provenance": [{"wikipedia_id": "2"}]}]},
+            {"id": "b", "input": "q2", "meta": {}}]
+    with pytest.raises(DataError, match=r"t-train-kilt.jsonl:2: missing field 'output'"):
+        _convert(_write(tmp_path, rows), store)
+
+
+def test_a_repeated_example_id_is_an_error_naming_both_lines(tmp_path, store):
+    rows = [{"id": i, "input": f"q{n}", "output": [{"provenance": [{"wikipedia_id": "2"}]}]}
+            for n, i in enumerate(["a", "b", "c", "b"])]
+    with pytest.raises(DataError, match=r"t-train-kilt.jsonl:4: example id 'b' is also the id of line 2"):
+        _convert(_write(tmp_path, rows), store)
+
+
+def test_processed_examples_and_negatives_refuse_a_repeated_id(tmp_path):
+    example = {"task": "t", "query": "q", "gold_pages": [["2"]]}
+    examples = _write(tmp_path, [{"id": "x", **example}, {"id": "y", **example}, {"id": "x", **example}],
+                      "t-train.jsonl")
+    with pytest.raises(DataError, match=r"t-train.jsonl:3: example id 'x' is also the id of line 1"):
+        read_examples(examples)
+    negatives = _write(tmp_path, [{"id": "x", "negatives": ["1_0"]}, {"id": "x", "negatives": ["4_0"]}],
+                       "negatives.jsonl")
+    with pytest.raises(DataError, match=r"negatives.jsonl:2: example id 'x' is also the id of line 1"):
+        read_negatives(negatives)
 
 
 def test_unknown_task_lists_the_known_ones(tmp_path):

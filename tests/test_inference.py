@@ -39,3 +39,54 @@ def test_length_bucketed_encoding_equals_full_width_encoding_in_input_order():
     full = np.asarray(model.apply({"params": params}, tokens))
     np.testing.assert_allclose(encoder.encode_tokens(tokens), full, rtol=1e-5, atol=1e-5,
                                err_msg="cutting batches to their longest row must not change any embedding")
+
+
+def _wordpiece(path, words):
+    path.write_text("".join(f"{t}\n" for t in ["[PAD]", "[UNK]", "[CLS]", "[SEP]", *words]))
+    return str(path)
+
+
+def _model_dir(tmp_path, features):
+    """A t5r model directory (config + step-0 checkpoint) of a tiny T5 dual encoder."""
+    import dataclasses
+
+    model_dir = str(tmp_path / "model")
+    config = {"family": "t5", "t5": dataclasses.asdict(CFG), "dual_encoder": dataclasses.asdict(DualEncoderConfig()),
+              "features": features}
+    checkpoint.write_config(model_dir, config)
+    import flax.linen as nn
+
+    boxed = DualEncoder(CFG, DualEncoderConfig()).init(jax.random.PRNGKey(0), np.ones((1, 4), np.int32))["params"]
+    params = nn.unbox(boxed)
+    checkpoint.save(checkpoint.manager(model_dir), 0, {"params": params}, {})
+    return model_dir
+
+
+def test_a_vocabulary_changed_since_training_is_refused_naming_both_digests(tmp_path):
+    import pytest
+
+    from t5_retrieval.data.tokenize import vocabulary_digest
+    from t5_retrieval.inference import load_encoder
+
+    vocab = _wordpiece(tmp_path / "vocab.txt", ["paris", "berlin"])
+    trained = vocabulary_digest(vocab)
+    model_dir = _model_dir(tmp_path, {"vocabulary": vocab, "vocabulary_digest": trained, "query_len": 8,
+                                      "passage_len": 8, "tasks": {}})
+    load_encoder(model_dir)  # the unchanged vocabulary loads
+    _wordpiece(tmp_path / "vocab.txt", ["berlin", "paris"])  # same path, other ids
+    now = vocabulary_digest(vocab)
+    assert now != trained
+    with pytest.raises(checkpoint.CheckpointError, match=f"content digest {now}.*trained with digest {trained}"):
+        load_encoder(model_dir)
+
+
+def test_a_model_without_a_recorded_digest_loads_and_its_fingerprint_follows_the_vocabulary_content(tmp_path):
+    from t5_retrieval.inference import load_encoder
+
+    vocab = _wordpiece(tmp_path / "vocab.txt", ["paris", "berlin"])
+    model_dir = _model_dir(tmp_path, {"vocabulary": vocab, "query_len": 8, "passage_len": 8, "tasks": {}})
+    before = load_encoder(model_dir).fingerprint
+    assert load_encoder(model_dir).fingerprint == before, "the fingerprint is a function of the model"
+    _wordpiece(tmp_path / "vocab.txt", ["berlin", "paris"])
+    after = load_encoder(model_dir).fingerprint
+    assert after != before, "an index built with the old vocabulary must not match the model with the new one"

@@ -56,7 +56,7 @@ def model_dir(tmp_path_factory):
     config = minilm_config()
     model = build_model(config)
     params, _ = init_params(model, jax.random.PRNGKey(0), sharding.make_mesh(), sharding.logical_axis_rules())
-    params = initial_params(minilm_l6_dir(), params)
+    params = initial_params(minilm_l6_dir(), params, config)
     directory = str(tmp_path_factory.mktemp("minilm") / "model")
     checkpoint.write_config(directory, config)
     checkpoint.save(checkpoint.manager(directory), 0, {"params": params}, {})

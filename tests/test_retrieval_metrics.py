@@ -64,11 +64,22 @@ def test_no_guesses_score_zero_everywhere():
     assert all(v == 0.0 for v in scores.values()), scores
 
 
-def test_invalid_k_and_missing_gold_are_refused():
+def test_invalid_k_is_refused():
     with pytest.raises(ValueError, match="k must be >= 2"):
         metrics.recall_at_k(KILT_GOLD, KILT_GUESS, 1)
-    with pytest.raises(ValueError, match="at least one evidence set"):
-        metrics.r_precision([], ["a"])
+
+
+def test_a_query_without_evidence_sets_scores_zero_as_in_the_official_scorer():
+    assert metrics.r_precision([], ["a"]) == 0.0
+    scores = metrics.kilt_scores([], ["a", "b"], ks=[1, 5])
+    assert scores == {"Rprec": 0.0, "precision@1": 0.0, "precision@5": 0.0, "recall@5": 0.0,
+                      "success_rate@5": 0.0}, scores
+
+
+def test_an_empty_evidence_set_is_never_found_but_counts_in_recall():
+    gold = [(), ("a",)]
+    assert metrics.recall_at_k(gold, ["a", "b"], 2) == 0.5, "one of two distinct evidence sets found"
+    assert metrics.r_precision(gold, ["a"]) == 1.0, "R-precision takes the best set"
 
 
 def test_mean_scores_average_over_queries():

@@ -2,6 +2,8 @@
 takes the queries, passages the main encoder, and both gradient paths of the train step agree; a
 Hugging Face init gives every query tower the pretrained weights."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -76,7 +78,7 @@ def test_hf_init_gives_every_query_tower_the_pretrained_weights(family, tmp_path
         model = BertDualEncoder(bert_config_from_hf(read_hf_config(str(tmp_path))),
                                 BertDualEncoderConfig(query_towers=2))
     like = nn.unbox(model.init(jax.random.PRNGKey(0), np.ones((1, 4), np.int32))["params"])
-    params = initial_params(str(tmp_path), like)
+    params = initial_params(str(tmp_path), like, {family: dataclasses.asdict(getattr(model, f"{family}_config"))})
     for tower in (f"query_{family}_0", f"query_{family}_1"):
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params[family])[0],
                                 jax.tree.leaves(params[tower])):

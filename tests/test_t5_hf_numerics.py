@@ -1,7 +1,9 @@
 """Our Flax T5 against transformers' PyTorch T5 on the same random weights (v1.0 and v1.1)."""
 
+import dataclasses
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +56,7 @@ def import_dir(directory: str):
     model = T5(cfg)
     tokens = jnp.ones((1, 4), jnp.int32)
     abstract = abstract_params(model, tokens, tokens)
-    return cfg, model, hf_import.load_t5(directory, abstract)
+    return cfg, model, hf_import.load_t5(directory, abstract, cfg)
 
 
 @pytest.mark.parametrize("version", sorted(HF_CONFIGS))
@@ -132,7 +134,65 @@ def test_dual_encoder_skips_unused_lm_head(tmp_path):
     cfg, _, _ = import_dir(str(tmp_path))
     dual = DualEncoder(cfg)
     abstract = abstract_params(dual, jnp.ones((1, 4), jnp.int32))
-    params = hf_import.load_t5(str(tmp_path), abstract["t5"])
+    params = hf_import.load_t5(str(tmp_path), abstract["t5"], cfg)
     assert "lm_head" not in params and "decoder" in params, sorted(params)
     flat = traverse_util.flatten_dict(params)
     assert len(flat) == len(traverse_util.flatten_dict(abstract["t5"]))
+
+
+def _model_target(cfg):
+    tokens = jnp.ones((1, 4), jnp.int32)
+    return abstract_params(T5(cfg), tokens, tokens)
+
+
+@pytest.mark.parametrize("field, value, key", [
+    ("num_encoder_layers", 1, "num_layers"),  # a shallower model than the file: today an INFO log only
+    ("num_decoder_layers", 2, "num_decoder_layers"),
+    ("relative_attention_max_distance", 128, "relative_attention_max_distance"),  # shapes alike
+    ("relative_attention_num_buckets", 32, "relative_attention_num_buckets"),
+    ("layer_norm_epsilon", 1e-5, "layer_norm_epsilon"),  # shapes alike
+    ("num_heads", 2, "num_heads"),
+    ("d_kv", 16, "d_kv"),
+    ("d_ff", 64, "d_ff"),
+    ("vocab_size", 128, "vocab_size"),
+    ("mlp_activation", "relu", "feed_forward_proj"),
+    ("tie_word_embeddings", True, "tie_word_embeddings"),
+])
+def test_a_config_that_changes_numerics_is_refused_naming_the_field_and_both_values(tmp_path, field, value, key):
+    save_random_hf_t5(str(tmp_path), "v1_1")
+    with open(tmp_path / "config.json") as f:
+        file_cfg = hf_import.t5_config_from_hf(json.load(f))
+    model_cfg = dataclasses.replace(file_cfg, **{field: value})
+    checkpoint_value, model_value = re.escape(repr(getattr(file_cfg, field))), re.escape(repr(value))
+    pattern = rf"{field}: checkpoint {checkpoint_value} \(config.json {key}.*model {model_value}"
+    with pytest.raises(hf_import.HFImportError, match=pattern):
+        hf_import.load_t5(str(tmp_path), _model_target(model_cfg), model_cfg)
+
+
+def test_training_only_fields_may_differ_from_the_checkpoint(tmp_path):
+    save_random_hf_t5(str(tmp_path), "v1_1")
+    with open(tmp_path / "config.json") as f:
+        model_cfg = hf_import.t5_config_from_hf(json.load(f), dropout_rate=0.3, dtype="bfloat16")
+    params = hf_import.load_t5(str(tmp_path), _model_target(model_cfg), model_cfg)
+    assert "encoder" in params and "decoder" in params, sorted(params)
+
+
+def test_a_misshaped_attention_weight_is_named_before_any_reshape(tmp_path):
+    save_random_hf_t5(str(tmp_path), "v1_1")
+    cfg, target = _flat_target(str(tmp_path))
+    tensors = hf_import.read_safetensors(str(tmp_path))
+    tensors["encoder.block.0.layer.0.SelfAttention.q.weight"] = np.zeros((30, 32), np.float32)  # 30 = no heads*d_kv
+    with pytest.raises(hf_import.HFImportError,
+                       match=r"'encoder\.block\.0\.layer\.0\.SelfAttention\.q\.weight' has shape \(30, 32\), "
+                             r"expected \(32, 32\)"):
+        hf_import.convert(tensors, cfg, target)
+
+
+def test_a_bert_directory_given_to_load_t5_is_a_clear_error(tmp_path):
+    from test_bert_hf_numerics import save_random_hf_bert
+
+    save_random_hf_bert(str(tmp_path))
+    cfg = hf_import.T5Config(vocab_size=99, d_model=32, num_heads=4, d_kv=8, d_ff=48, num_encoder_layers=2,
+                             num_decoder_layers=2)
+    with pytest.raises(hf_import.HFImportError, match=r"model_type='bert', expected 't5'"):
+        hf_import.load_t5(str(tmp_path), _model_target(cfg), cfg)

@@ -100,3 +100,13 @@ def test_load_encoder_restores_the_trained_parameters(finished_run):
     assert earlier.fingerprint != encoder.fingerprint, "different checkpoints must have different fingerprints"
     with pytest.raises(KeyError, match="unknown task 'nope'.*task_a"):
         encoder.encode_queries(["q"], task="nope")
+
+
+def test_a_config_recorded_before_vocabulary_digests_resumes_with_the_current_digest():
+    from t5_retrieval.train import upgraded_config
+
+    current = {"features": {"vocabulary": "/v/spm.model", "vocabulary_digest": "0123456789abcdef", "tasks": {}}}
+    stored = {"features": {"vocabulary": "/v/spm.model", "tasks": {}}}
+    assert upgraded_config(stored, current) == current, "a run started before digests were recorded must resume"
+    changed = {"features": {**current["features"], "vocabulary_digest": "fedcba9876543210"}}
+    assert upgraded_config(changed, current) != current, "a recorded digest is never overwritten"

@@ -25,6 +25,7 @@ def _process() -> tuple[int, int]:
 def main(argv: list[str]) -> int:
     from t5_retrieval import gin_utils
     from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.checkpoint import CheckpointError
     from t5_retrieval.data.records import DataError
     from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
 
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
             meta={"kb_dir": args.kb_dir, "checkpoint_dir": args.checkpoint_dir, "step": args.step,
                   "lexical_baseline_dim": args.lexical_baseline_dim},
             **embedding_store.encode_settings())
-    except (DataError, embedding_store.EmbeddingsError) as e:
+    except (DataError, CheckpointError, embedding_store.EmbeddingsError) as e:
         print(f"t5r encode: error: {e}", file=sys.stderr)
         return 2
     state = "complete" if report.complete else "waiting for other processes' shards"

@@ -17,6 +17,7 @@ from t5_retrieval.retrieval.index import IndexMismatchError
 def main(argv: list[str]) -> int:
     """`t5r eval`: KILT metrics per task for an index and a query encoder."""
     from t5_retrieval import gin_utils
+    from t5_retrieval.checkpoint import CheckpointError
     from t5_retrieval.data.records import DataError
 
     parser = argparse.ArgumentParser(prog="t5r eval", description=__doc__.splitlines()[0])
@@ -25,7 +26,7 @@ def main(argv: list[str]) -> int:
     args = gin_utils.parse_args(parser, argv)
     try:
         inputs = load_search_inputs(args)
-    except (DataError, IndexMismatchError) as e:
+    except (DataError, IndexMismatchError, CheckpointError) as e:
         print(f"t5r eval: error: {e}", file=sys.stderr)
         return 2
     result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store)

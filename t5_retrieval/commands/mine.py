@@ -19,6 +19,7 @@ def main(argv: list[str]) -> int:
     """`t5r mine`: hard negatives for every training query with the current model."""
     from t5_retrieval import gin_utils
     from t5_retrieval.data import layout
+    from t5_retrieval.checkpoint import CheckpointError
     from t5_retrieval.data.records import DataError, write_negatives
 
     parser = argparse.ArgumentParser(prog="t5r mine", description=__doc__.splitlines()[0])
@@ -27,7 +28,7 @@ def main(argv: list[str]) -> int:
     args = gin_utils.parse_args(parser, argv)
     try:
         inputs = load_search_inputs(args)
-    except (DataError, IndexMismatchError) as e:
+    except (DataError, IndexMismatchError, CheckpointError) as e:
         print(f"t5r mine: error: {e}", file=sys.stderr)
         return 2
     out_dir = layout.negatives_dir(args.data_dir, args.source)

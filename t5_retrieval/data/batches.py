@@ -28,7 +28,7 @@ from t5_retrieval.data.kb import PassageStore, passage_text
 from t5_retrieval.data.mixing import sizes_from_rates, temperature_rates
 from t5_retrieval.data.records import DataError, Example, read_examples, read_negatives
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_query
-from t5_retrieval.data.tokenize import Vocabulary, encode_text, load_vocabulary, tokenize
+from t5_retrieval.data.tokenize import Vocabulary, encode_text, load_vocabulary, tokenize, vocabulary_digest
 
 Batch = dict[str, dict[str, np.ndarray]]
 _FILL_STREAM = 7919  # separates the random-negative RNG stream from the permutation streams
@@ -244,6 +244,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                             "will be filled with random passages", spec.name, data.skipped, data.missing_negatives)
         task_data.append(data)
     features = {"vocabulary": os.path.abspath(vocabulary) if isinstance(vocabulary, str) else None,
+                # Its content: loading the model refuses a vocabulary changed since (a path is no identity).
+                "vocabulary_digest": vocabulary_digest(vocabulary) if isinstance(vocabulary, str) else None,
                 "query_len": query_len, "passage_len": passage_len, "passage_template": passage_template,
                 # "index": the task's position in the step (and its query tower), explicit because
                 # the config is stored with sorted keys.

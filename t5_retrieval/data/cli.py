@@ -43,7 +43,7 @@ def tasks_main(argv: list[str]) -> int:
     p.add_argument("--data_dir", required=True)
     p.add_argument("--tasks", type=_csv, required=True, help="comma-separated task names (file stems)")
     p.add_argument("--splits", type=_csv, default=["train", "dev"])
-    p.add_argument("--min_bleu", type=float, default=None, help="drop provenance with bleu_score below this")
+    p.add_argument("--min_bleu", type=float, default=None, help="drop train provenance with bleu_score below this")
     p.add_argument("--max_train_examples", type=int, default=None, help="downsample train to N examples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strict", action="store_true", help="fail when a gold page is missing from the KB")

@@ -1,5 +1,12 @@
 """KILT task files -> `Example`s: query, gold pages per evidence set, positive passages, answers.
 
+Gold labels are read as the official scorer (`kilt/eval_retrieval.py`) reads them, so that our
+metrics are its metrics: a page id is `str(wikipedia_id).strip()`; every `output` entry that has a
+`provenance` key is one evidence set, even an empty one (it can never be found, but it counts);
+an example none of whose outputs has provenance is kept and scores 0. A line without `output` and
+an example id used twice in a file are errors naming the file and the line(s): negatives are
+joined to examples by id, so a repeated id would train with another example's negatives.
+
 Positives: where a provenance entry gives a paragraph span, the KB passage covering its first
 paragraph; where only the page is known (or the span falls outside the KB's text), the gold page's
 passage that BM25 ranks highest for the query, as DPR does. Gold pages missing from the KB stay in
@@ -17,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from t5_retrieval.data.kb import PassageStore
-from t5_retrieval.data.records import DataError, Example, read_jsonl, require
+from t5_retrieval.data.records import DataError, Example, check_unique_id, read_jsonl, require
 from t5_retrieval.data.text import normalize_query
 
 # Chooses the best passage of a page for a query: (query, candidate passage ids) -> passage id.
@@ -30,8 +37,8 @@ class ConversionStats:
 
     read: int = 0
     kept: int = 0
-    no_provenance: int = 0
-    provenance_below_bleu: int = 0
+    no_provenance: int = 0  # kept: evaluated, scoring 0; no training positive
+    provenance_below_bleu: int = 0  # skipped: every evidence set fell below `min_bleu`
     missing_gold_pages: int = 0
     examples_with_missing_pages: int = 0
     examples_without_positive: int = 0
@@ -68,36 +75,40 @@ def convert_task_file(path: str, task: str, store: PassageStore, best_passage: B
                       strict: bool = False) -> tuple[list[Example], ConversionStats]:
     """Reads one KILT task file into examples (file order; downsampled to `max_examples` with `seed`).
 
-    `min_bleu` drops provenance entries whose `bleu_score` is below it (MT-DPR uses 0.5); entries
-    without a `bleu_score` field are kept. Examples left with no evidence set are skipped and counted.
+    `min_bleu` (for training files: evaluation must see every gold page) drops provenance entries
+    whose `bleu_score` is below it (MT-DPR uses 0.5); entries without a `bleu_score` field are
+    kept. An evidence set all of whose entries are dropped is dropped, and an example left with no
+    evidence set is skipped and counted. Examples without provenance are kept (see module doc).
     """
     stats = ConversionStats()
     by_page = store.passages_by_page()
     examples: list[Example] = []
+    line_of_id: dict[str, int] = {}
     for line_no, row in read_jsonl(path):
         where = f"{path}:{line_no}"
         stats.read += 1
         example_id = str(require(row, "id", path, line_no))
+        check_unique_id(path, line_no, example_id, line_of_id)
         query = _field(where, row, "input", str)
         if not normalize_query(query):
             raise DataError(f"{where}: field 'input' is empty (example {example_id!r})")
-        outputs = row.get("output", [])
-        if not isinstance(outputs, list):
-            raise DataError(f"{where}: field 'output' must be a list")
+        outputs = _field(where, row, "output", list)
         gold_sets: list[tuple[str, ...]] = []
         answers: list[str] = []
         spans: dict[str, tuple[int, int]] = {}
-        had_provenance = False
+        below_bleu = False
         for i, output in enumerate(outputs):
             if not isinstance(output, dict):
                 raise DataError(f"{where}: output[{i}] must be an object")
             answer = output.get("answer")
             if isinstance(answer, str) and answer.strip() and answer not in answers:
                 answers.append(answer)
+            if "provenance" not in output:
+                continue
+            provenance = _field(f"{where}: output[{i}]", output, "provenance", list)
             pages: list[str] = []
-            for j, prov in enumerate(output.get("provenance") or []):
-                had_provenance = True
-                page = str(_field(f"{where}: output[{i}].provenance[{j}]", prov, "wikipedia_id", (str, int)))
+            for j, prov in enumerate(provenance):
+                page = str(_field(f"{where}: output[{i}].provenance[{j}]", prov, "wikipedia_id", (str, int))).strip()
                 bleu = prov.get("bleu_score")
                 if min_bleu is not None and bleu is not None and float(bleu) < min_bleu:
                     continue
@@ -106,14 +117,15 @@ def convert_task_file(path: str, task: str, store: PassageStore, best_passage: B
                 start, end = prov.get("start_paragraph_id"), prov.get("end_paragraph_id")
                 if isinstance(start, int) and page not in spans:
                     spans[page] = (start, end if isinstance(end, int) else start)
-            if pages and tuple(pages) not in gold_sets:
+            if provenance and not pages:
+                below_bleu = True
+            elif tuple(pages) not in gold_sets:
                 gold_sets.append(tuple(pages))
         if not gold_sets:
-            if had_provenance:
+            if below_bleu:
                 stats.provenance_below_bleu += 1
-            else:
-                stats.no_provenance += 1
-            continue
+                continue
+            stats.no_provenance += 1
         ordered_pages = list(dict.fromkeys(p for s in gold_sets for p in s))
         missing = [p for p in ordered_pages if p not in by_page]
         if missing:

@@ -51,7 +51,8 @@ def prepare_tasks(input_dir: str, data_dir: str, tasks: Sequence[str], splits: S
                   strict: bool = False, bm25: _LazyBM25 | None = None) -> dict[str, ConversionStats]:
     """KILT files `{input_dir}/{task}-{split}-kilt.jsonl` -> `{data_dir}/examples/{task}-{split}.jsonl`.
 
-    Downsampling (`max_train_examples`) applies to the train split only.
+    Downsampling (`max_train_examples`) and `min_bleu` apply to the train split only: other splits
+    are evaluated, and must keep every gold label the official KILT scorer counts.
     """
     store = PassageStore.open(layout.kb_dir(data_dir))
     bm25 = bm25 or _LazyBM25(store)
@@ -60,8 +61,8 @@ def prepare_tasks(input_dir: str, data_dir: str, tasks: Sequence[str], splits: S
     out = {}
     for (task, split), path in paths.items():
         examples, stats = convert_task_file(
-            path, task, store, bm25.best_passage, min_bleu=min_bleu, strict=strict, seed=seed,
-            max_examples=max_train_examples if split == "train" else None)
+            path, task, store, bm25.best_passage, min_bleu=min_bleu if split == "train" else None, strict=strict,
+            seed=seed, max_examples=max_train_examples if split == "train" else None)
         with open(layout.stats_path(data_dir, task, split), "w", encoding="utf-8") as f:
             json.dump(stats.to_json(), f, indent=1)
         write_jsonl_atomic(layout.examples_path(data_dir, task, split), (e.to_json() for e in examples))

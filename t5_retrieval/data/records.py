@@ -31,8 +31,9 @@ class Passage:
 class Example:
     """One KILT query with its relevance labels.
 
-    `gold_pages` holds one tuple of distinct page ids per evidence set (KILT `output` entry with
-    provenance); R-precision and recall@k are defined over these sets. `positive_passages` are the
+    `gold_pages` holds one tuple of distinct page ids per evidence set (KILT `output` entry with a
+    `provenance` key; an empty tuple for an empty list); R-precision and recall@k are defined over
+    these sets, and an example with none scores 0 (as in the official scorer). `positive_passages` are the
     passages used as training positives (from provenance spans, or the gold page's best BM25
     passage when only the page is known).
     """
@@ -112,13 +113,24 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, sort_keys: bool = 
     write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=sort_keys))
 
 
+def check_unique_id(path: str | os.PathLike[str], line_no: int, example_id: str, line_of_id: dict[str, int]) -> None:
+    """Records and negatives are joined by example id: a repeated id would pair the wrong ones."""
+    if example_id in line_of_id:
+        raise DataError(f"{path}:{line_no}: example id {example_id!r} is also the id of line "
+                        f"{line_of_id[example_id]}; ids must be unique within a file")
+    line_of_id[example_id] = line_no
+
+
 def read_examples(path: str | os.PathLike[str]) -> list[Example]:
-    examples = []
+    examples: list[Example] = []
+    line_of_id: dict[str, int] = {}
     for line_no, row in read_jsonl(path):
         try:
-            examples.append(Example.from_json(row))
+            example = Example.from_json(row)
         except KeyError as e:
             raise DataError(f"{path}:{line_no}: missing field {e.args[0]!r}") from None
+        check_unique_id(path, line_no, example.id, line_of_id)
+        examples.append(example)
     return examples
 
 
@@ -127,8 +139,11 @@ def write_negatives(path: str | os.PathLike[str], rows: Iterable[Negatives]) -> 
 
 
 def read_negatives(path: str | os.PathLike[str]) -> dict[str, tuple[str, ...]]:
-    out = {}
+    out: dict[str, tuple[str, ...]] = {}
+    line_of_id: dict[str, int] = {}
     for line_no, row in read_jsonl(path):
         negatives = require(row, "negatives", path, line_no)
-        out[str(require(row, "id", path, line_no))] = tuple(str(n) for n in negatives)
+        example_id = str(require(row, "id", path, line_no))
+        check_unique_id(path, line_no, example_id, line_of_id)
+        out[example_id] = tuple(str(n) for n in negatives)
     return out

@@ -12,6 +12,7 @@ characters), and `[SEP]` for BERT.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -99,3 +100,21 @@ def load_vocabulary(path: str) -> Any:
     import seqio
 
     return seqio.SentencePieceVocabulary(path, extra_ids=100)
+
+
+def vocabulary_digest(path: str) -> str:
+    """A digest of the content `load_vocabulary(path)` reads (16 hex digits of sha256).
+
+    A model's weights mean something only with the token ids it was trained on, and a path can come
+    to hold another vocabulary: the digest, recorded at training time, lets loading refuse it.
+    """
+    digest = hashlib.sha256()
+    if is_wordpiece_path(path):
+        from t5_retrieval.data.wordpiece import WordPieceVocabulary
+
+        vocab = WordPieceVocabulary.from_path(path)
+        digest.update(f"wordpiece lower_case={vocab.lower_case}\n".encode())
+        path = vocab.vocab_file
+    with open(path, "rb") as f:
+        digest.update(f.read())
+    return digest.hexdigest()[:16]

@@ -59,8 +59,8 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
     """A config stored by an earlier version as this version writes it, so that its run resumes.
 
     Architecture fields added since take their dataclass defaults (the same model), the passage
-    template its only former value, and the tasks' step order (`index`, once implied by the
-    mixture) the current run's.
+    template its only former value, the vocabulary digest the current one, and the tasks' step
+    order (`index`, once implied by the mixture) the current run's.
     """
     out = dict(stored)
     for key, cls in ARCHITECTURE.get(stored.get("family", "t5"), {}).items():
@@ -70,6 +70,8 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
         features = dict(stored["features"])
         if "passage_template" in current.get("features", {}):
             features.setdefault("passage_template", PASSAGE_TEMPLATE)
+        if "vocabulary_digest" in current.get("features", {}):  # not recorded before: nothing to compare
+            features.setdefault("vocabulary_digest", current["features"]["vocabulary_digest"])
         order = current.get("features", {}).get("tasks", {})
         features["tasks"] = {name: {"index": order[name]["index"], **spec} if name in order and "index" not in spec
                              else spec for name, spec in features.get("tasks", {}).items()}
@@ -99,10 +101,11 @@ def init_params(model: nn.Module, rng: jax.Array, mesh: jax.sharding.Mesh, rules
     return params, shardings
 
 
-def initial_params(source: str, like: Any) -> Any:
+def initial_params(source: str, like: Any, config: dict[str, Any]) -> Any:
     """Weights to start from: a t5r model directory's latest checkpoint, or a Hugging Face T5 or BERT
     directory. Query encoders (separate or per task) start from the same pretrained weights as the
-    main one, as in DPR / MT-DPR."""
+    main one, as in DPR / MT-DPR. `config` is the model's (`model_config()`): a Hugging Face
+    directory must describe the same network."""
     abstract = checkpoint.abstract_like(like)
     if os.path.exists(os.path.join(source, checkpoint.CONFIG_FILE)):
         params, step = checkpoint.restore_params(source, abstract)
@@ -119,7 +122,8 @@ def initial_params(source: str, like: Any) -> Any:
                 f"init_from={source!r} is a Hugging Face {family.upper()} directory, but the model is not "
                 f"(its encoders: {sorted(like)}; see model_config.family)")
         encoders = [name for name in like if name == family or name.startswith(f"query_{family}_")]
-        # Shapes are checked tensor by tensor against each encoder's own parameter tree.
-        return {**like, **{name: load(source, abstract[name]) for name in encoders}}
+        # The file's config.json against the model's; shapes tensor by tensor against each encoder's tree.
+        architecture = ARCHITECTURE[family][family](**config[family])
+        return {**like, **{name: load(source, abstract[name], architecture) for name in encoders}}
     raise checkpoint.CheckpointError(f"init_from={source!r}: neither a t5r model directory ({checkpoint.CONFIG_FILE}) "
                                      "nor a Hugging Face T5 or BERT directory (config.json)")

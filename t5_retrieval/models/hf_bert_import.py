@@ -4,25 +4,32 @@ Reads `BertModel` directories (tensor names `embeddings.*`, `encoder.layer.*`, a
 models such as all-MiniLM-L6-v2 store them) and `BertFor*` directories (the same names under a
 `bert.` prefix). The pooler and pre-training heads are known but unused (a dual encoder pools the
 last hidden states itself) and are skipped; anything else, a missing tensor or a wrong shape is an
-HFImportError naming the tensor and both shapes (the shared machinery of `hf_import`).
+HFImportError naming the tensor and both shapes, checked by name before any reshape; a config.json
+that differs from the model's BertConfig in a field that changes numerics (sizes, layers, positions,
+layer-norm epsilon) is refused naming the field and both values (the shared machinery of `hf_import`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from t5_retrieval.models.bert import BertConfig
-from t5_retrieval.models.hf_import import (Converter, HFImportError, dense_in, dense_out, fill_target, identity,
-                                          read_safetensors, transpose)
+from t5_retrieval.models.hf_import import (Converter, HFImportError, check_config, dense_in, dense_out, fill_target,
+                                          identity, read_hf_config, read_safetensors, transpose)
 
 # Tensors a BERT checkpoint may hold that our encoder does not use.
 UNUSED_PREFIXES = ("pooler.", "cls.")
 UNUSED_NAMES = ("embeddings.position_ids", "embeddings.token_type_ids")
+# Our BertConfig fields that change what the network computes, with the config.json key of each
+# (hidden_act and position_embedding_type are checked by `bert_config_from_hf`).
+BERT_NUMERIC_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+    "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
+    "max_position_embeddings": "max_position_embeddings", "type_vocab_size": "type_vocab_size",
+    "layer_norm_epsilon": "layer_norm_eps"}
 
 
 def is_bert_config(hf: dict[str, Any]) -> bool:
@@ -51,7 +58,7 @@ def bert_config_from_hf(hf: dict[str, Any], **overrides: Any) -> BertConfig:
 
 def _bias_in(heads: int, d_kv: int) -> Converter:
     # torch Linear bias [heads*d_kv] -> [heads, d_kv]
-    return lambda b: b.reshape(heads, d_kv)
+    return Converter(lambda b: b.reshape(heads, d_kv), lambda s: (s[0] * s[1],))
 
 
 def name_map(cfg: BertConfig) -> Iterator[tuple[str, tuple[str, ...], Converter]]:
@@ -97,15 +104,8 @@ def convert(tensors: dict[str, np.ndarray], cfg: BertConfig, target: Any, source
     return fill_target(tensors, known, target, source, "BERT", ignorable)
 
 
-def read_hf_config(model_dir: str) -> dict[str, Any]:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(path):
-        raise HFImportError(f"{model_dir}: no config.json; is this a Hugging Face model directory?")
-    with open(path) as f:
-        return json.load(f)
-
-
-def load_bert(model_dir: str, target: Any, cfg: BertConfig | None = None) -> Any:
-    """Reads an HF BERT directory into `target`'s structure; cfg defaults to the directory's config.json."""
-    cfg = cfg or bert_config_from_hf(read_hf_config(model_dir))
+def load_bert(model_dir: str, target: Any, cfg: BertConfig) -> Any:
+    """Reads an HF BERT directory into `target`, the parameter tree of a Bert with config `cfg`;
+    refuses a directory whose config.json describes another network (`check_config`)."""
+    check_config(model_dir, bert_config_from_hf(read_hf_config(model_dir)), cfg, BERT_NUMERIC_FIELDS)
     return convert(read_safetensors(model_dir), cfg, target, source=model_dir)

@@ -1,11 +1,15 @@
 """Hugging Face T5 checkpoints (`config.json` + `*.safetensors`) -> our Flax parameter tree.
 
 Works for `T5Model`, `T5EncoderModel` and `T5ForConditionalGeneration` directories, v1.0 and v1.1.
-Every tensor of our model must come from the file with the right shape; every tensor in the file
-must be a known T5 tensor. Known tensors our model does not use (the LM head for a dual encoder, the
-decoder for mean pooling) are skipped and reported. A problem is an error naming the tensor and both
-shapes, never a silent partial load. `fill_target` is that machinery for any architecture (the BERT
-importer, `hf_bert_import`, uses it too).
+The file's config.json must describe the model being filled: every field that changes the numbers
+(sizes, layers, relative attention, layer-norm epsilon, activation, tied embeddings) is compared
+with the model's T5Config, since a shape check alone misses an epsilon or a max distance and a
+model with fewer layers than the file would load a truncated network. Every tensor of our model
+must come from the file with the right shape, checked by name before any reshape; every tensor in
+the file must be a known T5 tensor. Known tensors our model does not use (the LM head for a dual
+encoder, the decoder for mean pooling) are skipped and reported. A problem is an error naming the
+field or tensor and both values, never a silent partial load. `fill_target` and `check_config` are
+that machinery for any architecture (the BERT importer, `hf_bert_import`, uses them too).
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 from flax import traverse_util
@@ -26,15 +30,62 @@ from t5_retrieval.models.t5 import T5Config
 log = logging.getLogger(__name__)
 # Tied copies of `shared.weight` that HF may or may not write.
 TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
-Converter = Callable[[np.ndarray], np.ndarray]  # HF tensor -> our array
+# Our T5Config fields that change what the network computes, with the config.json key of each
+# (dropout, compute dtype and remat are training choices and may differ).
+T5_NUMERIC_FIELDS = {
+    "vocab_size": "vocab_size", "d_model": "d_model", "num_heads": "num_heads", "d_kv": "d_kv", "d_ff": "d_ff",
+    "num_encoder_layers": "num_layers", "num_decoder_layers": "num_decoder_layers",
+    "relative_attention_num_buckets": "relative_attention_num_buckets",
+    "relative_attention_max_distance": "relative_attention_max_distance",
+    "layer_norm_epsilon": "layer_norm_epsilon", "mlp_activation": "feed_forward_proj",
+    "tie_word_embeddings": "tie_word_embeddings / scale_decoder_outputs"}
+T5_REQUIRED_KEYS = ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "num_layers")
+
+
+class Converter(NamedTuple):
+    """How one HF tensor becomes one of our arrays: `hf_shape` gives the HF shape that makes our
+    expected shape, so a misshaped tensor is named before `convert` reshapes anything."""
+
+    convert: Callable[[np.ndarray], np.ndarray]
+    hf_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
 
 
 class HFImportError(ValueError):
-    """A checkpoint that does not fit the model; the message names the tensor and the shapes."""
+    """A checkpoint that does not fit the model; the message names the field or tensor and both values."""
+
+
+def check_config(source: str, checkpoint_cfg: Any, model_cfg: Any, fields: Mapping[str, str]) -> None:
+    """Refuses a checkpoint whose config differs from the model's in a field that changes numerics.
+
+    `fields` maps our config field to the config.json key it comes from (named in the error).
+    """
+    diffs = [f"{field}: checkpoint {getattr(checkpoint_cfg, field)!r} (config.json {key}), "
+             f"model {getattr(model_cfg, field)!r}"
+             for field, key in fields.items() if getattr(checkpoint_cfg, field) != getattr(model_cfg, field)]
+    if diffs:
+        raise HFImportError(f"{source}/config.json does not describe this model ({type(model_cfg).__name__}): "
+                           + "; ".join(diffs))
+
+
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise HFImportError(f"{model_dir}: no config.json; is this a Hugging Face model directory?")
+    with open(path) as f:
+        return json.load(f)
 
 
 def t5_config_from_hf(hf: dict[str, Any], **overrides: Any) -> T5Config:
-    """Our T5Config from a HF T5 config.json (dropout and dtype may be overridden for fine-tuning)."""
+    """Our T5Config from a HF T5 config.json (dropout and dtype may be overridden for fine-tuning).
+
+    Another architecture's config (a BERT directory) is an HFImportError, not a missing key.
+    """
+    if hf.get("model_type", "t5") != "t5":
+        raise HFImportError(f"config.json: model_type={hf.get('model_type')!r}, expected 't5' "
+                           "(a Hugging Face T5 directory)")
+    missing = [key for key in T5_REQUIRED_KEYS if key not in hf]
+    if missing:
+        raise HFImportError(f"config.json: no {missing}; not a Hugging Face T5 config")
     projection = hf.get("feed_forward_proj", "relu")
     activation = {"relu": "relu", "gated-gelu": "gated-gelu"}.get(projection)
     if activation is None:
@@ -68,20 +119,16 @@ def lm_head_shares_embedding(hf: dict[str, Any]) -> bool:
 
 def dense_in(heads: int, d_kv: int) -> Converter:
     # torch Linear weight [heads*d_kv, d_model] -> kernel [d_model, heads, d_kv]
-    return lambda w: w.T.reshape(w.shape[1], heads, d_kv)
+    return Converter(lambda w: w.T.reshape(w.shape[1], heads, d_kv), lambda s: (s[1] * s[2], s[0]))
 
 
 def dense_out(heads: int, d_kv: int) -> Converter:
     # torch Linear weight [d_model, heads*d_kv] -> kernel [heads, d_kv, d_model]
-    return lambda w: w.T.reshape(heads, d_kv, w.shape[0])
+    return Converter(lambda w: w.T.reshape(heads, d_kv, w.shape[0]), lambda s: (s[2], s[0] * s[1]))
 
 
-def transpose(w: np.ndarray) -> np.ndarray:
-    return w.T
-
-
-def identity(w: np.ndarray) -> np.ndarray:
-    return w
+transpose = Converter(lambda w: w.T, lambda s: tuple(reversed(s)))
+identity = Converter(lambda w: w, lambda s: tuple(s))
 
 
 def name_map(cfg: T5Config) -> Iterator[tuple[str, tuple[str, ...], Converter]]:
@@ -156,14 +203,15 @@ def fill_target(tensors: dict[str, np.ndarray], known: dict[str, tuple[tuple[str
                 skipped.append(hf_name)
             continue
         expected = tuple(flat_target[path].shape)
+        hf_expected = fn.hf_shape(expected)
         if hf_name not in tensors:
             raise HFImportError(f"{source}: missing tensor {hf_name!r} for {'/'.join(path)} "
-                               f"(expected shape {expected})")
-        value = fn(np.asarray(tensors[hf_name], dtype=np.float32))
-        if value.shape != expected:
-            raise HFImportError(f"{source}: tensor {hf_name!r} has shape {tuple(tensors[hf_name].shape)} "
-                               f"-> {value.shape} for {'/'.join(path)}, expected {expected}")
-        out[path] = value
+                               f"(expected shape {hf_expected})")
+        shape = tuple(tensors[hf_name].shape)
+        if shape != hf_expected:
+            raise HFImportError(f"{source}: tensor {hf_name!r} has shape {shape}, expected {hf_expected} "
+                               f"(for {'/'.join(path)} of shape {expected})")
+        out[path] = fn.convert(np.asarray(tensors[hf_name], dtype=np.float32))
     missing = sorted("/".join(p) for p in flat_target if p not in out)
     if missing:
         raise HFImportError(f"{source}: no tensor in the checkpoint for our parameters {missing[:5]}")
@@ -183,10 +231,10 @@ def convert(tensors: dict[str, np.ndarray], cfg: T5Config, target: Any, source: 
     return fill_target(tensors, known, target, source, "T5", ignorable)
 
 
-def load_t5(model_dir: str, target: Any, cfg: T5Config | None = None) -> Any:
-    """Reads an HF T5 directory into `target`'s structure; cfg defaults to the directory's config.json."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        hf = json.load(f)
-    cfg = cfg or t5_config_from_hf(hf)
+def load_t5(model_dir: str, target: Any, cfg: T5Config) -> Any:
+    """Reads an HF T5 directory into `target`, the parameter tree of a T5 with config `cfg`;
+    refuses a directory whose config.json describes another network (`check_config`)."""
+    hf = read_hf_config(model_dir)
+    check_config(model_dir, t5_config_from_hf(hf), cfg, T5_NUMERIC_FIELDS)
     return convert(read_safetensors(model_dir), cfg, target, source=model_dir,
                    lm_head_from_shared=lm_head_shares_embedding(hf))

@@ -67,7 +67,7 @@ def write_minilm_model_dir(model_dir: str) -> dict[str, Any]:
                           "tasks": {t: {"dataset": t, "prefix": None, "index": i} for i, t in enumerate(TASKS)}}
     model = build_model(config)
     params, _ = init_params(model, jax.random.PRNGKey(0), sharding.make_mesh(), sharding.logical_axis_rules())
-    params = initial_params(minilm_l6_dir(), params)
+    params = initial_params(minilm_l6_dir(), params, config)
     checkpoint.write_config(model_dir, config)
     checkpoint.save(checkpoint.manager(model_dir), 0, {"params": params}, {})
     return {"init_from": minilm_l6_dir()}

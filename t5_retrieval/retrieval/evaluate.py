@@ -3,7 +3,9 @@
 Per task this reports page-level R-precision, precision@k, recall@k and success_rate@k exactly as
 the official KILT scorer (`metrics.kilt_scores`), plus passage-level R-precision (examples with
 gold passages) and answer-in-passage recall@k (examples with answer strings, for tasks whose
-answers are strings to find: not FEVER labels nor WoW replies). It also writes the predictions in
+answers are strings to find: not FEVER labels nor WoW replies). Every example of a task counts in
+its means, one without gold provenance scoring 0, as in the official scorer (the examples carry
+the gold sets `data.kilt` read by its rules). It also writes the predictions in
 the official KILT format, so `kilt/eval_retrieval.py` can re-score them independently.
 """
 

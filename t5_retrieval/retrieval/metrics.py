@@ -4,6 +4,9 @@ Plain functions over (gold evidence sets, ranked ids), independent of models, in
 so that every number this project reports can be checked against the KILT definitions by reading
 one page. The definitions:
 
+* Gold evidence sets are read from KILT files by `data.kilt` (ids stripped, one set per output
+  with a `provenance` key, an empty list being a set that can never be found). A query with no
+  evidence set at all is still a query: it scores 0 on every metric, and counts in every mean.
 * Guesses are deduplicated keeping the first occurrence (`dedup_keep_first`), best first.
 * **R-precision**: for each evidence set with R distinct ids, |top-R guesses in the set| / R;
   the max over evidence sets.
@@ -42,9 +45,7 @@ def dedup_keep_first(ids: Iterable[Id]) -> list[Id]:
 
 
 def r_precision(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id]) -> float:
-    """Max over evidence sets of |top-R guesses in the set| / R (0 for an empty set)."""
-    if not gold_sets:
-        raise ValueError("r_precision needs at least one evidence set")
+    """Max over evidence sets of |top-R guesses in the set| / R (0 for an empty set, and with no set)."""
     guesses = dedup_keep_first(guesses)
     best = 0.0
     for gold in gold_sets:
