@@ -39,7 +39,7 @@ def write_model_dir(model_dir: str, data_dir: str, vocabulary: str, seed: int, e
     """A t5r model directory (config + step-0 checkpoint of initialised params) for the demo tasks."""
     import jax
 
-    from t5_retrieval import checkpoint, sharding
+    from t5_retrieval import checkpoint, sharding, train  # noqa: F401 (train: runs/base.gin binds its configurables)
     from t5_retrieval.data.batches import make_train_iterator
     from t5_retrieval.models.build import build_model, init_params, model_config
 
