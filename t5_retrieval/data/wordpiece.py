@@ -116,6 +116,7 @@ def _char_classes(astral: bool) -> _CharClasses:
 
 
 def _classes_for(text: str) -> _CharClasses:
+    """The Basic Multilingual Plane classes unless `text` holds an astral character."""
     return _char_classes(astral=max(text, default=" ") > "\uffff")
 
 
