@@ -7,6 +7,9 @@ keeping both. A vocabulary states its conventions with a `token_conventions` att
 A literal `</s>` in the text (KILT's `[SEP]` after normalisation) becomes the separator id: EOS for
 T5, as the T5 tokenizer of the TACO reference does (sentencepiece alone would spell it out as
 characters), and `[SEP]` for BERT.
+
+A batch of texts is tokenised in one native call: sentencepiece's C++ batch encoder for T5,
+`WordPieceVocabulary.encode_batch` (Rust WordPiece) for BERT.
 """
 
 from __future__ import annotations
