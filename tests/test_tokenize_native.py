@@ -162,7 +162,8 @@ def test_batched_sentencepiece_equals_seqio_string_by_string(mini_kilt_sample, l
 
 
 def main() -> int:
-    """Identity over ALL mini-KILT passages and queries (outside the test suite: ~minutes)."""
+    """Identity over ALL mini-KILT passages and queries (outside the test suite: ~10 minutes):
+    `PYTHONPATH=. python tests/test_tokenize_native.py [T5 sentencepiece model; default seqio's test model]`."""
     from t5_retrieval.models.pretrained import minilm_l6_dir
 
     texts = mini_kilt_passages() + [q for queries in mini_kilt_queries().values() for q in queries]
