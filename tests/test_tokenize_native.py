@@ -148,6 +148,17 @@ def test_cased_wordpiece_keeps_case_and_accents_like_the_reference(minilm, tmp_p
     assert not bad, f"cased texts differing from the Python reference: {bad}"
 
 
+@pytest.mark.slow
+def test_every_character_is_treated_like_the_reference_in_context(minilm):
+    """Each code point of the Basic Multilingual Plane (and every 31st astral one) inside a word and
+    after a capital sigma (final-sigma lower-casing looks at its neighbours)."""
+    code_points = [cp for cp in range(0x10000) if not 0xD800 <= cp <= 0xDFFF] + list(range(0x10000, 0x110000, 31))
+    texts = [f"a{chr(cp)}b Σ{chr(cp)}" for cp in code_points]
+    reference = encoder(minilm)
+    bad = [text for text, got in zip(texts, minilm.encode_batch(texts)) if got != reference(text)]
+    assert not bad, f"{len(bad)} characters treated unlike the reference, e.g. {[hex(ord(t[1])) for t in bad[:10]]}"
+
+
 def test_over_long_words_are_one_unknown_counted_in_characters_not_bytes(minilm):
     assert list(minilm.encode("é" * 100)) != [minilm.unk_id], "100 two-byte characters are not over-long"
     assert list(minilm.encode("é" * 101)) == [minilm.unk_id]
