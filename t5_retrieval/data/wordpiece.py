@@ -1,27 +1,39 @@
-"""BERT's WordPiece vocabulary (`vocab.txt`) as a `seqio.Vocabulary`, in plain Python.
+"""BERT's WordPiece vocabulary (`vocab.txt`) as a `seqio.Vocabulary`, tokenising in native code.
 
-Tokenisation as BERT's reference tokenizer (Devlin et al. 2019; Hugging Face `BertTokenizer`):
-basic tokenisation (drop control characters, whitespace to spaces, spaces around CJK ideographs,
-optionally lower-case and strip accents, split on whitespace and punctuation), then greedy
-longest-match-first WordPiece per word (`##` marks a continuation; a word that cannot be spelled,
-or is longer than 100 characters, is one [UNK]). Special tokens ([CLS] text [SEP], padding 0) are
-not added here: `token_conventions` tells `t5_retrieval.data.tokenize` which they are. The T5
-sentinel `<extra_id_N>` of the TACO task prefixes becomes BERT's reserved token `[unusedN]` (one
-learnable marker instead of seven word pieces).
+Tokenisation as BERT's reference tokenizer (Devlin et al. 2019; Hugging Face's slow `BertTokenizer`),
+id for id: basic tokenisation (drop control characters, whitespace to spaces, spaces around CJK
+ideographs, optionally lower-case and strip accents, split on whitespace and punctuation), then
+greedy longest-match-first WordPiece per word (`##` marks a continuation; a word that cannot be
+spelled, or is longer than 100 characters, is one [UNK]). Special tokens ([CLS] text [SEP],
+padding 0) are not added here: `token_conventions` tells `t5_retrieval.data.tokenize` which they
+are. The T5 sentinel `<extra_id_N>` of the TACO task prefixes becomes BERT's reserved token
+`[unusedN]` (one learnable marker instead of seven word pieces).
+
+Where the work runs. Basic tokenisation is whole-string operations of CPython's C core
+(`str.translate`, `str.lower`, `unicodedata.normalize`, `re` substitutions with character classes
+computed once from the same `unicodedata` predicates BERT's tokenizer uses), so it matches the
+Python definition by construction, final sigma and Unicode version included; it leaves words
+separated by single spaces. WordPiece runs in Rust (`tokenizers`' WordPiece model behind a
+whitespace split), for a whole batch in one call. `tokenizers`' own BERT normaliser is not used:
+it lower-cases character by character (no final sigma) and keeps unassigned code points that
+BERT drops.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import re
+import sys
 import unicodedata
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import seqio
 import tensorflow as tf
+import tokenizers
 
 from t5_retrieval.data.tokenize import PAD_ID, TokenConventions
 
@@ -29,62 +41,112 @@ MAX_CHARS_PER_WORD = 100
 CONTINUATION = "##"
 # T5's sentinels, as in the task prefix "FEVER <extra_id_1> ...": one reserved BERT token each.
 SENTINEL = re.compile(r"<extra_id_(\d+)>")
+SENTINEL_START = "<extra_id_"
+# CJK Unified Ideographs and their extensions / compatibility blocks, as BERT's tokenizer lists them.
+CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+              (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
 
 
-def _is_control(ch: str) -> bool:
-    if ch in "\t\n\r":
-        return False
-    return unicodedata.category(ch).startswith("C")
-
-
-def _is_whitespace(ch: str) -> bool:
-    return ch in " \t\n\r" or unicodedata.category(ch) == "Zs"
+def _is_dropped(ch: str) -> bool:
+    """NUL, U+FFFD and every "C" category (control, format, private use, unassigned) but tab/newline/CR."""
+    return ch in "\x00\ufffd" or (ch not in "\t\n\r" and unicodedata.category(ch)[0] == "C")
 
 
 def _is_punctuation(ch: str) -> bool:
-    cp = ord(ch)
-    # All non-alphanumeric ASCII counts as punctuation (e.g. "^", "$", "`"), as in BERT.
-    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
-        return True
-    return unicodedata.category(ch).startswith("P")
+    """Unicode punctuation, plus all non-alphanumeric ASCII (e.g. "^", "$", "`"), as in BERT."""
+    return (ch.isascii() and ch.isprintable() and not ch.isalnum() and ch != " ") or unicodedata.category(ch)[0] == "P"
 
 
-def _is_cjk(cp: int) -> bool:
-    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
-            or 0x2A700 <= cp <= 0x2B73F or 0x2B740 <= cp <= 0x2B81F or 0x2B820 <= cp <= 0x2CEAF
-            or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+def _ranges(code_points: Iterable[int]) -> str:
+    """`code_points` (sorted) as the inside of a regex character class: `a-b` ranges."""
+    ranges: list[list[int]] = []
+    for cp in code_points:
+        if ranges and ranges[-1][1] == cp - 1:
+            ranges[-1][1] = cp
+        else:
+            ranges.append([cp, cp])
+    return "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in ranges)
+
+
+def _char_class(code_points: list[int]) -> re.Pattern[str]:
+    """A compiled pattern matching one character of `code_points`.
+
+    `re` keeps a class's Basic Multilingual Plane part as a bitmap but its astral part as a list of
+    ranges it scans in turn, for every character tried; a lookahead keeps that scan for astral
+    characters (the dropped class alone has hundreds of astral ranges of unassigned code points).
+    """
+    bmp = [cp for cp in code_points if cp <= 0xFFFF]
+    astral = [cp for cp in code_points if cp > 0xFFFF]
+    pattern = f"[{_ranges(bmp)}]" if bmp else "(?!)"
+    if astral:
+        pattern += f"|(?=[\\U00010000-\\U0010ffff])[{_ranges(astral)}]"
+    return re.compile(pattern)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CharClasses:
+    """The character sets of basic tokenisation, in the order they are applied."""
+
+    dropped: re.Pattern[str]      # removed
+    space: re.Pattern[str]        # -> " ": tab/newline/CR, "Zs", and what `str.split()` splits on besides
+    cjk: re.Pattern[str]          # -> " c "
+    accents: re.Pattern[str]      # "Mn", removed after NFD when lower-casing
+    punctuation: re.Pattern[str]  # -> " p "
+
+
+@functools.cache
+def _char_classes(astral: bool) -> _CharClasses:
+    """The classes over all code points (`astral`), or over the Basic Multilingual Plane only: a plain
+    bitmap class, 3-7x faster to search, for the usual text without astral characters."""
+    sets: dict[str, list[int]] = {name: [] for name in ("dropped", "space", "cjk", "accents", "punctuation")}
+    cjk = {cp for a, b in CJK_RANGES for cp in range(a, b + 1)}
+    for cp in range((sys.maxunicode if astral else 0xFFFF) + 1):
+        ch = chr(cp)
+        if _is_dropped(ch):
+            sets["dropped"].append(cp)
+        elif ch != " " and (ch in "\t\n\r" or ch.isspace() or unicodedata.category(ch) == "Zs"):
+            sets["space"].append(cp)
+        elif cp in cjk:
+            sets["cjk"].append(cp)
+        if unicodedata.category(ch) == "Mn":
+            sets["accents"].append(cp)
+        if _is_punctuation(ch):
+            sets["punctuation"].append(cp)
+    return _CharClasses(**{name: _char_class(cps) for name, cps in sets.items()})
+
+
+def _classes_for(text: str) -> _CharClasses:
+    """The Basic Multilingual Plane classes unless `text` holds an astral character."""
+    return _char_classes(astral=max(text, default=" ") > "\uffff")
+
+
+def _normalize_unicode(text: str, lower_case: bool) -> str:
+    classes = _classes_for(text)
+    text = classes.cjk.sub(r" \g<0> ", classes.space.sub(" ", classes.dropped.sub("", text)))
+    if lower_case:
+        text = unicodedata.normalize("NFD", text.lower())
+        text = _classes_for(text).accents.sub("", text)  # lower-casing could change the planes used
+    return _classes_for(text).punctuation.sub(r" \g<0> ", text)
+
+
+@functools.cache
+def _ascii_table(lower_case: bool) -> dict[int, str]:
+    """`str.translate` table doing all of basic tokenisation for ASCII text (no character depends on its
+    neighbours there), taken from the general path so the two cannot disagree."""
+    return {cp: _normalize_unicode(chr(cp), lower_case) for cp in range(128)}
+
+
+def normalize(text: str, lower_case: bool) -> str:
+    """BERT's basic tokenisation as one string: its words and punctuation marks joined by spaces
+    (possibly with extra spaces; split on whitespace to get the words)."""
+    if text.isascii():
+        return text.translate(_ascii_table(lower_case))
+    return _normalize_unicode(text, lower_case)
 
 
 def basic_tokenize(text: str, lower_case: bool) -> list[str]:
     """BERT's pre-tokenisation: cleaned, optionally lower-cased and accent-stripped words and punctuation."""
-    chars = []
-    for ch in text:
-        cp = ord(ch)
-        if cp == 0 or cp == 0xFFFD or _is_control(ch):
-            continue
-        if _is_whitespace(ch):
-            chars.append(" ")
-        elif _is_cjk(cp):
-            chars.append(f" {ch} ")
-        else:
-            chars.append(ch)
-    text = "".join(chars)
-    if lower_case:
-        text = "".join(c for c in unicodedata.normalize("NFD", text.lower()) if unicodedata.category(c) != "Mn")
-    words = []
-    for word in text.split():
-        current = ""
-        for ch in word:
-            if _is_punctuation(ch):
-                if current:
-                    words.append(current)
-                words.append(ch)
-                current = ""
-            else:
-                current += ch
-        if current:
-            words.append(current)
-    return words
+    return normalize(text, lower_case).split()
 
 
 class WordPieceVocabulary(seqio.Vocabulary):
@@ -99,7 +161,7 @@ class WordPieceVocabulary(seqio.Vocabulary):
             tokens = [line.rstrip("\n") for line in f]
         self.vocab_file = os.path.abspath(vocab_file)
         self.lower_case = lower_case
-        self._tokens = tokens
+        self.tokens = tokens
         self._ids = {t: i for i, t in enumerate(tokens)}
         for special in ("[PAD]", "[UNK]", "[CLS]", "[SEP]"):
             if special not in self._ids:
@@ -109,7 +171,11 @@ class WordPieceVocabulary(seqio.Vocabulary):
         self.cls_id, self.sep_id = self._ids["[CLS]"], self._ids["[SEP]"]
         self.token_conventions = TokenConventions(start_ids=(self.cls_id,), end_id=self.sep_id,
                                                   separator_id=self.sep_id)
-        self._word_ids = functools.lru_cache(maxsize=1 << 16)(self._wordpiece)
+        self._wordpiece = tokenizers.Tokenizer(tokenizers.models.WordPiece(
+            self._ids, unk_token="[UNK]", continuing_subword_prefix=CONTINUATION,
+            max_input_chars_per_word=MAX_CHARS_PER_WORD))
+        # `normalize` leaves only spaces between words (every other whitespace character is mapped).
+        self._wordpiece.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
         super().__init__(extra_ids=extra_ids)
 
     @classmethod
@@ -135,49 +201,40 @@ class WordPieceVocabulary(seqio.Vocabulary):
 
     @property
     def _base_vocab_size(self) -> int:
-        return len(self._tokens)
+        return len(self.tokens)
 
-    def _wordpiece(self, word: str) -> tuple[int, ...]:
-        if len(word) > MAX_CHARS_PER_WORD:
-            return (self.unk_id,)
-        ids, start = [], 0
-        while start < len(word):
-            end = len(word)
-            while end > start:
-                piece = word[start:end] if start == 0 else CONTINUATION + word[start:end]
-                if piece in self._ids:
-                    ids.append(self._ids[piece])
-                    break
-                end -= 1
-            if end == start:  # no piece matches: the whole word is unknown
-                return (self.unk_id,)
-            start = end
-        return tuple(ids)
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text (no special tokens), WordPiece for the whole batch in one native call."""
+        words = [self._words(text) for text in texts]
+        return [encoding.ids for encoding in self._wordpiece.encode_batch_fast(words, add_special_tokens=False)]
 
-    def _encode(self, s: str) -> Sequence[int]:
-        ids: list[int] = []
-        for i, part in enumerate(SENTINEL.split(s)):
-            if i % 2:  # the number of an `<extra_id_N>` sentinel
-                ids.append(self._sentinel_id(int(part)))
-            else:
-                ids.extend(t for word in basic_tokenize(part, self.lower_case) for t in self._word_ids(word))
-        return ids
+    def _words(self, text: str) -> str:
+        """`text` basic-tokenised; a sentinel becomes the word `[unusedN]`, which WordPiece maps to
+        that token (no basic-tokenised word can be it: brackets are always split off)."""
+        if SENTINEL_START not in text:
+            return normalize(text, self.lower_case)
+        parts = SENTINEL.split(text)
+        return " ".join(self._sentinel_token(int(part)) if i % 2 else normalize(part, self.lower_case)
+                        for i, part in enumerate(parts))
 
-    def _sentinel_id(self, n: int) -> int:
+    def _sentinel_token(self, n: int) -> str:
         token = f"[unused{n}]"
         if token not in self._ids:
             raise ValueError(f"{self.vocab_file}: no {token} token for the query marker <extra_id_{n}>")
-        return self._ids[token]
+        return token
+
+    def _encode(self, s: str) -> Sequence[int]:
+        return self.encode_batch([s])[0]
 
     def _decode(self, ids: Iterable[int]) -> str:
         specials = {PAD_ID, self.cls_id, self.sep_id}
-        text = " ".join(self._tokens[i] for i in ids if i not in specials and 0 <= i < len(self._tokens))
+        text = " ".join(self.tokens[i] for i in ids if i not in specials and 0 <= i < len(self.tokens))
         return text.replace(f" {CONTINUATION}", "")
 
     def _encode_tf(self, s: tf.Tensor) -> tf.Tensor:
         """A scalar string -> int32[n]; a vector of strings -> ragged int32[m, None]."""
         def encode_all(strings):
-            rows = [self._encode(x.decode("utf-8")) for x in np.asarray(strings.numpy()).reshape(-1)]
+            rows = self.encode_batch([x.decode("utf-8") for x in np.asarray(strings.numpy()).reshape(-1)])
             return ([i for row in rows for i in row], [len(row) for row in rows])
 
         flat, lengths = tf.py_function(encode_all, [s], [tf.int32, tf.int64])
