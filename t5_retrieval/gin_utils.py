@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import gin
 
-# gin_configs/ ships next to the package in a source checkout; include paths resolve against it.
-REPO_GIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin_configs")
+# The project's gin files ship inside the package (a wheel carries them; `gin_configs/` at the top
+# of a source checkout links here), so `--gin_file=models/t5_base.gin` resolves from any directory.
+GIN_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gin_configs")
 
 
 def add_gin_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +37,7 @@ def split_gin_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def parse_gin(gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:
     """Loads gin files (resolved against the search paths and gin_configs/) and applies bindings."""
-    for path in [*search_paths, REPO_GIN_DIR]:
+    for path in [*search_paths, GIN_CONFIGS_DIR]:
         gin.add_config_file_search_path(path)
     # gin probes each search path with a reader that logs "Path not found" at ERROR for every miss.
     logging.disable(logging.ERROR)

@@ -9,7 +9,7 @@ import pytest
 
 from t5_retrieval import gin_utils
 
-RUNS = sorted(glob.glob(os.path.join(gin_utils.REPO_GIN_DIR, "runs", "*.gin")))
+RUNS = sorted(glob.glob(os.path.join(gin_utils.GIN_CONFIGS_DIR, "runs", "*.gin")))
 # The modules whose configurables the run files bind (what `t5r train/ance/query-side` import).
 MODULES = ("t5_retrieval.train", "t5_retrieval.ance", "t5_retrieval.query_side", "t5_retrieval.multitask")
 # What a user gives on the command line (a run is reproducible from its command line).
