@@ -1,11 +1,13 @@
-"""t5x-style gin flags shared by every subcommand: --gin_file, --gin.NAME=value, --gin_search_path."""
+"""t5x-style gin flags shared by every subcommand: --gin_file, --gin.NAME=value, --gin_search_paths."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import gin
 
@@ -17,8 +19,9 @@ GIN_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gin_
 def add_gin_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gin_file", action="append", default=[],
                         help="gin file to load (repeatable; later files override earlier ones).")
-    parser.add_argument("--gin_search_path", action="append", default=[],
-                        help="extra directories for gin `include` and --gin_file lookups.")
+    parser.add_argument("--gin_search_paths", "--gin_search_path", action="append", default=[],
+                        help="extra directories for gin `include` and --gin_file lookups (comma-separated "
+                             "and/or repeated, as in t5x).")
 
 
 def split_gin_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -47,10 +50,52 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str], search_paths: S
         logging.disable(logging.NOTSET)
 
 
+def _macro_references(value: Any, out: set[str]) -> None:
+    if isinstance(value, gin.config.ConfigurableReference):
+        selector = value.scoped_selector
+        if selector.endswith("/gin.macro"):
+            out.add(selector[:-len("/gin.macro")])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _macro_references(item, out)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _macro_references(item, out)
+
+
+def unread_macros(names: Iterable[str]) -> list[str]:
+    """Of these macro names, those no binding of the parsed config refers to (`%NAME`): a value set
+    on the command line that nothing would read, usually a typo or another project's name."""
+    read: set[str] = set()
+    for params in gin.config._CONFIG.values():  # gin keeps no public view of the parsed bindings
+        for value in params.values():
+            _macro_references(value, read)
+    return [name for name in names if name not in read]
+
+
+def _macro_names(bindings: Sequence[str]) -> list[str]:
+    """`NAME = value` bindings (macros), not `configurable.param = value` ones."""
+    names = [b.partition("=")[0].strip() for b in bindings]
+    return [n for n in names if n and "." not in n and "/" not in n]
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """Parses a subcommand's argv: gin overrides, gin files, then the parser's own flags."""
+    """Parses a subcommand's argv: gin overrides, gin files, then the parser's own flags.
+
+    A binding gin cannot apply (an unknown configurable or parameter, a missing file) and a macro
+    bound on the command line that no gin file reads are errors naming it, before any work starts.
+    """
     add_gin_flags(parser)
     bindings, rest = split_gin_overrides(argv)
     args = parser.parse_args(rest)
-    parse_gin(args.gin_file, bindings, args.gin_search_path)
+    search_paths = [p for arg in args.gin_search_paths for p in arg.split(",") if p]
+    try:
+        parse_gin(args.gin_file, bindings, search_paths)
+    except (ValueError, OSError) as e:
+        parser.error(f"gin: {e}")
+    defined = [k[0] for k in gin.config._CONFIG if k[1] == "gin.macro"]
+    for name in unread_macros(_macro_names(bindings)):
+        near = difflib.get_close_matches(name, [d for d in defined if d != name], n=3)
+        parser.error(f"--gin.{name}: no gin file reads %{name}, so the value would be ignored"
+                     + (f" (did you mean {', '.join(near)}?)" if near else ""))
     return args

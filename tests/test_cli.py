@@ -50,6 +50,32 @@ def test_gin_overrides_use_t5x_syntax():
         gin_utils.split_gin_overrides(["--gin.train.num_steps"])
 
 
+def test_a_macro_no_gin_file_reads_is_an_error_naming_it(clean_gin, capsys):
+    import argparse
+
+    import t5_retrieval.train  # noqa: F401  (the configurables runs/base.gin binds)
+
+    def parse(*argv):
+        return gin_utils.parse_args(argparse.ArgumentParser(prog="t5r train"),
+                                    ["--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin", *argv])
+
+    parse("--gin.NUM_STEPS=5")  # read by runs/base.gin: fine
+    with pytest.raises(SystemExit) as exit_info:
+        parse("--gin.NUM_STEP=5")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gin.NUM_STEP: no gin file reads %NUM_STEP" in err and "did you mean NUM_STEPS" in err, err
+
+
+def test_a_binding_gin_cannot_apply_is_a_usage_error(clean_gin, capsys):
+    import argparse
+
+    with pytest.raises(SystemExit) as exit_info:
+        gin_utils.parse_args(argparse.ArgumentParser(prog="t5r eval"), ["--gin.no_such_configurable.x=1"])
+    assert exit_info.value.code == 2
+    assert "no_such_configurable" in capsys.readouterr().err
+
+
 def test_help_of_the_entry_point_and_of_train():
     top = subprocess.run([sys.executable, "-m", "t5_retrieval.cli", "--help"], capture_output=True, text=True)
     assert top.returncode == 0 and "train" in top.stdout and "serve" in top.stdout

@@ -3,6 +3,7 @@ installed from it shows its help and trains one step from another directory."""
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,8 +19,16 @@ def run(argv, **kwargs):
 def test_installed_wheel_runs_help_and_a_train_step_from_elsewhere(tmp_path):
     wheel_dir, site, elsewhere = tmp_path / "wheel", tmp_path / "site", tmp_path / "elsewhere"
     elsewhere.mkdir()
-    # Built from the checkout with the venv's own setuptools (no download), as `pip install .` would.
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), REPO])
+    # Built from a copy of what the package is made of (the build writes build/ and egg-info beside
+    # its sources), with the venv's own setuptools (no download), as `pip install .` would.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO, name), source)
+    for name in ("t5_retrieval", "tasks"):
+        shutil.copytree(os.path.join(REPO, name), source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir),
+         str(source)])
     wheels = glob.glob(str(wheel_dir / "t5_retrieval-*.whl"))
     assert len(wheels) == 1, wheels
     run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), wheels[0]])
