@@ -39,8 +39,13 @@ def cgd(num_tasks: int, learning_rate: float = 0.1, min_weight: float = 1e-5
         ) -> optax.GradientTransformationExtraArgs:
     """Common Gradient Descent (Piratla et al., ICLR 2022): sum_i alpha_i g_i with learned alpha.
 
-    ``update(per_task_grads, state, task_losses=[K])``; the algorithm and where it departs from
-    the paper are in the module docstring.
+    ``update(per_task_grads, state, task_losses=[K])``::
+
+        A_ij     = cos(g_i, g_j) * sqrt(L_i * L_j)
+        alpha_i <- max(alpha_i exp(lr mean_j A_ij) / sum_m alpha_m exp(lr mean_j A_mj), min_weight)
+        return sum_i alpha_i g_i
+
+    Where this departs from the paper: the module docstring.
 
     Args:
       num_tasks: K; the weights start uniform at 1/K.

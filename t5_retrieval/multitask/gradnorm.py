@@ -56,8 +56,10 @@ def gradnorm(num_tasks: int, learning_rate: float = 0.025, alpha: float = 1.5
              ) -> optax.GradientTransformationExtraArgs:
     """GradNorm (Chen et al., ICML 2018): sum_k w_k g_k with weights that balance gradient norms.
 
-    ``update(per_task_grads, state, task_losses=[K])``; the algorithm and where it departs from
-    the paper are in the module docstring.
+    ``update(per_task_grads, state, task_losses=[K])`` returns sum_k w_k g_k, then takes one SGD
+    step on L_grad = sum_k |G_k - mean(G) r_k^alpha| (target held constant) with G_k = w_k ||g_k||
+    and r_k = (L_k / L_k(0)) / mean_j (L_j / L_j(0)), and renormalises w to sum K. L_k(0) are the
+    losses of the first update. Where this departs from the paper: the module docstring.
 
     Args:
       num_tasks: K; the weights start at 1 and are renormalised to sum K.

@@ -49,8 +49,9 @@ def pcgrad_coefficients(gram_matrix: jax.Array, orders: jax.Array) -> jax.Array:
 def pcgrad(seed: int = 0) -> optax.GradientTransformation:
     """PCGrad (Yu et al., NeurIPS 2020): project away conflicting components, then sum.
 
-    ``update(per_task_grads, state)``: gradients with leaves [K, ...]; returns sum_i g_i^PC (the
-    algorithm is in the module docstring).
+    ``update(per_task_grads, state)`` with task gradients g (leaves [K, ...]): for each task i, in
+    a random order over the other tasks j, when <g_i^PC, g_j> < 0,
+    g_i^PC <- g_i^PC - <g_i^PC, g_j> / ||g_j||^2 g_j; returns sum_i g_i^PC.
 
     Args:
       seed: seeds the PRNG key in the state from which each step draws every task's random order.

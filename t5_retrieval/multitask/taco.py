@@ -58,10 +58,16 @@ def taco(
     keep_naive_scale: bool = False,
     state_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
-    """TACO (Zhang et al., TACL 2023): sum_k softmax_k(ema / tau) G_k / K after a burn-in.
+    """TACO (Zhang et al., TACL 2023): per-parameter softmax weights over tasks from an EMA of
+    normalised sensitivities.
 
-    ``update(per_task_grads, state, params)``: gradients with leaves [K, ...], the current params;
-    returns an ordinary gradient. The algorithm is in the module docstring.
+    ``update(per_task_grads, state, params)`` with gradients G (leaves [K, ...]) and the current
+    params theta returns an ordinary gradient::
+
+        S_k = |theta * G_k| / (median over all params of |theta * G_k| + 1e-12)
+        ema = beta * ema + (1 - beta) * S
+        return sum_k G_k / K                       while step < burn_in_steps
+               sum_k softmax_k(ema / tau) G_k / K  after
 
     Args:
       num_tasks: K, the size of the leading task axis of the gradients.

@@ -35,8 +35,9 @@ def uncertainty_weighting(num_tasks: int, learning_rate: float = 0.01, init_sigm
                           ) -> optax.GradientTransformationExtraArgs:
     """Uncertainty weighting (Kendall et al., CVPR 2018; GDMTL form): sum_k g_k / (2 sigma_k^2).
 
-    ``update(per_task_grads, state, task_losses=[K])``; sigma learns by SGD on the total loss of
-    the module docstring.
+    ``update(per_task_grads, state, task_losses=[K])`` returns the gradient of
+    total = sum_k L_k / (2 sigma_k^2) + log(1 + sigma_k^2), i.e. sum_k g_k / (2 sigma_k^2), and
+    takes one SGD step on sigma with d total / d sigma_k = -L_k / sigma_k^3 + 2 sigma_k / (1 + sigma_k^2).
 
     Args:
       num_tasks: K (GDMTL: 2, retrieval and query generation).
