@@ -9,10 +9,11 @@ step, with per-task gradients G_k and params theta (the authors' code)::
            sum_k softmax_k(ema / tau) G_k otherwise
     return g / K
 
-`update_fn` below is that, line for line. What the paper does not have is kept apart, in the
-section "Additions" at the end: the approximate median and the median over nonzero values
-(`_median`), the scale switch (`_output_scales`) and a bfloat16 EMA written with stochastic
-rounding (`_ema_writer`). All default to the paper's behaviour.
+`update_fn` follows it step by step (the EMA and the weighted sum per leaf, in `_taco_leaf`).
+What the paper does not have is kept apart, in the section "Additions" at the end: the
+approximate median and the median over nonzero values (`_median`), the scale switch
+(`_output_scales`) and a bfloat16 EMA written with stochastic rounding (`_ema_writer`). All
+default to the paper's behaviour.
 """
 
 from __future__ import annotations
