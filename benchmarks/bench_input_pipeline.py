@@ -31,7 +31,6 @@ def measure_iterator(iterator, steps: int, warmup: int = 2) -> float:
 def train_step_examples_per_s(iterator, size: str, vocab_size: int, steps: int) -> float:
     """Queries/s consumed by the naive jitted train step (single device) on the iterator's batches."""
     import jax
-    import jax.numpy as jnp
     import optax
 
     from t5_retrieval import sharding
@@ -47,8 +46,7 @@ def train_step_examples_per_s(iterator, size: str, vocab_size: int, steps: int) 
     mesh = sharding.make_mesh()
     params, _ = init_params(model, jax.random.PRNGKey(0), mesh, sharding.logical_axis_rules())
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                       rng=jax.random.PRNGKey(1))
+    state = TrainState.create(params, optimizer.init(params), jax.random.PRNGKey(1))
     step = jax.jit(make_train_step(model, optimizer, iterator.task_names, per_task=False), donate_argnums=0)
     batches = [next(iterator) for _ in range(steps + 2)]
     for batch in batches[:2]:  # compile; the second call sees committed (donated) state and may compile again

@@ -41,7 +41,6 @@ import time  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from t5_retrieval import multitask, sharding  # noqa: E402
@@ -50,7 +49,6 @@ from t5_retrieval.models.dual_encoder import DualEncoder  # noqa: E402
 from t5_retrieval.models.t5 import T5Config  # noqa: E402
 from t5_retrieval.optim import make_optimizer  # noqa: E402
 from t5_retrieval.models.build import init_params  # noqa: E402
-from t5_retrieval.train import opt_state_shardings  # noqa: E402
 from t5_retrieval.train_step import TrainState, make_train_step, task_groups  # noqa: E402
 
 TARGET_RATIO = 1.15  # the target: TACO step time <= 1.15x the naive step
@@ -96,17 +94,17 @@ class Step:
         optimizer = make_optimizer(total_steps=1000, num_tasks=len(task_names), multitask=factory,
                                    burn_in_fraction=0.0)
         params, param_sh = init_params(model, jax.random.PRNGKey(0), mesh, rules)
-        opt_sh = opt_state_shardings(jax.eval_shape(optimizer.init, params), params, param_sh, mesh)
+        opt_sh = sharding.opt_state_shardings(optimizer, params, param_sh, mesh, rules)
         rep = sharding.replicated(mesh)
-        self.state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=params,
-                                opt_state=jax.jit(optimizer.init, out_shardings=opt_sh)(params),
-                                rng=jax.device_put(jax.random.PRNGKey(1), rep))
+        state = TrainState.create(params, jax.jit(optimizer.init, out_shardings=opt_sh)(params),
+                                  jax.random.PRNGKey(1))
+        state_sh = jax.tree.map(lambda _: rep, state).replace(params=param_sh, opt_state=opt_sh)
+        self.state = jax.device_put(state, state_sh)
         self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         self.num_params = sum(x.size for x in jax.tree.leaves(params))
         taco_state = multitask.find_taco_state(self.state.opt_state)
         self.taco_state_bytes = (None if taco_state is None else
                                  sum(x.nbytes for x in jax.tree.leaves(taco_state)))
-        state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep)
         fn = make_train_step(model, optimizer, task_names, per_task=per_task,
                              extra_metrics=None if factory is None else multitask.multitask_metrics)
         batch_sh = jax.tree.map(lambda x: x.sharding, batch)

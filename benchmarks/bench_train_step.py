@@ -26,7 +26,6 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -71,8 +70,7 @@ class OursStep:
     def __init__(self, model, variables, task_names: list[str], batch: dict):
         optimizer = make_optimizer(total_steps=1000, num_tasks=len(task_names), learning_rate=LEARNING_RATE)
         params = variables["params"]
-        self.state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                                opt_state=jax.jit(optimizer.init)(params), rng=jax.random.PRNGKey(0))
+        self.state = TrainState.create(params, jax.jit(optimizer.init)(params), jax.random.PRNGKey(0))
         step_fn = make_train_step(model, optimizer, task_names, per_task=False)
         start = time.perf_counter()
         self.compiled = jax.jit(step_fn, donate_argnums=(0,)).lower(self.state, batch).compile()

@@ -15,12 +15,14 @@ import flax.linen as nn
 import gin
 import jax
 import numpy as np
+import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 Rules = tuple[tuple[str, str | None], ...]
 
 # Logical names used by the models: batch, length, embed, heads, kv, mlp, vocab, relpos_buckets,
-# projection; the multi-task optimiser states add a leading 'tasks' axis (never sharded).
+# projection; per-task optimiser states (TACO's EMA) add a leading 'tasks' axis (never sharded,
+# see `opt_state_shardings`).
 _REPLICATED_REST: Rules = (("length", None), ("kv", None), ("relpos_buckets", None), ("tasks", None))
 LAYOUTS: dict[str, Rules] = {
     "data_parallel": (("batch", "data"), ("embed", None), ("heads", None), ("mlp", None), ("vocab", None),
@@ -57,13 +59,35 @@ def make_mesh(model_parallelism: int = 1, devices: Sequence[jax.Device] | None =
     return Mesh(grid, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def logical_sharding(mesh: Mesh, rules: Rules, names: Sequence[str | None]) -> NamedSharding:
-    return NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(names), rules))
-
-
 def tree_shardings(mesh: Mesh, rules: Rules, logical_specs: Any) -> Any:
     """Maps a tree of logical PartitionSpecs (from `nn.get_partition_spec`) to NamedShardings."""
     return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, param_shardings: Any,
+                        mesh: Mesh, rules: Rules) -> Any:
+    """Shardings of `optimizer.init(params)`, matched to the params by structure, not by name.
+
+    `optax.tree_map_params` finds the state's subtrees that `init` built from the params tree. Their
+    leaves shaped like the parameter (AdamW's moments) get the parameter's sharding; leaves with
+    one more, leading, axis (TACO's EMA, [K, *param.shape]) get it behind the logical 'tasks'
+    axis, mapped by `rules`. Every other leaf (step counts, PRNG keys, [K] task weights) is
+    replicated.
+    """
+    tasks_axis = nn.logical_to_mesh_axes(("tasks",), rules)[0]
+
+    def mirror(leaf: jax.ShapeDtypeStruct, param: Any, param_sharding: NamedSharding) -> NamedSharding:
+        extra = leaf.ndim - param.ndim
+        if extra == 0:
+            return param_sharding
+        if extra == 1:
+            return NamedSharding(mesh, PartitionSpec(tasks_axis, *param_sharding.spec))
+        raise ValueError(f"an optimiser-state leaf of shape {leaf.shape} mirrors a parameter of shape "
+                         f"{param.shape}: expected the same rank or one leading task axis more")
+
+    abstract_state = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(optimizer, mirror, abstract_state, params, param_shardings,
+                                 transform_non_params=lambda _: replicated(mesh))
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

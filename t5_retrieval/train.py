@@ -53,26 +53,6 @@ class BatchIterator(Protocol):
     def restore(self, state: dict[str, Any]) -> None: ...
 
 
-def opt_state_shardings(abstract_opt_state: Any, params: Any, param_shardings: Any,
-                        mesh: jax.sharding.Mesh) -> Any:
-    """Optimiser-state leaves that mirror a parameter get its sharding (with an unsharded leading
-    task axis for per-task states such as TACO's EMA); everything else is replicated."""
-    by_path = {tuple(path): s for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
-    depths = sorted({len(p) for p in by_path}, reverse=True)
-    param_ndim = {tuple(path): np.ndim(x) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-
-    def leaf_sharding(path: tuple, leaf: Any) -> jax.sharding.NamedSharding:
-        for depth in depths:
-            key = tuple(path[-depth:])
-            if len(path) >= depth and key in by_path:
-                spec = by_path[key].spec
-                if leaf.ndim == param_ndim[key]:
-                    return by_path[key]
-                if leaf.ndim == param_ndim[key] + 1:
-                    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec))
-        return sharding.replicated(mesh)
-
-    return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt_state)
 
 
 class MetricsLog:
@@ -165,16 +145,13 @@ def train(model_dir: str,
     # GDMTL's transform combines two objectives (retrieval, query generation), others the tasks.
     num_objectives = 2 if model.config.query_generation else len(task_names)
     optimizer = make_optimizer(total_steps=num_steps, num_tasks=num_objectives, multitask=multitask)
-    opt_shardings = opt_state_shardings(jax.eval_shape(optimizer.init, params), params, param_shardings, mesh)
+    opt_shardings = sharding.opt_state_shardings(optimizer, params, param_shardings, mesh, rules)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     replicated = sharding.replicated(mesh)
-    def zero() -> jax.Array:  # one buffer per field: the state is donated to the step
-        return jax.device_put(jnp.zeros((), jnp.int32), replicated)
-
-    state = TrainState(step=zero(), params=params, opt_state=opt_state, rng=jax.device_put(train_rng, replicated),
-                       skipped_steps=zero(), nonfinite_in_a_row=zero())
-    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                                 rng=replicated, skipped_steps=replicated, nonfinite_in_a_row=replicated)
+    state = TrainState.create(params, opt_state, train_rng)
+    state_shardings = jax.tree.map(lambda _: replicated, state).replace(params=param_shardings,
+                                                                        opt_state=opt_shardings)
+    state = jax.device_put(state, state_shardings)
 
     mngr = checkpoint.manager(model_dir, max_to_keep=keep_checkpoints, writer=True)
     restored = restore_train_state(mngr, state)
@@ -232,8 +209,9 @@ def export_taco_state(opt_state: Any, task_names: list[str], model_dir: str) -> 
 def restore_train_state(mngr: Any, like: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
     """(state, data position) from the newest readable checkpoint into `like`'s shardings, or None.
 
-    Checkpoints written before the state counted non-finite steps lack the counters (orbax then
-    leaves them None); they restore with zero counts.
+    A checkpoint whose non-finite step counters were saved as None (orbax restores them as None)
+    resumes with zero counts. (One written by the four-field TrainState from before the counters
+    existed has no such entries and does not restore into this layout.)
     """
     restored = checkpoint.restore(mngr, checkpoint.abstract_like(like))
     if restored is None:

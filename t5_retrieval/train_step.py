@@ -37,15 +37,21 @@ class TrainState:
     """Everything a resumed run needs besides the data position.
 
     `skipped_steps` (total) and `nonfinite_in_a_row` (current streak) count steps whose loss or
-    gradients were not finite; they are optional (None: not counted) so that benchmarks and tests
-    that build a bare state keep working.
+    update was not finite (see `make_train_step`).
     """
     step: jax.Array
     params: Params
     opt_state: optax.OptState
     rng: jax.Array
-    skipped_steps: jax.Array | None = None
-    nonfinite_in_a_row: jax.Array | None = None
+    skipped_steps: jax.Array
+    nonfinite_in_a_row: jax.Array
+
+    @classmethod
+    def create(cls, params: Params, opt_state: optax.OptState, rng: jax.Array) -> TrainState:
+        """The state before the first step: step 0, nothing skipped (one buffer per counter, so
+        the state can be donated)."""
+        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=rng,
+                   skipped_steps=jnp.zeros((), jnp.int32), nonfinite_in_a_row=jnp.zeros((), jnp.int32))
 
 
 def query_tower(model: nn.Module, task_index: int) -> int | None:
@@ -221,6 +227,12 @@ def all_finite(*trees: Any) -> jax.Array:
     return sum(jnp.sum(x * 0, dtype=jnp.float32) for x in leaves) == 0
 
 
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """`on_true` where the scalar `pred` holds, else `on_false`, leaf by leaf. Selects rather than
+    a `lax.cond`: they fuse into the update's pass, and donated buffers stay updated in place."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExtraArgs,
                     task_names: Sequence[str], per_task: bool, logit_scale: float = 1.0,
                     extra_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None,
@@ -237,10 +249,12 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
 
     A step whose losses or updates are not all finite is skipped (a non-finite gradient reaches
     the update through every transform, clipping and AdamW; checking the K x P per-task gradients
-    themselves would cost a pass over them every step): parameters and
-    optimiser state (hence its step count and learning-rate schedule) stay as they were, the
-    batch is consumed and `step` advances. Metric ``skipped`` is 1 for such a step; when the state
-    carries the counters, ``skipped_steps`` and ``nonfinite_in_a_row`` report them. Once the streak
+    themselves would cost a pass over them every step): parameters and the whole
+    optimiser state (hence its step count and learning-rate schedule, and the multi-task
+    transform's state: TACO's EMA and burn-in count never see a non-finite gradient) stay as they
+    were, the batch is consumed and `step` advances. This is the one place where non-finite
+    values are handled; the transforms themselves are pure. Metric ``skipped`` is 1 for such a
+    step, ``skipped_steps`` and ``nonfinite_in_a_row`` report the state's counters. Once the streak
     reaches ``max_nonfinite_in_a_row`` the state freezes (every later step is skipped and the
     streak kept), so the caller, which reads the metrics only every few steps, can stop the run
     on the exact state where the limit was hit.
@@ -265,22 +279,22 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params, task_losses=losses)
         params = optax.apply_updates(state.params, updates)
         finite = all_finite(losses, updates)
-        counters = {}
-        if state.nonfinite_in_a_row is not None:
-            if max_nonfinite_in_a_row is not None:
-                finite &= state.nonfinite_in_a_row < max_nonfinite_in_a_row  # frozen once the limit is hit
-            counters = {"skipped_steps": state.skipped_steps + (~finite).astype(jnp.int32),
-                        "nonfinite_in_a_row": jnp.where(finite, 0, state.nonfinite_in_a_row + 1)}
-            if max_nonfinite_in_a_row is not None:
-                counters["nonfinite_in_a_row"] = jnp.minimum(counters["nonfinite_in_a_row"], max_nonfinite_in_a_row)
-        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                         (params, opt_state), (state.params, state.opt_state))
+        if max_nonfinite_in_a_row is not None:
+            finite &= state.nonfinite_in_a_row < max_nonfinite_in_a_row  # frozen once the limit is hit
+        in_a_row = jnp.where(finite, 0, state.nonfinite_in_a_row + 1)
+        if max_nonfinite_in_a_row is not None:
+            in_a_row = jnp.minimum(in_a_row, max_nonfinite_in_a_row)
+        params, opt_state = select_tree(finite, (params, opt_state), (state.params, state.opt_state))
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng,
+                               skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+                               nonfinite_in_a_row=in_a_row)
         metrics["loss"] = jnp.sum(losses)
         metrics["update_norm"] = jnp.where(finite, optax.tree.norm(updates), 0.0)
         metrics["skipped"] = (~finite).astype(jnp.int32)
-        metrics.update(counters)
+        metrics["skipped_steps"] = new_state.skipped_steps
+        metrics["nonfinite_in_a_row"] = new_state.nonfinite_in_a_row
         if extra_metrics is not None:
             metrics.update(extra_metrics(opt_state))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng, **counters), metrics
+        return new_state, metrics
 
     return train_step

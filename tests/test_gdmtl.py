@@ -92,8 +92,7 @@ def test_gdmtl_training_learns_both_objectives_and_the_uncertainty_weights():
     optimizer = optax.chain(multitask.uncertainty_weighting(num_tasks=2, learning_rate=0.05), optax.adam(3e-3))
     step = jax.jit(make_train_step(model, optimizer, TASKS, per_task=True,
                                    extra_metrics=multitask.multitask_metrics))
-    state = TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=optimizer.init(params),
-                       rng=jax.random.PRNGKey(2))
+    state = TrainState.create(params, optimizer.init(params), jax.random.PRNGKey(2))
     history = []
     for _ in range(30):
         state, metrics = step(state, batch)

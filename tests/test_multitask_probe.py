@@ -11,7 +11,7 @@ from t5_retrieval import gin_utils, sharding
 from t5_retrieval.data.batches import make_train_iterator
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.multitask.analysis import load_state_npz
-from t5_retrieval.multitask.probe import probe_sensitivities
+from t5_retrieval.probe import probe_sensitivities
 from t5_retrieval.train import TACO_STATE_FILE, train
 from tiny_model import _bindings, build_tiny_run
 

@@ -10,7 +10,6 @@ import os
 
 import gin
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -53,9 +52,7 @@ def test_nonfinite_step_leaves_params_and_optimizer_state_unchanged(per_task):
     params = model.init(jax.random.PRNGKey(0), batches[0]["a"]["query_tokens"])["params"]
     optimizer = make_optimizer(total_steps=10, num_tasks=len(TASKS), learning_rate=1e-2,
                                multitask=multitask.taco if per_task else None)
-    zero = jnp.zeros((), jnp.int32)
-    state = TrainState(step=zero, params=params, opt_state=optimizer.init(params), rng=jax.random.PRNGKey(1),
-                       skipped_steps=zero, nonfinite_in_a_row=zero)
+    state = TrainState.create(params, optimizer.init(params), jax.random.PRNGKey(1))
     step = jax.jit(make_train_step(model, optimizer, TASKS, per_task=per_task, max_nonfinite_in_a_row=3))
 
     state, metrics = step(state, batches[0])

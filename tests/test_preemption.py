@@ -213,12 +213,10 @@ def test_checkpoint_from_before_the_nonfinite_counters_resumes_with_zero_counts(
     from t5_retrieval.train_step import TrainState
 
     old = TrainState(step=jnp.array(7, jnp.int32), params={"w": jnp.arange(3.0)}, opt_state=(jnp.ones(2),),
-                     rng=jnp.zeros(2, jnp.uint32))  # as saved before skipped_steps existed
+                     rng=jnp.zeros(2, jnp.uint32), skipped_steps=None, nonfinite_in_a_row=None)  # no counts saved
     mngr = checkpoint.manager(str(tmp_path), writer=True)
     checkpoint.save(mngr, 7, old, {"step": 7})
-    zero = jnp.zeros((), jnp.int32)
-    like = TrainState(step=zero, params={"w": jnp.zeros(3)}, opt_state=(jnp.zeros(2),), rng=jnp.ones(2, jnp.uint32),
-                      skipped_steps=zero, nonfinite_in_a_row=zero)
+    like = TrainState.create({"w": jnp.zeros(3)}, (jnp.zeros(2),), jnp.ones(2, jnp.uint32))
     state, data = restore_train_state(mngr, like)
     assert (int(state.step), data) == (7, {"step": 7})
     np.testing.assert_array_equal(state.params["w"], [0.0, 1.0, 2.0], err_msg="params not restored")

@@ -19,7 +19,7 @@ PROBE_BATCHES, PROBE_BETA, PROBE_SEED = 50, 0.98, 1  # EMA at 1 - 0.98^50 = 64% 
 
 def sensitivity_analysis(work_dir: str) -> None:
     """TACO paper Fig. 1-2 for the finished rows of PROBE_ROWS: each trained model's task
-    sensitivities probed on the same 50 training batches (`multitask.probe`), plus the final EMA
+    sensitivities probed on the same 50 training batches (`t5_retrieval.probe`), plus the final EMA
     of the TACO_ROWS runs (the weights they trained with); figures and analysis.json in `<work_dir>/analysis/<name>`."""
     from t5_retrieval.multitask.analysis import load_state_npz, write_analysis
     from t5_retrieval.stages import is_done, stage
@@ -47,7 +47,7 @@ def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
     from t5_retrieval.data.batches import make_train_iterator
     from t5_retrieval.inference import load_dual_encoder
     from t5_retrieval.multitask.analysis import save_state_npz, write_analysis
-    from t5_retrieval.multitask.probe import probe_sensitivities
+    from t5_retrieval.probe import probe_sensitivities
     from t5_retrieval.stages import DONE
 
     with open(os.path.join(model_dir, DONE)) as f:

@@ -13,7 +13,6 @@ assert "--xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS",
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -22,7 +21,6 @@ from t5_retrieval.data.random_batches import RandomBatches  # noqa: E402
 from t5_retrieval.models.dual_encoder import DualEncoder  # noqa: E402
 from t5_retrieval.models.t5 import T5Config  # noqa: E402
 from t5_retrieval.models.build import init_params  # noqa: E402
-from t5_retrieval.train import opt_state_shardings  # noqa: E402
 from t5_retrieval.train_step import TrainState, make_train_step  # noqa: E402
 
 CFG = T5Config(vocab_size=128, d_model=32, num_heads=4, d_kv=8, d_ff=64, num_encoder_layers=1,
@@ -55,12 +53,12 @@ def batch_for(data_devices: int) -> dict:
 def step_on(mesh, rules, model, per_task: bool = False):
     optimizer = PER_TASK_OPTIMIZER if per_task else OPTIMIZER
     params, param_shardings = init_params(model, jax.random.PRNGKey(0), mesh, rules)
-    opt_shardings = opt_state_shardings(jax.eval_shape(optimizer.init, params), params, param_shardings, mesh)
+    opt_shardings = sharding.opt_state_shardings(optimizer, params, param_shardings, mesh, rules)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     replicated = sharding.replicated(mesh)
-    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated), params=params,
-                       opt_state=opt_state, rng=jax.device_put(jax.random.PRNGKey(1), replicated))
-    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated)
+    state = TrainState.create(params, opt_state, jax.random.PRNGKey(1))
+    shardings = jax.tree.map(lambda _: replicated, state).replace(params=param_shardings, opt_state=opt_shardings)
+    state = jax.device_put(state, shardings)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         batch = sharding.global_batch(mesh, batch_for(mesh.shape["data"]))
         step = jax.jit(make_train_step(model, optimizer, TASKS, per_task=per_task),

@@ -17,7 +17,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from t5_retrieval.multitask import taco, taco_state_sharding  # noqa: E402
+from t5_retrieval import sharding  # noqa: E402
+from t5_retrieval.multitask import taco  # noqa: E402
 
 K, STEPS = 3, 3
 SPECS = {"embed": P("model", None), "kernel": P("data", "model"), "bias": P(None), "scale": P("data")}
@@ -36,7 +37,7 @@ def main() -> int:
     for median in ("exact", "approx"):
         tx = taco(K, burn_in_steps=1, beta=0.5, median=median, median_samples=64,
                   state_dtype=jnp.bfloat16)
-        state_sh = taco_state_sharding(param_sh)
+        state_sh = sharding.opt_state_shardings(tx, params, param_sh, mesh, sharding.logical_axis_rules())
         sharded_params = jax.device_put(params, param_sh)
         state = jax.jit(tx.init, out_shardings=state_sh)(sharded_params)
         update = jax.jit(tx.update, in_shardings=(grad_sh, state_sh, param_sh),

@@ -6,6 +6,9 @@ multi-task training vs TACO) needs the same statistic for models that were not t
 batches at the model's fixed parameters and discards its updates, so the EMA it returns is exactly
 the state a TACO run would hold after those steps at those parameters; every model probed with the
 same batches and beta is measured the same way.
+
+It sits above `train_step` (whose per-task gradients and non-finite rule it reuses), not in
+`multitask`, which the train step builds on.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ import jax
 from tqdm import tqdm
 
 from t5_retrieval import sharding
-from t5_retrieval.multitask.transforms import taco
-from t5_retrieval.train_step import per_task_gradients, task_groups, task_loss_fn
+from t5_retrieval.multitask import taco
+from t5_retrieval.train_step import all_finite, per_task_gradients, select_tree, task_groups, task_loss_fn
 
 
 def probe_sensitivities(model: nn.Module, params: Any, batches: Iterator[dict[str, dict[str, Any]]],
                         task_names: Sequence[str], num_batches: int, beta: float, logit_scale: float,
                         mesh: jax.sharding.Mesh, seed: int = 0, progress: bool = True) -> Any:
-    """The TACO EMA (leaves [K, *param.shape]) after `num_batches` batches at fixed `params`."""
+    """The TACO EMA (leaves [K, *param.shape]) after `num_batches` batches at fixed `params`.
+
+    A batch with non-finite gradients leaves the state as it was, as the train step would.
+    """
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
     transform = taco(num_tasks=len(task_names), burn_in_steps=0, beta=beta, median="approx")
@@ -35,7 +41,7 @@ def probe_sensitivities(model: nn.Module, params: Any, batches: Iterator[dict[st
     def step(state, params, batch, rng):
         grads, _, _ = per_task_gradients(loss_fn, params, batch, task_names, rng,
                                          task_groups(model, batch, task_names))
-        return transform.update(grads, state, params)[1]
+        return select_tree(all_finite(grads), transform.update(grads, state, params)[1], state)
 
     rng = jax.random.PRNGKey(seed)
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.logical_axis_rules()):
