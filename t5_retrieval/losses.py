@@ -18,6 +18,11 @@ def positive_columns(num_queries: int, passages_per_query: int) -> jax.Array:
     return jnp.arange(num_queries, dtype=jnp.int32) * passages_per_query
 
 
+def positive_rows(passages: jax.Array, num_queries: int) -> jax.Array:
+    """[Q * (1 + N), ...] passage rows in the layout above -> [Q, ...]: each query's own positive."""
+    return passages[::passages.shape[0] // num_queries]
+
+
 def in_batch_softmax_loss(query_embeddings: jax.Array, passage_embeddings: jax.Array,
                           logit_scale: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean softmax cross-entropy of each query against all passages of the batch.

@@ -20,7 +20,6 @@ from typing import Any, Callable, Protocol
 import flax.linen as nn
 import gin
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils

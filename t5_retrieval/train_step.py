@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5_retrieval.losses import in_batch_softmax_loss, token_cross_entropy
+from t5_retrieval.data.batches import Batch
+from t5_retrieval.losses import in_batch_softmax_loss, positive_rows, token_cross_entropy
 
-Batch = dict[str, dict[str, jax.Array]]
 Params = Any
 
 
@@ -206,7 +206,7 @@ def retrieval_and_generation_gradients(model: nn.Module, logit_scale: float, par
         generation = []
         for name in task_names:
             queries = batch[name]["query_tokens"]
-            positives = batch[name]["passage_tokens"][::batch[name]["passage_tokens"].shape[0] // queries.shape[0]]
+            positives = positive_rows(batch[name]["passage_tokens"], queries.shape[0])
             logits = model.apply({"params": params}, positives, queries, deterministic=False,
                                  rngs={"dropout": jax.random.fold_in(generation_rng, len(generation))},
                                  method=model.query_generation_logits)

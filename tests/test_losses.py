@@ -4,12 +4,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5_retrieval.losses import in_batch_softmax_loss, positive_columns
+from t5_retrieval.losses import in_batch_softmax_loss, positive_columns, positive_rows
 
 
 def test_loss_labels_point_at_own_positive():
     # 3 queries, 2 hard negatives each: rows [p0 n n p1 n n p2 n n]
     np.testing.assert_array_equal(positive_columns(3, 3), [0, 3, 6])
+
+
+def test_positive_rows_are_the_rows_the_labels_point_at():
+    tokens = jnp.arange(9 * 2).reshape(9, 2)  # 3 queries x (1 positive + 2 negatives), 2 tokens each
+    np.testing.assert_array_equal(positive_rows(tokens, 3), tokens[positive_columns(3, 3)])
+    np.testing.assert_array_equal(positive_rows(tokens, 3)[:, 0], [0, 6, 12])
 
 
 def test_loss_is_cross_entropy_over_the_whole_task_batch():

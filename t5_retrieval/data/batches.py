@@ -22,6 +22,7 @@ from typing import Any
 
 import gin
 import numpy as np
+from numpy.typing import ArrayLike
 
 from t5_retrieval.data import layout, registry
 from t5_retrieval.data.kb import PassageStore, passage_text
@@ -30,7 +31,8 @@ from t5_retrieval.data.records import DataError, Example, read_examples, read_ne
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_query
 from t5_retrieval.data.tokenize import Vocabulary, encode_text, load_vocabulary, tokenize, vocabulary_digest
 
-Batch = dict[str, dict[str, np.ndarray]]
+# {task: {feature: rows}}: numpy arrays on the host, jax.Arrays (global, sharded) inside the step.
+Batch = dict[str, dict[str, ArrayLike]]
 _FILL_STREAM = 7919  # separates the random-negative RNG stream from the permutation streams
 FEW_SHOT_SEED = 128  # fixes the few-shot subset, independent of the run seed and the host
 
