@@ -88,39 +88,48 @@ def _check_k(k: int, minimum: int) -> None:
         raise ValueError(f"k must be >= {minimum}, got {k}")
 
 
+def _precision(slots: list[Slot], num_sets: int, k: int) -> float:
+    return slots[:k].count(True) / k if num_sets else 0.0
+
+
+def _recall(slots: list[Slot], num_sets: int, k: int) -> float:
+    return slots[:k].count(True) / num_sets if num_sets else 0.0
+
+
+def _success(slots: list[Slot], num_sets: int, k: int) -> float:
+    return float(True in slots[:k]) if num_sets else 0.0
+
+
 def precision_at_k(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id], k: int) -> float:
     _check_k(k, 1)
-    slots, num_sets = rank_slots(gold_sets, guesses)
-    return slots[:k].count(True) / k if num_sets else 0.0
+    return _precision(*rank_slots(gold_sets, guesses), k)
 
 
 def recall_at_k(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id], k: int) -> float:
     _check_k(k, 2)
-    slots, num_sets = rank_slots(gold_sets, guesses)
-    return slots[:k].count(True) / num_sets if num_sets else 0.0
+    return _recall(*rank_slots(gold_sets, guesses), k)
 
 
 def success_at_k(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id], k: int) -> float:
     _check_k(k, 2)
-    slots, num_sets = rank_slots(gold_sets, guesses)
-    return float(True in slots[:k]) if num_sets else 0.0
+    return _success(*rank_slots(gold_sets, guesses), k)
 
 
 def kilt_scores(gold_sets: Sequence[Iterable[Id]], guesses: Sequence[Id], ks: Sequence[int]) -> dict[str, float]:
     """All page-level KILT metrics for one query, with the official key names.
 
     precision@k for every k >= 1; recall@k and success_rate@k for k > 1 (as the official scorer).
+    The rank slots are computed once and shared by every k.
     """
     gold_sets = [tuple(s) for s in gold_sets]
     slots, num_sets = rank_slots(gold_sets, guesses)
     out = {"Rprec": r_precision(gold_sets, guesses)}
     for k in sorted(set(ks)):
         _check_k(k, 1)
-        true_slots = slots[:k].count(True)
-        out[f"precision@{k}"] = true_slots / k if num_sets else 0.0
+        out[f"precision@{k}"] = _precision(slots, num_sets, k)
         if k > 1:
-            out[f"recall@{k}"] = true_slots / num_sets if num_sets else 0.0
-            out[f"success_rate@{k}"] = float(true_slots > 0) if num_sets else 0.0
+            out[f"recall@{k}"] = _recall(slots, num_sets, k)
+            out[f"success_rate@{k}"] = _success(slots, num_sets, k)
     return out
 
 
