@@ -7,16 +7,23 @@ and emits one ordinary gradient, so everything after it is the standard single-t
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Callable
 
 import gin
 import optax
 
+log = logging.getLogger(__name__)
+
+
+def _warmup_steps(total_steps: int, warmup_fraction: float) -> int:
+    return max(1, int(round(total_steps * warmup_fraction)))
+
 
 @gin.configurable
 def linear_warmup_decay(peak_value: float, total_steps: int, warmup_fraction: float = 0.1) -> optax.Schedule:
     """0 -> peak over the first warmup_fraction of steps, then linearly back to 0 at total_steps."""
-    warmup_steps = max(1, int(round(total_steps * warmup_fraction)))
+    warmup_steps = _warmup_steps(total_steps, warmup_fraction)
     return optax.join_schedules(
         [optax.linear_schedule(0.0, peak_value, warmup_steps),
          optax.linear_schedule(peak_value, 0.0, max(1, total_steps - warmup_steps))],
@@ -53,6 +60,9 @@ def make_optimizer(total_steps: int,
 
     With `multitask=None` the train step sums the task losses and no per-task gradients are formed.
     """
+    log.info("optimiser: %sAdamW, peak learning rate %g after %d warm-up steps, linear decay to 0 at step %d, "
+             "clip %g, weight decay %g", "" if multitask is None else f"{getattr(multitask, '__name__', multitask)} -> ",
+             learning_rate, _warmup_steps(total_steps, warmup_fraction), total_steps, clip_norm, weight_decay)
     schedule = linear_warmup_decay(learning_rate, total_steps, warmup_fraction)
     tail = [optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay)]
     if multitask is None:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 import tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
 from t5_retrieval import checkpoint, gin_utils, logs, sharding
 from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
+from t5_retrieval.data.records import write_text_atomic
 from t5_retrieval.inference import load_encoder, write_base_record
 from t5_retrieval.models.build import build_model, init_params, initial_params, model_config, upgraded_config
 from t5_retrieval.multitask import find_taco_state, multitask_metrics, taco_metrics
@@ -39,6 +40,21 @@ log = logging.getLogger(__name__)
 # On CPU, more than ~50 dispatched steps with collectives can deadlock; never run further ahead.
 MAX_STEPS_IN_FLIGHT = 20
 TACO_STATE_FILE = "taco_state.npz"
+
+
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "t5_retrieval", "xla")
+
+
+def use_compilation_cache(directory: str | None) -> None:
+    """Points JAX's persistent compilation cache at `directory` unless one is configured already
+    (JAX_COMPILATION_CACHE_DIR, or a caller's `jax.config`)."""
+    if directory and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        log.info("compilation cache: %s", directory)
+
+
+def _count(params: Any) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
 class BatchIterator(Protocol):
@@ -55,14 +71,23 @@ class BatchIterator(Protocol):
 
 
 class MetricsLog:
-    """Scalars to TensorBoard and to metrics.jsonl (process 0 only)."""
+    """Scalars to TensorBoard (`<model_dir>/tb`) and to `<model_dir>/metrics.jsonl` (process 0 only).
 
-    def __init__(self, directory: str):
+    A run resumed at `start_step` first drops what the interrupted run logged after that step (it
+    is logged again), so both hold one row per step however often the run was restarted.
+    """
+
+    def __init__(self, directory: str, start_step: int):
         self.enabled = jax.process_index() == 0
         if self.enabled:
             from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(directory, "tb"))
-            self.jsonl = open(os.path.join(directory, "metrics.jsonl"), "a")
+            self.tb = SummaryWriter(os.path.join(directory, "tb"), purge_step=start_step + 1)
+            path = os.path.join(directory, "metrics.jsonl")
+            if os.path.exists(path):
+                with open(path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+                write_text_atomic(path, "".join(kept))
+            self.jsonl = open(path, "a")
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
@@ -93,6 +118,7 @@ def train(model_dir: str,
           data_overrides: dict[str, Any] | None = None,
           max_nonfinite_in_a_row: int = 10,
           stop_passage_gradient: bool = False,
+          compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
           ) -> TrainState:
     """Trains (or resumes) a dual encoder in `model_dir`; returns the final state.
 
@@ -115,7 +141,10 @@ def train(model_dir: str,
         run with `NonFiniteError` (the last checkpoint stays the latest good state).
       stop_passage_gradient: only the query side learns from the loss (passage embeddings are
         constants in it); with `separate_query_encoder` the passage encoder stays as initialised.
+      compilation_cache_dir: JAX's persistent compilation cache, so that a restarted run does not
+        compile its step again; None turns it off. Left alone when JAX already has one configured.
     """
+    use_compilation_cache(compilation_cache_dir)
     mesh = sharding.make_mesh()
     rules = sharding.logical_axis_rules()
     data = batches(per_device_batch=per_device_batch, local_data_devices=sharding.local_data_devices(mesh),
@@ -139,6 +168,9 @@ def train(model_dir: str,
     model = build_model(config)
     params_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
     params, param_shardings = init_params(model, params_rng, mesh, rules)
+    log.info("model %s: %s dual encoder, %s parameters; %d device(s) (%s) on %d process(es), mesh %s; "
+             "tasks %s", model_dir, config.get("family", "t5").upper(), f"{_count(params):,}", jax.device_count(),
+             jax.devices()[0].platform, jax.process_count(), dict(mesh.shape), ", ".join(task_names))
     if init_from:
         params = jax.device_put(initial_params(init_from, params, config), param_shardings)
     # GDMTL's transform combines two objectives (retrieval, query generation), others the tasks.
@@ -173,6 +205,8 @@ def train(model_dir: str,
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
         state = _loop(jitted, state, data, first, mesh, mngr, model_dir, num_steps, log_every, checkpoint_every,
                       max_nonfinite_in_a_row)
+    log.info("finished %s at step %d (%d step(s) skipped as non-finite)", model_dir, int(state.step),
+             int(state.skipped_steps))
     export_taco_state(state.opt_state, task_names, model_dir)
     return state
 
@@ -281,17 +315,22 @@ class PreemptionNotice:
 def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch: Any,
           mesh: jax.sharding.Mesh, mngr: Any, model_dir: str, num_steps: int, log_every: int,
           checkpoint_every: int, max_nonfinite_in_a_row: int) -> TrainState:
-    metrics_log = MetricsLog(model_dir)
     start = int(state.step)
+    metrics_log = MetricsLog(model_dir, start)
     batch = first_batch
-    progress = tqdm(total=num_steps, initial=start, desc="train", unit="step",
-                    disable=jax.process_index() != 0, mininterval=5.0)
+    progress = None  # started after the first step, so that its rate and ETA leave compilation out
     last_time, last_step = time.time(), start
     log_only_metrics = jax.jit(taco_metrics)  # a pass over the TACO state: logging steps only
     preemption = PreemptionNotice()
     try:
         for step in range(start + 1, num_steps + 1):
             state, metrics = step_fn(state, sharding.global_batch(mesh, batch))
+            if progress is None:
+                jax.block_until_ready(metrics)
+                log.info("step %d compiled and ran in %.1f s", step, time.time() - last_time)
+                progress = tqdm(total=num_steps, initial=step - 1, desc="train", unit="step",
+                                disable=jax.process_index() != 0, mininterval=5.0)
+                last_time, last_step = time.time(), step
             preempted = preemption.reached(step)
             synced = step % min(log_every, MAX_STEPS_IN_FLIGHT) == 0 or step == num_steps
             if synced or step % checkpoint_every == 0 or preempted:
@@ -308,6 +347,7 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
             progress.update(1)
             if step % checkpoint_every == 0 or step == num_steps or preempted:
                 checkpoint.save(mngr, step, state, data.state())
+                log.info("saved checkpoint %s", os.path.join(model_dir, str(step)))
             if preempted and step < num_steps:
                 log.warning("preempted: saved %s at step %d; rerun the same command to resume", model_dir, step)
                 raise Preempted(step, model_dir)
@@ -315,7 +355,8 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
                 batch = next(data)
     finally:
         preemption.close()
-        progress.close()
+        if progress is not None:
+            progress.close()
         metrics_log.close()
     return state
 

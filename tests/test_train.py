@@ -47,6 +47,30 @@ def test_loss_falls_on_learnable_batches(finished_run):
     assert {"loss/task_a", "accuracy/task_b", "steps_per_second"} <= set(rows[-1]), sorted(rows[-1])
 
 
+def test_training_says_what_it_is_doing(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        run(tmp_path / "model", "train.num_steps = 2", "train.checkpoint_every = 1")
+    text = caplog.text
+    for expected in (f"model {tmp_path / 'model'}: T5 dual encoder", "parameters", "device(s) (cpu)", "mesh {",
+                     "peak learning rate 0.001", "step 1 compiled and ran in", "saved checkpoint "
+                     f"{tmp_path / 'model' / '2'}", f"finished {tmp_path / 'model'} at step 2"):
+        assert expected in text, f"{expected!r} not logged:\n{text}"
+
+
+def test_tensorboard_reads_the_runs_metrics(finished_run):
+    """The command docs give for watching a run works on a real run's tb/ directory."""
+    import subprocess
+    import sys
+
+    model_dir, _ = finished_run
+    tensorboard = os.path.join(os.path.dirname(sys.executable), "tensorboard")
+    out = subprocess.run([tensorboard, "--inspect", "--logdir", str(model_dir / "tb")], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "loss/task_a" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def test_resume_from_checkpoint_reaches_identical_parameters(finished_run, tmp_path):
     model_dir, final_params = finished_run
     resumed_dir = tmp_path / "resumed"
@@ -58,6 +82,8 @@ def test_resume_from_checkpoint_reaches_identical_parameters(finished_run, tmp_p
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(final_params)[0],
                             jax.tree.leaves(jax.device_get(state.params))):
         np.testing.assert_array_equal(a, b, err_msg=f"resumed run differs at {jax.tree_util.keystr(path)}")
+    steps = [row["step"] for row in metrics(resumed_dir)]
+    assert steps == sorted(set(steps)) == list(range(5, 61, 5)), f"one metrics row per logged step: {steps}"
 
 
 def test_model_dir_with_another_architecture_is_refused(finished_run, tmp_path):

@@ -40,9 +40,12 @@ def test_installed_wheel_runs_help_and_a_train_step_from_elsewhere(tmp_path):
     t5r = str(site / "bin" / "t5r")
     assert "train" in run([t5r, "--help"], cwd=elsewhere, env=env).stdout
 
-    model_dir = elsewhere / "model"
+    model_dir, cache = elsewhere / "model", tmp_path / "xla_cache"
     run([t5r, "train", f"--model_dir={model_dir}", "--gin_file=models/t5_tiny.gin",
          "--gin.VOCAB_SIZE=128", "--gin.D_MODEL=32", "--gin.D_FF=64", "--gin.DROPOUT=0.0",
-         "--gin.train.batches=@RandomBatches", "--gin.train.per_device_batch=4", "--gin.train.num_steps=1"],
+         "--gin.train.batches=@RandomBatches", "--gin.train.per_device_batch=4", "--gin.train.num_steps=1",
+         f"--gin.train.compilation_cache_dir='{cache}'"],
         cwd=elsewhere, env=env)
     assert os.path.isdir(model_dir / "1"), sorted(os.listdir(model_dir))
+    # `t5r train` turns JAX's persistent compilation cache on, so a restart does not compile again.
+    assert os.listdir(cache), "the train step's compiled program is in the compilation cache"
