@@ -93,7 +93,7 @@ def write_checksums(step_dir: epath.Path) -> None:
              for name in _files(step_dir)}
     tmp = step_dir / f"{CHECKSUMS_FILE}.tmp"
     tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1, sort_keys=True))
-    tmp.rename(step_dir / CHECKSUMS_FILE)
+    tmp.replace(step_dir / CHECKSUMS_FILE)
 
 
 def verify_checksums(step_dir: epath.Path) -> bool:
