@@ -210,6 +210,21 @@ def test_stalled_connections_hold_no_worker(kb_index):
                 sock.close()
 
 
+def test_connections_beyond_the_limit_get_503_and_an_oversized_head_431(kb_index):
+    with serving(make_service(kb_index), max_connections=2, read_timeout_s=60) as url:
+        held = [socket.create_connection(address(url), timeout=10) for _ in range(2)]
+        try:
+            with socket.create_connection(address(url), timeout=10) as third:
+                reply = read_reply(third)
+                assert reply.startswith(b"HTTP/1.1 503 ") and b"too many connections" in reply, reply[:300]
+            held[0].sendall(b"GET /health HTTP/1.1\r\n" + b"X-Pad: " + b"a" * (70 << 10))
+            reply = read_reply(held[0])
+            assert reply.startswith(b"HTTP/1.1 431 "), reply[:300]
+        finally:
+            for sock in held:
+                sock.close()
+
+
 class BlockingEncoder(HashedBagOfWordsEncoder):
     """Holds every query encoding until `release` is set, so a test controls when workers are busy."""
 

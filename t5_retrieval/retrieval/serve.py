@@ -424,6 +424,8 @@ class SearchServer:
     def server_close(self) -> None:
         for conn in list(self._reading.values()):
             self._close(conn)
+        while self._returned:  # kept alive by a worker after the loop stopped taking them back
+            self._returned.popleft().sock.close()
         self._selector.close()
         self.socket.close()
         self._wake_reader.close()
