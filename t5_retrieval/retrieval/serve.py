@@ -211,6 +211,8 @@ def _head_end(buffer: bytearray) -> int:
 
 
 def _header(head: bytes, name: bytes) -> bytes | None:
+    """The value of header `name` (lower case) in a raw request head, enough to know when the body
+    is complete; the handler parses the head properly."""
     for line in head.split(b"\n")[1:]:
         key, sep, value = line.partition(b":")
         if sep and key.strip().lower() == name:
