@@ -1,7 +1,7 @@
 """Checkpoint cost and preemption cost.
 
 1. Save and restore time vs parameter bytes, through `t5_retrieval.checkpoint` (orbax, the same
-   manager and items as training). The saved state is shaped like a training state with Adam:
+   manager and items as training), and the part of each spent on the per-file sha256 checksums. The saved state is shaped like a training state with Adam:
    parameters (several leaves of a T5-like mix of matrix sizes) plus two moment trees, i.e. 3x the
    parameter bytes on disk. Save and restore are timed round-robin per size; restore goes into
    the arrays' shardings as training does.
@@ -86,9 +86,16 @@ def time_save_restore(sizes_mb: list[float], repeats: int, root: str) -> dict:
             restored, _ = checkpoint.restore(mngr, abstract)
             jax.block_until_ready(restored)
 
+        def checksum() -> None:  # what save spends on it: hash every file of the step, write the list
+            checkpoint.write_checksums(mngr.directory / str(step[0]))
+
+        def verify() -> None:  # what restore spends on it
+            assert checkpoint.verify_checksums(mngr.directory / str(step[0]))
+
         save()  # first save creates the directory layout; not timed
         restore()
-        times = common.interleaved_times({"save": save, "restore": restore}, repeats)
+        times = common.interleaved_times({"save": save, "restore": restore, "checksum": checksum, "verify": verify},
+                                         repeats)
         restored, _ = checkpoint.restore(mngr, abstract)
         same = all(np.array_equal(np.asarray(a), np.asarray(b))
                    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
@@ -102,6 +109,12 @@ def time_save_restore(sizes_mb: list[float], repeats: int, root: str) -> dict:
                      "mb_per_s": total / 2**20 / statistics.median(times["save"])},
             "restore": {**common.summarize(times["restore"]),
                         "mb_per_s": total / 2**20 / statistics.median(times["restore"])},
+            # Included in save and restore above; as a share of them.
+            "checksum_at_save": {**common.summarize(times["checksum"]),
+                                 "share_of_save": statistics.median(times["checksum"]) / statistics.median(times["save"])},
+            "verify_at_restore": {**common.summarize(times["verify"]),
+                                  "share_of_restore": statistics.median(times["verify"])
+                                  / statistics.median(times["restore"])},
         }
         shutil.rmtree(directory)
     return by_size
@@ -194,7 +207,9 @@ def main() -> int:
     largest = sizes[str(args.sizes_mb[-1])]
     summary = (f"{args.sizes_mb[-1]:g} MB params ({largest['state_bytes'] / 2**20:.0f} MB state): save "
                f"{largest['save']['median_s']:.2f}s ({largest['save']['mb_per_s']:.0f} MB/s), restore "
-               f"{largest['restore']['median_s']:.2f}s ({largest['restore']['mb_per_s']:.0f} MB/s); resume after kill: "
+               f"{largest['restore']['median_s']:.2f}s ({largest['restore']['mb_per_s']:.0f} MB/s), of which checksums "
+               f"{largest['checksum_at_save']['median_s']:.2f}s / {largest['verify_at_restore']['median_s']:.2f}s; "
+               f"resume after kill: "
                f"{resume['mean_steps_repeated']} steps repeated (every {args.checkpoint_every}), restart "
                + (f"{resume['restart_to_first_new_step_s']['median_s']:.1f}s to first new step"
                   if resume["restart_to_first_new_step_s"] else "n/a"))

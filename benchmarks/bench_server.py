@@ -1,11 +1,14 @@
-"""Bounded load test of `t5r serve` on loopback: QPS, p50/p99 latency, error count.
+"""Bounded load test of `t5r serve` on loopback: QPS, p50/p99 latency and errors under load and
+with stalled connections open.
 
 Builds a synthetic passage store, embeds it with the hashed bag-of-words encoder, indexes it, starts
-the real CLI (`python -m t5_retrieval.cli serve --port 0`) as a subprocess, and drives it with
-`--clients` keep-alive HTTP clients until `--requests` requests are done or `--max_seconds` pass.
-A `GET /health` round trip, timed in the same run, is the reference for the search overhead.
+the real CLI (`python -m t5_retrieval.cli serve --port 0`) as a subprocess, and drives it with 1, 20
+and 100 keep-alive HTTP clients (`--clients`), each level until `--requests` requests are done or
+`--max_seconds` pass. Then it opens `--stalled` connections that send nothing or half a request and,
+while they are open, runs 20 clients again; it counts the server's threads meanwhile (a thread per
+connection would show here). A `GET /health` round trip is the reference for the search overhead.
 
-    .venv/bin/python benchmarks/bench_server.py [--passages 20000 --requests 2000 --clients 4]
+    .venv/bin/python benchmarks/bench_server.py [--passages 10000 --requests 300 --clients 1 20 100 --stalled 400]
 Writes benchmarks/results/server.json and prints one summary line.
 """
 
@@ -15,6 +18,7 @@ import argparse
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,9 +27,11 @@ import time
 
 import numpy as np
 
+import common  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+STALLED_CLIENTS = 20  # clients searching while the stalled connections are open
 
 from t5_retrieval.data.kb import write_passage_store  # noqa: E402
 from t5_retrieval.data.records import Passage  # noqa: E402
@@ -43,9 +49,10 @@ def synthetic_passages(n: int, seed: int = 0) -> list[Passage]:
             for i, row in enumerate(words)]
 
 
-def start_server(kb_dir: str, index_dir: str, dim: int) -> tuple[subprocess.Popen, str, int]:
+def start_server(kb_dir: str, index_dir: str, dim: int, read_timeout_s: float) -> tuple[subprocess.Popen, str, int]:
     cmd = [sys.executable, "-m", "t5_retrieval.cli", "serve", "--lexical_baseline_dim", str(dim),
-           "--index_dir", index_dir, "--kb_dir", kb_dir, "--tasks", "nq", "--port", "0"]
+           "--index_dir", index_dir, "--kb_dir", kb_dir, "--tasks", "nq", "--port", "0",
+           "--read_timeout_s", str(read_timeout_s)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -102,18 +109,48 @@ def load(host: str, port: int, method: str, path: str, bodies: list[bytes], clie
 
 def stats(latencies: list[float], errors: list[str], wall: float) -> dict:
     ms = np.asarray(latencies) * 1000
-    return {"requests": len(latencies), "errors": len(errors), "seconds": wall, "qps": len(latencies) / wall,
-            "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
+    return {"requests": len(latencies), "errors": len(errors), "error_kinds": sorted(set(errors)), "seconds": wall,
+            "qps": len(latencies) / wall, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99))}
+
+
+def open_stalled(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` connections: half send nothing, half the head and part of the body of a POST."""
+    half = b"POST /search HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n{\"task\": "
+    stalled = []
+    for i in range(count):
+        sock = socket.create_connection((host, port), timeout=30)
+        if i % 2:
+            sock.sendall(half)
+        stalled.append(sock)
+    return stalled
+
+
+def still_open(sock: socket.socket) -> bool:
+    """True if the server has neither closed nor answered this connection."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) != b""  # data here would be an answer (408): not stalled any more
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def thread_count(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--passages", type=int, default=20_000)
+    parser.add_argument("--passages", type=int, default=10_000)
     parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=300, help="searches per concurrency level")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 20, 100])
+    parser.add_argument("--stalled", type=int, default=400, help="connections held open sending nothing or half")
     parser.add_argument("--k", type=int, default=10)
-    parser.add_argument("--max_seconds", type=float, default=60.0)
+    parser.add_argument("--max_seconds", type=float, default=8.0, help="per level")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
@@ -127,24 +164,40 @@ def main(argv: list[str]) -> int:
         rng = np.random.default_rng(1)
         bodies = [json.dumps({"task": "nq", "k": args.k, "query": " ".join(
             VOCAB[w] for w in rng.zipf(1.3, size=8) % len(VOCAB))}).encode() for _ in range(args.requests)]
-        proc, host, port = start_server(kb_dir, index_dir, args.dim)
+        # The stalled connections must outlive the phase that measures searches next to them.
+        proc, host, port = start_server(kb_dir, index_dir, args.dim, read_timeout_s=4 * args.max_seconds)
         try:
-            health = stats(*load(host, port, "GET", "/health", bodies, args.clients, args.max_seconds))
-            search = stats(*load(host, port, "POST", "/search", bodies, args.clients, args.max_seconds))
+            health = stats(*load(host, port, "GET", "/health", bodies, 1, args.max_seconds))
+            search = {str(c): stats(*load(host, port, "POST", "/search", bodies, c, args.max_seconds))
+                      for c in args.clients}
+            idle_threads = thread_count(proc.pid)
+            stalled = open_stalled(host, port, args.stalled)
+            try:
+                time.sleep(0.5)  # let the server accept them all
+                under_stall = stats(*load(host, port, "POST", "/search", bodies, STALLED_CLIENTS, args.max_seconds))
+                stalled_threads = thread_count(proc.pid)
+                open_after = sum(still_open(sock) for sock in stalled)
+            finally:
+                for sock in stalled:
+                    sock.close()
         finally:
             proc.terminate()
             proc.wait(timeout=30)
 
-    result = {"passages": args.passages, "dim": args.dim, "clients": args.clients, "k": args.k,
-              "search": search, "health_reference": health,
-              "search_vs_health_qps": search["qps"] / health["qps"], "zero_errors": search["errors"] == 0}
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "server.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"bench_server: {search['requests']} searches over {args.passages} passages with {args.clients} clients: "
-          f"{search['qps']:.0f} qps, p50 {search['p50_ms']:.1f} ms, p99 {search['p99_ms']:.1f} ms, "
-          f"{search['errors']} errors (GET /health: {health['qps']:.0f} qps)")
-    return 0 if search["errors"] == 0 else 1
+    errors = sum(r["errors"] for r in search.values()) + under_stall["errors"]
+    result = {"machine": common.machine_info(), "passages": args.passages, "dim": args.dim, "k": args.k,
+              "search_by_clients": search, "health_reference_1_client": health,
+              "stalled": {"connections": args.stalled, "still_open_after": open_after,
+                          "clients": STALLED_CLIENTS, "search": under_stall,
+                          "server_threads_idle": idle_threads, "server_threads_with_stalled": stalled_threads},
+              "errors": errors}
+    levels = ", ".join(f"{c} clients p50 {r['p50_ms']:.1f}/p99 {r['p99_ms']:.1f} ms {r['qps']:.0f} qps "
+                       f"{r['errors']} err" for c, r in search.items())
+    common.write_results("server", result, (
+        f"{args.passages} passages: {levels}; with {open_after}/{args.stalled} stalled connections open: "
+        f"{STALLED_CLIENTS} clients p50 {under_stall['p50_ms']:.1f}/p99 {under_stall['p99_ms']:.1f} ms "
+        f"{under_stall['errors']} err, server threads {idle_threads} -> {stalled_threads}; {errors} errors in all"))
+    return 0 if errors == 0 and open_after == args.stalled else 1
 
 
 if __name__ == "__main__":

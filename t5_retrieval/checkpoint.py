@@ -10,10 +10,18 @@ complete, so a process killed mid-write leaves only a temporary directory, which
 manager deletes. A finished checkpoint that cannot be read back (truncated or missing files) is
 reported with its path and the previous one is used; the unreadable one is moved to
 `unreadable_checkpoints/` so that the resumed run can write that step again.
+
+Integrity: orbax stores no checksums, so a flipped byte in an array file would restore silently.
+After orbax has finalised a step (every process's files written, the directory renamed), process 0
+writes `t5r_checksums.json` into it: the size and sha256 of every file, hashed in 4 MiB chunks.
+Restoring verifies them first; a mismatch makes the checkpoint unreadable (see above). A checkpoint
+without the file (written before it existed, or killed between orbax's rename and the file's)
+restores unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -23,12 +31,15 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from t5_retrieval.data.records import write_json_atomic
 
 CONFIG_FILE = "model_config.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
+CHECKSUMS_FILE = "t5r_checksums.json"
+_HASH_CHUNK = 4 << 20
 log = logging.getLogger(__name__)
 
 
@@ -50,9 +61,71 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_state: dict[st
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                             data=ocp.args.JsonSave(data_state)))
     mngr.wait_until_finished()
+    if jax.process_count() > 1:  # every process has returned from orbax's save: all files exist
+        multihost_utils.sync_global_devices("t5r_checkpoint_saved")
+    if jax.process_index() == 0:
+        write_checksums(mngr.directory / str(step))
+
+
+def _files(directory: epath.Path, prefix: str = "") -> list[str]:
+    """Paths of all files under `directory`, relative to it, sorted."""
+    found = []
+    for child in directory.iterdir():
+        if child.is_dir():
+            found += _files(child, f"{prefix}{child.name}/")
+        elif prefix or child.name != CHECKSUMS_FILE:
+            found.append(prefix + child.name)
+    return sorted(found)
+
+
+def _sha256(path: epath.Path) -> str:
+    """Streamed in chunks: a file of any size costs 4 MiB of memory."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(step_dir: epath.Path) -> None:
+    """Records size and sha256 of every file of a finished step; written whole or not at all."""
+    files = {name: {"size": (step_dir / name).stat().length, "sha256": _sha256(step_dir / name)}
+             for name in _files(step_dir)}
+    tmp = step_dir / f"{CHECKSUMS_FILE}.tmp"
+    tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1, sort_keys=True))
+    tmp.replace(step_dir / CHECKSUMS_FILE)
+
+
+def verify_checksums(step_dir: epath.Path) -> bool:
+    """Raises CheckpointError naming the first missing, resized or altered file; False if the step has
+    no checksums to verify, True if all match."""
+    manifest = step_dir / CHECKSUMS_FILE
+    if not manifest.exists():
+        log.info("%s has no %s; restoring it unverified", step_dir, CHECKSUMS_FILE)
+        return False
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {step_dir}: unreadable {CHECKSUMS_FILE} ({e})") from None
+    for name, expected in files.items():
+        path = step_dir / name
+        if not path.exists():
+            raise CheckpointError(f"checkpoint {step_dir}: file {name} is missing")
+        size = path.stat().length
+        if size != expected["size"]:
+            raise CheckpointError(f"checkpoint {step_dir}: file {name} has {size} bytes, {expected['size']} "
+                                  f"were written (truncated or overwritten)")
+        if _sha256(path) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {step_dir}: file {name} fails its sha256 checksum (corrupted)")
+    return True
 
 
 def _restore_step(mngr: ocp.CheckpointManager, step: int, args: ocp.args.Composite, what: str) -> Any:
+    try:
+        verify_checksums(mngr.directory / str(step))
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {mngr.directory / str(step)} could not be restored as {what}: "
+                              f"{e}") from e
     try:
         return mngr.restore(step, args=args)
     except Exception as e:  # tensorstore reports truncated files as a bare Exception
@@ -94,7 +167,10 @@ def _set_aside(mngr: ocp.CheckpointManager, steps: list[int]) -> None:
         target = mngr.directory / UNREADABLE_DIR  # epath: also on object stores
         target.mkdir(parents=True, exist_ok=True)
         for step in steps:
-            (mngr.directory / str(step)).rename(target / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+            moved = target / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            (mngr.directory / str(step)).rename(moved)
+            log.warning("set aside the unreadable checkpoint %s as %s (kept, not deleted)",
+                        mngr.directory / str(step), moved)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("t5r_checkpoint_set_aside")
     mngr.reload()

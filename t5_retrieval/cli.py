@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mine": ("t5_retrieval.commands.mine:main", "Mine hard negatives with the current model."),
     "fuse": ("t5_retrieval.fusion.fuse:main", "DPR-MUF: fuse single-task experts by model uncertainty."),
     "ance": ("t5_retrieval.ance:main", "Warm-up, then ANCE episodes of (mine, train, eval)."),
-    "serve": ("t5_retrieval.retrieval.serve:main", "HTTP search API over an index."),
+    "serve": ("t5_retrieval.commands.serve:main", "HTTP search API over an index."),
     "export": ("t5_retrieval.export.cli:main", "One TF SavedModel (tokenizer, encoder, ScaNN) for serving."),
     "query-side": ("t5_retrieval.query_side:main", "Fine-tune the query encoder over a frozen index."),
     "results": ("t5_retrieval.results:main", "The mini-KILT results table, row by row (resumable)."),

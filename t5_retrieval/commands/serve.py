@@ -1,0 +1,90 @@
+"""`t5r serve`: HTTP search (`retrieval/serve.py`) over a model directory and its index.
+
+`t5r serve --index_dir=... --kb_dir=... --tasks=fever,wow (--checkpoint_dir=... | --lexical_baseline_dim=N)`
+binds 127.0.0.1 unless --host says otherwise; any other address needs a bearer token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from t5_retrieval import gin_utils, logs
+from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
+from t5_retrieval.retrieval.index import Index, IndexMismatchError
+from t5_retrieval.retrieval.serve import (TOKEN_ENV, SearchService, ServeLimits, ServerOptions, bind_address,
+                                          make_server)
+
+
+def _auth_token(path: str | None) -> str | None:
+    """The token from --auth_token_file, else from $T5R_SERVE_TOKEN, else None (a file or the
+    environment, not a flag value: command lines are visible to every user of the machine)."""
+    from_env = os.environ.get(TOKEN_ENV)
+    if path is not None and from_env is not None:
+        raise ValueError(f"give the token either with --auth_token_file or with {TOKEN_ENV}, not both")
+    if path is None:
+        return from_env
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"--auth_token_file: {e}") from None
+    if not token:
+        raise ValueError(f"--auth_token_file {path} is empty")
+    return token
+
+
+def main(argv: list[str]) -> int:
+    """`t5r serve`: HTTP search over an index with a query encoder."""
+    from t5_retrieval.checkpoint import CheckpointError
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.records import DataError
+
+    parser = argparse.ArgumentParser(prog="t5r serve", description=__doc__.splitlines()[0])
+    add_encoder_flags(parser)
+    parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
+    parser.add_argument("--kb_dir", required=True, help="passage store the index was built from")
+    parser.add_argument("--tasks", default="",
+                        help="comma-separated task names queries may use (default: the model's `task_names`)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8080, help="0 lets the OS pick a free port")
+    defaults = ServerOptions()
+    parser.add_argument("--workers", type=int, default=defaults.workers, help="threads answering requests")
+    parser.add_argument("--max_queued", type=int, default=defaults.max_queued,
+                        help="complete requests that may wait for a worker; beyond, 503")
+    parser.add_argument("--read_timeout_s", type=float, default=defaults.read_timeout_s,
+                        help="seconds a connection has to deliver a whole request (408 and close after)")
+    parser.add_argument("--max_connections", type=int, default=defaults.max_connections,
+                        help="open connections; beyond, 503")
+    parser.add_argument("--auth_token_file", default=None,
+                        help=f"file holding a bearer token every request must send (or set {TOKEN_ENV}); "
+                             f"required unless --host is a loopback address")
+    args = gin_utils.parse_args(parser, argv)
+    logs.setup()
+    try:
+        options = ServerOptions(args.workers, args.max_queued, args.read_timeout_s, args.max_connections,
+                                _auth_token(args.auth_token_file))
+        bind_address(args.host, args.port, options.auth_token)  # refuse an open address before loading
+        store = PassageStore.open(args.kb_dir)
+        index = Index.load(args.index_dir)
+        encoder = encoder_from_flags(args)
+        index.check(encoder, store.ids())
+        tasks = [t for t in args.tasks.split(",") if t] or list(getattr(encoder, "task_names", []))
+        if not tasks:
+            raise ValueError("--tasks is required: this encoder does not list its task names")
+        service = SearchService(encoder, index, store, tasks, ServeLimits())
+        server = make_server(service, args.host, args.port, options)
+    except (DataError, IndexMismatchError, CheckpointError, ValueError, OSError) as e:
+        print(f"t5r serve: error: {e}", file=sys.stderr)
+        return 2
+    host, port = server.server_address[:2]
+    print(f"t5r serve: http://{host}:{port}/search ({len(index)} passages, tasks {list(service.tasks)}"
+          f"{', bearer token required' if options.auth_token else ''})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0

@@ -1,0 +1,113 @@
+"""Checkpoint checksums: a corrupted or truncated array file in the newest checkpoint is caught at
+restore, that checkpoint is set aside and the previous one's state comes back exactly."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from t5_retrieval import checkpoint
+
+
+def states() -> tuple[dict, dict]:
+    rng = np.random.default_rng(0)
+    first = {"params": {"w": jnp.asarray(rng.standard_normal((256, 256), dtype=np.float32)),
+                        "b": jnp.asarray(rng.standard_normal(7, dtype=np.float32))},
+             "step": jnp.array(1, jnp.int32)}
+    second = jax.tree.map(lambda x: x + 1, first)
+    return first, second
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path) -> tuple[str, dict, dict]:
+    directory = str(tmp_path / "model")
+    first, second = states()
+    mngr = checkpoint.manager(directory, writer=True)
+    checkpoint.save(mngr, 1, first, {"step": 1})
+    checkpoint.save(mngr, 2, second, {"step": 2})
+    return directory, first, second
+
+
+def largest_array_file(directory: str, step: int) -> str:
+    files = glob.glob(os.path.join(directory, str(step), "state", "**", "d", "*"), recursive=True)
+    assert files, f"no array files in {directory}/{step}"
+    return max(files, key=os.path.getsize)
+
+
+def flip_middle_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def assert_same_tree(got, expected, what: str) -> None:
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{what} at {jax.tree_util.keystr(path)}")
+
+
+def test_checksums_cover_every_file_of_the_step(two_checkpoints):
+    directory, _, _ = two_checkpoints
+    step_dir = os.path.join(directory, "2")
+    with open(os.path.join(step_dir, checkpoint.CHECKSUMS_FILE)) as f:
+        listed = set(json.load(f)["files"])
+    on_disk = {os.path.relpath(os.path.join(root, name), step_dir) for root, _, names in os.walk(step_dir)
+               for name in names} - {checkpoint.CHECKSUMS_FILE}
+    assert listed == on_disk, f"not checksummed: {sorted(on_disk - listed)}; listed but absent: {sorted(listed - on_disk)}"
+
+
+def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_and_the_previous_state_restored(two_checkpoints, caplog):
+    directory, first, second = two_checkpoints
+    broken = largest_array_file(directory, 2)
+    flip_middle_byte(broken)
+    # Orbax alone restores the flipped byte without complaint: only the checksum can catch it.
+    raw = ocp.PyTreeCheckpointer().restore(os.path.join(directory, "2", "state"))
+    assert not np.array_equal(np.asarray(raw["params"]["w"]), np.asarray(second["params"]["w"]))
+
+    with caplog.at_level(logging.WARNING, logger="t5_retrieval.checkpoint"):
+        state, data = checkpoint.restore(checkpoint.manager(directory, writer=True), checkpoint.abstract_like(first))
+    assert data == {"step": 1}, f"expected the step-1 checkpoint's data position, got {data}"
+    assert_same_tree(state, first, "restored state differs from the step-1 checkpoint")
+    assert f"{os.path.relpath(broken, os.path.join(directory, '2'))} fails its sha256 checksum" in caplog.text
+    moved = glob.glob(os.path.join(directory, checkpoint.UNREADABLE_DIR, "2-*"))
+    assert len(moved) == 1 and not os.path.exists(os.path.join(directory, "2")), os.listdir(directory)
+    assert f"set aside the unreadable checkpoint {os.path.join(directory, '2')} as {moved[0]}" in caplog.text
+
+
+def test_a_truncated_array_file_is_caught_and_the_previous_state_restored(two_checkpoints, caplog):
+    directory, first, _ = two_checkpoints
+    path = largest_array_file(directory, 2)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 1)
+    with caplog.at_level(logging.WARNING, logger="t5_retrieval.checkpoint"):
+        state, data = checkpoint.restore(checkpoint.manager(directory, writer=True), checkpoint.abstract_like(first))
+    assert data == {"step": 1}
+    assert_same_tree(state, first, "restored state differs from the step-1 checkpoint")
+    assert "truncated or overwritten" in caplog.text
+    assert len(glob.glob(os.path.join(directory, checkpoint.UNREADABLE_DIR, "2-*"))) == 1
+
+
+def test_inference_restore_skips_a_corrupted_checkpoint_but_moves_nothing(two_checkpoints):
+    directory, first, _ = two_checkpoints
+    flip_middle_byte(largest_array_file(directory, 2))
+    params, step = checkpoint.restore_params(directory, checkpoint.abstract_like(first["params"]))
+    assert step == 1
+    assert_same_tree(params, first["params"], "restored params differ from the step-1 checkpoint")
+    assert os.path.isdir(os.path.join(directory, "2")), "a reader must not move a writer's checkpoints"
+
+
+def test_a_checkpoint_without_checksums_restores_unverified(two_checkpoints):
+    directory, first, second = two_checkpoints
+    os.remove(os.path.join(directory, "2", checkpoint.CHECKSUMS_FILE))
+    state, data = checkpoint.restore(checkpoint.manager(directory, writer=True), checkpoint.abstract_like(first))
+    assert data == {"step": 2}
+    assert_same_tree(state, second, "an older checkpoint (no checksums) should restore as saved")
