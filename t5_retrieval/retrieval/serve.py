@@ -32,7 +32,8 @@ import gin
 import numpy as np
 
 from t5_retrieval import logs
-from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.data.task_names import UnknownTaskError
+from t5_retrieval.retrieval.encoder import Encoder, model_task_name
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.data.passages import PassageLookup
 
@@ -105,6 +106,10 @@ class SearchService:
         task = request.get("task")
         if not isinstance(task, str):
             raise RequestError(HTTPStatus.BAD_REQUEST, "field 'task' is required and must be a string")
+        try:
+            task = model_task_name(self.encoder, task)  # a dataset (fever) names the model's task for it
+        except UnknownTaskError as e:
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
         if task not in self.tasks:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"unknown task {task!r}; known tasks: {list(self.tasks)}")
         if ("query" in request) == ("queries" in request):
@@ -230,7 +235,8 @@ def main(argv: list[str]) -> int:
         index = Index.load(args.index_dir)
         encoder = encoder_from_flags(args)
         index.check(encoder, store.ids())
-        tasks = [t for t in args.tasks.split(",") if t] or list(getattr(encoder, "task_names", []))
+        tasks = ([model_task_name(encoder, t) for t in args.tasks.split(",") if t]
+                 or list(getattr(encoder, "task_names", [])))
         if not tasks:
             raise ValueError("--tasks is required: this encoder does not list its task names")
         service = SearchService(encoder, index, store, tasks, ServeLimits())
