@@ -26,7 +26,8 @@ class UnknownTaskError(KeyError, ValueError):
 
 
 def _known(tasks: Tasks) -> str:
-    return ", ".join(f"{name} (dataset {spec.get('dataset', '?')})" for name, spec in sorted(tasks.items()))
+    return ", ".join(f"{name} (dataset {spec['dataset']})" if "dataset" in spec else name
+                     for name, spec in sorted(tasks.items()))
 
 
 def resolve(tasks: Tasks, name: str) -> str:
