@@ -21,6 +21,7 @@ import time
 import urllib.request
 
 import gin
+import pytest
 
 from t5_retrieval import cli
 from t5_retrieval.data import layout
@@ -172,3 +173,13 @@ def test_readme_stage_commands_run_in_order_and_produce_every_stage_output(tmp_p
     exec(compile(code_block("docs/retrieval.md", "## Python: `Searcher`", "python"), "docs/retrieval.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 5 and all(" page demo" in line for line in printed), printed
+
+    # Either name of a task gives the same hits; an unknown one names both forms of the model's tasks.
+    from t5_retrieval.searcher import Searcher
+
+    searcher = Searcher.open("run/model", "run/index", "data/kb")
+    queries = [e.query for e in read_examples(layout.examples_path("data", "nq", "dev"))[:3]]
+    by_dataset, by_name = searcher.search(queries, task="nq", k=4), searcher.search(queries, task="demo_nq", k=4)
+    assert by_dataset == by_name and all(len(hits) == 4 for hits in by_dataset), by_dataset
+    with pytest.raises(ValueError, match=r"unknown task 'wow'.*demo_fever \(dataset fever\), demo_nq \(dataset nq\)"):
+        searcher.search(queries, task="wow")
