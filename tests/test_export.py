@@ -62,10 +62,11 @@ def exported(tmp_path_factory):
                 {"signature": "search", "query": mixed, "task": mixed_tasks, "k": 10_000},
                 {"signature": "search", "query": mixed, "task": mixed_tasks, "k": K, "session": True},
                 # The same tasks named by their datasets (fever, trex), as the Python path accepts them.
-                {"signature": "search", "query": mixed, "task": [t.removeprefix("demo_") for t in mixed_tasks], "k": K}]
+                {"signature": "search", "query": mixed, "k": K,
+                 "task": [t.removeprefix("demo_") for t in mixed_tasks]}]
     responses = _run_client(savedmodel, requests, str(root))
-    return run, savedmodel, dict(zip(("search", "encode", "unknown_task", "empty_query", "big_k", "session", "by_dataset"),
-                                          responses)), \
+    names = ("search", "encode", "unknown_task", "empty_query", "big_k", "session", "by_dataset")
+    return run, savedmodel, dict(zip(names, responses)), \
         (mixed, mixed_tasks)
 
 

@@ -183,3 +183,12 @@ def test_readme_stage_commands_run_in_order_and_produce_every_stage_output(tmp_p
     assert by_dataset == by_name and all(len(hits) == 4 for hits in by_dataset), by_dataset
     with pytest.raises(ValueError, match=r"unknown task 'wow'.*demo_fever \(dataset fever\), demo_nq \(dataset nq\)"):
         searcher.search(queries, task="wow")
+
+    # t5r mine by registered name writes the dataset's file, as by dataset; an unknown task is a clear error.
+    t5r("t5r mine --checkpoint_dir=run/model --index_dir=run/index --data_dir=data --tasks=demo_nq --source=named")
+    assert read_negatives("data/negatives/named/nq-train.jsonl") == read_negatives("data/negatives/ance-1/nq-train.jsonl")
+    capsys.readouterr()
+    assert cli.main(["eval", "--checkpoint_dir=run/model", "--index_dir=run/index", "--data_dir=data",
+                     "--tasks=wow", "--output_dir=run/eval_wow"]) == 2
+    assert "unknown task 'wow'; this model was trained on: demo_fever (dataset fever), demo_nq (dataset nq)" in \
+        capsys.readouterr().err
