@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5_retrieval import checkpoint, sharding
+from t5_retrieval.data import task_names
 from t5_retrieval.data.records import Passage, write_json_atomic
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage, format_query
 from t5_retrieval.data.tokenize import load_vocabulary, tokenize, vocabulary_digest
@@ -93,13 +94,15 @@ class DualEncoderInference:
             self._vocab = load_vocabulary(path)  # sentencepiece (T5) or WordPiece (BERT), by the path
         return self._vocab
 
+    def task_name(self, name: str) -> str:
+        """The model's task for `name`, its registered name or its dataset (`data.task_names.resolve`)."""
+        return task_names.resolve(self.features.get("tasks", {}), name)
+
     def prefix_of(self, task: str) -> str | None:
-        tasks = self.features.get("tasks", {})
-        if task not in tasks:
-            raise KeyError(f"unknown task {task!r}; this model was trained on: {', '.join(sorted(tasks))}")
-        return tasks[task]["prefix"]
+        return self.features["tasks"][self.task_name(task)]["prefix"]
 
     def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
+        task = self.task_name(task)
         prefix = self.prefix_of(task)
         for i, text in enumerate(texts):
             if not text or not text.strip():

@@ -233,7 +233,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--task", required=True,
                         help="the QA task(s) to adapt to, comma-separated, e.g. nq_open or nq_open,webq")
     parser.add_argument("--as_task", required=True,
-                        help="a task of the base model whose query prefix the new questions take")
+                        help="a task of the base model (registered name or dataset) whose query prefix "
+                             "the new questions take")
     parser.add_argument("--output_dir", required=True)
     args = gin_utils.parse_args(parser, argv)
     logs.setup()
@@ -247,7 +248,7 @@ def main(argv: list[str]) -> int:
         index.check(encoder, store.ids())
         if embedding_store.read_ids(args.embeddings_dir) != index.passage_ids:
             raise IndexMismatchError(f"{args.embeddings_dir}: passage ids differ from the index at {args.index_dir}")
-        encoder.prefix_of(args.as_task)
+        args.as_task = encoder.task_name(args.as_task)  # by registered name or dataset; recorded by name
     except (DataError, IndexMismatchError, KeyError, checkpoint.CheckpointError) as e:
         print(f"t5r query-side: error: {e}", file=sys.stderr)
         return 2

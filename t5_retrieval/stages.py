@@ -40,11 +40,6 @@ def stage(directory: str, name: str, run: Callable[[], dict[str, Any] | None]) -
     mark_done(directory, {"stage": name, "seconds": round(time.time() - start, 1), **info})
 
 
-def datasets_of(encoder: Any) -> dict[str, str]:
-    """dataset file stem -> the model's task name for it (whose prefix its queries get)."""
-    return {spec["dataset"]: task for task, spec in encoder.features["tasks"].items()}
-
-
 def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split: str = "dev",
                        index_dir: str | None = None, datasets: Sequence[str] | None = None) -> None:
     """Encodes the KB with `model_dir`'s model, builds its index, and scores the eval split of every
@@ -52,10 +47,11 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
 
     `index_dir`: score against this existing index instead (a query-side model searches its base's
     index, which `Index.check` verifies through the fingerprint); nothing is encoded then."""
-    from t5_retrieval.data import embedding_store, layout
+    from t5_retrieval.data import embedding_store, layout, task_names
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import read_examples
     from t5_retrieval.inference import load_encoder
+    from t5_retrieval.retrieval.encoder import recorded_tasks
     from t5_retrieval.retrieval.evaluate import evaluate, write_results
     from t5_retrieval.retrieval.index import Index, build_index
 
@@ -74,11 +70,11 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
         encoder = load_encoder(model_dir)
         index = Index.load(index_dir)
         index.check(encoder, store.ids())
-        names = datasets_of(encoder)
-        unknown = sorted(set(datasets or ()) - set(names))
-        if unknown:
-            raise KeyError(f"{model_dir}: the model has no task for datasets {unknown}; it has {sorted(names)}")
-        examples = {names[d]: read_examples(layout.examples_path(data_dir, d, eval_split)) for d in datasets or names}
+        tasks = recorded_tasks(encoder)
+        # Tables are keyed by the model's task names, as the results tables read them.
+        examples = {task_names.resolve(tasks, d): read_examples(
+            layout.examples_path(data_dir, task_names.dataset_of(tasks, d), eval_split))
+            for d in datasets or task_names.datasets(tasks)}
         result = evaluate(encoder, index, examples, store)
         result.tables = {task: result.tables[task] for task in sorted(result.tables)}
         write_results(result, eval_dir)
@@ -96,10 +92,11 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
     `model_dir`'s model from its index (checked to be that model's, over this KB): its top-`depth`
     minus gold pages and, for the datasets in `answer_checkable` (where an answer string means
     relevance: QA, slot filling), minus answer-holding passages, MT-DPR's confounders."""
-    from t5_retrieval.data import layout
+    from t5_retrieval.data import layout, task_names
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import read_examples, write_negatives
     from t5_retrieval.inference import load_encoder
+    from t5_retrieval.retrieval.encoder import recorded_tasks
     from t5_retrieval.retrieval.index import Index
     from t5_retrieval.retrieval.mine import mine_negatives
 
@@ -108,7 +105,9 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
         encoder, index = load_encoder(model_dir), Index.load(index_dir)
         index.check(encoder, store.ids())
         counts = {}
-        for dataset, task in datasets_of(encoder).items():
+        tasks = recorded_tasks(encoder)
+        for dataset in task_names.datasets(tasks):
+            task = task_names.resolve(tasks, dataset)
             # Queries are encoded as the model's task for this dataset (its prefix).
             examples = [dataclasses.replace(e, task=task)
                         for e in read_examples(layout.examples_path(data_dir, dataset, "train"))]

@@ -60,9 +60,13 @@ def exported(tmp_path_factory):
                 {"signature": "search", "query": [fever[0], " \t "], "task": tasks, "k": K},
                 # Same batch shape as the first request: no new XlaCallModule compilation.
                 {"signature": "search", "query": mixed, "task": mixed_tasks, "k": 10_000},
-                {"signature": "search", "query": mixed, "task": mixed_tasks, "k": K, "session": True}]
+                {"signature": "search", "query": mixed, "task": mixed_tasks, "k": K, "session": True},
+                # The same tasks named by their datasets (fever, trex), as the Python path accepts them.
+                {"signature": "search", "query": mixed, "k": K,
+                 "task": [t.removeprefix("demo_") for t in mixed_tasks]}]
     responses = _run_client(savedmodel, requests, str(root))
-    return run, savedmodel, dict(zip(("search", "encode", "unknown_task", "empty_query", "big_k", "session"), responses)), \
+    names = ("search", "encode", "unknown_task", "empty_query", "big_k", "session", "by_dataset")
+    return run, savedmodel, dict(zip(names, responses)), \
         (mixed, mixed_tasks)
 
 
@@ -96,6 +100,13 @@ def test_graph_mode_session_loader_answers_like_the_eager_loader(exported):
     for name in ("passage_ids", "page_ids", "titles"):
         assert session[name] == eager[name], f"{name}: TF1 Session.run differs from tf.saved_model.load"
     np.testing.assert_allclose(session["scores"], eager["scores"], rtol=1e-6, atol=1e-6)
+
+
+def test_savedmodel_takes_a_task_by_its_dataset_as_by_its_registered_name(exported):
+    _, _, responses, _ = exported
+    assert "error" not in responses["by_dataset"], responses["by_dataset"]
+    assert responses["by_dataset"]["passage_ids"] == responses["search"]["passage_ids"]
+    np.testing.assert_allclose(responses["by_dataset"]["scores"], responses["search"]["scores"], rtol=1e-6, atol=1e-6)
 
 
 def test_savedmodel_encode_matches_the_python_encoder(exported, python_path):

@@ -173,11 +173,13 @@ class RecordedTasksEncoder(HashedBagOfWordsEncoder):
 
 
 def test_expert_queries_use_the_task_name_the_model_was_trained_with():
-    spec = experts.ExpertSpec.parse("nq,/ckpt/nq,/idx/nq")
-    assert experts.model_task_name(HashedBagOfWordsEncoder(16), spec) == "nq", "lexical: any name"
-    assert experts.model_task_name(RecordedTasksEncoder({"kilt_nq": {"dataset": "nq"}}), spec) == "kilt_nq"
+    from t5_retrieval.retrieval.encoder import model_task_name
+
+    assert model_task_name(HashedBagOfWordsEncoder(16), "nq") == "nq", "lexical: any name"
+    assert model_task_name(RecordedTasksEncoder({"kilt_nq": {"dataset": "nq"}}), "nq") == "kilt_nq"
     two = RecordedTasksEncoder({"kilt_nq": {"dataset": "nq"}, "kilt_fever": {"dataset": "fever"}})
-    assert experts.model_task_name(two, spec) == "kilt_nq", "the task that reads nq's examples"
-    with pytest.raises(ValueError, match=r"/ckpt/nq was trained on tasks \['kilt_fever', 'kilt_trex'\]"):
-        experts.model_task_name(RecordedTasksEncoder({"kilt_fever": {"dataset": "fever"},
-                                                      "kilt_trex": {"dataset": "trex"}}), spec)
+    assert model_task_name(two, "nq") == "kilt_nq", "the task that reads nq's examples"
+    assert model_task_name(two, "kilt_fever") == "kilt_fever", "a registered name is its own"
+    with pytest.raises(ValueError, match=r"unknown task 'nq'.*kilt_fever \(dataset fever\), kilt_trex"):
+        model_task_name(RecordedTasksEncoder({"kilt_fever": {"dataset": "fever"}, "kilt_trex": {"dataset": "trex"}}),
+                        "nq")

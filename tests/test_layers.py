@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("losses", "multitask", "retrieval", "optim"),
     ("inference",),
     ("train_step",),
-    ("train", "query_side", "fusion", "export", "probe"),
+    ("train", "query_side", "fusion", "export", "probe", "searcher"),
     ("stages",),
     ("ance", "commands"),
     ("cli",),

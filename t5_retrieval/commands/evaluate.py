@@ -1,7 +1,8 @@
 """`t5r eval`: retrieve with a model and an index, score every task with the KILT metrics.
 
 `t5r eval --index_dir=... --data_dir=... --output_dir=... (--checkpoint_dir=... | --lexical_baseline_dim=N)`
-writes results.json, results.txt and predictions/{task}.jsonl (official KILT format).
+writes results.json, results.txt, predictions/{task}.jsonl (official KILT format) and
+predictions/{task}.trec (TREC run), keyed by the names given to --tasks, else by dataset.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def main(argv: list[str]) -> int:
     from t5_retrieval import gin_utils
     from t5_retrieval.checkpoint import CheckpointError
     from t5_retrieval.data.records import DataError
+    from t5_retrieval.data.task_names import UnknownTaskError
 
     parser = argparse.ArgumentParser(prog="t5r eval", description=__doc__.splitlines()[0])
     add_search_flags(parser, default_split="dev")
@@ -26,7 +28,7 @@ def main(argv: list[str]) -> int:
     args = gin_utils.parse_args(parser, argv)
     try:
         inputs = load_search_inputs(args)
-    except (DataError, IndexMismatchError, CheckpointError) as e:
+    except (DataError, IndexMismatchError, CheckpointError, UnknownTaskError) as e:
         print(f"t5r eval: error: {e}", file=sys.stderr)
         return 2
     result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store)

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+from collections.abc import Sequence
 from typing import Any
 
+from t5_retrieval.data import layout, task_names
+from t5_retrieval.data.records import DataError, Example, read_examples
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder
+from t5_retrieval.retrieval.encoder import (Encoder, HashedBagOfWordsEncoder, dataset_of, model_task_name,
+                                            recorded_tasks)
 from t5_retrieval.retrieval.evaluate import load_task_examples
 from t5_retrieval.retrieval.index import Index
 
@@ -34,10 +39,14 @@ def encoder_from_flags(args: argparse.Namespace) -> Encoder:
 
 @dataclasses.dataclass
 class SearchInputs:
-    """What `t5r eval` and `t5r mine` both start from, checked against each other."""
+    """What `t5r eval` and `t5r mine` both start from, checked against each other.
+
+    `examples` and `datasets` are keyed by the task names the user gave (`--tasks`, either form),
+    else by dataset; each example's `task` is the model's name for it (its query prefix)."""
 
     store: Any  # data.kb.PassageStore
-    examples: dict[str, list[Any]]
+    examples: dict[str, list[Example]]
+    datasets: dict[str, str]  # the same keys -> the dataset whose example (and negatives) files they are
     index: Index
     encoder: Encoder
 
@@ -48,7 +57,9 @@ def add_search_flags(parser: argparse.ArgumentParser, default_split: str) -> Non
     parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
     parser.add_argument("--data_dir", required=True, help="processed data (examples/, kb/, negatives/)")
     parser.add_argument("--kb_dir", default=None, help="passage store (default: <data_dir>/kb)")
-    parser.add_argument("--tasks", default="", help="comma-separated tasks (default: all found)")
+    parser.add_argument("--tasks", default="",
+                        help="comma-separated tasks, by dataset (fever) or registered name (demo_fever); "
+                             "default: every dataset the model was trained on that has examples for --split")
     parser.add_argument("--split", default=default_split)
 
 
@@ -57,12 +68,36 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
 
     Raises DataError or IndexMismatchError naming the file or field at fault.
     """
-    from t5_retrieval.data import layout
     from t5_retrieval.data.kb import PassageStore
 
     store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
-    examples = load_task_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
     index = Index.load(args.index_dir)
     encoder = encoder_from_flags(args)
     index.check(encoder, store.ids())
-    return SearchInputs(store, examples, index, encoder)
+    examples, datasets = task_examples(encoder, args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
+    return SearchInputs(store, examples, datasets, index, encoder)
+
+
+def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str]
+                  ) -> tuple[dict[str, list[Example]], dict[str, str]]:
+    """(examples, dataset) per task name: `names` in either form, or every dataset the model was trained
+    on with an examples file for `split` (every file found, for an encoder that records no tasks).
+
+    Raises UnknownTaskError for a name the model does not know, DataError for a missing file."""
+    tasks = recorded_tasks(encoder)
+    if not tasks:
+        examples = load_task_examples(data_dir, split, names)
+        return examples, {name: name for name in examples}
+    if not names:
+        names = [d for d in task_names.datasets(tasks) if os.path.exists(layout.examples_path(data_dir, d, split))]
+        if not names:
+            raise DataError(f"{os.path.dirname(layout.examples_path(data_dir, 'x', split))}: no {split} examples "
+                            f"for any dataset the model was trained on ({', '.join(task_names.datasets(tasks))})")
+    examples, datasets = {}, {}
+    for name in names:
+        task, datasets[name] = model_task_name(encoder, name), dataset_of(encoder, name)
+        path = layout.examples_path(data_dir, datasets[name], split)
+        if not os.path.exists(path):
+            raise DataError(f"{path}: no examples for task {name!r} (dataset {datasets[name]!r}), split {split!r}")
+        examples[name] = [dataclasses.replace(e, task=task) for e in read_examples(path)]
+    return examples, datasets

@@ -1,7 +1,7 @@
 """`t5r mine`: hard negatives for every training query with the current model (ANCE).
 
 `t5r mine --index_dir=... --data_dir=... --source=ance-1 (--checkpoint_dir=... | --lexical_baseline_dim=N)`
-writes `<data_dir>/negatives/<source>/{task}-{split}.jsonl`.
+writes `<data_dir>/negatives/<source>/{dataset}-{split}.jsonl` (named by dataset, as training reads them).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ def main(argv: list[str]) -> int:
     from t5_retrieval.data import layout
     from t5_retrieval.checkpoint import CheckpointError
     from t5_retrieval.data.records import DataError, write_negatives
+    from t5_retrieval.data.task_names import UnknownTaskError
 
     parser = argparse.ArgumentParser(prog="t5r mine", description=__doc__.splitlines()[0])
     add_search_flags(parser, default_split="train")
@@ -28,13 +29,13 @@ def main(argv: list[str]) -> int:
     args = gin_utils.parse_args(parser, argv)
     try:
         inputs = load_search_inputs(args)
-    except (DataError, IndexMismatchError, CheckpointError) as e:
+    except (DataError, IndexMismatchError, CheckpointError, UnknownTaskError) as e:
         print(f"t5r mine: error: {e}", file=sys.stderr)
         return 2
     out_dir = layout.negatives_dir(args.data_dir, args.source)
     os.makedirs(out_dir, exist_ok=True)
     for task, task_examples in inputs.examples.items():
-        path = layout.negatives_path(out_dir, task, args.split)
+        path = layout.negatives_path(out_dir, inputs.datasets[task], args.split)
         count = write_negatives(path, mine_negatives(inputs.encoder, inputs.index, task_examples, inputs.store))
         print(f"t5r mine: {task}: {count} queries -> {path}")
     return 0

@@ -12,6 +12,7 @@ import sys
 
 from t5_retrieval import gin_utils, logs
 from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
+from t5_retrieval.retrieval.encoder import model_task_name
 from t5_retrieval.retrieval.index import Index, IndexMismatchError
 from t5_retrieval.retrieval.serve import (TOKEN_ENV, SearchService, ServeLimits, ServerOptions, bind_address,
                                           make_server)
@@ -70,7 +71,8 @@ def main(argv: list[str]) -> int:
         index = Index.load(args.index_dir)
         encoder = encoder_from_flags(args)
         index.check(encoder, store.ids())
-        tasks = [t for t in args.tasks.split(",") if t] or list(getattr(encoder, "task_names", []))
+        tasks = ([model_task_name(encoder, t) for t in args.tasks.split(",") if t]
+                 or list(getattr(encoder, "task_names", [])))
         if not tasks:
             raise ValueError("--tasks is required: this encoder does not list its task names")
         service = SearchService(encoder, index, store, tasks, ServeLimits())

@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -40,7 +41,7 @@ from t5_retrieval.data.kb import PassageStore
 from t5_retrieval.export import preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
 from t5_retrieval.inference import DualEncoderInference
-from t5_retrieval.data import embedding_store
+from t5_retrieval.data import embedding_store, task_names
 from t5_retrieval.retrieval.index import INDEX_JSON, SCANN_DIR, Index
 
 FORMAT = "t5r-savedmodel-v1"
@@ -80,6 +81,15 @@ def _jax_embed(encoder: DualEncoderInference):
     return embed
 
 
+def task_lookup(tasks: task_names.Tasks, order: Sequence[str]) -> tuple[list[str], list[int]]:
+    """(name, position in `order`) for every name a query's task may have: each task's registered
+    name and, where no other task reads it, its dataset (as `data.task_names.resolve` maps them)."""
+    names = list(order)
+    names += [d for d in task_names.datasets(tasks) if d not in tasks and
+              sum(spec.get("dataset") == d for spec in tasks.values()) == 1]
+    return names, [order.index(task_names.resolve(tasks, name)) for name in names]
+
+
 class RetrievalModule(tf.Module):
     """What the SavedModel holds: tables, tokenizer, weights, converted encoder, searcher, assets."""
 
@@ -96,9 +106,9 @@ class RetrievalModule(tf.Module):
         self._query_len = int(features["query_len"])
         self._num_passages = len(index)
         self._reorder = index.config.reorder_num_neighbors if index.config.mode != "brute_force" else -1
+        names, positions = task_lookup(features["tasks"], self._task_names)
         self._task_table = tf.lookup.StaticHashTable(
-            tf.lookup.KeyValueTensorInitializer(self._task_names, tf.range(len(self._task_names), dtype=tf.int32)),
-            default_value=-1)
+            tf.lookup.KeyValueTensorInitializer(names, tf.constant(positions, dtype=tf.int32)), default_value=-1)
         self._prefixes = tf.constant(prefixes)
         # seqio's model bytes: the .model file plus the <extra_id_*> pieces the Python path uses.
         self._tokenizer = tf_text.SentencepieceTokenizer(model=encoder.vocabulary.sp_model)

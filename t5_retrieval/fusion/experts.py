@@ -17,7 +17,8 @@ import numpy as np
 from t5_retrieval.data.records import Example
 from t5_retrieval.fusion import muf
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder
+from t5_retrieval.data.task_names import UnknownTaskError
+from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder, model_task_name
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.data.passages import PassageLookup
 
@@ -83,25 +84,11 @@ def load_expert(spec: ExpertSpec, passage_ids: Sequence[str] | None = None) -> E
         encoder = load_encoder(spec.checkpoint)
     index = Index.load(spec.index_dir)
     index.check(encoder, passage_ids)  # IndexMismatchError names the index dir and both fingerprints.
-    return Expert(spec, encoder, index, model_task_name(encoder, spec))
-
-
-def model_task_name(encoder: Encoder, spec: ExpertSpec) -> str:
-    """The name under which a trained expert knows its task (its query prefix), e.g. kilt_nq for nq.
-
-    Checkpoints record `features.tasks` as {name: {"dataset": file stem, ...}}; a lexical encoder
-    has none and takes any name.
-    """
-    tasks = (getattr(encoder, "features", None) or {}).get("tasks")
-    if not tasks or spec.task in tasks:
-        return spec.task
-    named = [name for name, task in tasks.items() if task.get("dataset") == spec.task]
-    if len(named) == 1:
-        return named[0]
-    if len(tasks) == 1:
-        return next(iter(tasks))
-    raise ValueError(f"expert {spec.task}: {spec.checkpoint} was trained on tasks {sorted(tasks)}, none of which "
-                     f"is {spec.task!r} or reads its examples; give the expert's own task")
+    try:
+        query_task = model_task_name(encoder, spec.task)
+    except UnknownTaskError as e:
+        raise ValueError(f"expert {spec.task}: {spec.checkpoint}: {e}") from None
+    return Expert(spec, encoder, index, query_task)
 
 
 class PassageVectors:

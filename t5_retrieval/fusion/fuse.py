@@ -193,6 +193,7 @@ def main(argv: list[str]) -> int:
     from t5_retrieval.data import layout
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.records import DataError
+    from t5_retrieval.retrieval.encoder import dataset_of
     from t5_retrieval.retrieval.evaluate import format_table, load_task_examples
     from t5_retrieval.retrieval.index import IndexMismatchError
 
@@ -212,13 +213,20 @@ def main(argv: list[str]) -> int:
     try:
         specs = _expert_specs(args.expert, config)
         store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
-        eval_tasks = [t for t in args.tasks.split(",") if t] or [s.task for s in specs]
-        eval_examples = load_task_examples(args.data_dir, args.split, eval_tasks)
-        train_examples = load_task_examples(args.data_dir, args.train_split, [s.task for s in specs])
-        calibration = (eval_examples if args.calibration_split == args.split
-                       else load_task_examples(args.data_dir, args.calibration_split, eval_tasks))
         ids = store.ids()
         experts = [experts_lib.load_expert(spec, ids) for spec in specs]
+        # An expert's task may be its model's registered name or its dataset; example files are by dataset.
+        datasets = {x.task: dataset_of(x.encoder, x.task) for x in experts}
+
+        def examples(split: str, names: Sequence[str]) -> dict[str, list[Example]]:
+            by_dataset = load_task_examples(args.data_dir, split, [datasets.get(n, n) for n in names])
+            return {n: by_dataset[datasets.get(n, n)] for n in names}
+
+        eval_tasks = [t for t in args.tasks.split(",") if t] or [s.task for s in specs]
+        eval_examples = examples(args.split, eval_tasks)
+        train_examples = examples(args.train_split, [s.task for s in specs])
+        calibration = (eval_examples if args.calibration_split == args.split
+                       else examples(args.calibration_split, eval_tasks))
         bm25 = None
         if config.hybrid_weight is not None:
             from t5_retrieval.data.bm25 import BM25Index

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from t5_retrieval.data import task_names
 from t5_retrieval.data.kb import passage_text
 from t5_retrieval.data.records import Passage
 
@@ -39,6 +40,25 @@ class Encoder(Protocol):
     def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray: ...
 
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray: ...
+
+
+def recorded_tasks(encoder: Encoder) -> task_names.Tasks:
+    """The tasks a trained model records with its features (`{}` for one that records none, e.g. the
+    lexical baseline, whose queries have no task prefix)."""
+    return (getattr(encoder, "features", None) or {}).get("tasks") or {}
+
+
+def model_task_name(encoder: Encoder, name: str) -> str:
+    """The encoder's own name for the task a user calls `name` (registered name or dataset, see
+    `data.task_names`); an encoder that records no tasks takes any name."""
+    tasks = recorded_tasks(encoder)
+    return task_names.resolve(tasks, name) if tasks else name
+
+
+def dataset_of(encoder: Encoder, name: str) -> str:
+    """The dataset whose example files the task `name` reads (`name` itself for an encoder without tasks)."""
+    tasks = recorded_tasks(encoder)
+    return task_names.dataset_of(tasks, name) if tasks else name
 
 
 _WORD = re.compile(r"\w+")

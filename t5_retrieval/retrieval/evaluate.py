@@ -6,7 +6,8 @@ gold passages) and answer-in-passage recall@k (examples with answer strings, for
 answers are strings to find: not FEVER labels nor WoW replies). Every example of a task counts in
 its means, one without gold provenance scoring 0, as in the official scorer (the examples carry
 the gold sets `data.kilt` read by its rules). It also writes the predictions in
-the official KILT format, so `kilt/eval_retrieval.py` can re-score them independently.
+the official KILT format, so `kilt/eval_retrieval.py` can re-score them independently, and the
+ranked passages with the model's scores as a TREC run (`trec_eval`, pyserini, ranx read it).
 """
 
 from __future__ import annotations
@@ -45,12 +46,26 @@ def kilt_prediction(example: Example, pages: Sequence[str]) -> dict[str, Any]:
             "output": [{"provenance": [{"wikipedia_id": page} for page in pages]}]}
 
 
+RUN_TAG = "t5r"  # the last column of every TREC run line
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranking:
+    """One query's retrieved passages, best first, with the scores that ranked them."""
+
+    query_id: str
+    passage_ids: tuple[str, ...]
+    scores: tuple[float, ...]
+
+
 @dataclasses.dataclass
 class EvalResult:
-    """Per-task mean metrics (plus counts) and per-task KILT prediction rows."""
+    """Per-task mean metrics (plus counts), per-task KILT prediction rows and, where the rankings
+    came with scores, per-task TREC runs."""
 
     tables: dict[str, dict[str, float]]
     predictions: dict[str, list[dict[str, Any]]]
+    runs: dict[str, list[Ranking]] = dataclasses.field(default_factory=dict)
 
 
 @gin.configurable(denylist=["encoder", "index", "examples_by_task", "passages"])
@@ -70,7 +85,7 @@ def evaluate(
     scorer = RankingScorer(passages, ks, skip_answer_recall)
     for task, examples in examples_by_task.items():
         hits = retrieve(encoder, index, [e.query for e in examples], task, depth, batch_size)
-        scorer.add_task(task, examples, [pids for pids, _ in hits])
+        scorer.add_task(task, examples, [pids for pids, _ in hits], [scores for _, scores in hits])
     return scorer.result()
 
 
@@ -90,6 +105,7 @@ class RankingScorer:
         self.skip_answer_recall = tuple(skip_answer_recall)
         self.tables: dict[str, dict[str, float]] = {}
         self.predictions: dict[str, list[dict[str, Any]]] = {}
+        self.runs: dict[str, list[Ranking]] = {}
         self._tokens: dict[str, list[str]] = {}  # Normalised passage tokens, shared by every query and task.
 
     def _tokens_of(self, pid: str) -> list[str]:
@@ -97,10 +113,17 @@ class RankingScorer:
             self._tokens[pid] = answers.dpr_answer_tokens(self.passages.get(pid).text)
         return self._tokens[pid]
 
-    def add_task(self, task: str, examples: Sequence[Example], rankings: Sequence[Sequence[str]]) -> None:
-        """Scores one task: `rankings[i]` is the ranked passage ids of `examples[i]`."""
+    def add_task(self, task: str, examples: Sequence[Example], rankings: Sequence[Sequence[str]],
+                 scores: Sequence[Sequence[float]] | None = None) -> None:
+        """Scores one task: `rankings[i]` is the ranked passage ids of `examples[i]`; `scores[i]`, when
+        given, their retrieval scores (kept for the TREC run only: no metric reads them)."""
         if len(rankings) != len(examples):
             raise ValueError(f"{task}: {len(rankings)} rankings for {len(examples)} examples")
+        if scores is not None:
+            if [len(s) for s in scores] != [len(r) for r in rankings]:
+                raise ValueError(f"{task}: scores do not match the rankings one for one")
+            self.runs[task] = [Ranking(e.id, tuple(r), tuple(float(x) for x in s))
+                               for e, r, s in zip(examples, rankings, scores)]
         ks = self.ks
         page_scores, passage_scores, answer_scores, rows = [], [], [], []
         for example, pids in zip(examples, rankings):
@@ -122,7 +145,7 @@ class RankingScorer:
         self.predictions[task] = rows
 
     def result(self) -> EvalResult:
-        return EvalResult(dict(self.tables), dict(self.predictions))
+        return EvalResult(dict(self.tables), dict(self.predictions), dict(self.runs))
 
 
 def format_table(tables: Mapping[str, Mapping[str, float]]) -> str:
@@ -143,8 +166,20 @@ def format_table(tables: Mapping[str, Mapping[str, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def trec_run(rankings: Sequence[Ranking], run_tag: str = RUN_TAG) -> str:
+    """TREC run lines `qid Q0 docid rank score run_tag`, ranks from 1, passage ids as docids."""
+    lines = []
+    for ranking in rankings:
+        if not ranking.query_id or any(c.isspace() for c in ranking.query_id):
+            raise ValueError(f"query id {ranking.query_id!r} is empty or has whitespace: a TREC run cannot hold it")
+        lines += [f"{ranking.query_id} Q0 {pid} {rank} {score:.9g} {run_tag}\n"
+                  for rank, (pid, score) in enumerate(zip(ranking.passage_ids, ranking.scores), start=1)]
+    return "".join(lines)
+
+
 def write_results(result: EvalResult, output_dir: str) -> None:
-    """results.json, results.txt and predictions/{task}.jsonl (official KILT format).
+    """results.json, results.txt, predictions/{task}.jsonl (official KILT format) and, for rankings
+    with scores, predictions/{task}.trec (a TREC run).
 
     Every file is written to a temporary name and renamed; results.json goes last, so its presence
     means the predictions next to it are complete (an older one is removed before they are rewritten).
@@ -154,6 +189,8 @@ def write_results(result: EvalResult, output_dir: str) -> None:
         os.remove(os.path.join(output_dir, "results.json"))
     for task, rows in result.predictions.items():
         write_jsonl_atomic(os.path.join(output_dir, "predictions", f"{task}.jsonl"), rows)
+    for task, rankings in result.runs.items():
+        write_text_atomic(os.path.join(output_dir, "predictions", f"{task}.trec"), trec_run(rankings))
     write_text_atomic(os.path.join(output_dir, "results.txt"), format_table(result.tables))
     write_json_atomic(os.path.join(output_dir, "results.json"), result.tables)
 

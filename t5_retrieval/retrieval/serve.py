@@ -37,7 +37,8 @@ from typing import Any
 import gin
 import numpy as np
 
-from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.data.task_names import UnknownTaskError
+from t5_retrieval.retrieval.encoder import Encoder, model_task_name
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.data.passages import PassageLookup
 
@@ -115,6 +116,10 @@ class SearchService:
         task = request.get("task")
         if not isinstance(task, str):
             raise RequestError(HTTPStatus.BAD_REQUEST, "field 'task' is required and must be a string")
+        try:
+            task = model_task_name(self.encoder, task)  # a dataset (fever) names the model's task for it
+        except UnknownTaskError as e:
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
         if task not in self.tasks:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"unknown task {task!r}; known tasks: {list(self.tasks)}")
         if ("query" in request) == ("queries" in request):

@@ -1,0 +1,54 @@
+"""A model's tasks by either of their names: the registered one (`demo_fever`) or its dataset (`fever`).
+
+A trained model records its tasks with its features (`batches.make_train_iterator`):
+`{"demo_fever": {"dataset": "fever", "prefix": "fever", "index": 0}, ...}`. Users think in
+datasets (the example files are `<data_dir>/examples/{dataset}-{split}.jsonl`), the model in
+registered names (which choose the query prefix and tower); every command maps a user's name to the
+model's through `resolve`, so both forms work everywhere and fail with the same message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+Tasks = Mapping[str, Mapping[str, Any]]  # a model's features["tasks"]: name -> {"dataset", "prefix", ...}
+
+
+class UnknownTaskError(KeyError, ValueError):
+    """A task name the model does not know, or a dataset several of its tasks read.
+
+    Both a KeyError (a missing key of the model's tasks) and a ValueError (a bad argument), so the
+    callers that catch either keep working."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _known(tasks: Tasks) -> str:
+    return ", ".join(f"{name} (dataset {spec['dataset']})" if "dataset" in spec else name
+                     for name, spec in sorted(tasks.items()))
+
+
+def resolve(tasks: Tasks, name: str) -> str:
+    """The model's task name for `name`: itself when registered, else the one task reading dataset `name`."""
+    if name in tasks:
+        return name
+    named = sorted(task for task, spec in tasks.items() if spec.get("dataset") == name)
+    if len(named) == 1:
+        return named[0]
+    if named:
+        raise UnknownTaskError(f"task {name!r} is ambiguous: the model's tasks {named} all read dataset {name!r}; "
+                               "name one of them")
+    raise UnknownTaskError(f"unknown task {name!r}; this model was trained on: {_known(tasks)}")
+
+
+def dataset_of(tasks: Tasks, name: str) -> str:
+    """The dataset whose examples the task `name` (either form) reads."""
+    task = resolve(tasks, name)
+    return tasks[task].get("dataset", task)
+
+
+def datasets(tasks: Tasks) -> list[str]:
+    """Every dataset the model was trained on, sorted, once each."""
+    return sorted({spec.get("dataset", task) for task, spec in tasks.items()})

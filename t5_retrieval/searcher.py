@@ -1,0 +1,61 @@
+"""Search from Python, the pyserini way: open a model, its index and the KB once, then ask.
+
+    from t5_retrieval.searcher import Searcher
+    searcher = Searcher.open("run/model", "run/index", "data/kb")
+    hits = searcher.search(["who founded the city"], task="fever", k=10)  # per query: [Hit, ...]
+
+The model is opened by `inference.load_encoder`, so queries are formatted, tokenized and embedded
+as in training; the index is checked against the model and the KB (`Index.check`) as by every
+`t5r` command, so a search never mixes embedding spaces. A task is named by its dataset (`fever`)
+or its registered name (`demo_fever`), see `data.task_names`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from t5_retrieval.data.kb import PassageStore
+from t5_retrieval.inference import load_encoder
+from t5_retrieval.retrieval.encoder import Encoder, model_task_name
+from t5_retrieval.retrieval.evaluate import retrieve
+from t5_retrieval.retrieval.index import Index
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    """One retrieved passage: its ids, title and text, and the model's score (a dot product)."""
+
+    passage_id: str
+    wikipedia_id: str
+    title: str
+    score: float
+    text: str
+
+
+class Searcher:
+    """One model, its index and the KB the index was built from, loaded and checked once."""
+
+    def __init__(self, encoder: Encoder, index: Index, store: PassageStore):
+        index.check(encoder, store.ids())
+        self.encoder = encoder
+        self.index = index
+        self.store = store
+
+    @classmethod
+    def open(cls, model_dir: str, index_dir: str, kb_dir: str) -> "Searcher":
+        """From the directories `t5r train`, `t5r index` and `t5r data kb` write."""
+        return cls(load_encoder(model_dir), Index.load(index_dir), PassageStore.open(kb_dir))
+
+    def search(self, queries: Sequence[str], task: str, k: int = 10) -> list[list[Hit]]:
+        """The top-k hits of each query, best first, with `task`'s query prefix.
+
+        Raises UnknownTaskError (listing the model's tasks) for a task the model was not trained on."""
+        if isinstance(queries, str):
+            raise TypeError("queries must be a list of strings, not one string")
+        task = model_task_name(self.encoder, task)
+        results = []
+        for pids, scores in retrieve(self.encoder, self.index, list(queries), task, k):
+            passages = [self.store.get(pid) for pid in pids]
+            results.append([Hit(p.id, p.wikipedia_id, p.title, float(s), p.text) for p, s in zip(passages, scores)])
+        return results
