@@ -141,7 +141,12 @@ def test_t5_export_tokenizer_and_record_give_t5rs_query_ids(t5_run):
     np.testing.assert_array_equal(ids, expected, err_msg="AutoTokenizer on the export must give t5r's token ids")
     with open(os.path.join(out, "README.md")) as f:
         card = f.read()
-    assert "decoder_input_ids=torch.zeros" in card and "FEVER <extra_id_1>" in card, card
+    assert "FEVER <extra_id_1>" in card, card
+    snippet = card.split("```python\n")[1].split("```")[0].replace("path/to/this/directory", out)
+    scope = {"texts": texts}
+    exec(snippet.replace("max_length = 32", "max_length = 16"), scope)  # the model card's code, on queries
+    diff = np.abs(scope["embedding"].numpy() - encoder.encode_queries(QUERIES, "demo_fever")).max()
+    assert diff < ATOL, f"the model card's code gives embeddings {diff} away from t5r's"
 
 
 def read_json(*path: str):
@@ -149,11 +154,12 @@ def read_json(*path: str):
         return json.load(f)
 
 
-def sentence_transformers_embed(directory: str, texts: list[str]) -> np.ndarray:
-    """sentence-transformers' pipeline as its files describe it: Transformer -> Pooling -> [Normalize]."""
+def sentence_transformers_embed(directory: str, texts: list[str], max_length: int | None = None) -> np.ndarray:
+    """sentence-transformers' pipeline as its files describe it: Transformer -> Pooling -> [Normalize]
+    (`max_length`: a shorter truncation, as `SentenceTransformer.max_seq_length = n` sets for queries)."""
     modules = [m["type"].rsplit(".", 1)[1] for m in read_json(directory, "modules.json")]
     assert modules[:2] == ["Transformer", "Pooling"], modules
-    max_length = read_json(directory, "sentence_bert_config.json")["max_seq_length"]
+    max_length = max_length or read_json(directory, "sentence_bert_config.json")["max_seq_length"]
     pooling = read_json(directory, "1_Pooling", "config.json")
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     model = transformers.AutoModel.from_pretrained(directory).eval()
@@ -187,7 +193,8 @@ def test_bert_export_is_a_sentence_transformers_model_that_embeds_as_t5r(bert_ru
     diff = np.abs(reference - encoder.encode_queries(queries, "demo_fever_noprefix")).max()
     print(f"BERT queries (query_encoder/): max abs difference {diff:.2e}")
     assert diff < ATOL, f"query embeddings: query_encoder/ vs t5r differ by {diff}"
-    main = sentence_transformers_embed(out, [format_query(q, None) for q in queries[:1]])
+    assert read_json(query_dir, "sentence_bert_config.json")["max_seq_length"] == 16  # query_len
+    main = sentence_transformers_embed(out, [format_query(q, None) for q in queries[:1]], max_length=16)
     assert not np.allclose(main, reference[:1], atol=1e-3), "query_encoder/ must hold the query tower's weights"
 
 
@@ -260,3 +267,32 @@ def test_refuses_query_towers_projection_query_side_and_a_non_empty_output(t5_ru
     assert t5r(["export-hf", f"--checkpoint_dir={model_dir}", f"--output_dir={out}"]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     assert not [n for n in os.listdir(os.path.dirname(out)) if n.startswith(".t5r-export-hf-")], "temp dir left behind"
+
+
+def test_pretrained_minilm_round_trips_to_its_own_tensors_and_sentence_transformers_embeddings(tmp_path, clean_gin):
+    """all-MiniLM-L6-v2 imported into a t5r model directory and exported: the original tensors, bit for bit,
+    and the original sentence-transformers directory's embeddings."""
+    from t5_retrieval import sharding
+    from t5_retrieval.models.build import build_model, init_params, initial_params, model_config
+    from t5_retrieval.models.pretrained import minilm_l6_dir
+
+    gin_utils.parse_gin(["models/minilm_l6.gin"], [])
+    config = {**model_config(), "features": {
+        "vocabulary": minilm_l6_dir(), "query_len": 32, "passage_len": 128,
+        "tasks": {"fever": {"dataset": "fever", "prefix": None, "index": 0}}}}
+    params, _ = init_params(build_model(config), jax.random.PRNGKey(0), sharding.make_mesh(),
+                            sharding.logical_axis_rules())
+    model_dir = str(tmp_path / "model")
+    checkpoint.write_config(model_dir, config)
+    checkpoint.save(checkpoint.manager(model_dir), 0, {"params": initial_params(minilm_l6_dir(), params, config)}, {})
+    out = str(tmp_path / "hf")
+    hf.export_hf(model_dir, out)
+    original = load_file(os.path.join(minilm_l6_dir(), "model.safetensors"))
+    assert_tensors_equal_original(original, out, ignorable=(*hf_bert_import.UNUSED_NAMES, "pooler.dense.weight",
+                                                            "pooler.dense.bias"))
+    for name in ("modules.json", os.path.join("1_Pooling", "config.json")):
+        assert read_json(out, name) == read_json(minilm_l6_dir(), name), name
+    texts = ["Who wrote the novel Frankenstein?", "Morse code: a method used in telecommunication to encode text."]
+    diff = np.abs(sentence_transformers_embed(out, texts) - sentence_transformers_embed(minilm_l6_dir(), texts)).max()
+    print(f"MiniLM export vs the original all-MiniLM-L6-v2: max abs difference {diff:.2e}")
+    assert diff == 0.0, f"the exported MiniLM embeds {diff} away from the original"

@@ -200,19 +200,20 @@ def retrieval_record(encoder: DualEncoderInference, family: str) -> dict[str, An
             "query_encoder": QUERY_ENCODER_DIR if dual.get("separate_query_encoder") else None}
 
 
-def write_encoder(directory: str, family: str, params: Any, config: dict[str, Any]) -> None:
-    """One complete Hugging Face directory (weights, tokenizer, and for BERT the sentence-transformers files)."""
+def write_encoder(directory: str, family: str, params: Any, config: dict[str, Any], max_length: int) -> None:
+    """One complete Hugging Face directory (weights, tokenizer, and for BERT the sentence-transformers
+    files); `max_length` is the token length of the texts it embeds (passage_len, or query_len for a
+    query encoder), which tokenizer and sentence-transformers truncate to."""
     features, dual = config["features"], config["dual_encoder"]
     os.makedirs(directory, exist_ok=True)
     if family == "bert":
         cfg = BertConfig(**config["bert"])
         write_bert_dir(directory, params, cfg)
-        write_bert_tokenizer(directory, features["vocabulary"], features["passage_len"])
-        write_sentence_transformers(directory, cfg.hidden_size, dual["pooling"], dual["l2_normalize"],
-                                    features["passage_len"])
+        write_bert_tokenizer(directory, features["vocabulary"], max_length)
+        write_sentence_transformers(directory, cfg.hidden_size, dual["pooling"], dual["l2_normalize"], max_length)
     else:
         write_t5_dir(directory, params, T5Config(**config["t5"]))
-        write_t5_tokenizer(directory, features["vocabulary"], features["passage_len"])
+        write_t5_tokenizer(directory, features["vocabulary"], max_length)
 
 
 def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> dict[str, Any]:
@@ -239,9 +240,10 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
     os.makedirs(parent, exist_ok=True)
     partial = tempfile.mkdtemp(prefix=".t5r-export-hf-", dir=parent)
     try:
-        write_encoder(partial, family, params[family], config)
+        write_encoder(partial, family, params[family], config, record["passage_len"])
         if record["query_encoder"]:
-            write_encoder(os.path.join(partial, QUERY_ENCODER_DIR), family, params[f"query_{family}_0"], config)
+            write_encoder(os.path.join(partial, QUERY_ENCODER_DIR), family, params[f"query_{family}_0"], config,
+                          record["query_len"])
         write_json(os.path.join(partial, RETRIEVAL_JSON), record)
         write_json(os.path.join(partial, "model_config.json"), config)
         with open(os.path.join(partial, "README.md"), "w", encoding="utf-8") as f:
@@ -276,8 +278,9 @@ def model_card(record: dict[str, Any]) -> str:
         family = ("a BERT dual encoder (`BertModel`), with the sentence-transformers files "
                   f"(pooling: {record['pooling']}, L2 normalisation: {record['l2_normalize']}); "
                   "`SentenceTransformer(d)` computes the same embeddings for text it is given")
-        sentinel = (f"\nIn a query prefix, `{BERT_SENTINEL}` is one token (id of `{BERT_SENTINEL}` in vocab.txt); "
-                    "BertTokenizer would split it, so insert its id yourself.\n")
+        sentinel = "" if not any(spec["prefix"] for spec in record["tasks"].values()) else (
+            f"\nIn a query prefix, `{BERT_SENTINEL}` is one token (id of `{BERT_SENTINEL}` in vocab.txt); "
+            "BertTokenizer would split it, so insert its id yourself.\n")
     else:
         load = "model = transformers.T5Model.from_pretrained(d).eval()"
         embed = T5_EMBED[record["pooling"]]
@@ -288,7 +291,8 @@ def model_card(record: dict[str, Any]) -> str:
                  "passages through this directory.\n" if record["query_encoder"] else "")
     return f"""# t5r dual encoder (exported by `t5r export-hf`)
 
-This directory is {family}, trained with t5-retrieval (model fingerprint `{record['fingerprint']}`).
+This directory is {family}.
+It was trained with t5-retrieval (model fingerprint `{record['fingerprint']}`).
 `{RETRIEVAL_JSON}` holds the task prefixes, lengths and pooling; `model_config.json` is the
 t5r config it was exported from.
 {query_dir}
@@ -311,7 +315,8 @@ import torch, transformers
 d = "path/to/this/directory"
 tokenizer = transformers.AutoTokenizer.from_pretrained(d)
 {load}
-batch = tokenizer(texts, max_length={record['passage_len']}, truncation=True, padding=True, return_tensors="pt")
+max_length = {record['passage_len']}  # passages; {record['query_len']} for queries
+batch = tokenizer(texts, max_length=max_length, truncation=True, padding=True, return_tensors="pt")
 ids, mask = batch["input_ids"], batch["attention_mask"]
 with torch.no_grad():
 {indent(embed + normalise)}
