@@ -296,3 +296,24 @@ def test_pretrained_minilm_round_trips_to_its_own_tensors_and_sentence_transform
     diff = np.abs(sentence_transformers_embed(out, texts) - sentence_transformers_embed(minilm_l6_dir(), texts)).max()
     print(f"MiniLM export vs the original all-MiniLM-L6-v2: max abs difference {diff:.2e}")
     assert diff == 0.0, f"the exported MiniLM embeds {diff} away from the original"
+
+
+def test_st5_enc_mean_pooled_l2_normalised_t5_exports_with_a_model_card_that_embeds_as_t5r(t5_run, data_dir, tmp_path):
+    from tiny_model import write_model_dir
+
+    vocabulary = checkpoint.read_config(t5_run[0])["features"]["vocabulary"]
+    model_dir = str(tmp_path / "model")
+    write_model_dir(model_dir, data_dir, vocabulary, seed=3, extra_bindings=(
+        "DualEncoderConfig.pooling = 'mean'", "DualEncoderConfig.l2_normalize = True"))
+    out = str(tmp_path / "hf")
+    hf.export_hf(model_dir, out)
+    encoder = load_encoder(model_dir)
+    with open(os.path.join(out, "README.md")) as f:
+        snippet = f.read().split("```python\n")[1].split("```")[0].replace("path/to/this/directory", out)
+    assert "model.encoder(" in snippet and "normalize" in snippet, snippet
+    passages = passages_of(data_dir)
+    scope = {"texts": [format_passage(p.title, p.text) for p in passages]}
+    exec(snippet, scope)
+    diff = np.abs(scope["embedding"].numpy() - encoder.encode_passages(passages)).max()
+    print(f"T5 ST5-Enc + L2 passages (model card code): max abs difference {diff:.2e}")
+    assert diff < ATOL, f"ST5-Enc passage embeddings: model card code vs t5r differ by {diff}"
