@@ -34,6 +34,7 @@ import numpy as np
 from flax import traverse_util
 from safetensors.numpy import save_file
 
+from t5_retrieval import checkpoint
 from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
 from t5_retrieval.data.tokenize import is_wordpiece_path
 from t5_retrieval.inference import DualEncoderInference, is_query_side_dir, load_dual_encoder
@@ -226,9 +227,9 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
                           "its base model's); export the base model instead, a query-side model is not exported")
     if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
         raise FileExistsError(f"--output_dir={output_dir} exists and is not empty; choose a new directory")
+    check_exportable(checkpoint.read_config(checkpoint_dir))  # before the weights are read
     encoder = load_dual_encoder(checkpoint_dir, step, batch_size=1)
     config = encoder.config
-    check_exportable(config)
     family = config.get("family", "t5")
     if family == "bert" and config["features"].get("vocabulary") and not is_wordpiece_path(
             config["features"]["vocabulary"]):
@@ -336,7 +337,6 @@ def main(argv: list[str]) -> int:
     import sys
 
     from t5_retrieval import logs
-    from t5_retrieval.checkpoint import CheckpointError
 
     parser = argparse.ArgumentParser(prog="t5r export-hf", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint_dir", required=True, help="trained model directory (t5r train)")
@@ -346,7 +346,7 @@ def main(argv: list[str]) -> int:
     logs.setup()
     try:
         record = export_hf(args.checkpoint_dir, args.output_dir, args.step)
-    except (CheckpointError, FileExistsError, ValueError) as e:
+    except (checkpoint.CheckpointError, FileExistsError, ValueError) as e:
         print(f"t5r export-hf: error: {e}", file=sys.stderr)
         return 2
     print(f"t5r export-hf: wrote {args.output_dir} ({record['family']}, model {record['fingerprint']}, "
