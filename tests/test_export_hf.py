@@ -104,7 +104,8 @@ def st5_encdec(model: transformers.T5Model, ids: np.ndarray) -> np.ndarray:
     """ST5-EncDec with transformers: one decoder step from id 0, its final-norm hidden state."""
     ids = torch.tensor(ids, dtype=torch.long)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=ids != 0, decoder_input_ids=torch.zeros((len(ids), 1), dtype=torch.long))
+        start = torch.zeros((len(ids), 1), dtype=torch.long)
+        out = model(input_ids=ids, attention_mask=ids != 0, decoder_input_ids=start)
     return out.last_hidden_state[:, 0].numpy()
 
 
@@ -189,7 +190,8 @@ def test_bert_export_is_a_sentence_transformers_model_that_embeds_as_t5r(bert_ru
     assert diff < ATOL, f"passage embeddings: sentence-transformers pipeline vs t5r differ by {diff}"
     query_dir = os.path.join(out, read_json(out, hf.RETRIEVAL_JSON)["query_encoder"])
     queries = QUERIES  # KILT's [SEP] is t5r's `</s>` marker and BERT's [SEP] token
-    reference = sentence_transformers_embed(query_dir, [format_query(q, None).replace("</s>", "[SEP]") for q in queries])
+    texts = [format_query(q, None).replace("</s>", "[SEP]") for q in queries]
+    reference = sentence_transformers_embed(query_dir, texts)
     diff = np.abs(reference - encoder.encode_queries(queries, "demo_fever_noprefix")).max()
     print(f"BERT queries (query_encoder/): max abs difference {diff:.2e}")
     assert diff < ATOL, f"query embeddings: query_encoder/ vs t5r differ by {diff}"

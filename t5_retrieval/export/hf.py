@@ -67,7 +67,8 @@ def to_hf_tensors(params: Any, name_map: Iterable[tuple[str, tuple[str, ...], hf
             continue
         ours = np.asarray(flat[path], dtype=np.float32)
         hf_shape = converter.hf_shape(ours.shape)
-        positions = converter.convert(np.arange(math.prod(hf_shape)).reshape(hf_shape))
+        size = math.prod(hf_shape)
+        positions = converter.convert(np.arange(size, dtype=np.int32 if size < 2**31 else np.int64).reshape(hf_shape))
         hf = np.empty(ours.size, np.float32)
         hf[np.asarray(positions).ravel()] = ours.ravel()
         out[hf_name] = hf.reshape(hf_shape)
@@ -260,7 +261,8 @@ def jax_to_numpy(params: Any) -> Any:
 
 
 T5_EMBED = {
-    "encdec": """outputs = model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.zeros((len(ids), 1), dtype=torch.long))
+    "encdec": """start = torch.zeros((len(ids), 1), dtype=torch.long)  # one decoder step from id 0
+outputs = model(input_ids=ids, attention_mask=mask, decoder_input_ids=start)
 embedding = outputs.last_hidden_state[:, 0]  # the decoder's final-norm state after one step from id 0""",
     "mean": """states = model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
 embedding = (states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)  # mean over non-padding tokens""",
@@ -288,6 +290,7 @@ def model_card(record: dict[str, Any]) -> str:
         family = (f"a Sentence-T5 dual encoder (`T5Model`, pooling {record['pooling']!r}: "
                   + ("ST5-EncDec" if record["pooling"] == "encdec" else "ST5-Enc") + ")")
         sentinel = ""
+    special = "`[CLS] text [SEP]`" if record["family"] == "bert" else "text then `</s>`"
     query_dir = (f"\nQueries go through the separate query encoder in `{record['query_encoder']}/` (same format); "
                  "passages through this directory.\n" if record["query_encoder"] else "")
     return f"""# t5r dual encoder (exported by `t5r export-hf`)
@@ -302,8 +305,8 @@ t5r config it was exported from.
 - Query of task T: `query_prefix(T) + query`, whitespace runs collapsed to one space, KILT's `[SEP]`
   written as `{'[SEP]' if record['family'] == 'bert' else '</s>'}`; at most {record['query_len']} tokens.
 - Passage: `{record['passage_template']}`; at most {record['passage_len']} tokens.
-- Token ids as the tokenizer here writes them ({'`[CLS] text [SEP]`' if record['family'] == 'bert' else 'text then `</s>`'}), truncated to the
-  length, padding id 0 masked.
+- Token ids as the tokenizer here writes them ({special}), truncated to the length, padding id 0
+  masked.
 {sentinel}
 | task | query prefix |
 |---|---|
