@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ance": ("t5_retrieval.ance:main", "Warm-up, then ANCE episodes of (mine, train, eval)."),
     "serve": ("t5_retrieval.commands.serve:main", "HTTP search API over an index."),
     "export": ("t5_retrieval.export.cli:main", "One TF SavedModel (tokenizer, encoder, ScaNN) for serving."),
+    "export-hf": ("t5_retrieval.export.hf:main", "A Hugging Face (transformers / sentence-transformers) directory."),
     "query-side": ("t5_retrieval.query_side:main", "Fine-tune the query encoder over a frozen index."),
     "results": ("t5_retrieval.results:main", "The mini-KILT results table, row by row (resumable)."),
 }

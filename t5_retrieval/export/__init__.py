@@ -1,1 +1,2 @@
-"""Export a trained model and its index as one TensorFlow SavedModel for serving (`t5r export`)."""
+"""Export a trained model: one TensorFlow SavedModel with its index (`t5r export`), or a Hugging Face
+directory (`t5r export-hf`)."""
