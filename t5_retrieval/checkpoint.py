@@ -57,6 +57,17 @@ def manager(directory: str, max_to_keep: int = 3, writer: bool = False) -> ocp.C
                                  item_names=("state", "data"))
 
 
+def reader(directory: str) -> ocp.CheckpointManager:
+    """A read-only manager of `directory` private to this process: it neither creates the directory
+    nor waits for the job's other processes, so one process of a multi-process job (ANCE's process 0
+    mining and evaluating) can load a model while the others wait elsewhere."""
+    me = jax.process_index()
+    options = ocp.CheckpointManagerOptions(
+        create=False, enable_async_checkpointing=False, cleanup_tmp_directories=False,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}))
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_names=("state", "data"))
+
+
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_state: dict[str, Any]) -> None:
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                             data=ocp.args.JsonSave(data_state)))
@@ -236,7 +247,7 @@ def restore_params(directory: str, abstract_params: Any, step: int | None = None
     Returns (params, step). The optimiser state is not read, so inference needs no more memory
     than the model itself.
     """
-    mngr = manager(directory)
+    mngr = reader(directory)
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding) if getattr(x, "sharding", None)
                                 else ocp.RestoreArgs(), abstract_params)
     args = ocp.args.Composite(state=ocp.args.PyTreeRestore(

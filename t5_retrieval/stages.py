@@ -3,6 +3,12 @@
 `t5r ance` and `t5r results` are sequences of such stages, so a rerun skips what has finished; a
 stage interrupted midway is run again (training resumes from its last checkpoint, encoding from
 its last shard). `index_and_evaluate` is the stage pair every trained or loaded model ends with.
+
+Multi-process jobs (`launch/run.py`): every process runs the same sequence. Training and KB
+encoding are shared (each process its data shard, its range of embedding shards); building the
+index, evaluating and mining run on process 0 alone while the others wait at a barrier. Only
+process 0 writes `DONE`, and every process decides whether a stage is done before any process can
+mark it, so all of them take the same path through the sequence.
 """
 
 from __future__ import annotations
@@ -28,16 +34,52 @@ def mark_done(directory: str, info: dict[str, Any]) -> None:
     write_json_atomic(os.path.join(directory, DONE), {"finished": time.strftime("%Y-%m-%d %H:%M:%S"), **info})
 
 
-def stage(directory: str, name: str, run: Callable[[], dict[str, Any] | None]) -> None:
-    """Runs `run` unless `directory` is marked done; marks it done (with run's info and the time) afterwards."""
-    if is_done(directory):
+# Waiting processes idle while process 0 mines or evaluates, which takes hours on a full KB.
+BARRIER_TIMEOUT_S = 48 * 3600
+
+
+def process() -> tuple[int, int]:
+    """(this process's index, the job's process count); (0, 1) outside `jax.distributed`."""
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
+def barrier(key: str) -> None:
+    """Waits until every process of the job reaches `key` (unique per call site and stage); a no-op
+    for one process. A coordination-service barrier, not a device collective, so a long wait does
+    not hit a collective's timeout."""
+    index, count = process()
+    if count > 1:
+        from orbax.checkpoint import multihost
+
+        multihost.sync_global_processes(key, timeout=BARRIER_TIMEOUT_S, processes=set(range(count)))
+
+
+def stage(directory: str, name: str, run: Callable[[], dict[str, Any] | None], leader_only: bool = False) -> None:
+    """Runs `run` unless `directory` is marked done; marks it done (with run's info and the time) afterwards.
+
+    `leader_only`: only process 0 runs it (the others wait); otherwise every process does its share.
+    """
+    done = is_done(directory)
+    barrier(f"t5r stage checked: {directory}")  # no process marks it done before all have looked
+    if done:
         log.info("%s: already done (%s)", name, directory)
         return
-    os.makedirs(directory, exist_ok=True)
+    index, _ = process()
     start = time.time()
-    log.info("%s ...", name)
-    info = run() or {}
-    mark_done(directory, {"stage": name, "seconds": round(time.time() - start, 1), **info})
+    info: dict[str, Any] = {}
+    if leader_only and index != 0:
+        log.info("%s: process 0 runs it; waiting", name)
+    else:
+        os.makedirs(directory, exist_ok=True)
+        log.info("%s ...", name)
+        info = run() or {}
+        if not leader_only:
+            barrier(f"t5r stage ran: {directory}")
+    if index == 0:
+        mark_done(directory, {"stage": name, "seconds": round(time.time() - start, 1), **info})
+    barrier(f"t5r stage done: {directory}")
 
 
 def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split: str = "dev",
@@ -58,13 +100,18 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
     store = PassageStore.open(layout.kb_dir(data_dir))
     emb_dir, eval_dir = os.path.join(stage_dir, "embeddings"), os.path.join(stage_dir, "eval")
 
-    def encode_and_index() -> dict[str, Any]:
+    def encode() -> dict[str, Any]:
         encoder = load_encoder(model_dir)
-        embedding_store.write_embeddings(encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir},
-                                         **embedding_store.encode_settings())
+        index, count = process()
+        report = embedding_store.write_embeddings(
+            encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir}, process_index=index,
+            process_count=count, **embedding_store.encode_settings())
+        return {"fingerprint": encoder.fingerprint, "shards_written_by_process_0": len(report.shards_written)}
+
+    def build() -> dict[str, Any]:
         index = build_index(emb_dir)
         index.save(index_dir)
-        return {"fingerprint": encoder.fingerprint, "passages": len(index)}
+        return {"fingerprint": index.fingerprint, "passages": len(index)}
 
     def score() -> dict[str, Any]:
         encoder = load_encoder(model_dir)
@@ -82,8 +129,9 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
 
     if index_dir is None:
         index_dir = os.path.join(stage_dir, "index")
-        stage(index_dir, "encode + index", encode_and_index)
-    stage(eval_dir, "evaluate", score)
+        stage(emb_dir, "encode", encode)
+        stage(index_dir, "index", build, leader_only=True)
+    stage(eval_dir, "evaluate", score, leader_only=True)
 
 
 def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str, depth: int,
@@ -116,4 +164,4 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
             counts[dataset] = write_negatives(layout.negatives_path(negatives_dir, dataset, "train"), rows)
         return {"negatives": counts, "model": model_dir, "answer_checkable": sorted(answer_checkable)}
 
-    stage(negatives_dir, "mine", run)
+    stage(negatives_dir, "mine", run, leader_only=True)
