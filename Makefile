@@ -9,6 +9,8 @@ OUT     ?= demo_out
 export PYTHONHASHSEED := 0
 
 RESULTS ?= results_out
+# Test processes: CI has 2 cores; each worker holds its own JAX + TensorFlow (~2 GB).
+TEST_WORKERS ?= 2
 
 .PHONY: install test demo results bench clean
 
@@ -24,7 +26,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 demo: $(STAMP)
 	$(PY) -m t5_retrieval.demo --data=$(DATA) --out=$(OUT)

@@ -45,13 +45,15 @@ def test_stored_passage_embeddings_give_the_stop_gradient_loss_and_gradient(per_
     params = nn.unbox(model.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"])
     stored = _with_embedded_passages(model, params, batch)
     rng = jax.random.PRNGKey(1)
+    # Jitted as in training (and because op-by-op dispatch of a backward pass takes a minute on CPU).
     if per_task:
-        expected = per_task_gradients(task_loss_fn(model, 1.0, stop_passage_gradient=True), params, batch,
-                                      STEP_TASKS, rng)
-        got = per_task_gradients(task_loss_fn(model, 1.0), params, stored, STEP_TASKS, rng)
+        expected = jax.jit(lambda w, b: per_task_gradients(task_loss_fn(model, 1.0, stop_passage_gradient=True), w,
+                                                           b, STEP_TASKS, rng))(params, batch)
+        got = jax.jit(lambda w, b: per_task_gradients(task_loss_fn(model, 1.0), w, b, STEP_TASKS, rng))(params, stored)
     else:
-        expected = summed_gradient(model, 1.0, params, batch, STEP_TASKS, rng, stop_passage_gradient=True)
-        got = summed_gradient(model, 1.0, params, stored, STEP_TASKS, rng)
+        expected = jax.jit(lambda w, b: summed_gradient(model, 1.0, w, b, STEP_TASKS, rng,
+                                                        stop_passage_gradient=True))(params, batch)
+        got = jax.jit(lambda w, b: summed_gradient(model, 1.0, w, b, STEP_TASKS, rng))(params, stored)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(expected[1]), rtol=1e-5, err_msg="task losses")
     for g, e in zip(jax.tree.leaves(got[0]), jax.tree.leaves(expected[0])):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)

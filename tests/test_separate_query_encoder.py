@@ -99,18 +99,21 @@ def test_stop_passage_gradient_leaves_the_passage_encoder_untrained(per_task):
     batch = next(data)
     params = nn.unbox(model.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"])
     rng = jax.random.PRNGKey(1)
+    # Jitted as in training (op-by-op dispatch of a backward pass takes a minute on CPU).
     if per_task:
-        grads, _, _ = per_task_gradients(task_loss_fn(model, 1.0, stop_passage_gradient=True), params, batch,
-                                         TASKS, rng)
+        grads, _, _ = jax.jit(lambda w: per_task_gradients(task_loss_fn(model, 1.0, stop_passage_gradient=True), w,
+                                                           batch, TASKS, rng))(params)
     else:
-        grads, _, _ = summed_gradient(model, 1.0, params, batch, TASKS, rng, stop_passage_gradient=True)
+        grads, _, _ = jax.jit(lambda w: summed_gradient(model, 1.0, w, batch, TASKS, rng,
+                                                        stop_passage_gradient=True))(params)
     assert _grad_norm(grads["t5"]) == 0, "no gradient may reach the passage encoder"
     assert _grad_norm(grads["query_t5_0"]) > 0, "the query encoder must still learn"
 
     shared = DualEncoder(model.t5_config, DualEncoderConfig())
     shared_params = nn.unbox(shared.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"])
-    full, _, _ = summed_gradient(shared, 1.0, shared_params, batch, TASKS, rng)
-    stopped, _, _ = summed_gradient(shared, 1.0, shared_params, batch, TASKS, rng, stop_passage_gradient=True)
+    full, _, _ = jax.jit(lambda w: summed_gradient(shared, 1.0, w, batch, TASKS, rng))(shared_params)
+    stopped, _, _ = jax.jit(lambda w: summed_gradient(shared, 1.0, w, batch, TASKS, rng,
+                                                      stop_passage_gradient=True))(shared_params)
 
     def query_side_loss(w):  # passages embedded with the current weights, held constant
         passage_emb = {t: jax.lax.stop_gradient(shared.apply({"params": shared_params}, batch[t]["passage_tokens"]))
@@ -118,7 +121,7 @@ def test_stop_passage_gradient_leaves_the_passage_encoder_untrained(per_task):
         return sum(in_batch_softmax_loss(shared.apply({"params": w}, batch[t]["query_tokens"]), passage_emb[t], 1.0)[0]
                    for t in TASKS)
 
-    expected = jax.grad(query_side_loss)(shared_params)
+    expected = jax.jit(jax.grad(query_side_loss))(shared_params)
     for g, e in zip(jax.tree.leaves(stopped), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-6,
                                    err_msg="stop-gradient must keep only the query path's gradient")
