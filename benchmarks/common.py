@@ -70,10 +70,26 @@ def summarize(times: list[float]) -> dict[str, float]:
             "repeats": len(times)}
 
 
+# CPU features that decide which GEMM kernels XLA and torch can use.
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_model() -> dict[str, Any]:
+    """The CPU's model name and its GEMM-relevant feature flags (Linux /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return {"model": platform.processor() or platform.machine(), "flags": None}
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
 def machine_info(**extra: Any) -> dict[str, Any]:
     """Where and under what load the numbers were taken."""
     return {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-            "load_average_1m": os.getloadavg()[0], "python": platform.python_version(),
+            "cpu": cpu_model(), "load_average_1m": os.getloadavg()[0], "python": platform.python_version(),
             "xla_flags": os.environ.get("XLA_FLAGS"), **extra}
 
 

@@ -52,6 +52,23 @@ def test_encode_benchmark_writes_throughputs_of_matching_embeddings_and_profiles
     assert 0 < sum(torch_profile.values()) <= 1 + 1e-6, f"shares of total time must sum to <= 1: {torch_profile}"
 
 
+def test_kb_encode_benchmark_compares_minilm_with_the_sentence_transformers_recipe(tmp_path):
+    from t5_retrieval.data.demo import write_demo
+    from t5_retrieval.data.prepare import prepare_kb
+
+    write_demo(str(tmp_path / "raw"), num_pages=12, train_per_task=1, dev_per_task=1)
+    prepare_kb(str(tmp_path / "raw" / "kb" / "pages.jsonl"), str(tmp_path / "data"))
+    result, summary = run_benchmark("encode_kb", ["--kb_dir", str(tmp_path / "data" / "kb"), "--passages", "10",
+                                                  "--batch_sizes", "4", "--repeats", "2"], str(tmp_path / "kb.json"))
+    ours, theirs = result["by_candidate"]["ours_batch_4"], result["by_candidate"]["transformers"]
+    assert_positive_timing(ours, "passages_per_s", "ours_batch_4")
+    assert_positive_timing(theirs, "passages_per_s", "transformers")
+    assert ours["repeats"] == theirs["repeats"] == 2 and ours["speedup"]["ratio_of_medians"] > 0, ours
+    assert ours["max_abs_diff_to_transformers"] < 1e-5, "MiniLM embeds differently here and in transformers"
+    assert result["machine"]["cpu"]["model"], result["machine"]
+    assert "10 passages" in summary
+
+
 def test_train_step_benchmark_writes_step_times_with_equal_first_losses(tmp_path):
     result, _ = run_benchmark("train_step", ["--sizes", "tiny", "--queries", "2", "--tasks", "2",
                                              "--query_len", "8", "--passage_len", "8", "--repeats", "1"],
