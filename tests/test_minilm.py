@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+import t5_retrieval.train  # noqa: F401  (registers the configurables models/minilm_l6.gin binds, as `t5r` does)
 from conftest import SHARED_DATA
 from t5_retrieval import checkpoint, gin_utils, sharding
 from t5_retrieval.data.records import Passage
