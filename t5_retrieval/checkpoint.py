@@ -35,6 +35,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from t5_retrieval.data.records import write_json_atomic
+from t5_retrieval.errors import UserError
 
 CONFIG_FILE = "model_config.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
@@ -43,7 +44,7 @@ _HASH_CHUNK = 4 << 20
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint directory that is missing, empty or does not fit the model."""
 
 

@@ -8,7 +8,14 @@ heavy dependencies (TensorFlow, ScaNN) load only when that stage runs.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from t5_retrieval.errors import UserError, disk_full, is_disk_full
+
+DEBUG_ENV = "T5R_DEBUG"
+# gin appends where a configurable raised ("  In call to configurable ..."); a user error says it all.
+_GIN_CONTEXT = "\n  In call to configurable"
 
 # name -> ("module:function", one-line help). Two-word commands ("data kb") are written with a space.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -39,7 +46,7 @@ def _usage(group: str | None = None) -> str:
     names = [n for n in COMMANDS if group is None or n.split()[0] == group]
     width = max(len(name) for name in names)
     head = f"t5r {group} SUBCOMMAND" if group else "t5r COMMAND"
-    lines = [f"usage: {head} [args...]   ({head} --help for its flags)", ""]
+    lines = [f"usage: t5r [--debug] {head.removeprefix('t5r ')} [args...]   ({head} --help for its flags)", ""]
     lines += [f"  {name:<{width}}  {COMMANDS[name][1]}" for name in names]
     return "\n".join(lines)
 
@@ -57,8 +64,22 @@ def resolve(argv: list[str]) -> tuple[str, list[str]]:
     raise SystemExit(f"t5r: unknown command {' '.join(argv[:2])!r}; known commands: {known}")
 
 
+def user_message(error: BaseException) -> str | None:
+    """What `t5r` prints for an error the user can fix; None for a bug (which keeps its traceback)."""
+    if isinstance(error, UserError):
+        return str(error).split(_GIN_CONTEXT)[0]
+    if is_disk_full(error):
+        return str(disk_full(getattr(error, "filename", None) or "the output directory", error))
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command. Errors the user can fix are one line, `t5r <command>: error: <path>: ...`,
+    with exit status 2; `t5r --debug <command> ...` (or T5R_DEBUG=1) shows their traceback."""
     argv = sys.argv[1:] if argv is None else argv
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    if argv and argv[0] == "--debug":
+        debug, argv = True, argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
@@ -69,7 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     target, _ = COMMANDS[name]
     module_name, function_name = target.split(":")
     function = getattr(importlib.import_module(module_name), function_name)
-    return int(function(rest) or 0)
+    try:
+        return int(function(rest) or 0)
+    except Exception as e:  # noqa: BLE001  (re-raised unless it is the user's to fix)
+        message = None if debug else user_message(e)
+        if message is None:
+            raise
+        print(f"t5r {name}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

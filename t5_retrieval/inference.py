@@ -64,8 +64,10 @@ class DualEncoderInference:
     """Implements the retrieval `Encoder` protocol with a trained (or freshly built) dual encoder."""
 
     def __init__(self, model: DualEncoder | BertDualEncoder, params: Any, config: dict[str, Any], fingerprint: str,
-                 mesh: jax.sharding.Mesh, batch_size: int | None = None, vocabulary: Any = None):
+                 mesh: jax.sharding.Mesh, batch_size: int | None = None, vocabulary: Any = None,
+                 step: int | None = None):
         self.model = model
+        self.step = step  # the checkpoint step restored (an unreadable newest one falls back to an older)
         self.params = params
         self.config = config
         self.features = config.get("features", {})
@@ -213,7 +215,7 @@ def load_dual_encoder(model_dir: str, step: int | None = None, batch_size: int |
                             nn.unbox(boxed), shardings)
     params, restored_step = checkpoint.restore_params(model_dir, abstract, step)
     return DualEncoderInference(model, params, config, fingerprint_of(config, params, restored_step), mesh,
-                                batch_size)
+                                batch_size, step=restored_step)
 
 
 class QuerySideEncoder:
@@ -225,6 +227,7 @@ class QuerySideEncoder:
     def __init__(self, query_encoder: DualEncoderInference, passage_encoder: Any):
         self.query_encoder = query_encoder
         self.passage_encoder = passage_encoder
+        self.step = getattr(passage_encoder, "step", None)  # the step whose passage embeddings this gives
 
     @property
     def fingerprint(self) -> str:

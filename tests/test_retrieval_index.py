@@ -123,4 +123,5 @@ def test_cli_builds_an_index_with_gin_overrides(tmp_path):
     assert code == 0
     meta = json.loads((out / "index.json").read_text())
     assert meta["scann"]["mode"] == "brute_force" and meta["scann"]["reorder_num_neighbors"] == 50, meta
-    assert index.main(["--embeddings_dir", str(tmp_path), "--output_dir", str(out)]) == 2, "no manifest -> exit 2"
+    from t5_retrieval import cli
+    assert cli.main(["index", "--embeddings_dir", str(tmp_path), "--output_dir", str(out)]) == 2, "no manifest -> exit 2"

@@ -11,7 +11,6 @@ Shard size, batch size and dtype are gin parameters of `embedding_store.encode_s
 from __future__ import annotations
 
 import argparse
-import sys
 
 from t5_retrieval.data import embedding_store
 
@@ -24,10 +23,9 @@ def _process() -> tuple[int, int]:
 
 def main(argv: list[str]) -> int:
     from t5_retrieval import gin_utils
-    from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.checkpoint import CheckpointError
-    from t5_retrieval.data.records import DataError
     from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
+    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.errors import check_writable_dir
 
     parser = argparse.ArgumentParser(prog="t5r encode", description=__doc__.splitlines()[0])
     add_encoder_flags(parser)
@@ -35,19 +33,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output_dir", required=True, help="embeddings directory (resumed if it exists)")
     parser.add_argument("--no_progress", action="store_true", help="hide the progress bar")
     args = gin_utils.parse_args(parser, argv)
-    try:
-        store = PassageStore.open(args.kb_dir)
-        encoder = encoder_from_flags(args)
-        process_index, process_count = _process()
-        report = embedding_store.write_embeddings(
-            encoder, store, store.ids(), args.output_dir, process_index=process_index,
-            process_count=process_count, progress=not args.no_progress,
-            meta={"kb_dir": args.kb_dir, "checkpoint_dir": args.checkpoint_dir, "step": args.step,
-                  "lexical_baseline_dim": args.lexical_baseline_dim},
-            **embedding_store.encode_settings())
-    except (DataError, CheckpointError, embedding_store.EmbeddingsError) as e:
-        print(f"t5r encode: error: {e}", file=sys.stderr)
-        return 2
+    check_writable_dir(args.output_dir, "--output_dir")
+    store = PassageStore.open(args.kb_dir)
+    encoder = encoder_from_flags(args)
+    process_index, process_count = _process()
+    report = embedding_store.write_embeddings(
+        encoder, store, store.ids(), args.output_dir, process_index=process_index,
+        process_count=process_count, progress=not args.no_progress,
+        # The step restored, which is older than --step's absent default when the newest is unreadable.
+        meta={"kb_dir": args.kb_dir, "checkpoint_dir": args.checkpoint_dir, "step": getattr(encoder, "step", None),
+              "lexical_baseline_dim": args.lexical_baseline_dim},
+        **embedding_store.encode_settings())
     state = "complete" if report.complete else "waiting for other processes' shards"
     print(f"t5r encode: process {process_index}/{process_count}: wrote {len(report.shards_written)} shards, "
           f"skipped {len(report.shards_skipped)} already on disk; {state}: {args.output_dir}")

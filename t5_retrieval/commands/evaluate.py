@@ -8,29 +8,22 @@ predictions/{task}.trec (TREC run), keyed by the names given to --tasks, else by
 from __future__ import annotations
 
 import argparse
-import sys
 
 from t5_retrieval.commands.inputs import add_search_flags, load_search_inputs
 from t5_retrieval.retrieval.evaluate import evaluate, format_table, write_results
-from t5_retrieval.retrieval.index import IndexMismatchError
 
 
 def main(argv: list[str]) -> int:
     """`t5r eval`: KILT metrics per task for an index and a query encoder."""
     from t5_retrieval import gin_utils
-    from t5_retrieval.checkpoint import CheckpointError
-    from t5_retrieval.data.records import DataError
-    from t5_retrieval.data.task_names import UnknownTaskError
+    from t5_retrieval.errors import check_writable_dir
 
     parser = argparse.ArgumentParser(prog="t5r eval", description=__doc__.splitlines()[0])
     add_search_flags(parser, default_split="dev")
     parser.add_argument("--output_dir", required=True)
     args = gin_utils.parse_args(parser, argv)
-    try:
-        inputs = load_search_inputs(args)
-    except (DataError, IndexMismatchError, CheckpointError, UnknownTaskError) as e:
-        print(f"t5r eval: error: {e}", file=sys.stderr)
-        return 2
+    check_writable_dir(args.output_dir, "--output_dir")  # before retrieval, not after it
+    inputs = load_search_inputs(args)
     result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store)
     write_results(result, args.output_dir)
     print(format_table(result.tables), end="")

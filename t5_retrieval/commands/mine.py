@@ -7,11 +7,8 @@ writes `<data_dir>/negatives/<source>/{dataset}-{split}.jsonl` (named by dataset
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 from t5_retrieval.commands.inputs import add_search_flags, load_search_inputs
-from t5_retrieval.retrieval.index import IndexMismatchError
 from t5_retrieval.retrieval.mine import mine_negatives
 
 
@@ -19,21 +16,16 @@ def main(argv: list[str]) -> int:
     """`t5r mine`: hard negatives for every training query with the current model."""
     from t5_retrieval import gin_utils
     from t5_retrieval.data import layout
-    from t5_retrieval.checkpoint import CheckpointError
-    from t5_retrieval.data.records import DataError, write_negatives
-    from t5_retrieval.data.task_names import UnknownTaskError
+    from t5_retrieval.data.records import write_negatives
+    from t5_retrieval.errors import check_writable_dir
 
     parser = argparse.ArgumentParser(prog="t5r mine", description=__doc__.splitlines()[0])
     add_search_flags(parser, default_split="train")
     parser.add_argument("--source", required=True, help="negatives name, e.g. ance-1 (bm25 is the data stage's)")
     args = gin_utils.parse_args(parser, argv)
-    try:
-        inputs = load_search_inputs(args)
-    except (DataError, IndexMismatchError, CheckpointError, UnknownTaskError) as e:
-        print(f"t5r mine: error: {e}", file=sys.stderr)
-        return 2
     out_dir = layout.negatives_dir(args.data_dir, args.source)
-    os.makedirs(out_dir, exist_ok=True)
+    check_writable_dir(out_dir, "--data_dir/negatives/--source")
+    inputs = load_search_inputs(args)
     for task, task_examples in inputs.examples.items():
         path = layout.negatives_path(out_dir, inputs.datasets[task], args.split)
         count = write_negatives(path, mine_negatives(inputs.encoder, inputs.index, task_examples, inputs.store))

@@ -28,6 +28,7 @@ import numpy as np
 
 from t5_retrieval.data.passages import ids_digest
 from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
+from t5_retrieval.errors import UserError, disk_full, remove_stale_temporaries, temp_path
 
 FORMAT = "t5r-embeddings-v1"
 MANIFEST = "manifest.json"
@@ -59,7 +60,7 @@ def encode_settings(shard_size: int = 50_000, batch_size: int = 1024, dtype: str
     return {"shard_size": shard_size, "batch_size": batch_size, "dtype": dtype}
 
 
-class EmbeddingsError(ValueError):
+class EmbeddingsError(UserError, ValueError):
     """An embeddings directory that is missing, incomplete or inconsistent with the run."""
 
 
@@ -118,8 +119,11 @@ def read_ids(directory: str) -> list[str]:
 
 
 def prepare(directory: str, manifest: Manifest, passage_ids: Sequence[str]) -> None:
-    """Writes the manifest and ids, or checks that an existing run in `directory` is the same run."""
+    """Writes the manifest and ids, or checks that an existing run in `directory` is the same run.
+    Shards a crashed run was writing (`shard-*.tmp-<host>-<pid>.npy` of a finished process) are removed."""
     os.makedirs(directory, exist_ok=True)
+    for path in remove_stale_temporaries(directory):
+        log.info("removed %s, left by a crashed run", path)
     path = os.path.join(directory, MANIFEST)
     if os.path.exists(path):
         existing = read_manifest(directory)
@@ -243,8 +247,15 @@ def write_embeddings(
             offset += len(batch)
             bar.update(len(batch))
         path = os.path.join(directory, manifest.shard_name(shard))
-        tmp = f"{path}.tmp-{os.getpid()}.npy"
-        np.save(tmp, out)
+        tmp = temp_path(path, ".npy")
+        try:
+            np.save(tmp, out)
+        except BaseException as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            if isinstance(e, OSError):  # numpy reports a full disk as "N requested and M written"
+                raise disk_full(path, e) from e
+            raise
         os.replace(tmp, path)
         log.info("process %d: wrote %s (rows [%d, %d))", process_index, manifest.shard_name(shard), start, stop)
     bar.close()

@@ -15,7 +15,9 @@ layout holds the 36M-passage KILT KB (sharded files, no whole-KB list in memory 
 from __future__ import annotations
 
 import csv
+import glob
 import json
+import logging
 import os
 import shutil
 import sys
@@ -26,6 +28,9 @@ import numpy as np
 
 from t5_retrieval.data.records import DataError, Passage, read_jsonl, require
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
+from t5_retrieval.errors import disk_full, is_disk_full, remove_stale_temporaries, temp_path
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PAGE_MAP = "page_map.tsv"
@@ -162,15 +167,33 @@ def write_passage_store(passages: Iterable[tuple[Passage, Span | None]], out_dir
                         metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """Streams passages into a store at out_dir; returns the manifest.
 
-    Everything goes to `out_dir.tmp-<pid>` first; the manifest is written last and the directory
+    Everything goes to `out_dir.tmp-<host>-<pid>` first; the manifest is written last and the directory
     renamed into place, so a crash leaves no directory with a manifest. Duplicate ids are an error.
     """
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True / --overwrite to replace it)")
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    tmp = temp_path(out_dir)
+    for path in remove_stale_temporaries(os.path.dirname(out_dir), f"{glob.escape(os.path.basename(out_dir))}.tmp-*"):
+        log.info("removed %s, left by a crashed build", path)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    try:
+        manifest = _write_store(passages, tmp, passages_per_shard, metadata)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise disk_full(out_dir, e) from e
+        raise
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return manifest
+
+
+def _write_store(passages: Iterable[tuple[Passage, Span | None]], tmp: str, passages_per_shard: int,
+                 metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """The store's files, written into `tmp`; returns the manifest (written last)."""
     seen: set[str] = set()
     pages: set[str] = set()
     shards: list[dict[str, Any]] = []
@@ -206,15 +229,11 @@ def write_passage_store(passages: Iterable[tuple[Passage, Span | None]], out_dir
             page_map.write(f"{passage.id}\t{passage.wikipedia_id}\n")
         close_shard()
     if not seen:
-        shutil.rmtree(tmp)
         raise DataError("the knowledge source produced no passages")
     manifest = {"format": FORMAT, "num_passages": len(seen), "num_pages": len(pages), "shards": shards,
                 "page_map": PAGE_MAP, **(metadata or {})}
     with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
     return manifest
 
 
@@ -255,8 +274,11 @@ class PassageStore:
         if not os.path.exists(path):
             raise DataError(f"{directory}: no {MANIFEST}; not a passage store, or its build did not finish "
                             "(rebuild it with `t5r data kb`)")
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                manifest = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{path}: damaged ({e}); rebuild the store with `t5r data kb`") from None
         if manifest.get("format") != FORMAT:
             raise DataError(f"{path}: field 'format' is {manifest.get('format')!r}, expected {FORMAT!r}")
         return cls(directory, manifest)
@@ -323,9 +345,15 @@ class PassageStore:
         assert self._shard_starts is not None
         shard = int(np.searchsorted(self._shard_starts, index, side="right")) - 1
         offset = int(self._offsets[shard][index - self._shard_starts[shard]])
-        with open(os.path.join(self.directory, self.manifest["shards"][shard]["file"]), "rb") as f:
+        path = os.path.join(self.directory, self.manifest["shards"][shard]["file"])
+        with open(path, "rb") as f:
             f.seek(offset)
-            return json.loads(f.readline())
+            line = f.readline()
+        try:
+            return json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{path}: passage {index} at byte {offset} is damaged ({str(e)[:100]}); the store is "
+                            "truncated or corrupt: rebuild it with `t5r data kb`") from None
 
     def get(self, passage_id: str) -> Passage:
         return _passage(self._read_row(self.index_of(passage_id)))

@@ -12,8 +12,10 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from t5_retrieval.errors import UserError, disk_full, is_disk_full, temp_path
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Bad input data; the message names the file, the line and the field."""
 
 
@@ -68,8 +70,13 @@ class Negatives:
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yields (line number, object) for each non-empty line; a bad line raises DataError with file:line."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                "KILT files are UTF-8 json lines") from None
             if not line.strip():
                 continue
             try:
@@ -90,21 +97,40 @@ def require(obj: dict[str, Any], field: str, path: str | os.PathLike[str], line_
 
 def write_jsonl_atomic(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> int:
     """Writes rows to path via a temporary file and a rename, so a crash never leaves a half file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = temp_path(str(path))
     count = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            count += 1
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                count += 1
+    except BaseException as e:
+        _discard(tmp)
+        if is_disk_full(e):
+            raise disk_full(str(path), e) from e
+        raise
     os.replace(tmp, path)
     return count
 
 
+def _discard(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Writes text like `write_jsonl_atomic`: whole or not at all."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    tmp = temp_path(str(path))
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    except BaseException as e:
+        _discard(tmp)
+        if is_disk_full(e):
+            raise disk_full(str(path), e) from e
+        raise
     os.replace(tmp, path)
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from t5_retrieval.errors import UserError
+
 Tasks = Mapping[str, Mapping[str, Any]]  # a model's features["tasks"]: name -> {"dataset", "prefix", ...}
 
 
-class UnknownTaskError(KeyError, ValueError):
+class UnknownTaskError(KeyError, ValueError, UserError):
     """A task name the model does not know, or a dataset several of its tasks read.
 
     Both a KeyError (a missing key of the model's tasks) and a ValueError (a bad argument), so the

@@ -41,6 +41,7 @@ from t5_retrieval.inference import DualEncoderInference, is_query_side_dir, load
 from t5_retrieval.models import hf_bert_import, hf_import
 from t5_retrieval.models.bert import BertConfig
 from t5_retrieval.models.t5 import T5Config
+from t5_retrieval.errors import UserError
 
 FORMAT = "t5r-hf-export/1"
 RETRIEVAL_JSON = "t5r_retrieval.json"  # tasks, prefixes, lengths, pooling: what the model card explains
@@ -48,7 +49,7 @@ QUERY_ENCODER_DIR = "query_encoder"
 BERT_SENTINEL = "[unused1]"  # what `<extra_id_1>` in a task prefix becomes in a WordPiece vocabulary
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """A model directory that cannot be expressed as a Hugging Face directory; names the config field."""
 
 

@@ -26,6 +26,7 @@ from flax import traverse_util
 from safetensors.numpy import load_file
 
 from t5_retrieval.models.t5 import T5Config
+from t5_retrieval.errors import UserError
 
 log = logging.getLogger(__name__)
 # Tied copies of `shared.weight` that HF may or may not write.
@@ -50,7 +51,7 @@ class Converter(NamedTuple):
     hf_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
 
 
-class HFImportError(ValueError):
+class HFImportError(UserError, ValueError):
     """A checkpoint that does not fit the model; the message names the field or tensor and both values."""
 
 

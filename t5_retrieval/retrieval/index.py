@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data import embedding_store
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.data.passages import ids_digest
+from t5_retrieval.errors import UserError, check_writable_dir, disk_full, is_disk_full
 
 FORMAT = "t5r-scann-index-v1"
 INDEX_JSON = "index.json"
@@ -40,7 +42,7 @@ SCANN_DIR = "scann"
 log = logging.getLogger(__name__)
 
 
-class IndexMismatchError(ValueError):
+class IndexMismatchError(UserError, ValueError):
     """The index was built from another model or another KB than the one it is used with."""
 
 
@@ -172,10 +174,17 @@ class Index:
         commit = os.path.join(directory, INDEX_JSON)
         if os.path.exists(commit):  # unpublish first: a crash below must not leave the old index.json over new assets
             os.remove(commit)
+        # Without index.json whatever is here is a crashed save's partial assets: start clean.
+        shutil.rmtree(os.path.join(directory, SCANN_DIR), ignore_errors=True)
         os.makedirs(os.path.join(directory, SCANN_DIR), exist_ok=True)
-        self.searcher.serialize(os.path.join(directory, SCANN_DIR), relative_path=True)
-        with open(os.path.join(directory, embedding_store.IDS_FILE), "w", encoding="utf-8") as f:
-            f.writelines(f"{pid}\n" for pid in self.passage_ids)
+        try:
+            self.searcher.serialize(os.path.join(directory, SCANN_DIR), relative_path=True)
+            with open(os.path.join(directory, embedding_store.IDS_FILE), "w", encoding="utf-8") as f:
+                f.writelines(f"{pid}\n" for pid in self.passage_ids)
+        except Exception as e:  # ScaNN reports a full disk as a generic RuntimeError
+            if is_disk_full(e) or _free_bytes_below(directory, 1 << 20):
+                raise disk_full(directory, e) from e
+            raise
         meta = {"format": FORMAT, "fingerprint": self.fingerprint, "dim": self.dim,
                 "num_passages": len(self.passage_ids), "ids_sha256": ids_digest(self.passage_ids),
                 "scann": dataclasses.asdict(self.config), "meta": self.meta,
@@ -187,17 +196,31 @@ class Index:
         path = os.path.join(directory, INDEX_JSON)
         if not os.path.exists(path):
             raise IndexMismatchError(f"{path}: not an index directory (no {INDEX_JSON}; run `t5r index`)")
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise IndexMismatchError(f"{path}: damaged ({e}); rebuild the index with `t5r index`") from None
         if meta.get("format") != FORMAT:
             raise IndexMismatchError(f"{path}: field 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
         with open(os.path.join(directory, embedding_store.IDS_FILE), encoding="utf-8") as f:
             ids = f.read().splitlines()
         if ids_digest(ids) != meta["ids_sha256"] or len(ids) != meta["num_passages"]:
             raise IndexMismatchError(f"{directory}/{embedding_store.IDS_FILE}: does not match {INDEX_JSON}'s ids_sha256")
-        searcher = _scann().load_searcher(os.path.join(directory, SCANN_DIR))
+        try:
+            searcher = _scann().load_searcher(os.path.join(directory, SCANN_DIR))
+        except Exception as e:  # ScaNN says "File too short" etc. without naming a file
+            raise IndexMismatchError(f"{os.path.join(directory, SCANN_DIR)}: damaged ScaNN assets "
+                                     f"({type(e).__name__}: {str(e)[:200]}); rebuild the index with `t5r index`") from None
         return cls(searcher, ids, meta["fingerprint"], int(meta["dim"]), ScannConfig(**meta["scann"]),
                    source=directory, meta=meta.get("meta", {}), embeddings_dir=meta.get("embeddings_dir", ""))
+
+
+def _free_bytes_below(path: str, limit: int) -> bool:
+    try:
+        return shutil.disk_usage(path).free < limit
+    except OSError:
+        return False
 
 
 def build_index(embeddings_dir: str, config: ScannConfig | None = None, staging_dir: str | None = None) -> Index:
@@ -235,10 +258,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--staging_dir", default=None, help="disk for the temporary matrix (default: tmp)")
     args = gin_utils.parse_args(parser, argv)
     logs.setup()
+    check_writable_dir(args.output_dir, "--output_dir")
     try:
         index = build_index(args.embeddings_dir, ScannConfig(), args.staging_dir)
-    except (embedding_store.EmbeddingsError, ValueError) as e:
-        print(f"t5r index: {e}")
+    except ValueError as e:
+        if isinstance(e, UserError):
+            raise
+        print(f"t5r index: error: {e}", file=sys.stderr)
         return 2
     index.save(args.output_dir)
     print(f"t5r index: {len(index)} passages, mode={index.config.mode}, wrote {args.output_dir}")

@@ -1,0 +1,102 @@
+"""Errors a user can fix (a file, a flag, a checkpoint, the disk), and the checks that raise them early.
+
+`t5r` shows a `UserError` as one line, `t5r <command>: error: <path>[:<line>]: <what and what to
+do>`, and exits with status 2; `t5r --debug ...` (or T5R_DEBUG=1) shows the traceback. Any other
+exception is a bug and keeps its traceback. Every module's own error type (bad data, a checkpoint
+that does not fit, an index of another model, ...) derives from `UserError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import re
+import shutil
+import socket
+
+
+class UserError(Exception):
+    """A problem in what the user gave; the message names the path (and line) and what to do."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(path: str, error: BaseException | None = None) -> UserError:
+    """The error for a write that ran out of space at `path` (earlier outputs are complete and kept)."""
+    free = _free_bytes(path)
+    detail = f" ({error})" if error is not None and not is_disk_full(error) else ""
+    return UserError(f"{path}: no space left on the device{detail}"
+                     + (f"; {free / 2**20:.0f} MiB free" if free is not None else "")
+                     + ". Free space (or choose another output directory) and rerun: finished outputs are kept "
+                       "and the run resumes")
+
+
+def _free_bytes(path: str) -> int | None:
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        return shutil.disk_usage(path or ".").free
+    except OSError:
+        return None
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Creates `path` if missing and writes a probe file there, so an unusable output location is
+    reported before hours of work rather than after them."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".t5r-write-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full(path, e) from e
+        raise UserError(f"{path}: {flag} is not writable ({e.strerror or e}); choose a directory you can "
+                        "write to") from e
+
+
+def temp_path(path: str, suffix: str = "") -> str:
+    """Where to write `path` before renaming it into place: `<path>.tmp-<host>-<pid><suffix>`, so the
+    next run can tell a crashed writer's leftovers (this host, process gone) from a live one's."""
+    return f"{path}.tmp-{_HOST}-{os.getpid()}{suffix}"
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+_TEMP_NAME = re.compile(r"\.tmp-(?:(?P<host>[A-Za-z0-9_.]+)-)?(?P<pid>\d+)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str, pattern: str = "*.tmp-*") -> list[str]:
+    """Removes files and directories matching `pattern` in `directory` that a crashed run left: its
+    `.tmp-<host>-<pid>` names this host and a process that no longer runs. Another host's
+    temporaries are left alone (in a multi-host job its writer may be running). Returns the paths."""
+    removed = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(directory), pattern))):
+        match = _TEMP_NAME.search(os.path.basename(path))
+        if not match or match.group("host") not in (None, _HOST) or _alive(int(match.group("pid"))):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+        removed.append(path)
+    return removed
