@@ -35,7 +35,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from t5_retrieval.data.records import write_json_atomic
-from t5_retrieval.errors import UserError
+from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full
 
 CONFIG_FILE = "model_config.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
@@ -70,9 +70,14 @@ def reader(directory: str) -> ocp.CheckpointManager:
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_state: dict[str, Any]) -> None:
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                            data=ocp.args.JsonSave(data_state)))
-    mngr.wait_until_finished()
+    try:
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                data=ocp.args.JsonSave(data_state)))
+        mngr.wait_until_finished()
+    except Exception as e:  # tensorstore reports a full disk in many words, rarely as ENOSPC
+        if is_disk_full(e) or nearly_full(str(mngr.directory)):
+            raise disk_full(str(mngr.directory / str(step)), e) from e
+        raise
     if jax.process_count() > 1:  # every process has returned from orbax's save: all files exist
         multihost_utils.sync_global_devices("t5r_checkpoint_saved")
     if jax.process_index() == 0:

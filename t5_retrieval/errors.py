@@ -34,6 +34,13 @@ def disk_full(path: str, error: BaseException | None = None) -> UserError:
                        "and the run resumes")
 
 
+def nearly_full(path: str, margin: int = 16 << 20) -> bool:
+    """Whether the filesystem of `path` has less than `margin` bytes free: how a write that failed
+    with a library's own message (tensorstore, ScaNN) is recognised as a full disk."""
+    free = _free_bytes(path)
+    return free is not None and free < margin
+
+
 def _free_bytes(path: str) -> int | None:
     while path and not os.path.exists(path):
         parent = os.path.dirname(path)

@@ -73,6 +73,24 @@ def unread_macros(names: Iterable[str]) -> list[str]:
     return [name for name in names if name not in read]
 
 
+def undefined_macros() -> list[str]:
+    """Macros some binding reads (`%NAME`) that no gin file or flag defines."""
+    read: set[str] = set()
+    for params in gin.config._CONFIG.values():
+        for value in params.values():
+            _macro_references(value, read)
+    defined = {scope_name[0] for scope_name in gin.config._CONFIG if scope_name[1] == "gin.macro"}
+    return sorted(read - defined)
+
+
+def required_macros() -> list[str]:
+    """Macros the parsed gin files leave as `%gin.REQUIRED` (the run must set them)."""
+    return sorted(scope_name[0] for scope_name, params in gin.config._CONFIG.items()
+                  if scope_name[1] == "gin.macro"
+                  and isinstance(params.get("value"), gin.config.ConfigurableReference)
+                  and params["value"].scoped_selector.startswith("gin.REQUIRED"))
+
+
 def _macro_names(bindings: Sequence[str]) -> list[str]:
     """`NAME = value` bindings (macros), not `configurable.param = value` ones."""
     names = [b.partition("=")[0].strip() for b in bindings]
@@ -82,8 +100,9 @@ def _macro_names(bindings: Sequence[str]) -> list[str]:
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
     """Parses a subcommand's argv: gin overrides, gin files, then the parser's own flags.
 
-    A binding gin cannot apply (an unknown configurable or parameter, a missing file) and a macro
-    bound on the command line that no gin file reads are errors naming it, before any work starts.
+    A binding gin cannot apply (an unknown configurable or parameter, a missing file), a macro
+    bound on the command line that no gin file reads and a `%gin.REQUIRED` macro left unset are
+    errors naming it, before any work starts.
     """
     add_gin_flags(parser)
     bindings, rest = split_gin_overrides(argv)
@@ -98,4 +117,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
         near = difflib.get_close_matches(name, [d for d in defined if d != name], n=3)
         parser.error(f"--gin.{name}: no gin file reads %{name}, so the value would be ignored"
                      + (f" (did you mean {', '.join(near)}?)" if near else ""))
+    for name in [*undefined_macros(), *required_macros()]:  # before any work, not when a configurable needs it
+        parser.error(f"gin: {name} is required by {' '.join(args.gin_file) or 'the gin bindings'}; set it, "
+                     f"e.g. --gin.{name}=...")
     return args

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
 from t5_retrieval import checkpoint, gin_utils, logs, sharding
+from t5_retrieval.errors import check_writable_dir
 from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
 from t5_retrieval.data.records import write_text_atomic
 from t5_retrieval.inference import load_encoder, write_base_record
@@ -367,5 +368,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model_dir", required=True, help="where checkpoints, config and metrics go")
     args = gin_utils.parse_args(parser, argv)
     logs.setup()
+    check_writable_dir(args.model_dir, "--model_dir")
     train(args.model_dir)
     return 0

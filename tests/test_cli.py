@@ -59,12 +59,29 @@ def test_a_macro_no_gin_file_reads_is_an_error_naming_it(clean_gin, capsys):
         return gin_utils.parse_args(argparse.ArgumentParser(prog="t5r train"),
                                     ["--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin", *argv])
 
-    parse("--gin.NUM_STEPS=5")  # read by runs/base.gin: fine
+    given = ["--gin.DATA_DIR='d'", "--gin.VOCABULARY='v'", "--gin.MIXTURE='demo'"]  # what runs/base.gin reads
+    parse("--gin.NUM_STEPS=5", *given)  # read by runs/base.gin: fine
     with pytest.raises(SystemExit) as exit_info:
         parse("--gin.NUM_STEP=5")
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--gin.NUM_STEP: no gin file reads %NUM_STEP" in err and "did you mean NUM_STEPS" in err, err
+
+
+@pytest.mark.parametrize("left_out,why", [("--gin.NUM_STEPS=5", "%gin.REQUIRED in runs/base.gin"),
+                                          ("--gin.DATA_DIR='d'", "read by runs/base.gin, defined nowhere")])
+def test_a_macro_the_gin_files_need_is_an_error_naming_it_before_any_work(clean_gin, capsys, left_out, why):
+    import argparse
+
+    import t5_retrieval.train  # noqa: F401  (the configurables runs/base.gin binds)
+
+    flags = ["--gin.NUM_STEPS=5", "--gin.DATA_DIR='d'", "--gin.VOCABULARY='v'", "--gin.MIXTURE='demo'"]
+    with pytest.raises(SystemExit) as exit_info:
+        gin_utils.parse_args(argparse.ArgumentParser(prog="t5r train"), [
+            "--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin", *[f for f in flags if f != left_out]])
+    assert exit_info.value.code == 2
+    name = left_out[len("--gin."):].split("=")[0]
+    assert f"t5r train: error: gin: {name} is required by models/t5_tiny.gin runs/base.gin" in capsys.readouterr().err, why
 
 
 def test_a_binding_gin_cannot_apply_is_a_usage_error(clean_gin, capsys):

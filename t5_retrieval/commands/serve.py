@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from t5_retrieval import gin_utils, logs
 from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
+from t5_retrieval.errors import UserError
 from t5_retrieval.retrieval.encoder import model_task_name
 from t5_retrieval.retrieval.index import Index, IndexMismatchError
 from t5_retrieval.retrieval.serve import (TOKEN_ENV, SearchService, ServeLimits, ServerOptions, bind_address,
@@ -34,6 +36,19 @@ def _auth_token(path: str | None) -> str | None:
     if not token:
         raise ValueError(f"--auth_token_file {path} is empty")
     return token
+
+
+def _check_listenable(host: str, port: int, auth_token: str | None) -> None:
+    """Refuses an open address without a token, and a port another program listens on."""
+    family, address = bind_address(host, port, auth_token)
+    if port == 0:
+        return
+    try:
+        with socket.create_server(address[:2], family=family):
+            pass
+    except OSError as e:
+        raise UserError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); another server "
+                        "probably uses it: stop it or choose another --port") from None
 
 
 def main(argv: list[str]) -> int:
@@ -66,7 +81,7 @@ def main(argv: list[str]) -> int:
     try:
         options = ServerOptions(args.workers, args.max_queued, args.read_timeout_s, args.max_connections,
                                 _auth_token(args.auth_token_file))
-        bind_address(args.host, args.port, options.auth_token)  # refuse an open address before loading
+        _check_listenable(args.host, args.port, options.auth_token)  # before minutes of loading, not after
         store = PassageStore.open(args.kb_dir)
         index = Index.load(args.index_dir)
         encoder = encoder_from_flags(args)

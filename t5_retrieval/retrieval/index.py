@@ -33,7 +33,7 @@ from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data import embedding_store
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.data.passages import ids_digest
-from t5_retrieval.errors import UserError, check_writable_dir, disk_full, is_disk_full
+from t5_retrieval.errors import UserError, check_writable_dir, disk_full, is_disk_full, nearly_full
 
 FORMAT = "t5r-scann-index-v1"
 INDEX_JSON = "index.json"
@@ -182,7 +182,7 @@ class Index:
             with open(os.path.join(directory, embedding_store.IDS_FILE), "w", encoding="utf-8") as f:
                 f.writelines(f"{pid}\n" for pid in self.passage_ids)
         except Exception as e:  # ScaNN reports a full disk as a generic RuntimeError
-            if is_disk_full(e) or _free_bytes_below(directory, 1 << 20):
+            if is_disk_full(e) or nearly_full(directory):
                 raise disk_full(directory, e) from e
             raise
         meta = {"format": FORMAT, "fingerprint": self.fingerprint, "dim": self.dim,
@@ -214,13 +214,6 @@ class Index:
                                      f"({type(e).__name__}: {str(e)[:200]}); rebuild the index with `t5r index`") from None
         return cls(searcher, ids, meta["fingerprint"], int(meta["dim"]), ScannConfig(**meta["scann"]),
                    source=directory, meta=meta.get("meta", {}), embeddings_dir=meta.get("embeddings_dir", ""))
-
-
-def _free_bytes_below(path: str, limit: int) -> bool:
-    try:
-        return shutil.disk_usage(path).free < limit
-    except OSError:
-        return False
 
 
 def build_index(embeddings_dir: str, config: ScannConfig | None = None, staging_dir: str | None = None) -> Index:
