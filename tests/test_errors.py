@@ -199,3 +199,21 @@ def test_train_refuses_an_unwritable_model_dir_before_building_anything(tmp_path
                      "--gin.train.batches=@RandomBatches", "--gin.train.num_steps=1"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"t5r train: error: {blocker / 'model'}: --model_dir is not writable"), err
+
+
+def test_the_next_runs_remove_a_crashed_kb_build_and_partial_index_assets(dirs, tmp_path, capsys):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    crashed_kb = tmp_path / f"kb.tmp-{dead}"
+    crashed_kb.mkdir()
+    (crashed_kb / "shard-00000.jsonl").write_text("{}\n")
+    write_passage_store(((p, None) for p in KB), str(tmp_path / "kb"))
+    assert not crashed_kb.exists(), "a crashed build's directory is removed by the next build"
+
+    out = tmp_path / "idx"
+    (out / "scann").mkdir(parents=True)
+    (out / "scann" / "stale_asset.npy").write_bytes(b"half written")  # no index.json: a crashed save
+    assert cli.main(["index", "--embeddings_dir", dirs["emb"], "--output_dir", str(out),
+                     "--gin.ScannConfig.mode='brute_force'"]) == 0
+    assert not (out / "scann" / "stale_asset.npy").exists()
+    assert len(index.Index.load(str(out))) == len(KB)
