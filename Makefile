@@ -4,7 +4,7 @@
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-DATA    ?= demo
+DATA    ?= slice
 OUT     ?= demo_out
 export PYTHONHASHSEED := 0
 
@@ -31,9 +31,12 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m t5_retrieval.demo --data=$(DATA) --out=$(OUT)
 
-# docs/RESULTS.md from scratch on mini-KILT (hours on a CPU; shows progress, resumes when rerun).
+# docs/RESULTS.md from scratch: `make results MINI_KILT=<mini-KILT directory>` (hours on a CPU;
+# shows progress, resumes when rerun). MINI_KILT=slice runs the rows on the shipped demo slice.
+MINI_KILT ?=
 results: $(STAMP)
-	$(VENV)/bin/t5r results --data=../shared/data/mini_kilt --work_dir=$(RESULTS) --markdown=$(RESULTS)/table.md
+	@test -n "$(MINI_KILT)" || { echo "make results: set MINI_KILT=<the mini-KILT directory> (or MINI_KILT=slice)"; exit 2; }
+	$(VENV)/bin/t5r results --data=$(MINI_KILT) --work_dir=$(RESULTS) --markdown=$(RESULTS)/table.md
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done

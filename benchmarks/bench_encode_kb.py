@@ -9,7 +9,7 @@ pooling, L2 under `torch.inference_mode()`). Both load the same installed weight
 compared. Each of our batch sizes is a candidate; candidates run interleaved, and speed-ups are
 ratios from the same run. Compilation is done before timing and reported.
 
-    .venv/bin/python benchmarks/bench_encode_kb.py --kb_dir=DATA_DIR/kb [--passages 512] [--batch_sizes 16 32 64]
+    .venv/bin/python benchmarks/bench_encode_kb.py [--kb_dir=DATA_DIR/kb] [--passages 512] [--batch_sizes 16 32 64]
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-import t5_retrieval.train  # noqa: E402,F401  (registers the configurables models/minilm_l6.gin binds)
-from t5_retrieval.data.kb import PassageStore  # noqa: E402
+from t5_retrieval.data.kb import PassageStore, build_kb  # noqa: E402
 from t5_retrieval.data.text import format_passage  # noqa: E402
 from t5_retrieval.inference import load_encoder  # noqa: E402
 from t5_retrieval.models.pretrained import minilm_l6_dir  # noqa: E402
@@ -68,7 +67,8 @@ def sentence_transformers_encoder(model_dir: str, threads: int):
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kb_dir", required=True, help="a passage store (`t5r data kb` output)")
+    parser.add_argument("--kb_dir", default=None,
+                        help="a passage store (`t5r data kb` output); default: the shipped demo slice's KB")
     parser.add_argument("--passages", type=int, default=512, help="the first N passages of the store")
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[16, 32, 64],
                         help="our per-call batch sizes to compare (the default of load_encoder is 64)")
@@ -77,6 +77,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=None, help="results path (default benchmarks/results/encode_kb.json)")
     args = parser.parse_args(argv)
 
+    if args.kb_dir is None:
+        args.kb_dir = os.path.join(common.RESULTS_DIR, "data", "demo_slice_kb")
+        if not os.path.exists(args.kb_dir):
+            build_kb(os.path.join(common.demo_slice(), "kb", "passages.jsonl"), args.kb_dir)
     passages = list(itertools.islice(PassageStore.open(args.kb_dir), args.passages))
     texts = [format_passage(p.title, p.text, TEMPLATE) for p in passages]
     theirs = sentence_transformers_encoder(minilm_l6_dir(), args.threads)

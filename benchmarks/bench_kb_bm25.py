@@ -22,9 +22,14 @@ def main() -> int:
     from t5_retrieval.data.records import read_jsonl
 
     p = argparse.ArgumentParser()
-    p.add_argument("--source", default="/work/shared/data/mini_kilt/kb/pages.jsonl")
+    p.add_argument("--source", default=None, help="a KILT knowledge source or passages jsonl, e.g. mini-KILT's "
+                   "kb/pages.jsonl; default: the shipped demo slice's kb/passages.jsonl")
     a = p.parse_args()
     start = time.perf_counter()
+    if a.source is None:
+        import common
+
+        a.source = os.path.join(common.demo_slice(), "kb", "passages.jsonl")
     pages = sum(1 for _ in read_jsonl(a.source))
     read_s = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as tmp:

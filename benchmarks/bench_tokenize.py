@@ -43,7 +43,6 @@ import numpy as np  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))  # the former pure-Python tokenizer, kept as the tests' oracle
-KB = os.path.join(os.path.dirname(REPO), "shared", "data", "mini_kilt", "kb", "passages.jsonl")
 
 
 def read_passages(path: str, count: int) -> list[dict[str, str]]:
@@ -113,7 +112,8 @@ def main() -> int:
     p.add_argument("--passages", type=int, default=1024, help="first N KB passages; 0 = all")
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--kb", default=KB, help="KB passages jsonl (id, title, text)")
+    p.add_argument("--kb", default=None, help="KB passages jsonl (id, title, text), e.g. mini-KILT's "
+                   "kb/passages.jsonl; default: the shipped demo slice's")
     p.add_argument("--spm_model", help="T5 sentencepiece model; default: train one on the KB first")
     p.add_argument("--out")
     a = p.parse_args()
@@ -129,6 +129,7 @@ def main() -> int:
     from t5_retrieval.models.pretrained import minilm_l6_dir
     from wordpiece_reference import encoder
 
+    a.kb = a.kb or os.path.join(common.demo_slice(), "kb", "passages.jsonl")
     passages = read_passages(a.kb, a.passages)
     bert_texts = [format_passage(p["title"], p["text"], "{title}: {text}") for p in passages]
     t5_texts = [format_passage(p["title"], p["text"]) for p in passages]

@@ -109,3 +109,11 @@ def write_results(name: str, result: dict[str, Any], summary: str, out: str | No
         f.write("\n")
     print(f"bench_{name}: {summary}")
     return path
+
+
+def demo_slice() -> str:
+    """The shipped real-data slice (t5_retrieval/demo_data), unpacked once under benchmarks/results;
+    its KILT-format directory. The default input of the benchmarks that read real passages."""
+    from t5_retrieval.data.kilt_slice import SHIPPED, extract
+
+    return extract(SHIPPED, os.path.join(RESULTS_DIR, "data"))

@@ -17,7 +17,7 @@ with the fine-tuned weights and passages with the base, and carries the base's f
 its embedding space is the index's.
 
     t5r query-side --checkpoint_dir=run/model --index_dir=run/index --embeddings_dir=run/emb \
-        --kb_dir=data/kb --qa_dir=../shared/data/mini_kilt/qa_open --task=nq_open --as_task=mini_kilt_hotpotqa \
+        --kb_dir=data/kb --qa_dir=/path/to/mini_kilt/qa_open --task=nq_open --as_task=mini_kilt_hotpotqa \
         --output_dir=run/query_side_nq
 
 `--task` takes a comma-separated list (`nq_open,triviaqa_open,webq,curatedtrec`) to adapt to the

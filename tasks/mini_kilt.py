@@ -1,4 +1,4 @@
-"""mini-KILT (/work/shared/data/mini_kilt): 6 real tasks over a 14.8k-page KB (sizes from its stats.json)."""
+"""mini-KILT: 6 real KILT-style tasks over a 14.8k-page Wikipedia KB (sizes from its stats.json)."""
 
 from tasks.common import Dataset, register_family
 

@@ -16,7 +16,8 @@ SPM = os.path.join(os.path.dirname(seqio.__file__), "test_data", "sentencepiece"
 @pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="mini-KILT data (../shared/data) not present")
 def test_tokenize_benchmark_times_every_candidate_and_ours_equals_the_former_paths(tmp_path):
     result, summary = run_benchmark("tokenize", ["--passages", "16", "--length", "32", "--repeats", "2",
-                                                 "--spm_model", SPM], str(tmp_path / "tokenize.json"))
+                                                 "--spm_model", SPM, "--kb", os.path.join(SHARED_DATA, "kb", "passages.jsonl")],
+                                    str(tmp_path / "tokenize.json"))
     assert result["passages"] == 16 and result["length"] == 32, result
     families = {"bert": ("ours", "hf_fast", "python_reference"), "t5": ("ours", "hf_fast", "seqio_per_string")}
     for family, names in families.items():

@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("stages",),
     ("ance", "commands"),
     ("cli",),
-    ("results", "demo"),
+    ("results",),
+    ("demo",),
 ]
 LAYER_OF = {component: i for i, layer in enumerate(LAYERS) for component in layer}
 

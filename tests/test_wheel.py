@@ -33,6 +33,7 @@ def test_installed_wheel_runs_help_and_a_train_step_from_elsewhere(tmp_path):
     assert len(wheels) == 1, wheels
     run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), wheels[0]])
     assert glob.glob(str(site / "t5_retrieval" / "gin_configs" / "runs" / "taco.gin")), "gin configs are package data"
+    assert glob.glob(str(site / "t5_retrieval" / "demo_data" / "mini_kilt_slice.tar.gz")), "the demo slice ships"
 
     env = {**os.environ, "PYTHONPATH": str(site)}
     where = run([sys.executable, "-c", "import t5_retrieval; print(t5_retrieval.__file__)"], cwd=elsewhere, env=env)

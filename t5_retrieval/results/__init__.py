@@ -1,6 +1,6 @@
 """`t5r results`: the mini-KILT results table, one resumable row at a time (docs/RESULTS.md).
 
-    t5r results --data=../shared/data/mini_kilt --work_dir=/runs/results [--rows bm25,minilm_zeroshot,taco]
+    t5r results --data=/path/to/mini_kilt --work_dir=/runs/results [--rows bm25,minilm_zeroshot,taco]
 
 Every row reads the same prepared data (KB = mini-KILT's `kb/passages.jsonl`, one passage per
 paragraph, as the reference numbers use; the six tasks' train/dev examples; BM25 negatives) and
@@ -40,6 +40,7 @@ import sys
 import time
 
 from t5_retrieval import logs
+from t5_retrieval.data.kilt_slice import SHIPPED, extract
 from t5_retrieval.results.analysis import analysis_table, sensitivity_analysis
 from t5_retrieval.results.common import prepare_data
 from t5_retrieval.results.qa_open import qa_open_table
@@ -53,7 +54,8 @@ log = logging.getLogger(__name__)
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="t5r results", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="the mini-KILT directory (../shared/data/mini_kilt)")
+    parser.add_argument("--data", required=True,
+                        help="the mini-KILT directory, or 'slice' for the shipped demo slice of it")
     parser.add_argument("--work_dir", required=True, help="where every row writes (resumed if it exists)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from: {', '.join(ROWS)}")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
@@ -65,7 +67,8 @@ def main(argv: list[str]) -> int:
         return 2
     logs.setup()
     data_dir = os.path.join(args.work_dir, "data")
-    prepare_data(os.path.abspath(args.data), data_dir)
+    raw_dir = extract(SHIPPED, args.work_dir) if args.data == "slice" else os.path.abspath(args.data)
+    prepare_data(raw_dir, data_dir)
     for name in rows:
         start = time.time()
         ROWS[name][1](os.path.join(args.work_dir, name), data_dir)

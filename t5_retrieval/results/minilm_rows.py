@@ -52,6 +52,7 @@ def write_minilm_model_dir(model_dir: str) -> dict[str, Any]:
     import gin
     import jax
 
+    import t5_retrieval.train  # noqa: F401  (registers train.*, which models/minilm_l6.gin binds)
     from t5_retrieval import checkpoint, gin_utils, sharding
     from t5_retrieval.models.pretrained import minilm_l6_dir
     from t5_retrieval.models.build import build_model, init_params, initial_params, model_config
