@@ -18,15 +18,20 @@ from t5_retrieval.data.vocab import train_vocabulary
 TASKS = ["fever", "trex"]
 
 
-@pytest.fixture(scope="module")
-def ance_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ance")
-    raw, data_dir = str(root / "raw"), str(root / "data")
+def ance_data(root: str) -> tuple[str, str]:
+    """Prepared synthetic data of TASKS (KB, examples, BM25 negatives) and a 400-piece vocabulary."""
+    raw, data_dir = os.path.join(root, "raw"), os.path.join(root, "data")
     write_demo(raw, num_pages=60, train_per_task=24, dev_per_task=8)
     prepare_kb(os.path.join(raw, "kb", "pages.jsonl"), data_dir)
     prepare_tasks(raw, data_dir, TASKS)
     prepare_negatives(data_dir, TASKS)
-    vocabulary = train_vocabulary(layout.kb_dir(data_dir), os.path.join(data_dir, "spm"), vocab_size=400)
+    return data_dir, train_vocabulary(layout.kb_dir(data_dir), os.path.join(data_dir, "spm"), vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def ance_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ance")
+    data_dir, vocabulary = ance_data(str(root))
     bindings = [
         f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'", "MIXTURE = ['demo_fever', 'demo_trex']",
         "WARMUP_MIXTURE = ['demo_fever_noprefix', 'demo_trex_noprefix']", "VOCAB_SIZE = 512",

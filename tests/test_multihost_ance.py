@@ -18,25 +18,15 @@ import numpy as np
 import pytest
 
 from process_harness import job_flags, run_processes
+from test_ance import TASKS, ance_data
 
-TASKS = ["fever", "trex"]
 SHARD_SIZE = 16  # the KB's passages -> at least 4 shards, half of them per process
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from t5_retrieval.data import layout
-    from t5_retrieval.data.demo import write_demo
-    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
-    from t5_retrieval.data.vocab import train_vocabulary
-
     root = tmp_path_factory.mktemp("multihost_ance")
-    raw, data_dir = str(root / "raw"), str(root / "data")
-    write_demo(raw, num_pages=60, train_per_task=24, dev_per_task=8)
-    prepare_kb(os.path.join(raw, "kb", "pages.jsonl"), data_dir)
-    prepare_tasks(raw, data_dir, TASKS)
-    prepare_negatives(data_dir, TASKS)
-    vocabulary = train_vocabulary(layout.kb_dir(data_dir), os.path.join(data_dir, "spm"), vocab_size=400)
+    data_dir, vocabulary = ance_data(str(root))
     bindings = [
         f"DATA_DIR='{data_dir}'", f"VOCABULARY='{vocabulary}'", "MIXTURE=['demo_fever', 'demo_trex']",
         "WARMUP_MIXTURE=['demo_fever_noprefix', 'demo_trex_noprefix']", "VOCAB_SIZE=512", "D_MODEL=32",
