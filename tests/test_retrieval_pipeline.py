@@ -7,6 +7,7 @@ import gin
 import numpy as np
 import pytest
 
+from t5_retrieval import cli
 from t5_retrieval.data import answers, layout
 from t5_retrieval.data.kb import PassageStore, write_passage_store
 from t5_retrieval.data.records import Example, Passage, read_jsonl, read_negatives
@@ -145,6 +146,6 @@ def test_cli_pipeline_on_real_mini_kilt(tmp_path, capsys):
     assert not {store.page_of(p) for p in negatives[first.id]} & set(first.gold_pages[0])
     capsys.readouterr()
     # Another model's queries against this index are refused, naming both fingerprints.
-    assert eval_command.main(["--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--data_dir", data_dir,
-                          "--output_dir", out]) == 2
+    assert cli.main(["eval", "--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--data_dir", data_dir,
+                     "--output_dir", out]) == 2
     assert "hashed-bow-v2-dim4096" in capsys.readouterr().err
