@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 
 from t5_retrieval.errors import UserError, disk_full, is_disk_full
@@ -16,6 +17,7 @@ from t5_retrieval.errors import UserError, disk_full, is_disk_full
 DEBUG_ENV = "T5R_DEBUG"
 # gin appends where a configurable raised ("  In call to configurable ..."); a user error says it all.
 _GIN_CONTEXT = "\n  In call to configurable"
+_OS_ERROR = re.compile(r"\[Errno \d+\] (?P<what>[^:]+): '(?P<path>.*)'")
 
 # name -> ("module:function", one-line help). Two-word commands ("data kb") are written with a space.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -61,13 +63,20 @@ def resolve(argv: list[str]) -> tuple[str, list[str]]:
         if len(argv) >= words and name in COMMANDS:
             return name, argv[words:]
     known = ", ".join(sorted(COMMANDS))
-    raise SystemExit(f"t5r: unknown command {' '.join(argv[:2])!r}; known commands: {known}")
+    raise ValueError(f"unknown command {' '.join(argv[:2])!r}; known commands: {known}")
 
 
 def user_message(error: BaseException) -> str | None:
     """What `t5r` prints for an error the user can fix; None for a bug (which keeps its traceback)."""
     if isinstance(error, UserError):
         return str(error).split(_GIN_CONTEXT)[0]
+    if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError,
+                          IsADirectoryError)):
+        # A path the user gave: missing, in the way or not allowed. (gin's re-raised copy keeps the
+        # message but not `filename`, hence the parse.)
+        text = str(error).split(_GIN_CONTEXT)[0]
+        parsed = _OS_ERROR.fullmatch(text)
+        return f"{parsed['path']}: {parsed['what']}" if parsed else text
     if is_disk_full(error):
         return str(disk_full(getattr(error, "filename", None) or "the output directory", error))
     return None
@@ -86,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in GROUPS and (len(argv) == 1 or argv[1] in ("-h", "--help")):
         print(_usage(argv[0]))
         return 0
-    name, rest = resolve(argv)
+    try:
+        name, rest = resolve(argv)
+    except ValueError as e:
+        print(f"t5r: error: {e}", file=sys.stderr)
+        return 2
     target, _ = COMMANDS[name]
     module_name, function_name = target.split(":")
     function = getattr(importlib.import_module(module_name), function_name)

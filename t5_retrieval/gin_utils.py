@@ -31,7 +31,7 @@ def split_gin_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         if arg.startswith("--gin."):
             name, sep, value = arg[len("--gin."):].partition("=")
             if not sep:
-                raise SystemExit(f"--gin.{name}: expected --gin.NAME=value")
+                raise ValueError(f"--gin.{name}: expected --gin.NAME=value")
             bindings.append(f"{name} = {value}")
         else:
             rest.append(arg)
@@ -105,7 +105,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
     errors naming it, before any work starts.
     """
     add_gin_flags(parser)
-    bindings, rest = split_gin_overrides(argv)
+    try:
+        bindings, rest = split_gin_overrides(argv)
+    except ValueError as e:
+        parser.error(str(e))
     args = parser.parse_args(rest)
     search_paths = [p for arg in args.gin_search_paths for p in arg.split(",") if p]
     try:

@@ -38,16 +38,25 @@ def test_two_word_commands_are_resolved_before_one_word_ones():
     assert cli.resolve(["train", "--model_dir", "d"]) == ("train", ["--model_dir", "d"])
 
 
-def test_unknown_command_lists_the_known_ones():
-    with pytest.raises(SystemExit, match="unknown command 'trian'.*train"):
+def test_unknown_command_lists_the_known_ones(capsys):
+    with pytest.raises(ValueError, match="unknown command 'trian'.*train"):
         cli.resolve(["trian"])
+    assert cli.main(["trian"]) == 2
+    assert capsys.readouterr().err.startswith("t5r: error: unknown command 'trian'; known commands:")
 
 
 def test_gin_overrides_use_t5x_syntax():
     bindings, rest = gin_utils.split_gin_overrides(["--gin.train.num_steps=5", "--model_dir", "x"])
     assert bindings == ["train.num_steps = 5"] and rest == ["--model_dir", "x"]
-    with pytest.raises(SystemExit, match="--gin.NAME=value"):
+    with pytest.raises(ValueError, match="--gin.NAME=value"):
         gin_utils.split_gin_overrides(["--gin.train.num_steps"])
+
+
+def test_a_gin_flag_without_a_value_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["index", "--embeddings_dir", "e", "--output_dir", "o", "--gin.ScannConfig.mode"])
+    assert exit_info.value.code == 2
+    assert "t5r index: error: --gin.ScannConfig.mode: expected --gin.NAME=value" in capsys.readouterr().err
 
 
 def test_a_macro_no_gin_file_reads_is_an_error_naming_it(clean_gin, capsys):

@@ -217,3 +217,22 @@ def test_the_next_runs_remove_a_crashed_kb_build_and_partial_index_assets(dirs, 
                      "--gin.ScannConfig.mode='brute_force'"]) == 0
     assert not (out / "scann" / "stale_asset.npy").exists()
     assert len(index.Index.load(str(out))) == len(KB)
+
+
+def test_a_missing_source_and_an_existing_output_are_one_line_errors(tmp_path, capsys):
+    missing = tmp_path / "missing.jsonl"
+    assert cli.main(["data", "kb", "--source", str(missing), "--data_dir", str(tmp_path / "d")]) == 2
+    assert capsys.readouterr().err.strip() == f"t5r data kb: error: {missing}: No such file or directory"
+    write_passage_store(((p, None) for p in KB), str(tmp_path / "d" / "kb"))
+    source = tmp_path / "passages.jsonl"
+    source.write_text("".join(json.dumps({"id": p.id, "wikipedia_id": p.wikipedia_id, "title": p.title,
+                                          "text": p.text}) + "\n" for p in KB))
+    assert cli.main(["data", "kb", "--source", str(source), "--data_dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"t5r data kb: error: {tmp_path / 'd' / 'kb'} already exists") and "\n" == err[-1], err
+
+
+def test_a_model_flag_conflict_exits_2_in_the_error_style(dirs, tmp_path, capsys):
+    assert cli.main(["encode", "--kb_dir", os.path.join(dirs["data"], "kb"), "--output_dir", str(tmp_path / "e")]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "t5r encode: error: give exactly one of --checkpoint_dir and --lexical_baseline_dim"

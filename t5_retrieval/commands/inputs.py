@@ -9,6 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from t5_retrieval.errors import UserError
 from t5_retrieval.data import layout, task_names
 from t5_retrieval.data.records import DataError, Example, read_examples
 from t5_retrieval.inference import load_encoder
@@ -28,13 +29,15 @@ def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
 
 def encoder_from_flags(args: argparse.Namespace) -> Encoder:
     if (args.checkpoint_dir is None) == (args.lexical_baseline_dim is None):
-        raise SystemExit("give exactly one of --checkpoint_dir and --lexical_baseline_dim")
+        raise UserError("give exactly one of --checkpoint_dir and --lexical_baseline_dim")
     if args.lexical_baseline_dim is not None:
         return HashedBagOfWordsEncoder(args.lexical_baseline_dim)
     try:
         return load_encoder(args.checkpoint_dir, step=args.step)
     except ValueError as e:  # e.g. --step given for a query-side model
-        raise SystemExit(str(e)) from None
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"{args.checkpoint_dir}: {e}") from None
 
 
 @dataclasses.dataclass

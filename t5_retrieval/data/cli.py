@@ -95,7 +95,8 @@ def download_main(argv: list[str]) -> int:
     a = parse_args(p, argv)
     names = list(a.files) + (["kilt_knowledgesource.json"] if a.knowledge_source else [])
     if not names:
-        print("nothing to download: pass --files and/or --knowledge_source", file=sys.stderr)
+        print("t5r data download-kilt: error: nothing to download: pass --files and/or --knowledge_source",
+              file=sys.stderr)
         return 2
     _report(download_kilt(names, a.out, base_url=a.base_url))
     return 0
