@@ -35,7 +35,7 @@ def real_data_demo(data: str, out: str) -> str:
     from t5_retrieval.results.minilm_rows import TACO_BINDINGS, bm25_row, minilm_zeroshot_row, trained_row
     from t5_retrieval.results.tables import markdown_table
 
-    steps = f"NUM_STEPS = {DEMO_STEPS}"
+    steps = f"TRAIN_STEPS = {DEMO_STEPS}"
     rows = {"bm25": bm25_row, "minilm_zeroshot": minilm_zeroshot_row,  # named as `t5r results` names them
             "naive_noprefix": trained_row("naive_multitask.gin", "mini_kilt_noprefix", steps),
             "taco": trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, steps)}
@@ -84,7 +84,7 @@ def synthetic_demo(out: str) -> None:
 
     data_dir, vocabulary = prepare_synthetic(out)
     gin_utils.parse_gin(["runs/demo.gin"], [f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'",
-                                            "MIXTURE = 'demo'", "WARMUP_MIXTURE = 'demo_noprefix'"])
+                                            "MIXTURE_OR_TASK_NAME = 'demo'", "WARMUP_MIXTURE = 'demo_noprefix'"])
     work_dir = os.path.join(out, "ance")
     tables = ance(work_dir)
     with open(os.path.join(work_dir, "warmup", "eval", "results.json")) as f:

@@ -11,6 +11,8 @@ from typing import Any
 
 import gin
 
+from t5_retrieval.errors import UserError
+
 # The project's gin files ship inside the package (a wheel carries them; `gin_configs/` at the top
 # of a source checkout links here), so `--gin_file=models/t5_base.gin` resolves from any directory.
 GIN_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gin_configs")
@@ -24,18 +26,86 @@ def add_gin_flags(parser: argparse.ArgumentParser) -> None:
                              "and/or repeated, as in t5x).")
 
 
+# Earlier names of t5x's launch macros, still accepted on the command line.
+MACRO_ALIASES = {"MIXTURE": "MIXTURE_OR_TASK_NAME", "NUM_STEPS": "TRAIN_STEPS", "INIT_FROM": "INITIAL_CHECKPOINT_PATH"}
+
+
 def split_gin_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Separates `--gin.NAME=value` bindings (t5x syntax) from the other arguments."""
+    """Separates `--gin.NAME=value` bindings (t5x syntax) from the other arguments; an alias
+    (`MACRO_ALIASES`) becomes its t5x name, and t5x's `--gin.MODEL_DIR=...` becomes `--model_dir`."""
     bindings, rest = [], []
     for arg in argv:
         if arg.startswith("--gin."):
             name, sep, value = arg[len("--gin."):].partition("=")
             if not sep:
                 raise ValueError(f"--gin.{name}: expected --gin.NAME=value")
-            bindings.append(f"{name} = {value}")
+            name = MACRO_ALIASES.get(name.strip(), name.strip())
+            if name == "MODEL_DIR":
+                rest.append(f"--model_dir={_string_literal(value, name)}")
+            else:
+                bindings.append(f"{name} = {value}")
         else:
             rest.append(arg)
     return bindings, rest
+
+
+def _string_literal(value: str, name: str) -> str:
+    import ast
+
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        parsed = value  # t5x quotes it ("'/dir'"); a bare path is what was meant
+    if not isinstance(parsed, str):
+        raise ValueError(f"--gin.{name}: expected a path, got {value}")
+    return parsed
+
+
+_COMMAND_LINE: list[str] = []  # the `--gin.X=v` bindings `parse_args` applied
+
+
+def import_modules(modules: str | Sequence[str] | None) -> None:
+    """Imports the modules that register a user's seqio Tasks and Mixtures (t5x's
+    MIXTURE_OR_TASK_MODULE): from `sys.path`, else from the working directory."""
+    import importlib
+    import sys
+
+    for name in [modules] if isinstance(modules, str) else modules or ():
+        try:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as e:
+                if e.name != name.partition(".")[0] or os.getcwd() in sys.path:
+                    raise
+                sys.path.append(os.getcwd())
+                importlib.import_module(name)
+        except ImportError as e:
+            raise UserError(f"MIXTURE_OR_TASK_MODULE {name!r}: cannot import it ({e}); put its directory on "
+                            "PYTHONPATH") from None
+
+
+def _is_configurable(name: str) -> bool:
+    try:
+        gin.query_parameter(f"{name}.__dict__")
+    except ValueError as e:
+        return "No configurable matching" not in str(e)
+    return True
+
+
+def unread_bindings(bindings: Sequence[str] | None = None) -> list[str]:
+    """Of these `configurable.param = value` bindings (default: the command line's), those whose
+    configurable this run never called (not in gin's operative config): values that would silently
+    do nothing."""
+    bindings = _COMMAND_LINE if bindings is None else bindings
+    called = {name for _, name in gin.config._OPERATIVE_CONFIG}  # (scope, configurable name)
+    called |= {name.rpartition(".")[2] for name in called}
+    unread = []
+    for binding in bindings:
+        target = binding.partition("=")[0].strip()
+        configurable = target.rpartition(".")[0].rpartition("/")[2]
+        if configurable and configurable not in called:
+            unread.append(target)
+    return unread
 
 
 def parse_gin(gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:
@@ -115,8 +185,20 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
         parse_gin(args.gin_file, bindings, search_paths)
     except (ValueError, OSError) as e:
         parser.error(f"gin: {e}")
+    _COMMAND_LINE[:] = bindings
     defined = [k[0] for k in gin.config._CONFIG if k[1] == "gin.macro"]
-    for name in unread_macros(_macro_names(bindings)):
+    unread = unread_macros(_macro_names(bindings))
+    if "INITIAL_CHECKPOINT_PATH" in unread and _is_configurable("train"):
+        # t5x's name for the checkpoint a run starts from, where no gin file reads it as a macro.
+        gin.bind_parameter("train.init_from", gin.query_parameter("%INITIAL_CHECKPOINT_PATH"))
+        unread.remove("INITIAL_CHECKPOINT_PATH")
+    if "MIXTURE_OR_TASK_MODULE" in unread:  # a command that reads Tasks by name only (eval, serve, ...)
+        try:
+            import_modules(gin.query_parameter("%MIXTURE_OR_TASK_MODULE"))
+        except UserError as e:
+            parser.error(str(e))
+        unread.remove("MIXTURE_OR_TASK_MODULE")
+    for name in unread:
         near = difflib.get_close_matches(name, [d for d in defined if d != name], n=3)
         parser.error(f"--gin.{name}: no gin file reads %{name}, so the value would be ignored"
                      + (f" (did you mean {', '.join(near)}?)" if near else ""))

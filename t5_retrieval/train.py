@@ -3,7 +3,7 @@
 mesh -> data -> model + sharded init -> optimiser -> restore -> jitted step -> loop (log, checkpoint).
 
     t5r train --model_dir=/tmp/run --gin_file=models/t5_base.gin --gin_file=runs/taco.gin \
-        --gin.DATA_DIR="'/data/kilt'" --gin.VOCABULARY="'/models/t5/spiece.model'" --gin.NUM_STEPS=20000
+        --gin.DATA_DIR="'/data/kilt'" --gin.VOCABULARY="'/models/t5/spiece.model'" --gin.TRAIN_STEPS=20000
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import optax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-import tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
+import t5_retrieval.tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
 from t5_retrieval import checkpoint, gin_utils, logs, sharding
-from t5_retrieval.errors import check_writable_dir
+from t5_retrieval.errors import UserError, check_writable_dir
 from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
 from t5_retrieval.data.records import write_text_atomic
 from t5_retrieval.inference import load_encoder, write_base_record
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 # On CPU, more than ~50 dispatched steps with collectives can deadlock; never run further ahead.
 MAX_STEPS_IN_FLIGHT = 20
 TACO_STATE_FILE = "taco_state.npz"
+OPERATIVE_CONFIG = "config.gin"  # the gin bindings the run used (t5x's name)
 
 
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "t5_retrieval", "xla")
@@ -104,7 +105,7 @@ class MetricsLog:
             self.jsonl.close()
 
 
-@gin.configurable(denylist=["model_dir", "data_overrides"])
+@gin.configurable(denylist=["model_dir", "data_overrides", "command_line"])
 def train(model_dir: str,
           batches: Callable[..., BatchIterator] = gin.REQUIRED,
           num_steps: int | None = None,
@@ -120,6 +121,7 @@ def train(model_dir: str,
           max_nonfinite_in_a_row: int = 10,
           stop_passage_gradient: bool = False,
           compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
+          command_line: bool = False,
           ) -> TrainState:
     """Trains (or resumes) a dual encoder in `model_dir`; returns the final state.
 
@@ -144,6 +146,11 @@ def train(model_dir: str,
         constants in it); with `separate_query_encoder` the passage encoder stays as initialised.
       compilation_cache_dir: JAX's persistent compilation cache, so that a restarted run does not
         compile its step again; None turns it off. Left alone when JAX already has one configured.
+      command_line: run as `t5r train`: a `--gin.configurable.param` binding of a configurable the
+        run never called is an error, before the first step.
+
+    The operative gin config (every binding the run used) is written to `<model_dir>/config.gin`;
+    `t5r train --gin_file=<model_dir>/config.gin --model_dir=<model_dir>` runs it again.
     """
     use_compilation_cache(compilation_cache_dir)
     mesh = sharding.make_mesh()
@@ -199,6 +206,12 @@ def train(model_dir: str,
                               extra_metrics=None if multitask is None else multitask_metrics,
                               max_nonfinite_in_a_row=max_nonfinite_in_a_row,
                               stop_passage_gradient=stop_passage_gradient)
+    unread = gin_utils.unread_bindings() if command_line else []
+    if unread:
+        raise UserError(f"--gin.{unread[0]}: this run never uses {unread[0].rpartition('.')[0]}, so the value "
+                        "would be ignored; check the name or the gin files")
+    if jax.process_index() == 0:
+        write_text_atomic(os.path.join(model_dir, OPERATIVE_CONFIG), gin.operative_config_str())
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         first = next(data)
         batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, np.ndim(x)), first)
@@ -369,5 +382,5 @@ def main(argv: list[str]) -> int:
     args = gin_utils.parse_args(parser, argv)
     logs.setup()
     check_writable_dir(args.model_dir, "--model_dir")
-    train(args.model_dir)
+    train(args.model_dir, command_line=True)
     return 0

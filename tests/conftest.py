@@ -5,7 +5,7 @@ import os
 import jax
 import pytest
 
-import tasks  # noqa: F401  (registers the tasks and mixtures, as `t5r train` does)
+import t5_retrieval.tasks  # noqa: F401  (registers the tasks and mixtures, as `t5r train` does)
 
 CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla")
 jax.config.update("jax_compilation_cache_dir", CACHE_DIR)

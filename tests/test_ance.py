@@ -33,7 +33,7 @@ def ance_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ance")
     data_dir, vocabulary = ance_data(str(root))
     bindings = [
-        f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'", "MIXTURE = ['demo_fever', 'demo_trex']",
+        f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'", "MIXTURE_OR_TASK_NAME = ['demo_fever', 'demo_trex']",
         "WARMUP_MIXTURE = ['demo_fever_noprefix', 'demo_trex_noprefix']", "VOCAB_SIZE = 512",
         "D_MODEL = 32", "D_FF = 64", "PER_DEVICE_BATCH = 4", "QUERY_LEN = 24", "PASSAGE_LEN = 48",
         "warmup/train.num_epochs = None", "warmup/train.num_steps = 8",

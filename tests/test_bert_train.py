@@ -43,7 +43,7 @@ def trained_dir(data_dir, tmp_path_factory):
     try:
         gin_utils.parse_gin(["models/bert_tiny.gin", "runs/base.gin"], [
             f"DATA_DIR = '{data_dir}'", "VOCABULARY = @minilm_l6_dir()", "VOCAB_SIZE = 30522",
-            f"MIXTURE = {[f'demo_{t}_noprefix' for t in TASKS]}", "NUM_STEPS = 1", "QUERY_LEN = 16",
+            f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}_noprefix' for t in TASKS]}", "TRAIN_STEPS = 1", "QUERY_LEN = 16",
             "PASSAGE_LEN = 32", "NUM_NEGATIVES = 1", "PER_DEVICE_BATCH = 4", "NUM_LAYERS = 1",
             "BertDualEncoderConfig.separate_query_encoder = True"])
         train(model_dir)

@@ -68,23 +68,41 @@ def test_a_macro_no_gin_file_reads_is_an_error_naming_it(clean_gin, capsys):
         return gin_utils.parse_args(argparse.ArgumentParser(prog="t5r train"),
                                     ["--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin", *argv])
 
-    given = ["--gin.DATA_DIR='d'", "--gin.VOCABULARY='v'", "--gin.MIXTURE='demo'"]  # what runs/base.gin reads
-    parse("--gin.NUM_STEPS=5", *given)  # read by runs/base.gin: fine
+    given = ["--gin.DATA_DIR='d'", "--gin.VOCABULARY='v'", "--gin.MIXTURE_OR_TASK_NAME='demo'"]  # what runs/base.gin reads
+    parse("--gin.TRAIN_STEPS=5", *given)  # read by runs/base.gin: fine
     with pytest.raises(SystemExit) as exit_info:
-        parse("--gin.NUM_STEP=5")
+        parse("--gin.TRAIN_STEP=5")
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--gin.NUM_STEP: no gin file reads %NUM_STEP" in err and "did you mean NUM_STEPS" in err, err
+    assert "--gin.TRAIN_STEP: no gin file reads %TRAIN_STEP" in err and "did you mean TRAIN_STEPS" in err, err
 
 
-@pytest.mark.parametrize("left_out,why", [("--gin.NUM_STEPS=5", "%gin.REQUIRED in runs/base.gin"),
+def test_t5x_launch_names_and_the_earlier_aliases_reach_the_run(clean_gin):
+    import argparse
+
+    import gin
+
+    import t5_retrieval.train  # noqa: F401  (the configurables the run files bind)
+
+    parser = argparse.ArgumentParser(prog="t5r train")
+    parser.add_argument("--model_dir", required=True)
+    args = gin_utils.parse_args(parser, [
+        "--gin_file=models/minilm_l6.gin", "--gin_file=runs/naive_multitask.gin", "--gin.MODEL_DIR='/runs/a b'",
+        "--gin.DATA_DIR='d'", "--gin.VOCABULARY='v'", "--gin.MIXTURE='kilt_nq'", "--gin.NUM_STEPS=7",
+        "--gin.INITIAL_CHECKPOINT_PATH='/ckpt/t5'"])
+    assert args.model_dir == "/runs/a b", "t5x's --gin.MODEL_DIR is the model directory"
+    assert gin.query_parameter("%MIXTURE_OR_TASK_NAME") == "kilt_nq" and gin.query_parameter("%TRAIN_STEPS") == 7
+    assert gin.query_parameter("train.init_from") == "/ckpt/t5", "overrides the model file's MiniLM directory"
+
+
+@pytest.mark.parametrize("left_out,why", [("--gin.TRAIN_STEPS=5", "%gin.REQUIRED in runs/base.gin"),
                                           ("--gin.DATA_DIR='d'", "read by runs/base.gin, defined nowhere")])
 def test_a_macro_the_gin_files_need_is_an_error_naming_it_before_any_work(clean_gin, capsys, left_out, why):
     import argparse
 
     import t5_retrieval.train  # noqa: F401  (the configurables runs/base.gin binds)
 
-    flags = ["--gin.NUM_STEPS=5", "--gin.DATA_DIR='d'", "--gin.VOCABULARY='v'", "--gin.MIXTURE='demo'"]
+    flags = ["--gin.TRAIN_STEPS=5", "--gin.DATA_DIR='d'", "--gin.VOCABULARY='v'", "--gin.MIXTURE_OR_TASK_NAME='demo'"]
     with pytest.raises(SystemExit) as exit_info:
         gin_utils.parse_args(argparse.ArgumentParser(prog="t5r train"), [
             "--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin", *[f for f in flags if f != left_out]])

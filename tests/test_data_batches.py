@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import seqio
 
-from t5_retrieval.data import layout, registry
+from t5_retrieval.data import layout, retrieval_tasks
 from t5_retrieval.data.batches import make_train_iterator
 from t5_retrieval.data.demo import TASKS, write_demo
 from t5_retrieval.data.kb import PassageStore, passage_text
@@ -49,7 +49,7 @@ def test_batch_layout_is_positive_then_negatives_per_query(data_dir, vocab):
     batch = next(it)
     assert list(batch) == ["demo_trex", "demo_hotpotqa", "demo_wow"] == it.task_names
     for t, (name, sub) in enumerate(batch.items()):
-        spec = registry.TASK_SPECS[name]
+        spec = retrieval_tasks.describe(seqio.get_mixture_or_task(name))
         b = it.subbatch_sizes[t]
         assert sub["query_tokens"].shape == (b, QLEN) and sub["query_tokens"].dtype == np.int32
         assert sub["passage_tokens"].shape == (b * (1 + NNEG), PLEN)
@@ -114,8 +114,8 @@ def test_missing_hard_negatives_are_filled_with_random_non_gold_passages(data_di
 
 
 def test_seqio_task_tokenizes_queries_like_the_batcher(data_dir, vocab, monkeypatch):
-    registry.set_data_dir(data_dir)
-    monkeypatch.setenv("T5R_VOCAB", SPM)
+    retrieval_tasks.set_data_dir(data_dir)
+    retrieval_tasks.use_vocabulary(SPM)
     task = seqio.get_mixture_or_task("demo_trex")
     ds = task.get_dataset({"query": QLEN}, split="train", shuffle=False)
     got = [ex["query"] for ex in ds.as_numpy_iterator()]
@@ -128,15 +128,20 @@ def test_seqio_task_tokenizes_queries_like_the_batcher(data_dir, vocab, monkeypa
 
 
 def test_mixtures_and_unknown_names(data_dir, vocab):
-    import tasks  # noqa: F401
+    import t5_retrieval.tasks  # noqa: F401
 
-    assert registry.MIXTURES["mini_kilt"][4] == "mini_kilt_entityquestions"
-    assert registry.TASK_SPECS["mini_kilt_entityquestions"].prefix == "ZSRE"
-    assert registry.TASK_SPECS["mini_kilt_entity_linking_typed"].prefix == "EL"
-    assert registry.TASK_SPECS["kilt_nq_noprefix"].prefix is None
+    def described(name):
+        return retrieval_tasks.describe(seqio.get_mixture_or_task(name))
+
+    assert [t.name for t, _ in retrieval_tasks.resolve("mini_kilt")][4] == "mini_kilt_entityquestions", \
+        "a Mixture's Tasks in the order it declares them (seqio sorts them by name)"
+    assert described("mini_kilt_entityquestions") == retrieval_tasks.TaskInfo(
+        "mini_kilt_entityquestions", "entityquestions", "ZSRE")
+    assert described("mini_kilt_entity_linking_typed").prefix == "EL"
+    assert described("kilt_nq_noprefix").prefix is None
     assert seqio.get_mixture_or_task("kilt").get_rate(seqio.get_mixture_or_task("kilt_trex")) == pytest.approx(
         2_284_168 ** 0.25)
-    with pytest.raises(KeyError, match="unknown task or mixture 'demo_nope'; known: .*demo_fever"):
+    with pytest.raises(KeyError, match="unknown seqio Task or Mixture 'demo_nope' .did you mean demo_"):
         _iterator(data_dir, vocab, names=("demo_nope",))
 
 

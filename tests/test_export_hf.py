@@ -53,7 +53,7 @@ def train_tiny(model_dir: str, gin_file: str, bindings: list[str]) -> str:
     gin.clear_config()
     try:
         gin_utils.parse_gin([gin_file, "runs/base.gin"], [
-            "NUM_STEPS = 1", "QUERY_LEN = 16", "PASSAGE_LEN = 32", "NUM_NEGATIVES = 1", "PER_DEVICE_BATCH = 4",
+            "TRAIN_STEPS = 1", "QUERY_LEN = 16", "PASSAGE_LEN = 32", "NUM_NEGATIVES = 1", "PER_DEVICE_BATCH = 4",
             "NUM_LAYERS = 1", *bindings])
         train(model_dir)
     finally:
@@ -76,7 +76,7 @@ def t5_run(data_dir, tmp_path_factory):
     vocabulary = train_vocabulary(layout.kb_dir(data_dir), str(root / "spm"), vocab_size=400)
     model_dir = train_tiny(str(root / "model"), "models/t5_tiny.gin", [
         f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'", "VOCAB_SIZE = 512", "D_MODEL = 32",
-        "D_FF = 64", f"MIXTURE = {[f'demo_{t}' for t in TASKS]}"])
+        "D_FF = 64", f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in TASKS]}"])
     out = str(root / "hf")
     assert t5r(["export-hf", f"--checkpoint_dir={model_dir}", f"--output_dir={out}"]) == 0
     return model_dir, out
@@ -88,7 +88,7 @@ def bert_run(data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("bert_run")
     model_dir = train_tiny(str(root / "model"), "models/bert_tiny.gin", [
         f"DATA_DIR = '{data_dir}'", "VOCABULARY = @minilm_l6_dir()", "VOCAB_SIZE = 30522",
-        f"MIXTURE = {[f'demo_{t}_noprefix' for t in TASKS]}", "BertDualEncoderConfig.pooling = 'mean'",
+        f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}_noprefix' for t in TASKS]}", "BertDualEncoderConfig.pooling = 'mean'",
         "BertDualEncoderConfig.l2_normalize = True", "BertDualEncoderConfig.separate_query_encoder = True"])
     out = str(root / "hf")
     assert t5r(["export-hf", f"--checkpoint_dir={model_dir}", f"--output_dir={out}"]) == 0

@@ -97,7 +97,7 @@ def test_embeddings_of_another_kb_are_refused_naming_the_directory(tiny, tmp_pat
 def test_training_over_stored_passages_gives_a_query_side_model_of_the_base(tiny, clean_gin):
     root, run = tiny
     base_dir, other_dir, emb_dir = run.model_dirs[0], run.model_dirs[1], os.path.join(root, "emb_0")
-    bindings = ["NUM_STEPS = 3", "LEARNING_RATE = 1e-2", "train.log_every = 1", "train.per_device_batch = 4",
+    bindings = ["TRAIN_STEPS = 3", "LEARNING_RATE = 1e-2", "train.log_every = 1", "train.per_device_batch = 4",
                 f"make_train_iterator.passage_embeddings = '{emb_dir}'"]
 
     _gin(run, [*bindings, f"train.init_from = '{other_dir}'"])

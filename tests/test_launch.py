@@ -13,7 +13,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-T5R_ARGS = ["train", "--model_dir=/runs/taco dir", "--gin_file=runs/taco.gin", "--gin.MIXTURE=['kilt', \"x y\"]"]
+T5R_ARGS = ["train", "--model_dir=/runs/taco dir", "--gin_file=runs/taco.gin", "--gin.MIXTURE_OR_TASK_NAME=['kilt', \"x y\"]"]
 
 
 def load(name: str):

@@ -137,13 +137,13 @@ def test_gold_page_passage_outranks_a_random_page_on_mini_kilt_dev(encoder):
 
 @pytest.mark.parametrize("run_file", ["mt_dpr.gin", "mt_dpr_task_markers.gin", "leave_one_out.gin"])
 def test_mt_dpr_run_files_with_the_minilm_model_file_configure_a_bert(run_file, clean_gin):
-    import tasks  # noqa: F401  (registers the mixtures)
-    from t5_retrieval.data import registry
+    import t5_retrieval.tasks  # noqa: F401  (registers the mixtures)
+    from t5_retrieval.data import retrieval_tasks
 
     gin_utils.parse_gin(["models/minilm_l6.gin", f"runs/{run_file}"],
-                        ["DATA_DIR = '/data'", "NUM_STEPS = 10", "BertDualEncoderConfig.separate_query_encoder = True"])
+                        ["DATA_DIR = '/data'", "TRAIN_STEPS = 10", "BertDualEncoderConfig.separate_query_encoder = True"])
     config = model_config()
     assert config["family"] == "bert" and config["bert"]["hidden_size"] == 384
     assert config["dual_encoder"]["separate_query_encoder"], "a command-line tower switch must reach the model"
     assert gin.query_parameter("train.init_from").scoped_configurable_fn.__name__ == "minilm_l6_dir"
-    assert registry.resolve(gin.query_parameter("%MIXTURE")), f"{run_file}: its mixture must resolve"
+    assert retrieval_tasks.resolve(gin.query_parameter("%MIXTURE_OR_TASK_NAME")), f"{run_file}: its mixture must resolve"

@@ -20,12 +20,12 @@ import pytest
 
 from process_harness import TIMEOUT_S, job_flags, run_processes, start
 
-NUM_STEPS, CHECKPOINT_EVERY = 8, 4
+TRAIN_STEPS, CHECKPOINT_EVERY = 8, 4
 GIN = ["--gin_file=models/t5_tiny.gin"] + [f"--gin.{b}" for b in (
     "VOCAB_SIZE=64", "D_MODEL=16", "D_FF=32", "NUM_LAYERS=1", "NUM_HEADS=2", "D_KV=8", "DROPOUT=0.1",
     "train.batches=@RandomBatches", "RandomBatches.vocab_size=64", "RandomBatches.num_negatives=1",
     # 4 queries per device: the global batch is 8 queries whether 1 process has 2 devices or 2 have 1.
-    "train.per_device_batch=4", f"train.num_steps={NUM_STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}",
+    "train.per_device_batch=4", f"train.num_steps={TRAIN_STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}",
     "train.log_every=2", "train.keep_checkpoints=5", "train.multitask=@multitask.taco",
     "make_optimizer.burn_in_fraction=0.25")]
 
@@ -42,7 +42,7 @@ def two_processes(model_dir: str) -> list[str]:
 
 def final_state(model_dir: str) -> dict:
     """The last checkpoint's state as numpy arrays (whatever devices saved it)."""
-    path = os.path.join(model_dir, str(NUM_STEPS), "state")
+    path = os.path.join(model_dir, str(TRAIN_STEPS), "state")
     checkpointer = ocp.PyTreeCheckpointer()
     tree = checkpointer.metadata(path).item_metadata.tree
     return checkpointer.restore(path, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
@@ -56,8 +56,8 @@ def runs(tmp_path_factory):
     os.makedirs(os.path.dirname(multi))
     os.makedirs(os.path.dirname(single))
     first = two_processes(multi)
-    assert sorted(int(n) for n in os.listdir(multi) if n.isdigit()) == [CHECKPOINT_EVERY, NUM_STEPS]
-    shutil.rmtree(os.path.join(multi, str(NUM_STEPS)))  # as if preempted after the step-4 checkpoint
+    assert sorted(int(n) for n in os.listdir(multi) if n.isdigit()) == [CHECKPOINT_EVERY, TRAIN_STEPS]
+    shutil.rmtree(os.path.join(multi, str(TRAIN_STEPS)))  # as if preempted after the step-4 checkpoint
     resumed = two_processes(multi)
     train(single, [[]], devices_per_process=2)
     return multi, single, first, resumed

@@ -28,7 +28,7 @@ def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost_ance")
     data_dir, vocabulary = ance_data(str(root))
     bindings = [
-        f"DATA_DIR='{data_dir}'", f"VOCABULARY='{vocabulary}'", "MIXTURE=['demo_fever', 'demo_trex']",
+        f"DATA_DIR='{data_dir}'", f"VOCABULARY='{vocabulary}'", "MIXTURE_OR_TASK_NAME=['demo_fever', 'demo_trex']",
         "WARMUP_MIXTURE=['demo_fever_noprefix', 'demo_trex_noprefix']", "VOCAB_SIZE=512", "D_MODEL=32",
         "D_FF=64", "PER_DEVICE_BATCH=4", "QUERY_LEN=24", "PASSAGE_LEN=48", "warmup/train.num_epochs=None",
         "warmup/train.num_steps=4", "episode/train.num_epochs=None", "episode/train.num_steps=4",

@@ -20,7 +20,7 @@ STEPS, BETA = 4, 0.5
 
 def test_probe_equals_the_ema_of_a_taco_run_that_does_not_move(tmp_path, clean_gin):
     run = build_tiny_run(str(tmp_path), models=())
-    bindings = [*_bindings(run.data_dir, run.vocabulary), f"NUM_STEPS = {STEPS}", "DROPOUT = 0.0",
+    bindings = [*_bindings(run.data_dir, run.vocabulary), f"TRAIN_STEPS = {STEPS}", "DROPOUT = 0.0",
                 "LEARNING_RATE = 0.0", "train.per_device_batch = 4", f"multitask.taco.beta = {BETA}"]
     gin_utils.parse_gin(["models/t5_tiny.gin", "runs/taco.gin"], bindings)
     model_dir = str(tmp_path / "model")

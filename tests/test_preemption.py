@@ -27,12 +27,12 @@ from t5_retrieval import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 XLA_CACHE = os.path.join(REPO, ".pytest_cache", "xla")
-NUM_STEPS = 24
+TRAIN_STEPS = 24
 TIMEOUT_S = 300
 TMP_MARKER = ".orbax-checkpoint-tmp"
 BINDINGS = ["VOCAB_SIZE = 64", "D_MODEL = 16", "D_FF = 32", "NUM_LAYERS = 1", "NUM_HEADS = 2", "D_KV = 8",
             "DROPOUT = 0.1", "train.batches = @RandomBatches", "RandomBatches.vocab_size = 64",
-            "RandomBatches.num_negatives = 1", "train.per_device_batch = 4", f"train.num_steps = {NUM_STEPS}",
+            "RandomBatches.num_negatives = 1", "train.per_device_batch = 4", f"train.num_steps = {TRAIN_STEPS}",
             "train.checkpoint_every = 2", "train.log_every = 2", "train.keep_checkpoints = 3",
             "make_optimizer.learning_rate = 1e-3"]
 VARIANTS = {
@@ -116,7 +116,7 @@ def kill(proc: subprocess.Popen) -> None:
 
 def final_checkpoint(model_dir: str) -> tuple[dict, dict]:
     """The (state, data position) of the last step's checkpoint, as numpy, read without a target."""
-    path = os.path.join(model_dir, str(NUM_STEPS))
+    path = os.path.join(model_dir, str(TRAIN_STEPS))
     state = ocp.PyTreeCheckpointer().restore(os.path.join(path, "state"))
     data = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(path, "data"))
     return jax.tree.map(np.asarray, state), data
@@ -135,7 +135,7 @@ def test_run_killed_mid_step_and_mid_checkpoint_resumes_bit_identical(tmp_path, 
     time.sleep(random.uniform(0.0, 0.3))
     kill(proc)
     killed_at = completed_steps(resumed_dir)
-    assert killed_at[-1] < NUM_STEPS, f"the run finished before it could be killed: {killed_at}"
+    assert killed_at[-1] < TRAIN_STEPS, f"the run finished before it could be killed: {killed_at}"
 
     # 2. Killed while writing a checkpoint: as soon as a temporary checkpoint directory appears.
     # A kill can land just after the rename; then try again at a later checkpoint.
@@ -148,7 +148,7 @@ def test_run_killed_mid_step_and_mid_checkpoint_resumes_bit_identical(tmp_path, 
             return [n for n in os.listdir(resumed_dir)
                     if TMP_MARKER in n and n.split(".")[0].isdigit() and int(n.split(".")[0]) > newest]
 
-        if newest >= NUM_STEPS - 2:
+        if newest >= TRAIN_STEPS - 2:
             break
         wait_for(proc, writing_newer, "a checkpoint write")
         kill(proc)
@@ -187,19 +187,19 @@ def test_truncated_latest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
 
     # Truncate the array files of the last checkpoint, as a disk-full or killed copy would. Every one
     # of them: with only the largest cut, the restore still succeeded in about 1 run of 3 here.
-    files = glob.glob(os.path.join(model_dir, str(NUM_STEPS), "state", "**", "d", "*"), recursive=True)
+    files = glob.glob(os.path.join(model_dir, str(TRAIN_STEPS), "state", "**", "d", "*"), recursive=True)
     assert files, "no array files found in the last checkpoint"
     for path in files:
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
-    broken = os.path.join(model_dir, str(NUM_STEPS))
-    assert checkpoint.manager(model_dir).latest_step() == NUM_STEPS
+    broken = os.path.join(model_dir, str(TRAIN_STEPS))
+    assert checkpoint.manager(model_dir).latest_step() == TRAIN_STEPS
 
     finish(start(model_dir, "naive_sum"))  # resumes from 22 and redoes steps 23-24
     log_text = "".join(open(p).read() for p in glob.glob(str(tmp_path / "log_*.txt")))
     assert f"checkpoint {broken} could not be restored" in log_text, "the unreadable checkpoint's path must be reported"
     assert "trying the previous checkpoint" in log_text
-    moved = glob.glob(os.path.join(model_dir, checkpoint.UNREADABLE_DIR, f"{NUM_STEPS}-*"))
+    moved = glob.glob(os.path.join(model_dir, checkpoint.UNREADABLE_DIR, f"{TRAIN_STEPS}-*"))
     assert len(moved) == 1, f"the unreadable checkpoint should be set aside once, found {moved}"
     state, _ = final_checkpoint(model_dir)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(state)):

@@ -25,8 +25,8 @@ def test_installed_wheel_runs_help_and_a_train_step_from_elsewhere(tmp_path):
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(REPO, name), source)
-    for name in ("t5_retrieval", "tasks"):
-        shutil.copytree(os.path.join(REPO, name), source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(REPO, "t5_retrieval"), source / "t5_retrieval",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir),
          str(source)])
     wheels = glob.glob(str(wheel_dir / "t5_retrieval-*.whl"))
@@ -34,6 +34,8 @@ def test_installed_wheel_runs_help_and_a_train_step_from_elsewhere(tmp_path):
     run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), wheels[0]])
     assert glob.glob(str(site / "t5_retrieval" / "gin_configs" / "runs" / "taco.gin")), "gin configs are package data"
     assert glob.glob(str(site / "t5_retrieval" / "demo_data" / "mini_kilt_slice.tar.gz")), "the demo slice ships"
+    assert glob.glob(str(site / "t5_retrieval" / "tasks" / "kilt.py")), "the Task registrations ship in the package"
+    assert not os.path.exists(site / "tasks"), "no top-level `tasks` package to collide with a user's own"
 
     env = {**os.environ, "PYTHONPATH": str(site)}
     where = run([sys.executable, "-c", "import t5_retrieval; print(t5_retrieval.__file__)"], cwd=elsewhere, env=env)

@@ -9,7 +9,7 @@ import pytest
 import seqio
 
 from conftest import SHARED_DATA
-from t5_retrieval.data import registry
+from t5_retrieval.data import retrieval_tasks
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenize import encode_text, load_vocabulary, tokenize
 from t5_retrieval.data.wordpiece import WordPieceVocabulary, basic_tokenize
@@ -77,15 +77,15 @@ def test_seqio_task_with_wordpiece_tokenizes_queries_like_the_batcher(vocab, tmp
     queries = ["Who is the cafe?", "the unaffables [SEP] a b", "a " * 30]
     with open(examples / "wp-train.jsonl", "w") as f:
         for i, q in enumerate(queries):
-            f.write(json.dumps({"id": str(i), "query": q, "positive_passages": []}) + "\n")
-    registry.set_data_dir(str(tmp_path / "data"))
-    registry.register_kilt_task("test_wordpiece_task", "wp", None, len(queries), 1, vocabulary=vocab)
+            f.write(json.dumps({"id": str(i), "task": "wp", "query": q, "gold_pages": [], "positive_passages": []}) + "\n")
+    retrieval_tasks.set_data_dir(str(tmp_path / "data"))
+    retrieval_tasks.add_retrieval_task("test_wordpiece_task", retrieval_tasks.kilt_examples_source("wp"),
+                                       vocabulary=vocab)
     try:
         ds = seqio.get_mixture_or_task("test_wordpiece_task").get_dataset({"query": 10}, split="train", shuffle=False)
         got = [ex["query"] for ex in ds.as_numpy_iterator()]
     finally:
         seqio.TaskRegistry.remove("test_wordpiece_task")
-        registry.TASK_SPECS.pop("test_wordpiece_task")
     want = tokenize(vocab, [format_query(q, None) for q in queries], 10)
     assert len(got) == len(queries)
     for g, w in zip(got, want):

@@ -29,9 +29,9 @@ class TinyRun:
 
 
 def _bindings(data_dir: str, vocabulary: str) -> list[str]:
-    return [f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'", f"MIXTURE = {[f'demo_{t}' for t in TASKS]}",
+    return [f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'", f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in TASKS]}",
             "VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 1", "NUM_NEGATIVES = 1",
-            "QUERY_LEN = 16", "PASSAGE_LEN = 32", "NUM_STEPS = 1"]
+            "QUERY_LEN = 16", "PASSAGE_LEN = 32", "TRAIN_STEPS = 1"]
 
 
 def write_model_dir(model_dir: str, data_dir: str, vocabulary: str, seed: int, extra_bindings: tuple[str, ...] = ()

@@ -81,6 +81,14 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
     return SearchInputs(store, examples, datasets, index, encoder)
 
 
+def expand_task_names(tasks: task_names.Tasks, names: Sequence[str]) -> list[str]:
+    """`names` with registered seqio Mixtures (the project's, or a MIXTURE_OR_TASK_MODULE's) replaced
+    by the model's Tasks they hold."""
+    if tasks and not all(task_names.knows(tasks, name) for name in names):
+        import t5_retrieval.tasks  # noqa: F401  (the project's Mixtures, by name)
+    return task_names.expand(tasks, names)
+
+
 def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str]
                   ) -> tuple[dict[str, list[Example]], dict[str, str]]:
     """(examples, dataset) per task name: `names` in either form, or every dataset the model was trained
@@ -97,7 +105,7 @@ def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[s
             raise DataError(f"{os.path.dirname(layout.examples_path(data_dir, 'x', split))}: no {split} examples "
                             f"for any dataset the model was trained on ({', '.join(task_names.datasets(tasks))})")
     examples, datasets = {}, {}
-    for name in names:
+    for name in expand_task_names(tasks, names):
         task, datasets[name] = model_task_name(encoder, name), dataset_of(encoder, name)
         path = layout.examples_path(data_dir, datasets[name], split)
         if not os.path.exists(path):

@@ -7,9 +7,9 @@ function of (seed, step), so the saved state is just the step and restoring repr
 following batches. An epoch is one pass over the largest task (floor(n / b) steps); smaller tasks
 simply wrap into their next permutation.
 
-Queries are formatted exactly as the registered seqio Tasks do (same spec and functions in
-`registry`/`text`); the batcher reads the processed examples directly rather than through
-tf.data, which keeps the position exact and TensorFlow out of the training loop.
+Tasks and their rates come from the seqio registries; each Task's examples are read once through
+its source and preprocessors and cached as arrays (`materialize.py`), which keeps the position
+exact and TensorFlow out of the training loop.
 """
 
 from __future__ import annotations
@@ -24,12 +24,16 @@ import gin
 import numpy as np
 from numpy.typing import ArrayLike
 
-from t5_retrieval.data import layout, registry
+from t5_retrieval import gin_utils
+from t5_retrieval.data import layout
 from t5_retrieval.data.kb import PassageStore, passage_text
-from t5_retrieval.data.mixing import sizes_from_rates, temperature_rates
-from t5_retrieval.data.records import DataError, Example, read_examples, read_negatives
-from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_query
-from t5_retrieval.data.tokenize import Vocabulary, encode_text, load_vocabulary, tokenize, vocabulary_digest
+from t5_retrieval.data.materialize import TaskExamples
+from t5_retrieval.data.mixing import sizes_from_rates
+from t5_retrieval.data.records import DataError, read_negatives
+from t5_retrieval.data.retrieval_tasks import TaskInfo
+from t5_retrieval.data.text import PASSAGE_TEMPLATE
+from t5_retrieval.data.tokenize import (TokenConventions, Vocabulary, conventions_of, encode_text, load_vocabulary,
+                                        vocabulary_digest)
 
 # {task: {feature: rows}}: numpy arrays on the host, jax.Arrays (global, sharded) inside the step.
 Batch = dict[str, dict[str, ArrayLike]]
@@ -172,78 +176,124 @@ def _load_vocabulary(vocabulary: Vocabulary | str) -> Vocabulary:
     return load_vocabulary(vocabulary) if isinstance(vocabulary, str) else vocabulary
 
 
-def _task_data(spec: registry.KiltTaskSpec, examples: list[Example], negatives: dict[str, tuple[str, ...]],
-               store: PassageStore, vocab: Vocabulary, query_len: int, num_negatives: int, size: int,
-               negatives_file: str) -> _TaskData:
-    usable = [e for e in examples if e.positive_passages]
+def _fit(tokens: np.ndarray, length: int) -> np.ndarray:
+    """A Task's query (start ids, text, end id) cut to `length` keeping its start and end ids, as
+    `tokenize.tokenize` cuts a text; padded with 0."""
+    row = np.concatenate([tokens[:-1][: length - 1], tokens[-1:]])
+    out = np.zeros(length, np.int32)
+    out[: len(row)] = row
+    return out
+
+
+def _task_data(info: TaskInfo, examples: TaskExamples, negatives: dict[str, tuple[str, ...]] | None,
+               store: PassageStore, conventions: TokenConventions, query_len: int, num_negatives: int,
+               size: int, negatives_source: str) -> _TaskData:
+    usable = [i for i, positive in enumerate(examples.positives) if positive]
     if not usable:
-        raise DataError(f"task {spec.name}: none of its {len(examples)} host-local examples has a positive "
+        raise DataError(f"task {info.name}: none of its {len(examples)} host-local examples has a positive "
                         "passage in the KB")
     negs = np.full((len(usable), num_negatives), -1, np.int64)
     missing = 0
-    for r, e in enumerate(usable):
-        if e.id not in negatives:
-            raise DataError(f"{negatives_file}: no negatives for example {e.id!r} of task {spec.name}")
-        ids = [store.index_of(pid) for pid in negatives[e.id][:num_negatives]]
+    for r, i in enumerate(usable):
+        if negatives is None:
+            ids_of = examples.negatives[i] if examples.negatives is not None else ()
+        elif examples.ids[i] in negatives:
+            ids_of = negatives[examples.ids[i]]
+        else:
+            raise DataError(f"{negatives_source}: no negatives for example {examples.ids[i]!r} of task {info.name}")
+        ids = [store.index_of(pid) for pid in ids_of[:num_negatives]]
         negs[r, : len(ids)] = ids
         missing += num_negatives - len(ids)
+    end = conventions.end_id
+    bad = next((examples.ids[i] for i in usable
+                if len(examples.queries[i]) == 0 or examples.queries[i][-1] != end), None)
+    if bad is not None:
+        raise DataError(f"seqio Task {info.name!r}: the query of example {bad!r} does not end with the vocabulary's "
+                        f"end id {end}; end the Task's preprocessors with seqio.preprocessors.append_eos_after_trim "
+                        "(add_retrieval_task does)")
     return _TaskData(
-        name=spec.name,
-        query_tokens=tokenize(vocab, [format_query(e.query, spec.prefix) for e in usable], query_len),
-        positives=np.array([store.index_of(e.positive_passages[0]) for e in usable], np.int64),
+        name=info.name,
+        query_tokens=np.stack([_fit(examples.queries[i], query_len) for i in usable]),
+        positives=np.array([store.index_of(examples.positives[i]) for i in usable], np.int64),
         negatives=negs,
-        gold_pages=[frozenset(p for s in e.gold_pages for p in s) for e in usable],
+        gold_pages=[frozenset(examples.gold_pages[i]) for i in usable],
         size=size, skipped=len(examples) - len(usable), missing_negatives=missing)
+
+
+def _subset(examples: TaskExamples, keep: Sequence[int]) -> TaskExamples:
+    return TaskExamples([examples.ids[i] for i in keep], [examples.queries[i] for i in keep],
+                        [examples.positives[i] for i in keep],
+                        None if examples.negatives is None else [examples.negatives[i] for i in keep],
+                        [examples.gold_pages[i] for i in keep])
 
 
 @gin.configurable
 def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: str, negatives: str | None,
                         vocabulary: Vocabulary | str, query_len: int, passage_len: int, num_negatives: int,
                         per_device_batch: int, local_data_devices: int = 1, host_index: int = 0,
-                        host_count: int = 1, seed: int = 0, temperature: float = registry.TEMPERATURE,
-                        split: str = "train", max_examples_per_task: int | None = None,
-                        passage_template: str = PASSAGE_TEMPLATE, passage_embeddings: str | None = None
-                        ) -> TrainIterator:
-    """Builds the per-task training iterator over `<data_dir>/examples` and a negatives directory.
+                        host_count: int = 1, seed: int = 0, split: str = "train",
+                        max_examples_per_task: int | None = None, passage_template: str = PASSAGE_TEMPLATE,
+                        passage_embeddings: str | None = None, cache_dir: str | None = None,
+                        task_module: str | Sequence[str] | None = None) -> TrainIterator:
+    """Builds the per-task training iterator over a registered seqio Mixture or Task.
 
-    `negatives` is a directory of `{dataset}-{split}.jsonl` negatives files (default
-    `<data_dir>/negatives/bm25`); the first `num_negatives` of each example are used, and when an
-    example has fewer, the rest are random KB passages outside its gold pages, drawn
-    deterministically from (seed, task, host, step). Examples without a positive passage in the KB
-    are skipped and counted (logged). Per-device sub-batch sizes come from the temperature-scaled
-    rates of the tasks' declared sizes; host-local sizes are those times `local_data_devices`.
+    Names resolve through seqio (`retrieval_tasks.resolve`); per-device sub-batch sizes come from the
+    Mixture's own rates (`mixing.sizes_from_rates`), host-local sizes are those times
+    `local_data_devices`. Each Task's `split` is read once through seqio and cached under
+    `cache_dir` (default `<data_dir>/cache/tasks`; `materialize.py`); `task_module` (t5x's
+    MIXTURE_OR_TASK_MODULE) names modules to import first, which register the user's Tasks.
+
+    Negatives: `negatives` is a directory of `{dataset}-{split}.jsonl` negatives files (default
+    `<data_dir>/negatives/bm25`); where it has no file for a Task, the Task's own "negatives" feature
+    is used. The first `num_negatives` of each example are used, and when an example has fewer, the
+    rest are random KB passages outside its gold pages, drawn deterministically from (seed, task,
+    host, step). Examples without a positive passage in the KB are skipped and counted (logged).
     Each host reads examples i with i % host_count == host_index (seqio.ShardInfo style).
     `passage_template` is how a passage becomes text (`text.PASSAGE_TEMPLATES`; recorded in the
-    features). `max_examples_per_task` keeps a fixed random subset of each task (MT-DPR's few-shot regimes:
-    128 or 1,024 examples), the same on every host and for every `seed`.
+    features). `max_examples_per_task` keeps a fixed random subset of each task (MT-DPR's few-shot
+    regimes: 128 or 1,024 examples), the same on every host and for every `seed`.
 
     `passage_embeddings`: an embeddings directory of this KB (`t5r encode`) whose vectors stand in
     for the passages, so the passage side is frozen and costs nothing per step (query-side
     training over a fixed index; `train` then requires `init_from` to be the model that wrote
     them). Its fingerprint is recorded in the features.
     """
-    specs = registry.resolve(mixture_or_task_names)
+    from t5_retrieval.data import retrieval_tasks
+    from t5_retrieval.data.materialize import materialize
+
+    gin_utils.import_modules(task_module)
     if not 0 <= host_index < host_count:
         raise ValueError(f"host_index {host_index} not in [0, {host_count})")
-    sizes = sizes_from_rates(temperature_rates([s.num_train for s in specs], temperature), per_device_batch)
     vocab = _load_vocabulary(vocabulary)
+    retrieval_tasks.use_vocabulary(vocabulary)
+    retrieval_tasks.set_data_dir(data_dir)
+    tasks_and_rates = retrieval_tasks.resolve(mixture_or_task_names)
+    infos = [retrieval_tasks.describe(task) for task, _ in tasks_and_rates]
+    sizes = sizes_from_rates([rate for _, rate in tasks_and_rates], per_device_batch)
     store = PassageStore.open(layout.kb_dir(data_dir))
     negatives_dir = negatives or layout.negatives_dir(data_dir, "bm25")
+    cache = os.path.join(data_dir, "cache", "tasks") if cache_dir is None else cache_dir
     task_data = []
-    for spec, size in zip(specs, sizes):
-        examples = read_examples(layout.examples_path(data_dir, spec.dataset, split))
+    for (task, _), info, size in zip(tasks_and_rates, infos, sizes):
+        _check_vocabulary(task, vocab)
+        examples = materialize(task, split, cache or None)
         if max_examples_per_task is not None and len(examples) > max_examples_per_task:
             keep = np.random.default_rng(FEW_SHOT_SEED).choice(len(examples), max_examples_per_task, replace=False)
-            examples = [examples[i] for i in np.sort(keep)]
-        examples = examples[host_index::host_count]
-        negatives_file = layout.negatives_path(negatives_dir, spec.dataset, split)
-        if not os.path.exists(negatives_file):
-            raise DataError(f"{negatives_file}: missing; run `t5r data negatives` (or mining) for {spec.dataset}")
-        data = _task_data(spec, examples, read_negatives(negatives_file), store, vocab, query_len,
-                          num_negatives, size * local_data_devices, negatives_file)
+            examples = _subset(examples, np.sort(keep))
+        examples = _subset(examples, range(host_index, len(examples), host_count))
+        negatives_file = layout.negatives_path(negatives_dir, info.dataset, split)
+        if os.path.exists(negatives_file):
+            task_negatives, source = read_negatives(negatives_file), negatives_file
+        elif examples.negatives is not None:
+            task_negatives, source = None, f"seqio Task {info.name}"
+        else:
+            raise DataError(f"{negatives_file}: missing; run `t5r data negatives` (or mining) for {info.dataset}, "
+                            f"or give Task {info.name} a \"negatives\" feature")
+        data = _task_data(info, examples, task_negatives, store, conventions_of(vocab), query_len,
+                          num_negatives, size * local_data_devices, source)
         if data.skipped or data.missing_negatives:
             logging.warning("task %s: skipped %d examples without a positive in the KB; %d negative slots "
-                            "will be filled with random passages", spec.name, data.skipped, data.missing_negatives)
+                            "will be filled with random passages", info.name, data.skipped, data.missing_negatives)
         task_data.append(data)
     features = {"vocabulary": os.path.abspath(vocabulary) if isinstance(vocabulary, str) else None,
                 # Its content: loading the model refuses a vocabulary changed since (a path is no identity).
@@ -251,13 +301,28 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                 "query_len": query_len, "passage_len": passage_len, "passage_template": passage_template,
                 # "index": the task's position in the step (and its query tower), explicit because
                 # the config is stored with sorted keys.
-                "tasks": {spec.name: {"dataset": spec.dataset, "prefix": spec.prefix, "index": i}
-                          for i, spec in enumerate(specs)}}
+                "tasks": {info.name: {"dataset": info.dataset, "prefix": info.prefix, "index": i}
+                          for i, info in enumerate(infos)}}
     table = None
     if passage_embeddings is not None:
         table, features["passage_embeddings"] = passage_table(passage_embeddings, store)
     return TrainIterator(task_data, store, vocab, passage_len, num_negatives, seed, host_index, host_count,
                          features, table)
+
+
+def _check_vocabulary(task: Any, vocab: Vocabulary) -> None:
+    """A Task must tokenise with the model's vocabulary: token ids mean nothing in another."""
+    from t5_retrieval.data.retrieval_tasks import vocabulary_identity
+
+    if "query" not in task.output_features:
+        raise DataError(f"seqio Task {task.name!r} has no \"query\" output feature (it has "
+                        f"{sorted(task.output_features)}); a retrieval Task tokenises its queries into \"query\" "
+                        "(docs/data.md, or register it with t5_retrieval.tasks.add_retrieval_task)")
+    theirs, ours = vocabulary_identity(task.output_features["query"].vocabulary), vocabulary_identity(vocab)
+    if theirs != ours:
+        raise DataError(f"seqio Task {task.name!r} tokenises with a vocabulary of digest {theirs}, the model with "
+                        f"digest {ours}; register the Task with the model's vocabulary (add_retrieval_task's "
+                        "default is the run's)")
 
 
 def passage_table(directory: str, store: PassageStore) -> tuple[np.ndarray, dict[str, str]]:

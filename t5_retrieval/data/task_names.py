@@ -9,7 +9,7 @@ model's through `resolve`, so both forms work everywhere and fail with the same 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from t5_retrieval.errors import UserError
@@ -54,3 +54,38 @@ def dataset_of(tasks: Tasks, name: str) -> str:
 def datasets(tasks: Tasks) -> list[str]:
     """Every dataset the model was trained on, sorted, once each."""
     return sorted({spec.get("dataset", task) for task, spec in tasks.items()})
+
+
+def knows(tasks: Tasks, name: str) -> bool:
+    """`name` is one of the model's tasks or one of their datasets."""
+    return name in tasks or any(spec.get("dataset") == name for spec in tasks.values())
+
+
+def expand(tasks: Tasks, names: Sequence[str]) -> list[str]:
+    """`names` with each registered seqio Mixture the model does not know by name replaced by its
+    Tasks (in the Mixture's order), so `--tasks=<mixture>` names what the model was trained on.
+
+    seqio (and TensorFlow) is imported only for a name the model does not know; a model that records
+    no tasks takes every name as a dataset."""
+    out: list[str] = []
+    for name in names:
+        members = None if not tasks or knows(tasks, name) else _mixture_tasks(name)
+        if members is None:
+            out.append(name)
+            continue
+        unknown = [m for m in members if m not in tasks]
+        if unknown:
+            raise UnknownTaskError(f"seqio Mixture {name!r} holds {unknown}, which this model was not trained on; "
+                                   f"it was trained on: {_known(tasks)}")
+        out += [m for m in members if m not in out]
+    return out
+
+
+def _mixture_tasks(name: str) -> list[str] | None:
+    import seqio
+
+    if name not in seqio.MixtureRegistry.names():
+        return None
+    from t5_retrieval.data.retrieval_tasks import resolve
+
+    return [task.name for task, _ in resolve(name)]

@@ -82,7 +82,7 @@ TRAIN_BINDINGS = (
     "PER_DEVICE_BATCH = 32",
     "QUERY_LEN = 64",
     "NUM_NEGATIVES = 2",
-    "NUM_STEPS = 200",
+    "TRAIN_STEPS = 200",
     "train.checkpoint_every = 50",
     "train.log_every = 20",
     "make_train_iterator.passage_template = '{title}: {text}'",
@@ -104,7 +104,7 @@ def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., No
         base_dir = base_dir or os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
         minilm_zeroshot_row(base_dir, data_dir)  # the base model and its index (done once, then skipped)
         model_dir = os.path.join(row_dir, "model")
-        gin_bindings = [f"DATA_DIR = '{data_dir}'", f"MIXTURE = '{mixture}'", *TRAIN_BINDINGS,
+        gin_bindings = [f"DATA_DIR = '{data_dir}'", f"MIXTURE_OR_TASK_NAME = '{mixture}'", *TRAIN_BINDINGS,
                         f"train.init_from = '{os.path.join(base_dir, 'model')}'",
                         f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'",
                         *bindings]
@@ -143,7 +143,7 @@ def task_specific_row(row_dir: str, data_dir: str) -> None:
 
     base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
     for task in TASKS:
-        trained_row("single_task.gin", f"mini_kilt_{task}_noprefix", f"NUM_STEPS = {TASK_SPECIFIC_STEPS}")(
+        trained_row("single_task.gin", f"mini_kilt_{task}_noprefix", f"TRAIN_STEPS = {TASK_SPECIFIC_STEPS}")(
             os.path.join(row_dir, task), data_dir, base_dir)
     stage(os.path.join(row_dir, "eval"), "join task-specific tables", lambda: join_tables(row_dir))
 

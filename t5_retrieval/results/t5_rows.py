@@ -21,7 +21,7 @@ T5_SCRATCH_BINDINGS = (
     "QUERY_LEN = 64",
     "PASSAGE_LEN = 128",
     "NUM_NEGATIVES = 1",
-    "NUM_STEPS = 1000",
+    "TRAIN_STEPS = 1000",
     "train.checkpoint_every = 250",
     "train.log_every = 50",
     "make_train_iterator.passage_template = '{title}: {text}'",
@@ -38,7 +38,7 @@ def t5_scratch_row(run_file: str) -> Callable[..., None]:
         vocab_dir = os.path.join(os.path.dirname(row_dir), "t5_vocabulary")
         stage(vocab_dir, "T5 vocabulary", lambda: train_t5_vocabulary(data_dir, vocab_dir))
         model_dir = os.path.join(row_dir, "model")
-        gin_bindings = [f"DATA_DIR = '{data_dir}'", "MIXTURE = 'mini_kilt_noprefix'", *T5_SCRATCH_BINDINGS,
+        gin_bindings = [f"DATA_DIR = '{data_dir}'", "MIXTURE_OR_TASK_NAME = 'mini_kilt_noprefix'", *T5_SCRATCH_BINDINGS,
                         f"VOCABULARY = '{os.path.join(vocab_dir, 'spm.model')}'"]
         stage(model_dir, f"train {run_file} (T5 from scratch)",
               lambda: train_model(model_dir, ["models/t5_tiny.gin", f"runs/{run_file}"], gin_bindings))

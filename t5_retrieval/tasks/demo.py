@@ -1,6 +1,6 @@
 """The built-in SYNTHETIC demo (`t5r data demo`): KILT-shaped tasks, 160 train / 40 dev each."""
 
-from tasks.common import Dataset, register_family
+from t5_retrieval.tasks.common import Dataset, register_family
 
 register_family("demo", [
     Dataset("fever", "FEVER", "FC", 160, 40),

@@ -1,6 +1,6 @@
 """mini-KILT: 6 real KILT-style tasks over a 14.8k-page Wikipedia KB (sizes from its stats.json)."""
 
-from tasks.common import Dataset, register_family
+from t5_retrieval.tasks.common import Dataset, register_family
 
 register_family("mini_kilt", [
     Dataset("fever", "FEVER", "FC", 1_045, 288),

@@ -1,4 +1,4 @@
-"""The one helper `tasks/*` use: a dataset family -> Tasks in three query-prefix variants + Mixtures.
+"""A KILT-style dataset family -> seqio Tasks in three query-prefix variants, and their Mixtures.
 
 Variants (TACO ablations): `{family}_{dataset}` with the dataset prefix ("FEVER <extra_id_1> ..."),
 `..._noprefix`, and `..._typed` with one of 5 task-type markers (QA, FC, SF, EL, DIAL). Each variant
@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from t5_retrieval.data.registry import TASK_TYPES, register_kilt_task, register_mixture
+from t5_retrieval.data.retrieval_tasks import (TASK_TYPES, add_retrieval_task, add_temperature_mixture,
+                                               kilt_examples_source)
 
 
 class Dataset(NamedTuple):
@@ -29,8 +30,8 @@ def register_family(family: str, datasets: Sequence[Dataset]) -> None:
         for d in datasets:
             assert d.task_type in TASK_TYPES, d
             name = f"{family}_{d.dataset}{suffix}"
-            register_kilt_task(name, d.dataset, prefix_of(d), d.num_train, d.num_dev)
+            add_retrieval_task(name, kilt_examples_source(d.dataset, d.num_train, d.num_dev), prefix=prefix_of(d))
             names.append(name)
-        register_mixture(f"{family}{suffix}", names)
+        add_temperature_mixture(f"{family}{suffix}", names)
         for d, held_out in zip(datasets, names):
-            register_mixture(f"{family}{suffix}_without_{d.dataset}", [n for n in names if n != held_out])
+            add_temperature_mixture(f"{family}{suffix}_without_{d.dataset}", [n for n in names if n != held_out])

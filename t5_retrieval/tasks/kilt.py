@@ -1,6 +1,6 @@
 """The 8 KILT datasets of TACO. Sizes: KILT train/dev files (Petroni et al. 2021, Table 1)."""
 
-from tasks.common import Dataset, register_family
+from t5_retrieval.tasks.common import Dataset, register_family
 
 register_family("kilt", [
     Dataset("fever", "FEVER", "FC", 104_966, 10_444),

@@ -1,0 +1,327 @@
+"""Retrieval Tasks are seqio Tasks: the contract they meet and the one helper that registers them.
+
+A retrieval Task is any `seqio.Task` whose examples, after its preprocessors, carry
+
+  "id"          string    unique within a split (joins mined negatives files to examples)
+  "query"       int32[n]  token ids in the vocabulary's conventions, ending with its end id
+  "positive"    string    a KB passage id (training); "" = none in the KB, the example is skipped
+  "negatives"   string[m] optional: KB passage ids of hard negatives (a negatives directory wins)
+  "gold_pages"  string[g] optional: page ids never drawn as random negatives (and graded in eval)
+
+`add_retrieval_task` builds such a Task over any seqio source (jsonl, TFDS, a function) from text
+features: the source and the user's preprocessors produce "id", "query" (text), "positive" and the
+optional features; the helper appends the query prefix, tokenisation and the end id. The KILT,
+mini-KILT and demo Tasks (`t5_retrieval.tasks`) are registered with it over `kilt_examples_source`.
+Nothing is kept beside the seqio registries: a Task's dataset and query prefix are read back from
+its source and preprocessors (`describe`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gin
+
+from t5_retrieval.data import layout
+from t5_retrieval.data.records import read_examples
+from t5_retrieval.data.text import format_query
+from t5_retrieval.data.tokenize import conventions_of, load_vocabulary, vocabulary_digest
+
+TEMPERATURE = 4.0
+TASK_TYPES = ("QA", "FC", "SF", "EL", "DIAL")
+_DATA_DIR: list[str] = [os.environ.get("T5R_DATA_DIR", "")]
+_VOCABULARY: list[Any] = [""]
+
+
+@gin.configurable
+def set_data_dir(data_dir: str) -> None:
+    """Where KILT-source Tasks read `examples/{dataset}-{split}.jsonl` from (as seqio's TFDS
+    data_dir override: Tasks are registered at import time, before flags are parsed)."""
+    _DATA_DIR[0] = data_dir
+
+
+def get_data_dir() -> str:
+    if not _DATA_DIR[0]:
+        raise ValueError("no data directory: call t5_retrieval.data.retrieval_tasks.set_data_dir(...) "
+                         "(gin: set_data_dir.data_dir) or set T5R_DATA_DIR")
+    return _DATA_DIR[0]
+
+
+@gin.configurable
+def vocabulary_path(path: str = "") -> str:
+    """The vocabulary file `run_vocabulary()` reads when no run has set one (`use_vocabulary`):
+    gin `vocabulary_path.path`, else T5R_VOCAB."""
+    return path or os.environ.get("T5R_VOCAB", "")
+
+
+def use_vocabulary(vocabulary: Any) -> None:
+    """Makes `run_vocabulary()` (the KILT Tasks' vocabulary) this one, a path or a vocabulary
+    object: training sets the model's."""
+    _VOCABULARY[0] = vocabulary
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskInfo:
+    """What a model records of a Task besides its name."""
+
+    name: str
+    dataset: str          # file stem of its examples / negatives files; the Task's name if not a KILT source
+    prefix: str | None    # the query prefix name the helper adds, or None
+
+
+# ----------------------------------------------------------------------------------------------
+# The run's vocabulary
+
+
+@functools.cache
+def _load(path: str) -> Any:
+    return load_vocabulary(path)
+
+
+@functools.cache
+def run_vocabulary():
+    """A seqio Vocabulary that is whatever `vocabulary_path()` names when used (a sentencepiece
+    model or a BERT vocab.txt), so Tasks registered at import time tokenise with the run's model."""
+    import seqio
+
+    class _RunVocabulary(seqio.Vocabulary):
+        def __init__(self):
+            super().__init__(extra_ids=0)
+
+        @staticmethod
+        def current() -> Any:
+            chosen = _VOCABULARY[0] or vocabulary_path()
+            if not chosen:
+                raise ValueError("no vocabulary: set gin vocabulary_path.path or T5R_VOCAB (training sets "
+                                 "the model's)")
+            return _load(chosen) if isinstance(chosen, str) else chosen
+
+        def __getattr__(self, name: str) -> Any:  # token_conventions, encode_batch, tokenizer
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return getattr(self.current(), name)
+
+        @property
+        def eos_id(self):
+            return self.current().eos_id
+
+        @property
+        def unk_id(self):
+            return self.current().unk_id
+
+        @property
+        def _base_vocab_size(self) -> int:
+            return self.current().vocab_size
+
+        def _encode(self, s):
+            return self.current().encode(s)
+
+        def _decode(self, ids):
+            return self.current().decode(ids)
+
+        def _encode_tf(self, s):
+            return self.current().encode_tf(s)
+
+        def _decode_tf(self, ids):
+            return self.current().decode_tf(ids)
+
+        def __eq__(self, other) -> bool:
+            return isinstance(other, _RunVocabulary)
+
+        def __hash__(self) -> int:
+            return hash(_RunVocabulary)
+
+    return _RunVocabulary()
+
+
+def vocabulary_identity(vocab: Any) -> str:
+    """A content digest of a vocabulary (a Task's must be its model's): its file's, as recorded
+    with a model (`tokenize.vocabulary_digest`)."""
+    if vocab is run_vocabulary():
+        vocab = vocab.current()
+    if isinstance(vocab, str):
+        return vocabulary_digest(vocab)
+    path = getattr(vocab, "vocab_file", None) or getattr(vocab, "sentencepiece_model_file", None)
+    if path:
+        return vocabulary_digest(path)
+    import hashlib
+
+    return hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# The KILT source and the appended preprocessors (TensorFlow is imported only when a Task is built)
+
+
+def _string_lists(rows: list[list[str]]):
+    import tensorflow as tf
+
+    return tf.ragged.constant(rows, dtype=tf.string, ragged_rank=1) if any(rows) else \
+        tf.RaggedTensor.from_row_lengths(tf.constant([], tf.string), [0] * len(rows))
+
+
+def _kilt_examples(split: str, shuffle_files: bool, seed: int | None = None, *, dataset: str):
+    """`<data_dir>/examples/{dataset}-{split}.jsonl` (`t5r data tasks`) as contract text features.
+
+    The file is read (and checked: missing fields, duplicate ids name file and lines) before
+    TensorFlow sees it, so its errors reach the user as they are."""
+    import tensorflow as tf
+
+    del shuffle_files, seed  # one file, read in order: the batcher shuffles, exactly
+    examples = read_examples(layout.examples_path(get_data_dir(), dataset, split))
+    features = {
+        "id": tf.constant([e.id for e in examples], tf.string),
+        "query": tf.constant([e.query for e in examples], tf.string),
+        "positive": tf.constant([e.positive_passages[0] if e.positive_passages else "" for e in examples],
+                                tf.string),
+        "gold_pages": _string_lists([sorted({p for s in e.gold_pages for p in s}) for e in examples]),
+    }
+    return tf.data.Dataset.from_tensor_slices(features)
+
+
+def kilt_examples_source(dataset: str, num_train: int | None = None, num_dev: int | None = None):
+    """A seqio source over the processed KILT examples of `dataset` (train and dev splits).
+
+    `num_train` / `num_dev` are the declared sizes seqio's `mixing_rate_num_examples` reads."""
+    import seqio
+
+    class _KiltExamplesSource(seqio.FunctionDataSource):
+        def __init__(self):
+            sizes = {k: v for k, v in (("train", num_train), ("dev", num_dev)) if v is not None}
+            super().__init__(functools.partial(_kilt_examples, dataset=dataset), splits=("train", "dev"),
+                             num_input_examples=sizes or None)
+            self.dataset = dataset
+
+        def files(self, split: str) -> list[str]:
+            return [layout.examples_path(get_data_dir(), dataset, split)]
+
+    return _KiltExamplesSource()
+
+
+def format_queries(dataset, prefix: str | None):
+    """Appended preprocessor: query text -> `"{PREFIX} <extra_id_1> {normalised query}"` (text.format_query)."""
+    import tensorflow as tf
+
+    def fn(ex):
+        text = tf.py_function(lambda q: format_query(q.numpy().decode("utf-8"), prefix), [ex["query"]], tf.string)
+        text.set_shape(())
+        return {**ex, "query": text}
+
+    return dataset.map(fn)
+
+
+def tokenize_queries(dataset, output_features):
+    """Appended preprocessor: tokenises "query" in the vocabulary's conventions (`tokenize.py`): each
+    literal `</s>` becomes the separator id (T5: EOS, BERT: [SEP]) and start ids (BERT: [CLS]) go
+    first; the end id is the vocabulary's `eos_id`, appended by `append_eos_after_trim`."""
+    import tensorflow as tf
+
+    vocab = output_features["query"].vocabulary
+    conventions = conventions_of(vocab)
+
+    def fn(ex):
+        segments = tf.strings.split(ex["query"], sep="</s>")
+        ids = tf.cast(vocab.encode_tf(segments), tf.int32)
+        n = tf.shape(segments, out_type=tf.int64)[0]
+        eos_lengths = tf.concat([tf.ones([n - 1], tf.int64), tf.zeros([1], tf.int64)], 0)
+        eos = tf.RaggedTensor.from_row_lengths(tf.fill([n - 1], conventions.separator_id), eos_lengths)
+        query = tf.concat([ids, eos], axis=1).flat_values
+        if conventions.start_ids:
+            query = tf.concat([tf.constant(conventions.start_ids, tf.int32), query], axis=0)
+        return {**ex, "query": query}
+
+    return dataset.map(fn)
+
+
+def add_retrieval_task(name: str, source: Any, *, preprocessors: Sequence[Callable] = (),
+                       prefix: str | None = None, vocabulary: Any = None) -> Any:
+    """Registers (or re-registers) a retrieval Task: `source` -> `preprocessors` -> query prefix ->
+    tokenisation -> end id. Returns the `seqio.Task`.
+
+    `source`: any seqio DataSource; with `preprocessors` (seqio preprocessors, run first, on text)
+    it must yield "id", "query" (text), "positive" and optionally "negatives" and "gold_pages".
+    `prefix`: a TACO prefix name ("FEVER" -> "FEVER <extra_id_1> query"), None for none.
+    `vocabulary`: a seqio Vocabulary; default `run_vocabulary()`, the vocabulary of the model trained.
+    """
+    import seqio
+
+    if name in seqio.TaskRegistry.names():
+        seqio.TaskRegistry.remove(name)
+    return seqio.TaskRegistry.add(
+        name,
+        source=source,
+        preprocessors=[*preprocessors, functools.partial(format_queries, prefix=prefix), tokenize_queries,
+                       seqio.preprocessors.append_eos_after_trim],
+        output_features={"query": seqio.Feature(vocabulary or run_vocabulary(), add_eos=True)},
+    )
+
+
+def add_temperature_mixture(name: str, task_names: Sequence[str], temperature: float = TEMPERATURE) -> Any:
+    """A seqio Mixture with rates n^(1/T) of the Tasks' declared train sizes (KILT: T = 4)."""
+    import seqio
+
+    if name in seqio.MixtureRegistry.names():
+        seqio.MixtureRegistry.remove(name)
+    return seqio.MixtureRegistry.add(
+        name, list(task_names),
+        default_rate=functools.partial(seqio.mixing_rate_num_examples, temperature=temperature))
+
+
+def describe(task: Any) -> TaskInfo:
+    """A Task's dataset (its KILT source's, else its name) and the query prefix the helper adds."""
+    prefix = None
+    for p in task.preprocessors:
+        if isinstance(p, functools.partial) and p.func is format_queries:
+            prefix = p.keywords.get("prefix")
+    return TaskInfo(task.name, getattr(task.source, "dataset", task.name), prefix)
+
+
+def _declared_order(mixture: Any) -> list[Any]:
+    """A Mixture's Tasks in the order it lists them (sub-Mixtures expanded in place), once each.
+
+    seqio's `Mixture.tasks` sorts by name; the declared order is the order of the step's sub-batches
+    and of per-task towers, as the user wrote it."""
+    import seqio
+
+    out: list[Any] = []
+    for name in mixture.rate_per_task_name:
+        if name in seqio.TaskRegistry.names():
+            found = [seqio.TaskRegistry.get(name)]
+        else:
+            found = _declared_order(seqio.MixtureRegistry.get(name))
+        out += [t for t in found if t not in out]
+    return out
+
+
+def resolve(names: str | Sequence[str]) -> list[tuple[Any, float]]:
+    """(seqio Task, mixing rate) for a registered Mixture or Task name, or a list of Task names.
+
+    A Mixture's rates are its own (`Mixture.get_rate`: numbers, rate functions, any temperature); a
+    single Task has rate 1; a list of Task names is mixed as the KILT Mixtures are (n^(1/4))."""
+    import seqio
+
+    from t5_retrieval.data.task_names import UnknownTaskError
+
+    def get(name: str) -> Any:
+        known = [*seqio.MixtureRegistry.names(), *seqio.TaskRegistry.names()]
+        if name in known:
+            return seqio.get_mixture_or_task(name)
+        near = difflib.get_close_matches(name, known, n=5)
+        raise UnknownTaskError(
+            f"unknown seqio Task or Mixture {name!r}" + (f" (did you mean {', '.join(near)}?)" if near else "")
+            + "; register it with seqio (e.g. t5_retrieval.tasks.add_retrieval_task) in a module named by "
+              "--gin.MIXTURE_OR_TASK_MODULE")
+
+    if isinstance(names, str):
+        found = get(names)
+        if isinstance(found, seqio.Mixture):
+            return [(task, found.get_rate(task)) for task in _declared_order(found)]
+        return [(found, 1.0)]
+    tasks = [get(n) for n in names]
+    rate = functools.partial(seqio.mixing_rate_num_examples, temperature=TEMPERATURE)
+    return [(t, float(rate(t))) for t in tasks]
