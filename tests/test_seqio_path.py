@@ -38,12 +38,13 @@ def user_rows(split, shuffle_files, seed=None, *, name):
     return tf.data.Dataset.from_tensor_slices({{
         "qid": [r["qid"] for r in rows], "question": [r["question"] for r in rows],
         "answer_passage": [r["answer_passage"] for r in rows],
-        "hard": tf.ragged.constant([r["hard"] for r in rows], dtype=tf.string)}})
+        "hard": tf.ragged.constant([r["hard"] for r in rows], dtype=tf.string, ragged_rank=1),
+        "gold": tf.ragged.constant([r["gold"] for r in rows], dtype=tf.string, ragged_rank=1)}})
 
 
 def to_retrieval_features(ds):
     return ds.map(lambda ex: {{"id": ex["qid"], "query": ex["question"], "positive": ex["answer_passage"],
-                              "negatives": ex["hard"]}})
+                              "negatives": ex["hard"], "gold_pages": ex["gold"]}})
 
 
 def rewrite_query(ds):
@@ -51,7 +52,8 @@ def rewrite_query(ds):
 
 
 for name in ("user_fever", "user_nq"):
-    add_retrieval_task(name, seqio.FunctionDataSource(functools.partial(user_rows, name=name), splits=("train",)),
+    add_retrieval_task(name, seqio.FunctionDataSource(functools.partial(user_rows, name=name),
+                                                      splits=("train", "validation")),
                        preprocessors=[to_retrieval_features, rewrite_query])
 if "user_mix" in seqio.MixtureRegistry.names():
     seqio.MixtureRegistry.remove("user_mix")
@@ -73,16 +75,18 @@ def user_setup(tmp_path_factory):
     raw, data_dir, rows, module_dir = (str(root / d) for d in ("raw", "data", "rows", "module"))
     write_demo(raw, num_pages=40, train_per_task=12, dev_per_task=4)
     prepare_kb(os.path.join(raw, "kb", "pages.jsonl"), data_dir)
-    prepare_tasks(raw, data_dir, ["fever", "nq"], ("train",))
+    prepare_tasks(raw, data_dir, ["fever", "nq"], ("train", "dev"))
     prepare_negatives(data_dir, ["fever", "nq"], top_k=4)
     vocabulary = train_vocabulary(layout.kb_dir(data_dir), os.path.join(data_dir, "spm"), vocab_size=400)
     os.makedirs(rows)
     for dataset in ("fever", "nq"):
         negatives = read_negatives(layout.negatives_path(layout.negatives_dir(data_dir, "bm25"), dataset, "train"))
-        with open(os.path.join(rows, f"user_{dataset}-train.jsonl"), "w") as f:
-            for e in read_examples(layout.examples_path(data_dir, dataset, "train")):
-                f.write(json.dumps({"qid": e.id, "question": e.query, "answer_passage": e.positive_passages[0],
-                                    "hard": list(negatives[e.id])}) + "\n")
+        for split, theirs in (("train", "train"), ("validation", "dev")):
+            with open(os.path.join(rows, f"user_{dataset}-{split}.jsonl"), "w") as f:
+                for e in read_examples(layout.examples_path(data_dir, dataset, theirs)):
+                    f.write(json.dumps({"qid": e.id, "question": e.query, "answer_passage": e.positive_passages[0],
+                                        "hard": list(negatives.get(e.id, ())),
+                                        "gold": sorted({p for s in e.gold_pages for p in s})}) + "\n")
     os.makedirs(module_dir)
     return {"root": str(root), "data_dir": data_dir, "vocabulary": vocabulary, "rows": rows, "module_dir": module_dir}
 
@@ -166,6 +170,29 @@ def test_a_user_mixture_trains_through_t5r_with_its_rates_rewrite_resume_and_con
     shutil.rmtree(os.path.join(model_dir, str(STEPS)))
     assert t5r(train_argv(user_setup, model_dir)) == 0
     assert losses(model_dir) == first, "resuming from step 2 must give the same steps 3 and 4"
+
+    # Evaluation reads the user Tasks' validation split through seqio (no KILT examples file), with
+    # the rewrite, and scores exactly as the same queries and gold pages written as KILT files.
+    data_dir = user_setup["data_dir"]
+    embeddings, index = os.path.join(user_setup["root"], "emb"), os.path.join(user_setup["root"], "index")
+    assert t5r(["encode", f"--checkpoint_dir={model_dir}", f"--kb_dir={data_dir}/kb", f"--output_dir={embeddings}"]) == 0
+    assert t5r(["index", f"--embeddings_dir={embeddings}", f"--output_dir={index}"]) == 0
+    evaluate = ["eval", f"--checkpoint_dir={model_dir}", f"--index_dir={index}", f"--data_dir={data_dir}",
+                "--split=validation", "--tasks=user_mix", f"--gin.MIXTURE_OR_TASK_MODULE='{MODULE_NAME}'"]
+    assert t5r([*evaluate, f"--output_dir={user_setup['root']}/eval_seqio"]) == 0
+    for dataset in ("fever", "nq"):
+        with open(layout.examples_path(data_dir, f"user_{dataset}", "validation"), "w") as f:
+            for e in read_examples(layout.examples_path(data_dir, dataset, "dev")):
+                row = {"id": e.id, "task": f"user_{dataset}", "query": f"REWRITTEN {e.query}",
+                       "gold_pages": [[p] for p in sorted({p for s in e.gold_pages for p in s})],
+                       "positive_passages": list(e.positive_passages[:1])}
+                f.write(json.dumps(row) + "\n")
+    assert t5r([*evaluate, f"--output_dir={user_setup['root']}/eval_files"]) == 0
+    for dataset in ("fever", "nq"):
+        os.remove(layout.examples_path(data_dir, f"user_{dataset}", "validation"))
+    scores = [json.load(open(f"{user_setup['root']}/{d}/results.json")) for d in ("eval_seqio", "eval_files")]
+    assert set(scores[0]) >= {"user_fever", "user_nq"}, scores[0]
+    assert scores[0] == scores[1]
 
     # The operative config alone runs the same training again.
     again = os.path.join(user_setup["root"], "from_config")

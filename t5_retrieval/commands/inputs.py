@@ -12,6 +12,7 @@ from typing import Any
 from t5_retrieval.errors import UserError
 from t5_retrieval.data import layout, task_names
 from t5_retrieval.data.records import DataError, Example, read_examples
+from t5_retrieval.data.retrieval_tasks import text_examples
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import (Encoder, HashedBagOfWordsEncoder, dataset_of, model_task_name,
                                             recorded_tasks)
@@ -108,7 +109,20 @@ def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[s
     for name in expand_task_names(tasks, names):
         task, datasets[name] = model_task_name(encoder, name), dataset_of(encoder, name)
         path = layout.examples_path(data_dir, datasets[name], split)
-        if not os.path.exists(path):
-            raise DataError(f"{path}: no examples for task {name!r} (dataset {datasets[name]!r}), split {split!r}")
-        examples[name] = [dataclasses.replace(e, task=task) for e in read_examples(path)]
+        if os.path.exists(path):
+            examples[name] = [dataclasses.replace(e, task=task) for e in read_examples(path)]
+        elif (seqio_task := registered_task(task)) is not None:
+            examples[name] = text_examples(seqio_task, split)
+        else:
+            raise DataError(f"{path}: no examples for task {name!r} (dataset {datasets[name]!r}), split {split!r}, "
+                            "and no registered seqio Task of that name (--gin.MIXTURE_OR_TASK_MODULE)")
     return examples, datasets
+
+
+def registered_task(name: str) -> Any:
+    """The seqio Task registered as `name` (the project's or a MIXTURE_OR_TASK_MODULE's), or None."""
+    import seqio
+
+    import t5_retrieval.tasks  # noqa: F401  (the project's Tasks)
+
+    return seqio.TaskRegistry.get(name) if name in seqio.TaskRegistry.names() else None

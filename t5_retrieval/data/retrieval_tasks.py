@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -317,11 +318,55 @@ def resolve(names: str | Sequence[str]) -> list[tuple[Any, float]]:
             + "; register it with seqio (e.g. t5_retrieval.tasks.add_retrieval_task) in a module named by "
               "--gin.MIXTURE_OR_TASK_MODULE")
 
-    if isinstance(names, str):
-        found = get(names)
-        if isinstance(found, seqio.Mixture):
-            return [(task, found.get_rate(task)) for task in _declared_order(found)]
-        return [(found, 1.0)]
-    tasks = [get(n) for n in names]
-    rate = functools.partial(seqio.mixing_rate_num_examples, temperature=TEMPERATURE)
-    return [(t, float(rate(t))) for t in tasks]
+    # seqio's rate functions warn, per Task, that an uncached Task's rate uses its declared size:
+    # that is the rate wanted here (the Task cache is ours, not seqio's).
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        if isinstance(names, str):
+            found = get(names)
+            if isinstance(found, seqio.Mixture):
+                return [(task, float(found.get_rate(task))) for task in _declared_order(found)]
+            return [(found, 1.0)]
+        rate = functools.partial(seqio.mixing_rate_num_examples, temperature=TEMPERATURE)
+        return [(t, float(rate(t))) for t in map(get, names)]
+    finally:
+        absl_logger.setLevel(level)
+
+
+def _appended_by_helper(task: Any) -> bool:
+    tail = list(task.preprocessors)[-3:]
+    return len(tail) == 3 and isinstance(tail[0], functools.partial) and tail[0].func is format_queries
+
+
+def text_examples(task: Any, split: str) -> list[Any]:
+    """A helper-registered Task's `split` as evaluation examples: the query text after the user's
+    preprocessors (the model adds the prefix and tokenises it as the Task does), the `gold_pages`
+    as alternative gold pages (each one alone is an evidence set), the `positive` as its passage.
+
+    For `t5r eval` / `t5r mine` on a Task that has no KILT examples file."""
+    import seqio
+
+    from t5_retrieval.data.records import DataError, Example
+
+    if not _appended_by_helper(task):
+        raise DataError(f"seqio Task {task.name!r}: evaluating it needs its query text, which only a Task "
+                        "registered with add_retrieval_task exposes (or give it a KILT examples file)")
+    if split not in task.splits:
+        raise DataError(f"seqio Task {task.name!r} has no split {split!r} (it has {list(task.splits)}); "
+                        "choose one with --split")
+    ds = task.source.get_dataset(split=split, shuffle=False)
+    for prep in list(task.preprocessors)[:-3]:
+        ds = seqio.utils.add_kwargs_to_transform(prep, sequence_length=None, output_features=task.output_features)(ds)
+
+    def text(value: Any) -> str:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+    out = []
+    for ex in ds.as_numpy_iterator():
+        pages = tuple(text(p) for p in ex.get("gold_pages", ()))
+        positive = text(ex.get("positive", b""))
+        out.append(Example(id=text(ex["id"]), task=task.name, query=text(ex["query"]),
+                           gold_pages=tuple((p,) for p in pages), positive_passages=(positive,) if positive else ()))
+    return out
