@@ -117,7 +117,7 @@ def main() -> None:
                f"({result['ratios']['batching_vs_step']:.1f}x); cache {cache_bytes / examples:.0f} B/example; "
                f"full KILT: {result['full_kilt_projection']['materialize_hours']:.2f} h once, "
                f"{result['full_kilt_projection']['cache_gib']:.2f} GiB")
-    common.write_results("bench_seqio_path", result, summary, args.out)
+    common.write_results("seqio_path", result, summary, args.out)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 XLA_CACHE = os.path.join(REPO, ".pytest_cache", "xla")
 
@@ -103,3 +105,12 @@ def test_encode_devices_benchmark_runs_each_device_count_in_its_own_process(tmp_
     assert [result["runs"][n]["devices"] for n in ("1", "2")] == [1, 2], "XLA_FLAGS did not reach the workers"
     assert all(r["passages_per_s"] > 0 for r in result["runs"].values())
     assert result["efficiency_vs_1_device"]["1"] == 1.0 and "2 dev" in line
+
+
+def test_seqio_path_benchmark_materialises_reads_back_and_batches_every_example(tmp_path):
+    result, summary = run_benchmark("seqio_path", ["--examples", "800", "--batching_steps", "2"],
+                                    str(tmp_path / "r.json"))
+    assert result["examples"] == 800, "8 Tasks x 100 examples, each read through seqio and back from the cache"
+    assert result["cache_bytes"] > 0 and result["batching_examples_per_s"] > 0
+    assert result["reference"]["step_queries_per_s_per_device"] == pytest.approx(174.8, rel=0.01)
+    assert "seqio path, 800 examples" in summary
