@@ -13,7 +13,6 @@ mark it, so all of them take the same path through the sequence.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -91,7 +90,7 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
     index, which `Index.check` verifies through the fingerprint); nothing is encoded then."""
     from t5_retrieval.data import embedding_store, layout, task_names
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.records import read_examples
+    from t5_retrieval.data.retrieval_tasks import split_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.encoder import recorded_tasks
     from t5_retrieval.retrieval.evaluate import evaluate, write_results
@@ -119,8 +118,8 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
         index.check(encoder, store.ids())
         tasks = recorded_tasks(encoder)
         # Tables are keyed by the model's task names, as the results tables read them.
-        examples = {task_names.resolve(tasks, d): read_examples(
-            layout.examples_path(data_dir, task_names.dataset_of(tasks, d), eval_split))
+        examples = {task_names.resolve(tasks, d): split_examples(
+            data_dir, task_names.dataset_of(tasks, d), task_names.resolve(tasks, d), eval_split)
             for d in datasets or task_names.datasets(tasks)}
         result = evaluate(encoder, index, examples, store)
         result.tables = {task: result.tables[task] for task in sorted(result.tables)}
@@ -142,7 +141,8 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
     relevance: QA, slot filling), minus answer-holding passages, MT-DPR's confounders."""
     from t5_retrieval.data import layout, task_names
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.records import read_examples, write_negatives
+    from t5_retrieval.data.records import write_negatives
+    from t5_retrieval.data.retrieval_tasks import split_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.encoder import recorded_tasks
     from t5_retrieval.retrieval.index import Index
@@ -157,8 +157,7 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
         for dataset in task_names.datasets(tasks):
             task = task_names.resolve(tasks, dataset)
             # Queries are encoded as the model's task for this dataset (its prefix).
-            examples = [dataclasses.replace(e, task=task)
-                        for e in read_examples(layout.examples_path(data_dir, dataset, "train"))]
+            examples = split_examples(data_dir, dataset, task, "train")
             rows = mine_negatives(encoder, index, examples, store, k=depth,
                                   exclude_answers=dataset in answer_checkable)
             counts[dataset] = write_negatives(layout.negatives_path(negatives_dir, dataset, "train"), rows)

@@ -11,8 +11,8 @@ from typing import Any
 
 from t5_retrieval.errors import UserError
 from t5_retrieval.data import layout, task_names
-from t5_retrieval.data.records import DataError, Example, read_examples
-from t5_retrieval.data.retrieval_tasks import text_examples
+from t5_retrieval.data.records import DataError, Example
+from t5_retrieval.data.retrieval_tasks import has_split, split_examples
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import (Encoder, HashedBagOfWordsEncoder, dataset_of, model_task_name,
                                             recorded_tasks)
@@ -100,29 +100,18 @@ def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[s
     if not tasks:
         examples = load_task_examples(data_dir, split, names)
         return examples, {name: name for name in examples}
+    import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, read when a KILT file is missing)
+
     if not names:
-        names = [d for d in task_names.datasets(tasks) if os.path.exists(layout.examples_path(data_dir, d, split))]
+        names = [d for d in task_names.datasets(tasks)
+                 if has_split(data_dir, d, task_names.resolve(tasks, d), split)]
         if not names:
             raise DataError(f"{os.path.dirname(layout.examples_path(data_dir, 'x', split))}: no {split} examples "
                             f"for any dataset the model was trained on ({', '.join(task_names.datasets(tasks))})")
     examples, datasets = {}, {}
     for name in expand_task_names(tasks, names):
         task, datasets[name] = model_task_name(encoder, name), dataset_of(encoder, name)
-        path = layout.examples_path(data_dir, datasets[name], split)
-        if os.path.exists(path):
-            examples[name] = [dataclasses.replace(e, task=task) for e in read_examples(path)]
-        elif (seqio_task := registered_task(task)) is not None:
-            examples[name] = text_examples(seqio_task, split)
-        else:
-            raise DataError(f"{path}: no examples for task {name!r} (dataset {datasets[name]!r}), split {split!r}, "
-                            "and no registered seqio Task of that name (--gin.MIXTURE_OR_TASK_MODULE)")
+        examples[name] = split_examples(data_dir, datasets[name], task, split)
     return examples, datasets
 
 
-def registered_task(name: str) -> Any:
-    """The seqio Task registered as `name` (the project's or a MIXTURE_OR_TASK_MODULE's), or None."""
-    import seqio
-
-    import t5_retrieval.tasks  # noqa: F401  (the project's Tasks)
-
-    return seqio.TaskRegistry.get(name) if name in seqio.TaskRegistry.names() else None

@@ -370,3 +370,29 @@ def text_examples(task: Any, split: str) -> list[Any]:
         out.append(Example(id=text(ex["id"]), task=task.name, query=text(ex["query"]),
                            gold_pages=tuple((p,) for p in pages), positive_passages=(positive,) if positive else ()))
     return out
+
+
+def has_split(data_dir: str, dataset: str, task_name: str, split: str) -> bool:
+    """`split_examples` has something to read: a KILT file, or a registered seqio Task with `split`."""
+    if os.path.exists(layout.examples_path(data_dir, dataset, split)):
+        return True
+    import seqio
+
+    return task_name in seqio.TaskRegistry.names() and split in seqio.TaskRegistry.get(task_name).splits
+
+
+def split_examples(data_dir: str, dataset: str, task_name: str, split: str) -> list[Any]:
+    """The model's task `task_name` (reading `dataset`) on `split`, for evaluation and mining: the
+    KILT file `<data_dir>/examples/{dataset}-{split}.jsonl` when it exists (KILT's evidence sets),
+    else the registered seqio Task's split (`text_examples`)."""
+    path = layout.examples_path(data_dir, dataset, split)
+    if os.path.exists(path):
+        return [dataclasses.replace(e, task=task_name) for e in read_examples(path)]
+    import seqio
+
+    from t5_retrieval.data.records import DataError
+
+    if task_name in seqio.TaskRegistry.names():
+        return text_examples(seqio.TaskRegistry.get(task_name), split)
+    raise DataError(f"{path}: no examples for task {task_name!r} (dataset {dataset!r}), split {split!r}, and no "
+                    f"registered seqio Task {task_name!r} to read instead (--gin.MIXTURE_OR_TASK_MODULE)")
