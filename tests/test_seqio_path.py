@@ -282,3 +282,31 @@ def test_a_seqio_mixture_names_the_model_tasks_it_holds_in_every_command(user_se
     assert expand(model, ["user_nq", "user_mix"]) == ["user_nq", "user_fever"], "each task once"
     with pytest.raises(UnknownTaskError, match="Mixture 'user_mix' holds \\['user_nq'\\], which this model was not"):
         expand({"user_fever": model["user_fever"]}, ["user_mix"])
+
+
+def test_mixture_rates_are_the_mixtures_own_numbers_functions_and_temperatures():
+    import functools
+
+    import seqio
+
+    from t5_retrieval.data.mixing import sizes_from_rates
+    from t5_retrieval.data.retrieval_tasks import resolve
+
+    names = ["rates_t2", "rates_nested"]
+    try:
+        seqio.MixtureRegistry.add(names[0], ["mini_kilt_fever", "mini_kilt_hotpotqa"],
+                                  default_rate=functools.partial(seqio.mixing_rate_num_examples, temperature=2.0))
+        seqio.MixtureRegistry.add(names[1], [("mini_kilt_wow", 1.0), (names[0], 2.0)])
+        got = resolve(names[0])
+        assert [t.name for t, _ in got] == ["mini_kilt_fever", "mini_kilt_hotpotqa"]
+        assert [r for _, r in got] == pytest.approx([1_045 ** 0.5, 239 ** 0.5]), "declared sizes at T = 2"
+        assert sizes_from_rates([r for _, r in got], 16) == [11, 5]
+        nested = resolve(names[1])
+        assert [t.name for t, _ in nested] == ["mini_kilt_wow", "mini_kilt_fever", "mini_kilt_hotpotqa"], \
+            "a sub-Mixture's Tasks in place, in declared order"
+        share = 2.0 / (1_045 ** 0.5 + 239 ** 0.5)
+        assert [r for _, r in nested] == pytest.approx([1.0, 1_045 ** 0.5 * share, 239 ** 0.5 * share])
+    finally:
+        for name in names:
+            if name in seqio.MixtureRegistry.names():
+                seqio.MixtureRegistry.remove(name)
