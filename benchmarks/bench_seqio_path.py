@@ -41,8 +41,8 @@ def step_queries_per_s(device_tflops: float, mfu: float) -> float:
 
     cfg = t5_config("base")
     b, n = RECIPE["per_device_batch"], RECIPE["num_negatives"]
-    forward = (sum(encoder_matmul_flops(cfg, b, RECIPE["query_len"]).values())
-               + sum(encoder_matmul_flops(cfg, b * (1 + n), RECIPE["passage_len"]).values()))
+    forward = (encoder_matmul_flops(cfg, b, RECIPE["query_len"])["total"]
+               + encoder_matmul_flops(cfg, b * (1 + n), RECIPE["passage_len"])["total"])
     step_seconds = 3 * forward / (device_tflops * 1e12 * mfu)
     return b / step_seconds
 

@@ -1,4 +1,4 @@
-"""One training step: our jitted `make_train_step` vs a PyTorch step built on transformers' T5.
+"""One training step: our jitted `make_train_step` vs a PyTorch step built on transformers' T5 or BERT.
 
 Same work on both sides, float32, dropout 0, same initial weights and batch: ST5-EncDec embeddings
 (encoder + one decoder step) of the queries and of the passages laid out [pos, neg] per query, the
@@ -10,7 +10,11 @@ PyTorch: loss.backward, clip_grad_norm_, torch.optim.AdamW (`--torch_adamw` pick
 The first step's losses are compared, compile time is reported separately, and repeats are
 interleaved so the speed-up is a ratio from the same run.
 
-    .venv/bin/python benchmarks/bench_train_step.py [--sizes small] [--queries 16] [--tasks 1]
+`--sizes minilm`: all-MiniLM-L6-v2 (the installed pretrained weights on both sides) as one shared
+encoder trained on queries and passages (both towers), its recipe's mean pooling, L2 norm and
+logit scale 20, against `transformers.BertModel` doing the same.
+
+    .venv/bin/python benchmarks/bench_train_step.py [--sizes small minilm] [--queries 16] [--tasks 1]
 """
 
 from __future__ import annotations
@@ -64,14 +68,62 @@ class TorchStep:
         return total
 
 
+class TorchBertStep(TorchStep):
+    """The reference step for a BERT dual encoder: masked mean pooling, L2 norm, scaled logits."""
+
+    def __init__(self, model: transformers.BertModel, adamw_kernel: str, logit_scale: float):
+        super().__init__(model, adamw_kernel)
+        self.logit_scale = logit_scale
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = (ids != 0).to(torch.float32)
+        hidden = self.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1.0)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+    def __call__(self, batch: dict[str, dict[str, torch.Tensor]]) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for task_batch in batch.values():
+            queries, passages = self.embed(task_batch["query_tokens"]), self.embed(task_batch["passage_tokens"])
+            logits = self.logit_scale * queries @ passages.T
+            labels = torch.arange(queries.shape[0]) * (passages.shape[0] // queries.shape[0])
+            loss = torch.nn.functional.cross_entropy(logits, labels)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return total
+
+
+def minilm_models(seed: int):
+    """Our MiniLM dual encoder (config from models/minilm_l6.gin, pretrained weights) and HF's."""
+    import gin
+
+    from t5_retrieval import gin_utils, sharding
+    from t5_retrieval.models.build import build_model, init_params, initial_params, model_config
+    from t5_retrieval.models.pretrained import minilm_l6_dir
+
+    gin.clear_config()
+    gin_utils.parse_gin(["models/minilm_l6.gin"], ["BertConfig.dropout_rate = 0.0"])
+    config = model_config()
+    gin.clear_config()
+    model = build_model(config)
+    params, _ = init_params(model, jax.random.PRNGKey(seed), sharding.make_mesh(), sharding.logical_axis_rules())
+    params = initial_params(minilm_l6_dir(), params, config)
+    hf = transformers.BertModel.from_pretrained(minilm_l6_dir(), add_pooling_layer=False,
+                                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return model, {"params": params}, hf, config
+
+
 class OursStep:
     """Our jitted step, holding the (donated) state between calls."""
 
-    def __init__(self, model, variables, task_names: list[str], batch: dict):
+    def __init__(self, model, variables, task_names: list[str], batch: dict, logit_scale: float = 1.0):
         optimizer = make_optimizer(total_steps=1000, num_tasks=len(task_names), learning_rate=LEARNING_RATE)
         params = variables["params"]
         self.state = TrainState.create(params, jax.jit(optimizer.init)(params), jax.random.PRNGKey(0))
-        step_fn = make_train_step(model, optimizer, task_names, per_task=False)
+        step_fn = make_train_step(model, optimizer, task_names, per_task=False, logit_scale=logit_scale)
         start = time.perf_counter()
         self.compiled = jax.jit(step_fn, donate_argnums=(0,)).lower(self.state, batch).compile()
         self.compile_s = time.perf_counter() - start
@@ -83,20 +135,25 @@ class OursStep:
 
 def bench_size(size: str, queries: int, tasks: int, negatives: int, query_len: int, passage_len: int,
                repeats: int, adamw_kernel: str, seed: int, profile: bool) -> dict:
-    cfg = t5_config(size)
-    hf = hf_t5(cfg, seed)
-    model, variables = ours_from_hf(cfg, hf)
+    if size == "minilm":
+        model, variables, hf, config = minilm_models(seed)
+        logit_scale, vocab_size, described = config["dual_encoder"]["logit_scale"], config["bert"]["vocab_size"], config
+    else:
+        cfg = t5_config(size)
+        hf = hf_t5(cfg, seed)
+        model, variables = ours_from_hf(cfg, hf)
+        logit_scale, vocab_size, described = 1.0, cfg.vocab_size, dataclasses.asdict(cfg)
     task_names = [f"task_{k}" for k in range(tasks)]
     data = RandomBatches(per_device_batch=queries, local_data_devices=1, seed=seed, task_names=task_names,
-                         vocab_size=cfg.vocab_size, query_len=query_len, passage_len=passage_len,
+                         vocab_size=vocab_size, query_len=query_len, passage_len=passage_len,
                          num_negatives=negatives)
     np_batch = next(data)
     jax_batch = jax.device_put(np_batch)
     torch_batch = {name: {key: torch.from_numpy(v).long() for key, v in b.items() if key.endswith("tokens")}
                    for name, b in np_batch.items()}
 
-    ours = OursStep(model, variables, task_names, jax_batch)
-    theirs = TorchStep(hf, adamw_kernel)
+    ours = OursStep(model, variables, task_names, jax_batch, logit_scale)
+    theirs = TorchStep(hf, adamw_kernel) if size != "minilm" else TorchBertStep(hf, adamw_kernel, logit_scale)
     ours_loss, theirs_loss = ours(jax_batch), theirs(torch_batch)  # warm-up; same weights -> same loss
     times = common.interleaved_times({"ours": lambda: ours(jax_batch), "transformers": lambda: theirs(torch_batch)},
                                      repeats)
@@ -106,7 +163,7 @@ def bench_size(size: str, queries: int, tasks: int, negatives: int, query_len: i
     } if profile else None
     speed = common.speedup(times, "ours", "transformers")
     return {
-        "config": dataclasses.asdict(cfg),
+        "config": described,
         "batch": {"queries": queries, "tasks": tasks, "queries_per_task": data.sizes,
                   "hard_negatives": negatives, "query_len": query_len, "passage_len": passage_len,
                   "passages": queries * (1 + negatives)},
@@ -125,7 +182,8 @@ def bench_size(size: str, queries: int, tasks: int, negatives: int, query_len: i
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["small"],
-                        help="model sizes: gin_configs/models/t5_<size>.gin (base is slow; tiny for smoke tests)")
+                        help="model sizes: gin_configs/models/t5_<size>.gin (base is slow; tiny for smoke tests), "
+                             "or minilm (all-MiniLM-L6-v2, both towers)")
     parser.add_argument("--queries", type=int, default=16, help="total queries per step (all tasks)")
     parser.add_argument("--tasks", type=int, default=1, help="tasks sharing the queries (sequential passes)")
     parser.add_argument("--negatives", type=int, default=1, help="hard negatives per query")

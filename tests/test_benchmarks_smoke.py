@@ -112,5 +112,17 @@ def test_seqio_path_benchmark_materialises_reads_back_and_batches_every_example(
                                     str(tmp_path / "r.json"))
     assert result["examples"] == 800, "8 Tasks x 100 examples, each read through seqio and back from the cache"
     assert result["cache_bytes"] > 0 and result["batching_examples_per_s"] > 0
-    assert result["reference"]["step_queries_per_s_per_device"] == pytest.approx(174.8, rel=0.01)
+    assert result["reference"]["step_queries_per_s_per_device"] == pytest.approx(349.6, rel=0.01)
     assert "seqio path, 800 examples" in summary
+
+
+def test_scann_scale_benchmark_measures_each_layout_in_its_own_process(tmp_path):
+    result, summary = run_benchmark("scann_scale", ["--n", "4000", "--queries", "50", "--layouts", "ah4+int8", "ah1",
+                                                    "--leaves_to_search", "10", "--reorder_depths", "300"],
+                                    str(tmp_path / "r.json"))
+    for name in ("ah4+int8", "ah1"):
+        layout = result["layouts"][name]
+        assert layout["resident_bytes_per_vector"] > 0 and layout["serialized_bytes_per_vector"] > 0, layout
+        assert 0 < layout["sweep"][0]["recall"] <= 1 and layout["sweep"][0]["qps"] > 0
+    assert result["layouts"]["ah4+int8"]["sweep"][0]["reorder_depth"] == 300
+    assert summary.startswith("bench_scann_scale: ScaNN 4,000 x 768")
