@@ -100,7 +100,7 @@ def minilm_models(seed: int):
     """Our MiniLM dual encoder (config from models/minilm_l6.gin, pretrained weights) and HF's."""
     import gin
 
-    from t5_retrieval import gin_utils, sharding
+    from t5_retrieval import gin_utils, sharding, train  # noqa: F401  (train: the model file binds train.init_from)
     from t5_retrieval.models.build import build_model, init_params, initial_params, model_config
     from t5_retrieval.models.pretrained import minilm_l6_dir
 
