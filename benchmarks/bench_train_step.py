@@ -45,20 +45,25 @@ LEARNING_RATE = 1e-5
 
 
 class TorchStep:
-    """The reference step: embeddings, in-batch softmax CE, backward, clip 1.0, AdamW."""
+    """The reference step: embeddings, in-batch softmax CE (logits times `logit_scale`), backward,
+    clip 1.0, AdamW."""
 
     def __init__(self, model: transformers.T5Model, adamw_kernel: str):
         self.model = model.train()  # dropout_rate is 0, so train mode changes nothing but the flag
         kernel = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[adamw_kernel]
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0, **kernel)
 
+    logit_scale = 1.0
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return hf_embed(self.model, ids)
+
     def __call__(self, batch: dict[str, dict[str, torch.Tensor]]) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for task_batch in batch.values():  # tasks one after another, like ours
-            queries = hf_embed(self.model, task_batch["query_tokens"])
-            passages = hf_embed(self.model, task_batch["passage_tokens"])
-            logits = queries @ passages.T
+            queries, passages = self.embed(task_batch["query_tokens"]), self.embed(task_batch["passage_tokens"])
+            logits = self.logit_scale * queries @ passages.T
             labels = torch.arange(queries.shape[0]) * (passages.shape[0] // queries.shape[0])
             loss = torch.nn.functional.cross_entropy(logits, labels)
             loss.backward()
@@ -80,20 +85,6 @@ class TorchBertStep(TorchStep):
         hidden = self.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state
         pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1.0)
         return torch.nn.functional.normalize(pooled, dim=-1)
-
-    def __call__(self, batch: dict[str, dict[str, torch.Tensor]]) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for task_batch in batch.values():
-            queries, passages = self.embed(task_batch["query_tokens"]), self.embed(task_batch["passage_tokens"])
-            logits = self.logit_scale * queries @ passages.T
-            labels = torch.arange(queries.shape[0]) * (passages.shape[0] // queries.shape[0])
-            loss = torch.nn.functional.cross_entropy(logits, labels)
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        return total
 
 
 def minilm_models(seed: int):
