@@ -310,3 +310,22 @@ def test_mixture_rates_are_the_mixtures_own_numbers_functions_and_temperatures()
         for name in names:
             if name in seqio.MixtureRegistry.names():
                 seqio.MixtureRegistry.remove(name)
+
+
+def test_the_documented_user_module_registers_its_task_and_mixture():
+    import seqio
+
+    from t5_retrieval.data.retrieval_tasks import describe, resolve
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data.md")) as f:
+        section = f.read().split("### Your own Tasks and Mixtures", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    try:
+        exec(compile(code, "docs/data.md:my_tasks.py", "exec"), {"__name__": "my_tasks"})
+        got = resolve("my_mix")
+        assert [(t.name, r) for t, r in got] == [("my_faq", 3.0), ("kilt_nq", 1.0)]
+        assert describe(got[0][0]).dataset == "my_faq" and describe(got[1][0]).prefix == "NQ"
+    finally:
+        for registry, name in ((seqio.MixtureRegistry, "my_mix"), (seqio.TaskRegistry, "my_faq")):
+            if name in registry.names():
+                registry.remove(name)
