@@ -125,3 +125,29 @@ def test_cli_builds_an_index_with_gin_overrides(tmp_path):
     assert meta["scann"]["mode"] == "brute_force" and meta["scann"]["reorder_num_neighbors"] == 50, meta
     from t5_retrieval import cli
     assert cli.main(["index", "--embeddings_dir", str(tmp_path), "--output_dir", str(out)]) == 2, "no manifest -> exit 2"
+
+
+def test_reordering_copy_dtype_trades_index_size_for_recall(tmp_path):
+    """float32 > int8 > no reordering copy in bytes on disk; each keeps most of exact search's top 10."""
+    matrix = clustered(6000, 32)
+    emb_dir, _ = write(tmp_path, matrix)
+    queries = clustered(50, 32, seed=2)
+    expected = exact_top_k(matrix, queries, 10)
+    sizes, recalls = {}, {}
+    for dtype in ("float32", "int8", "none"):
+        out = tmp_path / f"idx_{dtype}"
+        try:  # The flags docs/retrieval.md gives for the 16 GB layout at full KILT.
+            assert index.main(["--embeddings_dir", emb_dir, "--output_dir", str(out),
+                               "--gin.ScannConfig.mode='tree_ah'", f"--gin.ScannConfig.reorder_dtype='{dtype}'",
+                               "--gin.ScannConfig.dimensions_per_block=1"]) == 0
+        finally:
+            gin.clear_config()
+        loaded = index.Index.load(str(out))
+        assert loaded.config.reorder_dtype == dtype and loaded.config.reorders == (dtype != "none")
+        sizes[dtype] = sum(f.stat().st_size for f in (out / index.SCANN_DIR).iterdir())
+        rows, _ = loaded.search(queries, k=10)
+        recalls[dtype] = np.mean([len(set(r.tolist()) & set(e.tolist())) / 10 for r, e in zip(rows, expected)])
+    assert sizes["float32"] > sizes["int8"] > sizes["none"], sizes
+    assert min(recalls.values()) >= 0.8, recalls
+    with pytest.raises(ValueError, match="reorder_dtype must be one of float32, bfloat16, int8, none, got 'fp16'"):
+        index.ScannConfig(reorder_dtype="fp16").resolved(100)

@@ -105,7 +105,7 @@ class RetrievalModule(tf.Module):
         prefixes = preprocess.prefix_strings([features["tasks"][t]["prefix"] for t in self._task_names])
         self._query_len = int(features["query_len"])
         self._num_passages = len(index)
-        self._reorder = index.config.reorder_num_neighbors if index.config.mode != "brute_force" else -1
+        self._reorder = index.config.reorder_num_neighbors if index.config.reorders else -1
         names, positions = task_lookup(features["tasks"], self._task_names)
         self._task_table = tf.lookup.StaticHashTable(
             tf.lookup.KeyValueTensorInitializer(names, tf.constant(positions, dtype=tf.int32)), default_value=-1)
