@@ -32,11 +32,13 @@ demo: $(STAMP)
 	$(PY) -m t5_retrieval.demo --data=$(DATA) --out=$(OUT)
 
 # docs/RESULTS.md from scratch: `make results MINI_KILT=<mini-KILT directory>` (hours on a CPU;
-# shows progress, resumes when rerun). MINI_KILT=slice runs the rows on the shipped demo slice.
+# shows progress, resumes when rerun). MINI_KILT=slice runs the rows on the shipped demo slice;
+# SEEDS=0,1,2 repeats the method rows with three training seeds.
 MINI_KILT ?=
+SEEDS ?= 0
 results: $(STAMP)
 	@test -n "$(MINI_KILT)" || { echo "make results: set MINI_KILT=<the mini-KILT directory> (or MINI_KILT=slice)"; exit 2; }
-	$(VENV)/bin/t5r results --data=$(MINI_KILT) --work_dir=$(RESULTS) --markdown=$(RESULTS)/table.md
+	$(VENV)/bin/t5r results --data=$(MINI_KILT) --work_dir=$(RESULTS) --seeds=$(SEEDS) --markdown=$(RESULTS)/table.md
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done

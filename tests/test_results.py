@@ -3,6 +3,7 @@
 import json
 import os
 
+import numpy as np
 import pytest
 
 from conftest import SHARED_DATA
@@ -10,6 +11,7 @@ from t5_retrieval import cli
 from t5_retrieval.results.analysis import analysis_table
 from t5_retrieval.results.common import TASKS
 from t5_retrieval.results.qa_open import bm25_answer_recall, qa_open_dir, qa_open_table
+from t5_retrieval.results.significance import differences_table, paired_bootstrap, per_query_scores, seed_dir
 from t5_retrieval.results.tables import markdown_table
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="needs ../shared mini-KILT")
@@ -63,7 +65,7 @@ def test_table_reads_trained_rows_by_the_models_task_names_and_sums_stage_times(
         json.dump(tables, f)
     row = [line for line in markdown_table(work_dir).splitlines() if line.startswith("| TACO |")]
     assert row == ["| TACO | " + " | ".join(f"{0.1 * (i + 1):.3f} | 0.500" for i in range(len(TASKS)))
-                   + " | 0.350 | 0.500 | 120 s |"], row
+                   + " | 0.350 | 0.500 | 1 | 120 s |"], row
     assert analysis_table(work_dir) == "", "no analysed model, no analysis table"
 
 
@@ -99,3 +101,79 @@ def test_qa_open_table_puts_bm25_before_and_after_side_by_side(tmp_path):
     titles = [line.split(" | ")[0] for line in lines[2:]]
     assert titles == ["| BM25", "| MiniLM-L6 zero-shot", "| query-side fine-tuned"], titles
     assert lines[4].split(" | ")[1:4] == ["0.205", "0.220", "0.300"], lines[4]
+
+
+def degraded_copy(run_dir: str, out_dir: str, task: str) -> None:
+    """A copy of a run's KILT predictions with `task`'s rankings reversed (its gold pages fall to the end)."""
+    src = os.path.join(run_dir, "eval", "predictions")
+    os.makedirs(os.path.join(out_dir, "eval", "predictions"))
+    for name in os.listdir(src):
+        if not name.endswith(".jsonl"):
+            continue
+        with open(os.path.join(src, name)) as f:
+            rows = [json.loads(line) for line in f]
+        if name == f"{task}.jsonl":
+            for row in rows:
+                row["output"][0]["provenance"].reverse()
+        with open(os.path.join(out_dir, "eval", "predictions", name), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    with open(os.path.join(run_dir, "eval", "results.json")) as f:
+        tables = json.load(f)
+    with open(os.path.join(out_dir, "eval", "results.json"), "w") as f:
+        json.dump(tables, f)
+
+
+def test_per_query_scores_average_to_the_eval_table_and_seeds_give_intervals(bm25_run):
+    work_dir, data_dir = bm25_run, os.path.join(bm25_run, "data")
+    per_query = per_query_scores(os.path.join(work_dir, "bm25"), data_dir)
+    with open(os.path.join(work_dir, "bm25", "eval", "results.json")) as f:
+        tables = json.load(f)
+    for task in TASKS:
+        assert len(per_query[task]["Rprec"]) == tables[task]["n"]
+        for key in ("Rprec", "recall@20"):
+            assert per_query[task][key].mean() == pytest.approx(tables[task][key], abs=1e-12), (task, key)
+
+    # Two seeds of a "method" that ranks fever backwards: fever's R-precision collapses, a significant drop.
+    for seed in (0, 1):
+        degraded_copy(os.path.join(work_dir, "bm25"), seed_dir(work_dir, "worse", seed), "fever")
+    table = differences_table(work_dir, data_dir, {"bm25": "BM25", "worse": "fever reversed"}, ["bm25"])
+    lines = table.splitlines()
+    assert lines[0] == "| row | seeds | R-prec - BM25 | R@20 - BM25 |", table
+    assert lines[2] == "| BM25 | 1 | - | - |", table
+    worse = lines[3].split(" | ")
+    assert worse[:2] == ["| fever reversed", "2"], table
+    drop = per_query_scores(seed_dir(work_dir, "worse", 1), data_dir)["fever"]["Rprec"].mean() - \
+        per_query["fever"]["Rprec"].mean()
+    assert drop < -0.3 and worse[2].startswith(f"{drop / len(TASKS):+.3f} [") and worse[2].endswith(" *"), table
+    assert worse[3].startswith("-") and worse[3].endswith(" * |"), table
+
+
+def test_paired_bootstrap_interval_matches_the_normal_approximation():
+    rng = np.random.default_rng(3)
+    baseline = {"a": rng.random(400), "b": rng.random(900)}
+    shift = {"a": 0.02, "b": -0.01}
+    method = {t: baseline[t] + shift[t] + rng.normal(0, 0.3, baseline[t].size) for t in baseline}
+    diff = paired_bootstrap(method, baseline)
+    observed = np.mean([np.mean(method[t] - baseline[t]) for t in baseline])
+    assert diff.mean == pytest.approx(observed)
+    se = np.sqrt(sum(np.var(method[t] - baseline[t]) / baseline[t].size for t in baseline)) / 2
+    assert diff.high - diff.low == pytest.approx(2 * 1.96 * se, rel=0.15), (diff, se)
+    assert diff.low < observed < diff.high and not diff.significant, "a 0.005 mean shift is inside this noise"
+    same = paired_bootstrap(baseline, baseline)
+    assert (same.mean, same.low, same.high, same.significant) == (0.0, 0.0, 0.0, False)
+
+
+def test_seeds_are_validated(tmp_path, capsys):
+    assert cli.main(["results", "--data", SHARED_DATA, "--work_dir", str(tmp_path), "--seeds", "0,x"]) == 2
+    assert "--seeds must be comma-separated integers, got '0,x'" in capsys.readouterr().err
+
+
+def test_table_shows_mean_and_std_over_a_rows_seeds(tmp_path):
+    work_dir = str(tmp_path)
+    for seed, rprec in ((0, 0.2), (1, 0.4), (2, 0.3)):
+        os.makedirs(os.path.join(seed_dir(work_dir, "pcgrad", seed), "eval"))
+        with open(os.path.join(seed_dir(work_dir, "pcgrad", seed), "eval", "results.json"), "w") as f:
+            json.dump({f"mini_kilt_{t}": {"Rprec": rprec, "recall@20": 0.5} for t in TASKS}, f)
+    row = [line for line in markdown_table(work_dir).splitlines() if line.startswith("| PCGrad |")]
+    assert row == ["| PCGrad | " + " | ".join("0.300 ± 0.100 | 0.500 ± 0.000" for _ in range(len(TASKS) + 1))
+                   + " | 3 | 0 s |"], row

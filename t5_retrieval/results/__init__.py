@@ -27,6 +27,12 @@ Rows:
 - ``t5_scratch_naive``, ``gdmtl``: a tiny T5 from scratch (no pretrained T5 offline), both sides
   trained, naive multi-task without and with GDMTL's query-generation objective.
 
+`--seeds 0,1,2` runs every row of `SEEDED` (the method comparisons) once per seed (training data
+order and the initialisation of new parameters; seed k > 0 writes `<work_dir>/<row>-seed<k>`). The
+table then gives each cell as mean +- standard deviation over the finished seeds, and a second table
+each row's difference to naive multi-task without and with prefixes with a paired bootstrap 95%
+interval over the dev queries (`significance`).
+
 After the rows, the task-specialisation analysis (TACO Fig. 1-2) runs for naive multi-task and TACO
 (`sensitivity_analysis`) and its table is printed below the results.
 """
@@ -44,7 +50,8 @@ from t5_retrieval.data.kilt_slice import SHIPPED, extract
 from t5_retrieval.results.analysis import analysis_table, sensitivity_analysis
 from t5_retrieval.results.common import prepare_data
 from t5_retrieval.results.qa_open import qa_open_table
-from t5_retrieval.results.rows import ROWS
+from t5_retrieval.results.rows import BASELINES, ROWS, SEEDED
+from t5_retrieval.results.significance import differences_table, seed_dir
 from t5_retrieval.results.tables import markdown_table
 
 
@@ -58,6 +65,8 @@ def main(argv: list[str]) -> int:
                         help="the mini-KILT directory, or 'slice' for the shipped demo slice of it")
     parser.add_argument("--work_dir", required=True, help="where every row writes (resumed if it exists)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from: {', '.join(ROWS)}")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated training seeds for the method rows (" + ", ".join(SEEDED) + ")")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
@@ -65,16 +74,27 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"t5r results: error: unknown rows {unknown}; known: {', '.join(ROWS)}", file=sys.stderr)
         return 2
+    try:
+        seeds = sorted({int(s) for s in args.seeds.split(",") if s})
+    except ValueError:
+        print(f"t5r results: error: --seeds must be comma-separated integers, got {args.seeds!r}", file=sys.stderr)
+        return 2
+    if not seeds or min(seeds) < 0:
+        print(f"t5r results: error: --seeds must list integers >= 0, got {args.seeds!r}", file=sys.stderr)
+        return 2
     logs.setup()
     data_dir = os.path.join(args.work_dir, "data")
     raw_dir = extract(SHIPPED, args.work_dir) if args.data == "slice" else os.path.abspath(args.data)
     prepare_data(raw_dir, data_dir)
     for name in rows:
-        start = time.time()
-        ROWS[name][1](os.path.join(args.work_dir, name), data_dir)
-        log.info("results: row %s done in %.0f s", name, time.time() - start)
+        for seed in seeds if name in SEEDED else [0]:
+            start = time.time()
+            run_dir = seed_dir(args.work_dir, name, seed)
+            ROWS[name][1](run_dir, data_dir, **({"seed": seed} if name in SEEDED else {}))
+            log.info("results: row %s (seed %d) done in %.0f s", name, seed, time.time() - start)
     sensitivity_analysis(args.work_dir)
-    table = "\n".join(t for t in (markdown_table(args.work_dir), analysis_table(args.work_dir),
+    differences = differences_table(args.work_dir, data_dir, {n: ROWS[n][0] for n in SEEDED}, BASELINES)
+    table = "\n".join(t for t in (markdown_table(args.work_dir), differences, analysis_table(args.work_dir),
                                    qa_open_table(args.work_dir)) if t)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -16,13 +17,19 @@ def prepare_data(raw_dir: str, data_dir: str) -> None:
     prepare_missing(os.path.join(raw_dir, "kb", "passages.jsonl"), raw_dir, data_dir, TASKS)
 
 
-def dataset_table(tables: dict[str, Any], dataset: str) -> dict[str, Any]:
-    """A dataset's entry of a `t5r eval` table, keyed by the model's name for it (the dataset itself,
-    or the registered `mini_kilt_{dataset}` task in any prefix variant)."""
+def dataset_name(names: Iterable[str], dataset: str) -> str:
+    """Which of a model's task names is `dataset`: the dataset itself, or the registered
+    `mini_kilt_{dataset}` task in any prefix variant."""
+    names = set(names)
     for name in (dataset, *(f"mini_kilt_{dataset}{v}" for v in ("", "_noprefix", "_typed"))):
-        if name in tables:
-            return tables[name]
-    raise KeyError(f"no table for {dataset} among {sorted(tables)}")
+        if name in names:
+            return name
+    raise KeyError(f"no task for {dataset} among {sorted(names)}")
+
+
+def dataset_table(tables: dict[str, Any], dataset: str) -> dict[str, Any]:
+    """A dataset's entry of a `t5r eval` table (keyed by the model's name for it, `dataset_name`)."""
+    return tables[dataset_name(tables, dataset)]
 
 
 def run_cli(argv: list[str]) -> dict[str, Any]:

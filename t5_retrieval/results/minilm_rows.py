@@ -96,9 +96,10 @@ TACO_BINDINGS = ("multitask.taco.beta = 0.99",)
 
 def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., None]:
     """A row trained with `runs/<run_file>` on `mixture`, from MiniLM, over its frozen passage embeddings
-    (those of the zero-shot row in `base_dir`, by default the row's sibling `minilm_zeroshot`)."""
+    (those of the zero-shot row in `base_dir`, by default the row's sibling `minilm_zeroshot`);
+    `seed` sets the training data order and the initialisation of parameters MiniLM does not have."""
 
-    def row(row_dir: str, data_dir: str, base_dir: str | None = None) -> None:
+    def row(row_dir: str, data_dir: str, seed: int = 0, base_dir: str | None = None) -> None:
         from t5_retrieval.stages import index_and_evaluate, stage
 
         base_dir = base_dir or os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
@@ -107,7 +108,7 @@ def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., No
         gin_bindings = [f"DATA_DIR = '{data_dir}'", f"MIXTURE_OR_TASK_NAME = '{mixture}'", *TRAIN_BINDINGS,
                         f"train.init_from = '{os.path.join(base_dir, 'model')}'",
                         f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'",
-                        *bindings]
+                        f"train.seed = {seed}", *bindings]
         stage(model_dir, f"train {run_file}",
               lambda: train_model(model_dir, ["models/minilm_l6.gin", f"runs/{run_file}"], gin_bindings))
         index_and_evaluate(row_dir, model_dir, data_dir, index_dir=os.path.join(base_dir, "index"))
@@ -120,23 +121,24 @@ def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., No
 ANSWER_CHECKABLE = ("hotpotqa", "trex", "entityquestions")
 
 
-def confounders_row(row_dir: str, data_dir: str) -> None:
+def confounders_row(row_dir: str, data_dir: str, seed: int = 0) -> None:
     """MT-DPR's adversarial confounders: negatives mined by MiniLM (its top-110 minus gold pages and,
-    for ANSWER_CHECKABLE tasks, minus answer-holding passages), then naive multi-task without prefix."""
+    for ANSWER_CHECKABLE tasks, minus answer-holding passages; mined once into the zero-shot row and
+    shared by every seed), then naive multi-task without prefix."""
     from t5_retrieval.stages import mine_stage
 
     base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
     minilm_zeroshot_row(base_dir, data_dir)
-    negatives_dir = os.path.join(row_dir, "negatives")
+    negatives_dir = os.path.join(base_dir, "confounder_negatives")
     mine_stage(negatives_dir, os.path.join(base_dir, "model"), os.path.join(base_dir, "index"), data_dir, 110,
                ANSWER_CHECKABLE)
-    trained_row("mt_dpr.gin", "mini_kilt_noprefix", f"NEGATIVES = '{negatives_dir}'")(row_dir, data_dir)
+    trained_row("mt_dpr.gin", "mini_kilt_noprefix", f"NEGATIVES = '{negatives_dir}'")(row_dir, data_dir, seed)
 
 
 TASK_SPECIFIC_STEPS = 100  # per model: >= 1 epoch of every dataset's 32-query batches; 6 models cost 3x a row
 
 
-def task_specific_row(row_dir: str, data_dir: str) -> None:
+def task_specific_row(row_dir: str, data_dir: str, seed: int = 0) -> None:
     """One model per dataset (naive, no prefix, TASK_SPECIFIC_STEPS steps of its own queries), each
     scored on its own dataset; the row's table joins the six."""
     from t5_retrieval.stages import stage
@@ -144,7 +146,7 @@ def task_specific_row(row_dir: str, data_dir: str) -> None:
     base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
     for task in TASKS:
         trained_row("single_task.gin", f"mini_kilt_{task}_noprefix", f"TRAIN_STEPS = {TASK_SPECIFIC_STEPS}")(
-            os.path.join(row_dir, task), data_dir, base_dir)
+            os.path.join(row_dir, task), data_dir, seed, base_dir)
     stage(os.path.join(row_dir, "eval"), "join task-specific tables", lambda: join_tables(row_dir))
 
 

@@ -33,3 +33,12 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
                          t5_scratch_row("naive_multitask.gin")),
     "gdmtl": ("GDMTL (T5 from scratch)", t5_scratch_row("gdmtl.gin")),
 }
+
+# Rows whose function takes `seed` (training data order, initialisation of new parameters): the
+# method comparisons that `t5r results --seeds` repeats. The others are deterministic or are built on
+# seed 0's models (DPR-MUF fuses the task-specific row's experts).
+SEEDED = ("naive_noprefix", "naive_prefix", "naive_typed", "taco", "taco_nonzero_median", "taco_typed", "pcgrad",
+          "cgd", "gradnorm", "mt_dpr_confounders", "task_specific")
+
+# The baselines every method's difference is measured against (same inputs: without / with the prefixes).
+BASELINES = ("naive_noprefix", "naive_prefix")

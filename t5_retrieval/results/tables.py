@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
 from t5_retrieval.results.common import TASKS, dataset_table
 from t5_retrieval.results.rows import ROWS
+from t5_retrieval.results.significance import finished_seeds, seed_dir
 from t5_retrieval.stages import DONE
 
 
@@ -14,20 +17,36 @@ COLUMNS = (("Rprec", "R-prec"), ("recall@20", "R@20"))
 
 
 def markdown_table(work_dir: str) -> str:
-    """Page-level R-precision / recall@20 per task and their unweighted mean, one line per finished row."""
-    header = "| row | " + " | ".join(f"{t} {c}" for t in (*TASKS, "mean") for _, c in COLUMNS) + " | wall time |"
-    lines = [header, "|" + "---|" * (2 + 2 * (len(TASKS) + 1))]
+    """Page-level R-precision / recall@20 per task and their unweighted mean, one line per finished row.
+
+    A row run with several seeds shows mean +- standard deviation (ddof 1) over its finished seeds,
+    and the wall time of one seed on average.
+    """
+    header = ("| row | " + " | ".join(f"{t} {c}" for t in (*TASKS, "mean") for _, c in COLUMNS)
+              + " | seeds | wall time |")
+    lines = [header, "|" + "---|" * (3 + 2 * (len(TASKS) + 1))]
     for name, (title, _) in ROWS.items():
-        path = os.path.join(work_dir, name, "eval", "results.json")
-        if not os.path.exists(path):
+        seeds = finished_seeds(work_dir, name)
+        if not seeds:
             continue
-        with open(path) as f:
-            tables = json.load(f)
-        values = {t: [dataset_table(tables, t)[k] for k, _ in COLUMNS] for t in TASKS}
-        values["mean"] = [sum(values[t][i] for t in TASKS) / len(TASKS) for i in range(len(COLUMNS))]
-        cells = [f"{v:.3f}" for t in (*TASKS, "mean") for v in values[t]]
-        lines.append(f"| {title} | " + " | ".join(cells) + f" | {row_seconds(os.path.join(work_dir, name)):.0f} s |")
+        runs = []
+        for seed in seeds:
+            with open(os.path.join(seed_dir(work_dir, name, seed), "eval", "results.json")) as f:
+                tables = json.load(f)
+            values = {t: [dataset_table(tables, t)[k] for k, _ in COLUMNS] for t in TASKS}
+            values["mean"] = [sum(values[t][i] for t in TASKS) / len(TASKS) for i in range(len(COLUMNS))]
+            runs.append(values)
+        cells = [cell([run[t][i] for run in runs]) for t in (*TASKS, "mean") for i in range(len(COLUMNS))]
+        seconds = np.mean([row_seconds(seed_dir(work_dir, name, s)) for s in seeds])
+        lines.append(f"| {title} | " + " | ".join(cells) + f" | {len(seeds)} | {seconds:.0f} s |")
     return "\n".join(lines) + "\n"
+
+
+def cell(values: list[float]) -> str:
+    """One value as 0.123, several as their mean +- sample standard deviation."""
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
 
 
 def row_seconds(row_dir: str) -> float:
