@@ -21,7 +21,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from t5_retrieval.models.t5 import padding_bias, param_init, with_constraint
+from t5_retrieval.models.t5 import attend, padding_bias, param_init, with_constraint
 
 Array = jax.Array
 PAD_ID = 0
@@ -130,7 +130,7 @@ class SelfAttention(nn.Module):
         logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + bias
         weights = jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype)
         weights = nn.Dropout(cfg.dropout_rate)(weights, deterministic=deterministic)
-        context = jnp.einsum("bhqs,bshk->bqhk", weights, v)
+        context = attend(weights, v)
         wo = self._param("out_kernel", (cfg.num_heads, cfg.d_kv, cfg.hidden_size),
                          _normal(cfg, ("heads", "kv", "embed")))
         bo = self._param("out_bias", (cfg.hidden_size,), _zeros(("embed",)))

@@ -52,6 +52,16 @@ class T5Config:
         return jnp.dtype(self.dtype)
 
 
+def attend(weights: jax.Array, values: jax.Array) -> jax.Array:
+    """Attention weights [b, h, q, s] applied to values [b, s, h, k] -> [b, q, h, k].
+
+    The product is taken head-major ([b, h, q, k]) and then transposed: asked for [b, q, h, k]
+    directly, XLA's CPU backend fuses the softmax into a strided batched matmul that took a third of
+    MiniLM's encode time; this form gives bitwise the same values 1.3x faster end to end.
+    """
+    return jnp.swapaxes(jnp.einsum("bhqs,bshk->bhqk", weights, values), 1, 2)
+
+
 def with_constraint(x: Array, names: tuple[str | None, ...]) -> Array:
     """Annotates an activation with logical axes; a no-op outside a mesh/rules context."""
     return nn.with_logical_constraint(x, names)
@@ -154,7 +164,7 @@ class Attention(nn.Module):
             v = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wv), names)
             logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + bias
             weights = dropout(jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype), deterministic=deterministic)
-            out = jnp.einsum("bhqs,bshk->bqhk", weights, v)
+            out = attend(weights, v)
         out = jnp.einsum("bqhk,hkd->bqd", out, wo)
         return with_constraint(out, ("batch", "length", "embed"))
 
