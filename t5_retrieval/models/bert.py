@@ -112,7 +112,7 @@ class SelfAttention(nn.Module):
     def _project_qkv(self, x: Array) -> tuple[Array, Array, Array]:
         """Queries, keys and values from one matmul over the three stacked kernels: one
         [d, 3 x heads x kv] GEMM runs ~8% faster on CPU than three [d, heads x kv] ones (MiniLM
-        encode), with the same parameters (and checkpoints) and bitwise the same outputs."""
+        encode), with the same parameters (and checkpoints) and outputs equal to float32 rounding."""
         cfg = self.config
         h, dk = cfg.num_heads, cfg.d_kv
         names = ("query", "key", "value")
