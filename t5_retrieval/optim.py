@@ -2,15 +2,24 @@
 
 The multi-task transform (TACO, PCGrad, ...) consumes per-task gradients with a leading task axis
 and emits one ordinary gradient, so everything after it is the standard single-task chain.
+
+`make_optimizer.frozen` (regular expressions over parameter paths such as
+`bert/embeddings/word/embedding`) keeps parameters at their initial values for any method: the
+whole chain, the multi-task transform included, sees only the trained parameters, so TACO's global
+median and the clipping norm are taken over those alone.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from typing import Callable
+import re
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import gin
+import jax
+import jax.numpy as jnp
 import optax
 
 log = logging.getLogger(__name__)
@@ -46,6 +55,62 @@ def build_multitask(factory: Callable[..., optax.GradientTransformation], num_ta
     return factory(**kwargs)
 
 
+def param_path(path: tuple[Any, ...]) -> str:
+    """A parameter's key path as "a/b/c" (the names `frozen` patterns match)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def frozen_labels(patterns: Sequence[str]) -> Callable[[Any], Any]:
+    """Labels every leaf "frozen" whose path fully matches one of `patterns`, else "trained"."""
+    compiled = [re.compile(p) for p in patterns]
+
+    def labels(tree: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: "frozen" if any(c.fullmatch(param_path(path)) for c in compiled) else "trained", tree)
+
+    return labels
+
+
+def check_frozen_patterns(patterns: Sequence[str], params: Any) -> list[str]:
+    """The frozen parameter paths; raises ValueError naming a pattern that matches no parameter
+    (a typo would otherwise silently train everything)."""
+    paths = [param_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    if not paths:  # a structure-only call (`optax.tree_map_params` passes leafless placeholders)
+        return []
+    for pattern in patterns:
+        if not any(re.fullmatch(pattern, path) for path in paths):
+            raise ValueError(f"make_optimizer.frozen: {pattern!r} matches no parameter (e.g. {paths[0]!r})")
+    return [path for path in paths if any(re.fullmatch(p, path) for p in patterns)]
+
+
+def zero_updates() -> optax.GradientTransformationExtraArgs:
+    """Updates of zero shaped like the parameters (the gradients may carry a leading task axis)."""
+
+    def update(updates, state, params=None, **extra_args):
+        del updates, extra_args
+        if params is None:
+            raise ValueError("zero_updates needs the parameters passed to update()")
+        return jax.tree.map(jnp.zeros_like, params), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def freeze(transform: optax.GradientTransformation, patterns: Sequence[str]) -> optax.GradientTransformation:
+    """`transform` on the parameters no pattern matches, zero updates on the others; `init` raises
+    ValueError for a pattern that matches no parameter."""
+    if not patterns:
+        return transform
+    partitioned = optax.multi_transform({"trained": transform, "frozen": zero_updates()}, frozen_labels(patterns))
+
+    def init(params: Any) -> optax.OptState:
+        frozen = check_frozen_patterns(patterns, params)
+        if frozen:
+            log.info("optimiser: %d parameter arrays frozen: %s", len(frozen), ", ".join(frozen))
+        return partitioned.init(params)
+
+    return optax.GradientTransformationExtraArgs(init, partitioned.update)
+
+
 @gin.configurable(denylist=["total_steps", "num_tasks", "multitask"])
 def make_optimizer(total_steps: int,
                    num_tasks: int,
@@ -55,10 +120,12 @@ def make_optimizer(total_steps: int,
                    clip_norm: float = 1.0,
                    burn_in_fraction: float = 0.1,
                    multitask: Callable[..., optax.GradientTransformation] | None = None,
+                   frozen: Sequence[str] = (),
                    ) -> optax.GradientTransformationExtraArgs:
     """[multitask] -> clip_by_global_norm -> AdamW with linear warm-up then linear decay to 0.
 
     With `multitask=None` the train step sums the task losses and no per-task gradients are formed.
+    `frozen`: regular expressions over parameter paths whose parameters never change (`freeze`).
     """
     log.info("optimiser: %sAdamW, peak learning rate %g after %d warm-up steps, linear decay to 0 at step %d, "
              "clip %g, weight decay %g", "" if multitask is None else f"{getattr(multitask, '__name__', multitask)} -> ",
@@ -66,5 +133,5 @@ def make_optimizer(total_steps: int,
     schedule = linear_warmup_decay(learning_rate, total_steps, warmup_fraction)
     tail = [optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay)]
     if multitask is None:
-        return optax.chain(*tail)
-    return optax.chain(build_multitask(multitask, num_tasks, total_steps, burn_in_fraction), *tail)
+        return freeze(optax.chain(*tail), frozen)
+    return freeze(optax.chain(build_multitask(multitask, num_tasks, total_steps, burn_in_fraction), *tail), frozen)

@@ -76,7 +76,9 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, pa
     """
     tasks_axis = nn.logical_to_mesh_axes(("tasks",), rules)[0]
 
-    def mirror(leaf: jax.ShapeDtypeStruct, param: Any, param_sharding: NamedSharding) -> NamedSharding:
+    def mirror(leaf: Any, param: Any, param_sharding: NamedSharding) -> Any:
+        if isinstance(leaf, optax.MaskedNode):  # a parameter this part of the state leaves out (frozen)
+            return leaf
         extra = leaf.ndim - param.ndim
         if extra == 0:
             return param_sharding
@@ -87,7 +89,8 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, pa
 
     abstract_state = jax.eval_shape(optimizer.init, params)
     return optax.tree_map_params(optimizer, mirror, abstract_state, params, param_shardings,
-                                 transform_non_params=lambda _: replicated(mesh))
+                                 transform_non_params=lambda _: replicated(mesh),
+                                 is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

@@ -21,6 +21,9 @@ Rows:
   so every row searches the zero-shot index and the KB is encoded once. On this 2-core CPU that is
   what makes a row take minutes instead of hours; it is a different regime from the papers', which
   train both sides (docs/RESULTS.md says so next to the numbers).
+- ``naive_prefix_frozen_embeddings``, ``taco_frozen_embeddings``: naive and TACO with MiniLM's three
+  embedding tables frozen (`make_optimizer.frozen`), so every trained parameter gets a dense
+  gradient and TACO's global median is not 0.
 - ``dpr_muf``: DPR-MUF fusion over the task-specific row's experts.
 - ``query_side``: the thesis' query-side fine-tuning of MiniLM on the qa_open questions (answer-holding
   passages as positives); also scored by answer recall on the qa_open dev sets (`qa_open_table`).

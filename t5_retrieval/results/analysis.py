@@ -10,10 +10,11 @@ from t5_retrieval.results.rows import ROWS
 from t5_retrieval.stages import DONE
 
 
-PROBE_ROWS = ("naive_noprefix", "naive_prefix", "taco")  # the specialisation analysis compares these
+# The specialisation analysis compares these (with all parameters trained, and with the embedding tables frozen).
+PROBE_ROWS = ("naive_noprefix", "naive_prefix", "taco", "naive_prefix_frozen_embeddings", "taco_frozen_embeddings")
 
 
-TACO_ROWS = ("taco", "taco_nonzero_median")  # and the weights these used in training (their final EMA)
+TACO_ROWS = ("taco", "taco_nonzero_median", "taco_frozen_embeddings")  # and the weights these used in training (their final EMA)
 PROBE_BATCHES, PROBE_BETA, PROBE_SEED = 50, 0.98, 1  # EMA at 1 - 0.98^50 = 64% of its signal
 
 
@@ -56,11 +57,15 @@ def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
     try:
         gin_utils.parse_gin(trained["gin_files"], trained["bindings"])
         batches = make_train_iterator(per_device_batch=gin.query_parameter("%PER_DEVICE_BATCH"), seed=PROBE_SEED)
+        try:  # the parameters the run kept frozen are left out of the probe too
+            frozen = tuple(gin.query_parameter("make_optimizer.frozen"))
+        except ValueError:
+            frozen = ()
     finally:
         gin.clear_config()
     encoder = load_dual_encoder(model_dir)
     ema = probe_sensitivities(encoder.model, encoder.params, batches, batches.task_names, PROBE_BATCHES, PROBE_BETA,
-                              encoder.config["dual_encoder"]["logit_scale"], sharding.make_mesh())
+                              encoder.config["dual_encoder"]["logit_scale"], sharding.make_mesh(), frozen=frozen)
     save_state_npz(ema, batches.task_names, os.path.join(out_dir, "probe_state.npz"))
     return analysis_numbers(write_analysis(ema, batches.task_names, tau=2.0, out_dir=out_dir))
 

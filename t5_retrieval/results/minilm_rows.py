@@ -93,6 +93,11 @@ TRAIN_BINDINGS = (
 # zero-initialised EMA at a quarter of its signal after 300 steps, so the weights stay near uniform.
 TACO_BINDINGS = ("multitask.taco.beta = 0.99",)
 
+# MiniLM's embedding tables get sparse gradients (a batch touches few of the 30,522 word rows, 64 of
+# the 512 positions, one token type), so over all parameters TACO's global median of sensitivities
+# is 0. Frozen, every parameter that trains gets a dense gradient and the median is defined.
+FROZEN_EMBEDDINGS = ("make_optimizer.frozen = ['bert/embeddings/(word|position|token_type)/embedding']",)
+
 
 def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., None]:
     """A row trained with `runs/<run_file>` on `mixture`, from MiniLM, over its frozen passage embeddings

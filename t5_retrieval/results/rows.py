@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from t5_retrieval.results.minilm_rows import (TACO_BINDINGS, bm25_row, confounders_row, dpr_muf_row,
-                                              minilm_zeroshot_row, task_specific_row, trained_row)
+from t5_retrieval.results.minilm_rows import (FROZEN_EMBEDDINGS, TACO_BINDINGS, bm25_row, confounders_row,
+                                              dpr_muf_row, minilm_zeroshot_row, task_specific_row, trained_row)
 from t5_retrieval.results.qa_open import query_side_row
 from t5_retrieval.results.t5_rows import t5_scratch_row
 
@@ -22,6 +22,10 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
                             trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS,
                                         "multitask.taco.median_over = 'nonzero'")),
     "taco_typed": ("TACO, task-type markers", trained_row("task_type_markers.gin", "mini_kilt_typed", *TACO_BINDINGS)),
+    "naive_prefix_frozen_embeddings": ("naive multi-task, dataset prefixes, embedding tables frozen",
+                                       trained_row("no_adaptive.gin", "mini_kilt", *FROZEN_EMBEDDINGS)),
+    "taco_frozen_embeddings": ("TACO, embedding tables frozen",
+                               trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS)),
     "pcgrad": ("PCGrad", trained_row("pcgrad.gin", "mini_kilt")),
     "cgd": ("CGD", trained_row("cgd.gin", "mini_kilt")),
     "gradnorm": ("GradNorm", trained_row("gradnorm.gin", "mini_kilt")),
@@ -37,8 +41,9 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
 # Rows whose function takes `seed` (training data order, initialisation of new parameters): the
 # method comparisons that `t5r results --seeds` repeats. The others are deterministic or are built on
 # seed 0's models (DPR-MUF fuses the task-specific row's experts).
-SEEDED = ("naive_noprefix", "naive_prefix", "naive_typed", "taco", "taco_nonzero_median", "taco_typed", "pcgrad",
-          "cgd", "gradnorm", "mt_dpr_confounders", "task_specific")
+SEEDED = ("naive_noprefix", "naive_prefix", "naive_typed", "taco", "taco_nonzero_median", "taco_typed",
+          "naive_prefix_frozen_embeddings", "taco_frozen_embeddings", "pcgrad", "cgd", "gradnorm",
+          "mt_dpr_confounders", "task_specific")
 
 # The baselines every method's difference is measured against (same inputs: without / with the prefixes).
 BASELINES = ("naive_noprefix", "naive_prefix")

@@ -1,0 +1,118 @@
+"""`make_optimizer.frozen`: frozen parameters never move, for any method, and TACO's global median is
+taken over the trained parameters only; a TACO run with a frozen word-embedding table trains,
+checkpoints and resumes through `t5r train`."""
+
+import os
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t5_retrieval import checkpoint, gin_utils
+from t5_retrieval.multitask import taco
+from t5_retrieval.multitask.analysis import load_state_npz
+from t5_retrieval.multitask.state import find_taco_state
+from t5_retrieval.inference import load_dual_encoder
+from t5_retrieval.optim import freeze, make_optimizer, param_path
+from t5_retrieval.train import TACO_STATE_FILE, train
+
+TASKS = ("fever", "trex")
+WORD_EMBEDDING = "bert/embeddings/word/embedding"
+
+
+def params_and_task_gradients(num_tasks: int = 2):
+    """A word-embedding table whose per-task gradients touch 2 of 50 rows (as a real batch's tokens do)
+    beside a dense kernel with dense gradients."""
+    rng = np.random.default_rng(0)
+    params = {"embeddings": {"word": {"embedding": jnp.asarray(rng.normal(size=(50, 4)), jnp.float32)}},
+              "dense": {"kernel": jnp.asarray(rng.normal(size=(4, 4)), jnp.float32)}}
+    sparse = np.zeros((num_tasks, 50, 4), np.float32)
+    sparse[:, :2] = rng.normal(size=(num_tasks, 2, 4))
+    grads = {"embeddings": {"word": {"embedding": jnp.asarray(sparse)}},
+             "dense": {"kernel": jnp.asarray(rng.normal(size=(num_tasks, 4, 4)), jnp.float32)}}
+    return params, grads
+
+
+@pytest.mark.parametrize("multitask", [None, taco])
+def test_frozen_parameters_get_zero_updates_and_the_rest_train(multitask):
+    params, grads = params_and_task_gradients()
+    optimizer = make_optimizer(total_steps=10, num_tasks=2, learning_rate=0.1, burn_in_fraction=0.0,
+                               multitask=multitask, frozen=["embeddings/word/.*"])
+    if multitask is None:  # the summed-loss path hands the optimiser one gradient, no task axis
+        grads = jax.tree.map(lambda g: g.sum(0), grads)
+    state = optimizer.init(params)
+    for _ in range(3):
+        updates, state = optimizer.update(grads, state, params, task_losses=jnp.ones(2))
+        assert updates["embeddings"]["word"]["embedding"].shape == (50, 4)
+        assert not np.any(np.asarray(updates["embeddings"]["word"]["embedding"])), "a frozen parameter moved"
+    assert np.any(np.asarray(updates["dense"]["kernel"])), "after warm-up the trained parameter must move"
+
+
+def test_tacos_median_is_taken_over_the_trained_parameters_only():
+    params, grads = params_and_task_gradients()
+    everything = taco(num_tasks=2, burn_in_steps=0, beta=0.0, median="exact")
+    trained_only = freeze(taco(num_tasks=2, burn_in_steps=0, beta=0.0, median="exact"), ["embeddings/.*"])
+    _, all_state = everything.update(grads, everything.init(params), params)
+    _, trained_state = trained_only.update(grads, trained_only.init(params), params)
+    ema = find_taco_state(trained_state).ema
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ema)[0]]
+    assert paths == ["['dense']['kernel']"], f"only the trained kernel has sensitivity state: {paths}"
+    # With the sparse table included, most sensitivities are 0 and so is the global median: TACO's
+    # normaliser degenerates. Over the dense kernel alone it is positive.
+    all_values = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(find_taco_state(all_state).ema)])
+    trained_values = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(ema)])
+    assert np.median(all_values) == 0.0 and np.median(trained_values) > 0.0
+
+
+def test_a_pattern_that_matches_no_parameter_is_named():
+    params, _ = params_and_task_gradients()
+    optimizer = make_optimizer(total_steps=10, num_tasks=2, frozen=["bert/embeddings/word/embedding"])
+    with pytest.raises(ValueError, match="'bert/embeddings/word/embedding' matches no parameter"):
+        optimizer.init(params)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from t5_retrieval.data.demo import write_demo
+    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
+
+    root = tmp_path_factory.mktemp("frozen_demo")
+    write_demo(str(root / "raw"), num_pages=30, train_per_task=8, dev_per_task=2)
+    out = str(root / "data")
+    prepare_kb(str(root / "raw" / "kb" / "pages.jsonl"), out)
+    prepare_tasks(str(root / "raw"), out, list(TASKS), ("train",))
+    prepare_negatives(out, list(TASKS), top_k=5)
+    return out
+
+
+def run_taco(model_dir: str, data_dir: str, steps: int) -> None:
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(["models/bert_tiny.gin", "runs/taco.gin"], [
+            f"DATA_DIR = '{data_dir}'", "VOCABULARY = @minilm_l6_dir()", "VOCAB_SIZE = 30522",
+            f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in TASKS]}", f"TRAIN_STEPS = {steps}", "QUERY_LEN = 16",
+            "PASSAGE_LEN = 32", "NUM_NEGATIVES = 1", "PER_DEVICE_BATCH = 4", "NUM_LAYERS = 1",
+            "train.checkpoint_every = 1", "train.keep_checkpoints = 10", "make_optimizer.burn_in_fraction = 0.0",
+            f"make_optimizer.frozen = ['{WORD_EMBEDDING}']"])
+        train(model_dir)
+    finally:
+        gin.clear_config()
+
+
+def test_taco_with_a_frozen_word_embedding_trains_and_resumes(data_dir, tmp_path):
+    model_dir = str(tmp_path / "model")
+    run_taco(model_dir, data_dir, steps=2)
+    run_taco(model_dir, data_dir, steps=3)  # resumes the partitioned optimiser state from step 2
+    mngr = checkpoint.manager(model_dir)
+    assert sorted(mngr.all_steps()) == [1, 2, 3]
+    flat_first, flat_last = ({param_path(p): np.asarray(x)
+                              for p, x in jax.tree_util.tree_flatten_with_path(load_dual_encoder(model_dir, s).params)[0]}
+                             for s in (1, 3))
+    np.testing.assert_array_equal(flat_first[WORD_EMBEDDING], flat_last[WORD_EMBEDDING])
+    moved = [path for path in flat_first if not np.array_equal(flat_first[path], flat_last[path])]
+    assert len(moved) > 10 and WORD_EMBEDDING not in moved, moved
+    ema, task_names = load_state_npz(os.path.join(model_dir, TACO_STATE_FILE))
+    assert [t.startswith("demo_") for t in task_names] == [True, True]
+    assert not any("embeddings/word" in name for name in ema) and len(ema) > 10, sorted(ema)
