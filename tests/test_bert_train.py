@@ -8,6 +8,7 @@ import gin
 import numpy as np
 import pytest
 
+from conftest import prepare_small_demo
 from t5_retrieval import checkpoint, gin_utils
 from t5_retrieval.data.kb import PassageStore
 from t5_retrieval.data.tokenize import tokenize
@@ -23,15 +24,8 @@ CLS, SEP = 101, 102  # in MiniLM's (BERT uncased) vocab.txt
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     from t5_retrieval.data import layout
-    from t5_retrieval.data.demo import write_demo
-    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
 
-    root = tmp_path_factory.mktemp("bert_demo")
-    write_demo(str(root / "raw"), num_pages=30, train_per_task=8, dev_per_task=2)
-    out = str(root / "data")
-    prepare_kb(str(root / "raw" / "kb" / "pages.jsonl"), out)
-    prepare_tasks(str(root / "raw"), out, list(TASKS), ("train",))
-    prepare_negatives(out, list(TASKS), top_k=5)
+    out = prepare_small_demo(tmp_path_factory.mktemp("bert_demo"), TASKS)
     assert os.path.isdir(layout.kb_dir(out))
     return out
 

@@ -19,6 +19,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
+from conftest import prepare_small_demo
 from t5_retrieval import checkpoint, gin_utils
 from t5_retrieval.cli import main as t5r
 from t5_retrieval.data.kb import PassageStore
@@ -38,15 +39,7 @@ ATOL = 1e-5
 
 
 def prepare_demo(root) -> str:
-    from t5_retrieval.data.demo import write_demo
-    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
-
-    write_demo(str(root / "raw"), num_pages=30, train_per_task=8, dev_per_task=2)
-    out = str(root / "data")
-    prepare_kb(str(root / "raw" / "kb" / "pages.jsonl"), out)
-    prepare_tasks(str(root / "raw"), out, list(TASKS), ("train",))
-    prepare_negatives(out, list(TASKS), top_k=5)
-    return out
+    return prepare_small_demo(root, TASKS)
 
 
 def train_tiny(model_dir: str, gin_file: str, bindings: list[str]) -> str:

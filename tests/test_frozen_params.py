@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import prepare_small_demo
 from t5_retrieval import checkpoint, gin_utils
 from t5_retrieval.multitask import taco
 from t5_retrieval.multitask.analysis import load_state_npz
@@ -75,16 +76,7 @@ def test_a_pattern_that_matches_no_parameter_is_named():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from t5_retrieval.data.demo import write_demo
-    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
-
-    root = tmp_path_factory.mktemp("frozen_demo")
-    write_demo(str(root / "raw"), num_pages=30, train_per_task=8, dev_per_task=2)
-    out = str(root / "data")
-    prepare_kb(str(root / "raw" / "kb" / "pages.jsonl"), out)
-    prepare_tasks(str(root / "raw"), out, list(TASKS), ("train",))
-    prepare_negatives(out, list(TASKS), top_k=5)
-    return out
+    return prepare_small_demo(tmp_path_factory.mktemp("frozen_demo"), TASKS)
 
 
 def run_taco(model_dir: str, data_dir: str, steps: int) -> None:
