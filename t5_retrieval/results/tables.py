@@ -19,14 +19,16 @@ COLUMNS = (("Rprec", "R-prec"), ("recall@20", "R@20"))
 def markdown_table(work_dir: str) -> str:
     """Page-level R-precision / recall@20 per task and their unweighted mean, one line per finished row.
 
-    A row run with several seeds shows mean +- standard deviation (ddof 1) over its finished seeds,
-    and the wall time of one seed on average.
+    When a row ran with several seeds, a seeds column appears and that row's cells show mean +-
+    standard deviation (ddof 1) over its finished seeds, and the wall time of one seed on average.
     """
+    finished = {name: finished_seeds(work_dir, name) for name in ROWS}
+    with_seeds = any(len(seeds) > 1 for seeds in finished.values())
     header = ("| row | " + " | ".join(f"{t} {c}" for t in (*TASKS, "mean") for _, c in COLUMNS)
-              + " | seeds | wall time |")
-    lines = [header, "|" + "---|" * (3 + 2 * (len(TASKS) + 1))]
+              + (" | seeds" if with_seeds else "") + " | wall time |")
+    lines = [header, "|" + "---|" * (2 + with_seeds + 2 * (len(TASKS) + 1))]
     for name, (title, _) in ROWS.items():
-        seeds = finished_seeds(work_dir, name)
+        seeds = finished[name]
         if not seeds:
             continue
         runs = []
@@ -37,8 +39,10 @@ def markdown_table(work_dir: str) -> str:
             values["mean"] = [sum(values[t][i] for t in TASKS) / len(TASKS) for i in range(len(COLUMNS))]
             runs.append(values)
         cells = [cell([run[t][i] for run in runs]) for t in (*TASKS, "mean") for i in range(len(COLUMNS))]
+        if with_seeds:
+            cells.append(str(len(seeds)))
         seconds = np.mean([row_seconds(seed_dir(work_dir, name, s)) for s in seeds])
-        lines.append(f"| {title} | " + " | ".join(cells) + f" | {len(seeds)} | {seconds:.0f} s |")
+        lines.append(f"| {title} | " + " | ".join(cells) + f" | {seconds:.0f} s |")
     return "\n".join(lines) + "\n"
 
 
