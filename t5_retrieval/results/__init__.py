@@ -33,7 +33,8 @@ Rows:
 `--seeds 0,1,2` runs every row of `SEEDED` (the method comparisons) once per seed (training data
 order and the initialisation of new parameters; seed k > 0 writes `<work_dir>/<row>-seed<k>`). The
 table then gives each cell as mean +- standard deviation over the finished seeds, and a second table
-each row's difference to naive multi-task without and with prefixes with a paired bootstrap 95%
+each row's difference to naive multi-task (without and with prefixes, and with the embedding
+tables frozen) with a paired bootstrap 95%
 interval over the dev queries (`significance`).
 
 After the rows, the task-specialisation analysis (TACO Fig. 1-2) runs for naive multi-task and TACO

@@ -45,5 +45,6 @@ SEEDED = ("naive_noprefix", "naive_prefix", "naive_typed", "taco", "taco_nonzero
           "naive_prefix_frozen_embeddings", "taco_frozen_embeddings", "pcgrad", "cgd", "gradnorm",
           "mt_dpr_confounders", "task_specific")
 
-# The baselines every method's difference is measured against (same inputs: without / with the prefixes).
-BASELINES = ("naive_noprefix", "naive_prefix")
+# The baselines every method's difference is measured against: naive multi-task without and with the
+# prefixes, and with the embedding tables frozen (the baseline of the frozen TACO row).
+BASELINES = ("naive_noprefix", "naive_prefix", "naive_prefix_frozen_embeddings")
