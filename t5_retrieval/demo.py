@@ -33,6 +33,7 @@ def real_data_demo(data: str, out: str) -> str:
     from t5_retrieval.data.kilt_slice import SHIPPED, extract
     from t5_retrieval.results.common import prepare_data
     from t5_retrieval.results.minilm_rows import TACO_BINDINGS, bm25_row, minilm_zeroshot_row, trained_row
+    from t5_retrieval.results.records import record_run
     from t5_retrieval.results.tables import markdown_table
 
     steps = f"TRAIN_STEPS = {DEMO_STEPS}"
@@ -44,7 +45,7 @@ def real_data_demo(data: str, out: str) -> str:
     prepare_data(raw_dir, data_dir)
     for name, row in rows.items():
         row(os.path.join(out, name), data_dir)
-    return markdown_table(out)
+    return markdown_table({name: [record_run(os.path.join(out, name), data_dir, name, 0)] for name in rows})
 
 
 def summary(tables: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:

@@ -24,6 +24,7 @@ def test_rebuilding_the_slice_from_mini_kilt_gives_the_committed_bytes(tmp_path)
 @pytest.fixture(scope="module")
 def bm25_demo(tmp_path_factory):
     from t5_retrieval.results.minilm_rows import bm25_row
+    from t5_retrieval.results.records import record_run
     from t5_retrieval.results.tables import markdown_table
 
     out = str(tmp_path_factory.mktemp("demo"))
@@ -32,7 +33,7 @@ def bm25_demo(tmp_path_factory):
     data_dir = os.path.join(out, "data")
     prepare_data(raw, data_dir)
     bm25_row(os.path.join(out, "bm25"), data_dir)
-    return data_dir, markdown_table(out)
+    return data_dir, markdown_table({"bm25": [record_run(os.path.join(out, "bm25"), data_dir, "bm25", 0)]})
 
 
 def test_every_gold_page_of_the_slice_is_in_its_kb(bm25_demo):

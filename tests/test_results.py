@@ -1,7 +1,9 @@
 """`t5r results` on the real mini-KILT: the BM25 row reproduces the data's own BM25 reference."""
 
+import dataclasses
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -11,7 +13,8 @@ from t5_retrieval import cli
 from t5_retrieval.results.analysis import analysis_table
 from t5_retrieval.results.common import TASKS
 from t5_retrieval.results.qa_open import bm25_answer_recall, qa_open_dir, qa_open_table
-from t5_retrieval.results.significance import differences_table, paired_bootstrap, per_query_scores, seed_dir
+from t5_retrieval.results.records import RunRecord, read_record, read_records, record_run, seed_dir, write_record
+from t5_retrieval.results.significance import differences_table, paired_bootstrap
 from t5_retrieval.results.tables import markdown_table
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="needs ../shared mini-KILT")
@@ -54,18 +57,26 @@ def test_unknown_row_is_refused_with_the_known_ones(tmp_path, capsys):
     assert "nope" in err and "minilm_zeroshot" in err, err
 
 
-def test_table_reads_trained_rows_by_the_models_task_names_and_sums_stage_times(tmp_path):
-    work_dir = str(tmp_path)
-    tables = {f"mini_kilt_{t}": {"Rprec": 0.1 * (i + 1), "recall@20": 0.5} for i, t in enumerate(TASKS)}
-    for stage_dir, seconds in (("taco/model", 100.0), ("taco/eval", 20.5)):
-        os.makedirs(os.path.join(work_dir, stage_dir))
-        with open(os.path.join(work_dir, stage_dir, "DONE"), "w") as f:
-            json.dump({"seconds": seconds}, f)
-    with open(os.path.join(work_dir, "taco", "eval", "results.json"), "w") as f:
-        json.dump(tables, f)
-    row = [line for line in markdown_table(work_dir).splitlines() if line.startswith("| TACO |")]
-    assert row == ["| TACO | " + " | ".join(f"{0.1 * (i + 1):.3f} | 0.500" for i in range(len(TASKS)))
-                   + " | 0.350 | 0.500 | 120 s |"], row
+def test_a_trained_rows_record_reads_the_models_task_names_and_sums_stage_times(bm25_run, tmp_path):
+    """A run whose model names its tasks `mini_kilt_<task>` (as the trained rows' models do)."""
+    work_dir, data_dir = bm25_run, os.path.join(bm25_run, "data")
+    run_dir = tmp_path / "taco"
+    (run_dir / "eval" / "predictions").mkdir(parents=True)
+    (run_dir / "model").mkdir()
+    with open(os.path.join(work_dir, "bm25", "eval", "results.json")) as f:
+        tables = json.load(f)
+    (run_dir / "eval" / "results.json").write_text(json.dumps({f"mini_kilt_{t}": tables[t] for t in TASKS}))
+    for task in TASKS:
+        shutil.copy(os.path.join(work_dir, "bm25", "eval", "predictions", f"{task}.jsonl"),
+                    run_dir / "eval" / "predictions" / f"mini_kilt_{task}.jsonl")
+    (run_dir / "eval" / "DONE").write_text(json.dumps({"seconds": 20.5}))
+    (run_dir / "model" / "DONE").write_text(json.dumps({"seconds": 100.0, "steps": 200, "bindings": ["x = 1"]}))
+    record = record_run(str(run_dir), data_dir, "taco", 0)
+    assert record.seconds == 120.5 and record.training == {"steps": 200, "bindings": ["x = 1"]}
+    assert record.table == {t: {"Rprec": tables[t]["Rprec"], "recall@20": tables[t]["recall@20"]} for t in TASKS}
+    row = [line for line in markdown_table({"taco": [record]}).splitlines() if line.startswith("| TACO |")]
+    assert row == ["| TACO | " + " | ".join(f"{tables[t]['Rprec']:.3f} | {tables[t]['recall@20']:.3f}" for t in TASKS)
+                   + f" | {record.mean('Rprec'):.3f} | {record.mean('recall@20'):.3f} | 120 s |"], row
     assert analysis_table(work_dir) == "", "no analysed model, no analysis table"
 
 
@@ -125,27 +136,66 @@ def degraded_copy(run_dir: str, out_dir: str, task: str) -> None:
 
 def test_per_query_scores_average_to_the_eval_table_and_seeds_give_intervals(bm25_run):
     work_dir, data_dir = bm25_run, os.path.join(bm25_run, "data")
-    per_query = per_query_scores(os.path.join(work_dir, "bm25"), data_dir)
+    bm25 = record_run(os.path.join(work_dir, "bm25"), data_dir, "bm25", 0)
     with open(os.path.join(work_dir, "bm25", "eval", "results.json")) as f:
         tables = json.load(f)
     for task in TASKS:
-        assert len(per_query[task]["Rprec"]) == tables[task]["n"]
+        assert len(bm25.per_query[task]["Rprec"]) == len(bm25.query_ids[task]) == tables[task]["n"]
         for key in ("Rprec", "recall@20"):
-            assert per_query[task][key].mean() == pytest.approx(tables[task][key], abs=1e-12), (task, key)
+            assert bm25.per_query[task][key].mean() == pytest.approx(tables[task][key], abs=1e-12), (task, key)
 
     # Two seeds of a "method" that ranks fever backwards: fever's R-precision collapses, a significant drop.
+    worse = []
     for seed in (0, 1):
         degraded_copy(os.path.join(work_dir, "bm25"), seed_dir(work_dir, "worse", seed), "fever")
-    table = differences_table(work_dir, data_dir, {"bm25": "BM25", "worse": "fever reversed"}, ["bm25"])
+        worse.append(record_run(seed_dir(work_dir, "worse", seed), data_dir, "worse", seed))
+    table = differences_table({"bm25": [bm25], "worse": worse}, {"bm25": "BM25", "worse": "fever reversed"}, ["bm25"])
     lines = table.splitlines()
     assert lines[0] == "| row | seeds | R-prec - BM25 | R@20 - BM25 |", table
     assert lines[2] == "| BM25 | 1 | - | - |", table
-    worse = lines[3].split(" | ")
-    assert worse[:2] == ["| fever reversed", "2"], table
-    drop = per_query_scores(seed_dir(work_dir, "worse", 1), data_dir)["fever"]["Rprec"].mean() - \
-        per_query["fever"]["Rprec"].mean()
-    assert drop < -0.3 and worse[2].startswith(f"{drop / len(TASKS):+.3f} [") and worse[2].endswith(" *"), table
-    assert worse[3].startswith("-") and worse[3].endswith(" * |"), table
+    cells = lines[3].split(" | ")
+    assert cells[:2] == ["| fever reversed", "2"], table
+    drop = worse[1].per_query["fever"]["Rprec"].mean() - bm25.per_query["fever"]["Rprec"].mean()
+    assert drop < -0.3 and cells[2].startswith(f"{drop / len(TASKS):+.3f} [") and cells[2].endswith(" *"), table
+    assert cells[3].startswith("-") and cells[3].endswith(" * |"), table
+
+
+def test_records_round_trip_byte_for_byte_and_tables_print_from_records_alone(bm25_run, tmp_path, capsys):
+    work_dir, data_dir = bm25_run, os.path.join(bm25_run, "data")
+    written = os.path.join(work_dir, "records", "bm25-seed0.json.gz")
+    assert os.path.exists(written), "t5r results records every finished run"
+    record = read_record(written)
+    again = write_record(record, str(tmp_path / "copy"))
+    with open(written, "rb") as a, open(again, "rb") as b:
+        assert a.read() == b.read(), "the same run gives the same record bytes"
+    fresh = record_run(os.path.join(work_dir, "bm25"), data_dir, "bm25", 0)
+    assert fresh.query_ids == record.query_ids and fresh.table == record.table
+    for task in TASKS:
+        np.testing.assert_array_equal(fresh.per_query[task]["Rprec"], record.per_query[task]["Rprec"])
+
+    # Only the records: no data, no work directory of runs.
+    capsys.readouterr()
+    assert cli.main(["results", "--work_dir", str(tmp_path / "w"), "--records_dir", str(tmp_path / "copy"),
+                     "--rows="]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[2].startswith("| BM25 | " + f"{record.table['fever']['Rprec']:.3f}"), out
+    assert not os.path.exists(tmp_path / "w" / "data")
+
+
+def test_bad_records_are_named(bm25_run, tmp_path):
+    record = read_record(os.path.join(bm25_run, "records", "bm25-seed0.json.gz"))
+    broken = tmp_path / "bm25-seed1.json.gz"
+    broken.write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match="bm25-seed1.json.gz: not a run record"):
+        read_records(str(tmp_path))
+    other = dataclasses.replace(record, row="pcgrad", query_ids={**record.query_ids, "fever": record.query_ids["fever"][1:]})
+    with pytest.raises(ValueError, match="pcgrad-seed0.json.gz and bm25-seed0.json.gz score different fever dev queries"):
+        differences_table({"bm25": [record], "pcgrad": [other]}, {"bm25": "BM25", "pcgrad": "PCGrad"}, ["bm25"])
+
+
+def test_running_rows_needs_data(tmp_path, capsys):
+    assert cli.main(["results", "--work_dir", str(tmp_path), "--rows", "bm25"]) == 2
+    assert "--data is needed to run rows" in capsys.readouterr().err
 
 
 def test_paired_bootstrap_interval_matches_the_normal_approximation():
@@ -168,18 +218,19 @@ def test_seeds_are_validated(tmp_path, capsys):
     assert "--seeds must be comma-separated integers, got '0,x'" in capsys.readouterr().err
 
 
-def test_table_shows_mean_and_std_over_a_rows_seeds(tmp_path):
-    work_dir = str(tmp_path)
-    for seed, rprec in ((0, 0.2), (1, 0.4), (2, 0.3)):
-        os.makedirs(os.path.join(seed_dir(work_dir, "pcgrad", seed), "eval"))
-        with open(os.path.join(seed_dir(work_dir, "pcgrad", seed), "eval", "results.json"), "w") as f:
-            json.dump({f"mini_kilt_{t}": {"Rprec": rprec, "recall@20": 0.5} for t in TASKS}, f)
-    os.makedirs(os.path.join(work_dir, "bm25", "eval"))
-    with open(os.path.join(work_dir, "bm25", "eval", "results.json"), "w") as f:
-        json.dump({t: {"Rprec": 0.25, "recall@20": 0.5} for t in TASKS}, f)
-    lines = markdown_table(work_dir).splitlines()
+def synthetic_record(row: str, seed: int, rprec: float) -> RunRecord:
+    """A record with the same R-precision on every task (one query each) and recall@20 0.5."""
+    return RunRecord(row, seed, 10.0 * (seed + 1), {t: {"Rprec": rprec, "recall@20": 0.5} for t in TASKS},
+                     {t: ["q"] for t in TASKS}, {t: {"Rprec": np.array([rprec]), "recall@20": np.array([0.5])}
+                                                 for t in TASKS}, {})
+
+
+def test_table_shows_mean_and_std_over_a_rows_seeds():
+    records = {"pcgrad": [synthetic_record("pcgrad", s, r) for s, r in ((0, 0.2), (1, 0.4), (2, 0.3))],
+               "bm25": [synthetic_record("bm25", 0, 0.25)]}
+    lines = markdown_table(records).splitlines()
     assert lines[0].endswith("| mean R@20 | seeds | wall time |"), lines[0]
     assert len(lines[1].split("---")) - 1 == len(lines[0].split("|")) - 2, "one separator per column"
-    assert lines[2] == "| BM25 | " + " | ".join("0.250 | 0.500" for _ in range(len(TASKS) + 1)) + " | 1 | 0 s |"
+    assert lines[2] == "| BM25 | " + " | ".join("0.250 | 0.500" for _ in range(len(TASKS) + 1)) + " | 1 | 10 s |"
     assert lines[3] == "| PCGrad | " + " | ".join("0.300 ± 0.100 | 0.500 ± 0.000" for _ in range(len(TASKS) + 1)) \
-        + " | 3 | 0 s |", lines[3]
+        + " | 3 | 20 s |", lines[3]

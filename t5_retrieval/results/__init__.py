@@ -5,9 +5,13 @@
 Every row reads the same prepared data (KB = mini-KILT's `kb/passages.jsonl`, one passage per
 paragraph, as the reference numbers use; the six tasks' train/dev examples; BM25 negatives) and
 writes `<work_dir>/<row>/eval/results.json` with the KILT table of `t5r eval`. A finished stage is
-marked DONE and skipped when the command is run again, so an interrupted run resumes. At the end
-the page-level R-precision and recall@20 of every finished row, per task and their mean, are
-printed as a Markdown table (and written to `--markdown`).
+marked DONE and skipped when the command is run again, so an interrupted run resumes. Every finished
+run leaves a small record (`records`: its table, wall time, training and per-query scores) in
+`--records_dir`; at the end the page-level R-precision and recall@20 of every recorded row, per task
+and their mean, are printed as a Markdown table (and written to `--markdown`). `--rows=` runs nothing
+and prints the tables of the records already there:
+
+    t5r results --work_dir=/tmp/tables --records_dir=docs/run_records/mini_kilt --rows=
 
 Rows:
 - ``bm25``: BM25 (k1 0.9, b 0.4) over "title text", passages max-pooled to pages.
@@ -55,7 +59,8 @@ from t5_retrieval.results.analysis import analysis_table, sensitivity_analysis
 from t5_retrieval.results.common import prepare_data
 from t5_retrieval.results.qa_open import qa_open_table
 from t5_retrieval.results.rows import BASELINES, ROWS, SEEDED
-from t5_retrieval.results.significance import differences_table, seed_dir
+from t5_retrieval.results.records import read_records, record_run, seed_dir, write_record
+from t5_retrieval.results.significance import differences_table
 from t5_retrieval.results.tables import markdown_table
 
 
@@ -65,12 +70,15 @@ log = logging.getLogger(__name__)
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="t5r results", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True,
-                        help="the mini-KILT directory, or 'slice' for the shipped demo slice of it")
+    parser.add_argument("--data", help="the mini-KILT directory, or 'slice' for the shipped demo slice of it "
+                                       "(needed unless --rows is empty: then only the tables are printed)")
     parser.add_argument("--work_dir", required=True, help="where every row writes (resumed if it exists)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from: {', '.join(ROWS)}")
     parser.add_argument("--seeds", default="0",
                         help="comma-separated training seeds for the method rows (" + ", ".join(SEEDED) + ")")
+    parser.add_argument("--records_dir", default=None,
+                        help="where every finished run's record goes and the tables are built from "
+                             "(default <work_dir>/records; docs/run_records/mini_kilt holds docs/RESULTS.md's)")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
@@ -86,19 +94,27 @@ def main(argv: list[str]) -> int:
     if not seeds or min(seeds) < 0:
         print(f"t5r results: error: --seeds must list integers >= 0, got {args.seeds!r}", file=sys.stderr)
         return 2
+    if rows and not args.data:
+        print("t5r results: error: --data is needed to run rows (or pass --rows= to print the tables only)",
+              file=sys.stderr)
+        return 2
     logs.setup()
-    data_dir = os.path.join(args.work_dir, "data")
-    raw_dir = extract(SHIPPED, args.work_dir) if args.data == "slice" else os.path.abspath(args.data)
-    prepare_data(raw_dir, data_dir)
+    records_dir = args.records_dir or os.path.join(args.work_dir, "records")
+    if rows:
+        data_dir = os.path.join(args.work_dir, "data")
+        raw_dir = extract(SHIPPED, args.work_dir) if args.data == "slice" else os.path.abspath(args.data)
+        prepare_data(raw_dir, data_dir)
     for name in rows:
         for seed in seeds if name in SEEDED else [0]:
             start = time.time()
             run_dir = seed_dir(args.work_dir, name, seed)
             ROWS[name][1](run_dir, data_dir, **({"seed": seed} if name in SEEDED else {}))
-            log.info("results: row %s (seed %d) done in %.0f s", name, seed, time.time() - start)
+            path = write_record(record_run(run_dir, data_dir, name, seed), records_dir)
+            log.info("results: row %s (seed %d) done in %.0f s, recorded in %s", name, seed, time.time() - start, path)
     sensitivity_analysis(args.work_dir)
-    differences = differences_table(args.work_dir, data_dir, {n: ROWS[n][0] for n in SEEDED}, BASELINES)
-    table = "\n".join(t for t in (markdown_table(args.work_dir), differences, analysis_table(args.work_dir),
+    records = read_records(records_dir)
+    differences = differences_table(records, {n: ROWS[n][0] for n in SEEDED}, BASELINES)
+    table = "\n".join(t for t in (markdown_table(records), differences, analysis_table(args.work_dir),
                                    qa_open_table(args.work_dir)) if t)
     if args.markdown:
         with open(args.markdown, "w") as f:

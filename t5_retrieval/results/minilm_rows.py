@@ -181,8 +181,7 @@ def dpr_muf_row(row_dir: str, data_dir: str) -> None:
         argv = ["fuse", "--gin_file=runs/dpr_muf.gin", "--data_dir", data_dir, "--output_dir", fusion_dir,
                 *(f"--expert={t},{os.path.join(experts_dir, t, 'model')},{index_dir}" for t in TASKS)]
         info = run_cli(argv)
-        os.makedirs(os.path.join(row_dir, "eval"), exist_ok=True)
-        shutil.copy(os.path.join(fusion_dir, "muf", "results.json"), os.path.join(row_dir, "eval", "results.json"))
+        shutil.copytree(os.path.join(fusion_dir, "muf"), os.path.join(row_dir, "eval"), dirs_exist_ok=True)
         return info
 
     stage(fusion_dir, "DPR-MUF fusion", fuse)
