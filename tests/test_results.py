@@ -149,15 +149,16 @@ def test_per_query_scores_average_to_the_eval_table_and_seeds_give_intervals(bm2
     for seed in (0, 1):
         degraded_copy(os.path.join(work_dir, "bm25"), seed_dir(work_dir, "worse", seed), "fever")
         worse.append(record_run(seed_dir(work_dir, "worse", seed), data_dir, "worse", seed))
-    table = differences_table({"bm25": [bm25], "worse": worse}, {"bm25": "BM25", "worse": "fever reversed"}, ["bm25"])
+    table = differences_table({"bm25": [bm25], "worse": worse}, {"bm25": "BM25", "worse": "fever reversed"},
+                              {"worse": "bm25", "missing": "bm25"})
     lines = table.splitlines()
-    assert lines[0] == "| row | seeds | R-prec - BM25 | R@20 - BM25 |", table
-    assert lines[2] == "| BM25 | 1 | - | - |", table
-    cells = lines[3].split(" | ")
-    assert cells[:2] == ["| fever reversed", "2"], table
+    assert lines[0] == "| row | seeds | minus | seeds | mean R-prec | mean R@20 |", table
+    assert len(lines) == 3, "one line per pair whose both sides are recorded"
+    cells = lines[2].split(" | ")
+    assert cells[:4] == ["| fever reversed", "2", "BM25", "1"], table
     drop = worse[1].per_query["fever"]["Rprec"].mean() - bm25.per_query["fever"]["Rprec"].mean()
-    assert drop < -0.3 and cells[2].startswith(f"{drop / len(TASKS):+.3f} [") and cells[2].endswith(" *"), table
-    assert cells[3].startswith("-") and cells[3].endswith(" * |"), table
+    assert drop < -0.3 and cells[4].startswith(f"{drop / len(TASKS):+.3f} [") and cells[4].endswith(" *"), table
+    assert cells[5].startswith("-") and cells[5].endswith(" * |"), table
 
 
 def test_records_round_trip_byte_for_byte_and_tables_print_from_records_alone(bm25_run, tmp_path, capsys):
@@ -190,7 +191,8 @@ def test_bad_records_are_named(bm25_run, tmp_path):
         read_records(str(tmp_path))
     other = dataclasses.replace(record, row="pcgrad", query_ids={**record.query_ids, "fever": record.query_ids["fever"][1:]})
     with pytest.raises(ValueError, match="pcgrad-seed0.json.gz and bm25-seed0.json.gz score different fever dev queries"):
-        differences_table({"bm25": [record], "pcgrad": [other]}, {"bm25": "BM25", "pcgrad": "PCGrad"}, ["bm25"])
+        differences_table({"bm25": [record], "pcgrad": [other]}, {"bm25": "BM25", "pcgrad": "PCGrad"},
+                          {"pcgrad": "bm25"})
 
 
 def test_running_rows_needs_data(tmp_path, capsys):

@@ -28,18 +28,22 @@ Rows:
 - ``naive_prefix_frozen_embeddings``, ``taco_frozen_embeddings``: naive and TACO with MiniLM's three
   embedding tables frozen (`make_optimizer.frozen`), so every trained parameter gets a dense
   gradient and TACO's global median is not 0.
+- ``naive_prefix_frozen_embeddings_both_towers``, ``taco_frozen_embeddings_both_towers``: the same two
+  with the shared encoder trained on queries and passages (the papers' regime) for BOTH_TOWERS_STEPS
+  steps, the KB re-encoded with each trained model (about 1.5 hours a row on a 2-core CPU).
+- ``mt_dpr_confounders_3_epochs``: the MT-DPR row trained for 3 epochs instead of 0.7.
 - ``dpr_muf``: DPR-MUF fusion over the task-specific row's experts.
 - ``query_side``: the thesis' query-side fine-tuning of MiniLM on the qa_open questions (answer-holding
   passages as positives); also scored by answer recall on the qa_open dev sets (`qa_open_table`).
 - ``t5_scratch_naive``, ``gdmtl``: a tiny T5 from scratch (no pretrained T5 offline), both sides
   trained, naive multi-task without and with GDMTL's query-generation objective.
 
-`--seeds 0,1,2` runs every row of `SEEDED` (the method comparisons) once per seed (training data
-order and the initialisation of new parameters; seed k > 0 writes `<work_dir>/<row>-seed<k>`). The
-table then gives each cell as mean +- standard deviation over the finished seeds, and a second table
-each row's difference to naive multi-task (without and with prefixes, and with the embedding
-tables frozen) with a paired bootstrap 95%
-interval over the dev queries (`significance`).
+`--seeds 0,1,2` runs every row of `SEEDED` (the method comparisons and their controls) once per
+seed (training data order and the initialisation of new parameters; seed k > 0 writes
+`<work_dir>/<row>-seed<k>`). The table then gives each cell as mean +- standard deviation over the
+recorded seeds, and a second table each method's difference to its control (`rows.CONTROLS`: the
+naive multi-task row that differs from it in the method alone) with a paired bootstrap 95% interval
+over the dev queries (`significance`).
 
 After the rows, the task-specialisation analysis (TACO Fig. 1-2) runs for naive multi-task and TACO
 (`sensitivity_analysis`) and its table is printed below the results.
@@ -58,7 +62,7 @@ from t5_retrieval.data.kilt_slice import SHIPPED, extract
 from t5_retrieval.results.analysis import analysis_table, sensitivity_analysis
 from t5_retrieval.results.common import prepare_data
 from t5_retrieval.results.qa_open import qa_open_table
-from t5_retrieval.results.rows import BASELINES, ROWS, SEEDED
+from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED
 from t5_retrieval.results.records import read_records, record_run, seed_dir, write_record
 from t5_retrieval.results.significance import differences_table
 from t5_retrieval.results.tables import markdown_table
@@ -113,7 +117,7 @@ def main(argv: list[str]) -> int:
             log.info("results: row %s (seed %d) done in %.0f s, recorded in %s", name, seed, time.time() - start, path)
     sensitivity_analysis(args.work_dir)
     records = read_records(records_dir)
-    differences = differences_table(records, {n: ROWS[n][0] for n in SEEDED}, BASELINES)
+    differences = differences_table(records, {n: title for n, (title, _) in ROWS.items()}, CONTROLS)
     table = "\n".join(t for t in (markdown_table(records), differences, analysis_table(args.work_dir),
                                    qa_open_table(args.work_dir)) if t)
     if args.markdown:

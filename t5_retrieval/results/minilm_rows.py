@@ -89,6 +89,14 @@ TRAIN_BINDINGS = (
 )
 
 
+# Both towers trained: a step also encodes 96 passages of 256 tokens forward and backward (measured
+# 57 s a step on the 2-core CPU with a query-side run beside it, which took 1.4 s a step), so 120
+# steps (0.44 epoch) keep one run near 90 minutes there, KB re-encoding included.
+BOTH_TOWERS_STEPS = 120
+
+# 3 epochs of mini-KILT's 8,724 training queries at 32 per step (TRAIN_BINDINGS' 200 steps are 0.7).
+THREE_EPOCHS = 818
+
 # The EMA horizon 1 / (1 - beta) scaled to the run: the paper's 0.999 (1,000 steps) would keep the
 # zero-initialised EMA at a quarter of its signal after 300 steps, so the weights stay near uniform.
 TACO_BINDINGS = ("multitask.taco.beta = 0.99",)
@@ -99,10 +107,14 @@ TACO_BINDINGS = ("multitask.taco.beta = 0.99",)
 FROZEN_EMBEDDINGS = ("make_optimizer.frozen = ['bert/embeddings/(word|position|token_type)/embedding']",)
 
 
-def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., None]:
-    """A row trained with `runs/<run_file>` on `mixture`, from MiniLM, over its frozen passage embeddings
-    (those of the zero-shot row in `base_dir`, by default the row's sibling `minilm_zeroshot`);
-    `seed` sets the training data order and the initialisation of parameters MiniLM does not have."""
+def trained_row(run_file: str, mixture: str, *bindings: str, both_towers: bool = False) -> Callable[..., None]:
+    """A row trained with `runs/<run_file>` on `mixture`, from MiniLM (the zero-shot row in `base_dir`,
+    by default the row's sibling `minilm_zeroshot`); `seed` sets the training data order and the
+    initialisation of parameters MiniLM does not have.
+
+    By default only the query side trains, over the zero-shot row's stored passage embeddings, and the
+    row searches the zero-shot index. `both_towers`: the shared encoder trains on queries and passages
+    (the papers' regime), and the KB is re-encoded with the trained model for the row's own index."""
 
     def row(row_dir: str, data_dir: str, seed: int = 0, base_dir: str | None = None) -> None:
         from t5_retrieval.stages import index_and_evaluate, stage
@@ -111,12 +123,14 @@ def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., No
         minilm_zeroshot_row(base_dir, data_dir)  # the base model and its index (done once, then skipped)
         model_dir = os.path.join(row_dir, "model")
         gin_bindings = [f"DATA_DIR = '{data_dir}'", f"MIXTURE_OR_TASK_NAME = '{mixture}'", *TRAIN_BINDINGS,
-                        f"train.init_from = '{os.path.join(base_dir, 'model')}'",
-                        f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'",
-                        f"train.seed = {seed}", *bindings]
+                        f"train.init_from = '{os.path.join(base_dir, 'model')}'", f"train.seed = {seed}"]
+        if not both_towers:
+            gin_bindings.append(f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'")
+        gin_bindings += bindings
         stage(model_dir, f"train {run_file}",
               lambda: train_model(model_dir, ["models/minilm_l6.gin", f"runs/{run_file}"], gin_bindings))
-        index_and_evaluate(row_dir, model_dir, data_dir, index_dir=os.path.join(base_dir, "index"))
+        index_and_evaluate(row_dir, model_dir, data_dir,
+                           index_dir=None if both_towers else os.path.join(base_dir, "index"))
 
     return row
 
@@ -126,18 +140,23 @@ def trained_row(run_file: str, mixture: str, *bindings: str) -> Callable[..., No
 ANSWER_CHECKABLE = ("hotpotqa", "trex", "entityquestions")
 
 
-def confounders_row(row_dir: str, data_dir: str, seed: int = 0) -> None:
+def confounders_row(*bindings: str) -> Callable[..., None]:
     """MT-DPR's adversarial confounders: negatives mined by MiniLM (its top-110 minus gold pages and,
     for ANSWER_CHECKABLE tasks, minus answer-holding passages; mined once into the zero-shot row and
-    shared by every seed), then naive multi-task without prefix."""
-    from t5_retrieval.stages import mine_stage
+    shared by every seed and variant), then naive multi-task without prefix (plus `bindings`)."""
 
-    base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
-    minilm_zeroshot_row(base_dir, data_dir)
-    negatives_dir = os.path.join(base_dir, "confounder_negatives")
-    mine_stage(negatives_dir, os.path.join(base_dir, "model"), os.path.join(base_dir, "index"), data_dir, 110,
-               ANSWER_CHECKABLE)
-    trained_row("mt_dpr.gin", "mini_kilt_noprefix", f"NEGATIVES = '{negatives_dir}'")(row_dir, data_dir, seed)
+    def row(row_dir: str, data_dir: str, seed: int = 0) -> None:
+        from t5_retrieval.stages import mine_stage
+
+        base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
+        minilm_zeroshot_row(base_dir, data_dir)
+        negatives_dir = os.path.join(base_dir, "confounder_negatives")
+        mine_stage(negatives_dir, os.path.join(base_dir, "model"), os.path.join(base_dir, "index"), data_dir, 110,
+                   ANSWER_CHECKABLE)
+        trained_row("mt_dpr.gin", "mini_kilt_noprefix", f"NEGATIVES = '{negatives_dir}'", *bindings)(
+            row_dir, data_dir, seed)
+
+    return row
 
 
 TASK_SPECIFIC_STEPS = 100  # per model: >= 1 epoch of every dataset's 32-query batches; 6 models cost 3x a row

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from t5_retrieval.results.minilm_rows import (FROZEN_EMBEDDINGS, TACO_BINDINGS, bm25_row, confounders_row,
-                                              dpr_muf_row, minilm_zeroshot_row, task_specific_row, trained_row)
+from t5_retrieval.results.minilm_rows import (BOTH_TOWERS_STEPS, FROZEN_EMBEDDINGS, TACO_BINDINGS, THREE_EPOCHS,
+                                              bm25_row, confounders_row, dpr_muf_row, minilm_zeroshot_row,
+                                              task_specific_row, trained_row)
 from t5_retrieval.results.qa_open import query_side_row
 from t5_retrieval.results.t5_rows import t5_scratch_row
 
@@ -26,10 +27,20 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
                                        trained_row("no_adaptive.gin", "mini_kilt", *FROZEN_EMBEDDINGS)),
     "taco_frozen_embeddings": ("TACO, embedding tables frozen",
                                trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS)),
+    "naive_prefix_frozen_embeddings_both_towers": (
+        "naive multi-task, dataset prefixes, embedding tables frozen, both towers trained",
+        trained_row("no_adaptive.gin", "mini_kilt", *FROZEN_EMBEDDINGS, f"TRAIN_STEPS = {BOTH_TOWERS_STEPS}",
+                    both_towers=True)),
+    "taco_frozen_embeddings_both_towers": (
+        "TACO, embedding tables frozen, both towers trained",
+        trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS, f"TRAIN_STEPS = {BOTH_TOWERS_STEPS}",
+                    both_towers=True)),
     "pcgrad": ("PCGrad", trained_row("pcgrad.gin", "mini_kilt")),
     "cgd": ("CGD", trained_row("cgd.gin", "mini_kilt")),
     "gradnorm": ("GradNorm", trained_row("gradnorm.gin", "mini_kilt")),
-    "mt_dpr_confounders": ("MT-DPR, adversarial confounders", confounders_row),
+    "mt_dpr_confounders": ("MT-DPR, adversarial confounders", confounders_row()),
+    "mt_dpr_confounders_3_epochs": ("MT-DPR, adversarial confounders, 3 epochs",
+                                    confounders_row(f"TRAIN_STEPS = {THREE_EPOCHS}")),
     "task_specific": ("task-specific (one model per task)", task_specific_row),
     "dpr_muf": ("DPR-MUF (fusion of the task-specific models)", dpr_muf_row),
     "query_side": ("query-side fine-tuning on qa_open (thesis)", query_side_row),
@@ -38,13 +49,25 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "gdmtl": ("GDMTL (T5 from scratch)", t5_scratch_row("gdmtl.gin")),
 }
 
-# Rows whose function takes `seed` (training data order, initialisation of new parameters): the
-# method comparisons that `t5r results --seeds` repeats. The others are deterministic or are built on
-# seed 0's models (DPR-MUF fuses the task-specific row's experts).
-SEEDED = ("naive_noprefix", "naive_prefix", "naive_typed", "taco", "taco_nonzero_median", "taco_typed",
-          "naive_prefix_frozen_embeddings", "taco_frozen_embeddings", "pcgrad", "cgd", "gradnorm",
-          "mt_dpr_confounders", "task_specific")
-
-# The baselines every method's difference is measured against: naive multi-task without and with the
-# prefixes, and with the embedding tables frozen (the baseline of the frozen TACO row).
-BASELINES = ("naive_noprefix", "naive_prefix", "naive_prefix_frozen_embeddings")
+# Each method row's control: the naive multi-task row that differs from it in the method alone (same
+# prefixes, frozen parameters, towers and negatives source), or the same method trained shorter.
+# `t5r results --seeds` repeats these rows (and their controls) with every seed; every other row is
+# deterministic or built on seed 0's models (DPR-MUF fuses the task-specific row's experts).
+CONTROLS = {
+    "naive_prefix": "naive_noprefix",
+    "naive_typed": "naive_noprefix",
+    "taco": "naive_prefix",
+    "taco_nonzero_median": "naive_prefix",
+    "taco_typed": "naive_typed",
+    "naive_prefix_frozen_embeddings": "naive_prefix",
+    "taco_frozen_embeddings": "naive_prefix_frozen_embeddings",
+    "naive_prefix_frozen_embeddings_both_towers": "naive_prefix_frozen_embeddings",
+    "taco_frozen_embeddings_both_towers": "naive_prefix_frozen_embeddings_both_towers",
+    "pcgrad": "naive_prefix",
+    "cgd": "naive_prefix",
+    "gradnorm": "naive_prefix",
+    "mt_dpr_confounders": "naive_noprefix",
+    "mt_dpr_confounders_3_epochs": "mt_dpr_confounders",
+    "task_specific": "naive_noprefix",
+}
+SEEDED = ("naive_noprefix", *CONTROLS)

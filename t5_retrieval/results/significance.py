@@ -73,23 +73,21 @@ def paired_bootstrap(method: Mapping[str, np.ndarray], baseline: Mapping[str, np
     return Difference(float(np.mean(observed)), float(low), float(high))
 
 
-def differences_table(records: Mapping[str, Sequence[RunRecord]], rows: Mapping[str, str],
-                      baselines: Sequence[str]) -> str:
-    """Markdown: each row's difference to each baseline on mean R-precision and mean recall@20, with
-    95% paired bootstrap intervals over its seeds' records (`*`: the interval excludes 0). `rows` maps
-    the compared rows' names to their titles."""
-    scores = {name: seed_mean(records[name]) for name in rows if records.get(name)}
-    baselines = [b for b in baselines if b in scores]
-    if not baselines:
+def differences_table(records: Mapping[str, Sequence[RunRecord]], titles: Mapping[str, str],
+                      controls: Mapping[str, str]) -> str:
+    """Markdown: each recorded row's difference to its recorded control (`controls`: row -> control
+    row) on mean R-precision and mean recall@20, over each side's seeds, with its 95% paired bootstrap
+    interval (`*`: the interval excludes 0). `titles` names the rows."""
+    pairs = [(row, control) for row, control in controls.items() if records.get(row) and records.get(control)]
+    if not pairs:
         return ""
-    header = "| row | seeds | " + " | ".join(f"{label} - {rows[b]}" for b in baselines for _, label in METRICS) + " |"
-    lines = [header, "|---|---|" + "---|" * (len(baselines) * len(METRICS))]
-    for name, per_query in scores.items():
-        cells = []
-        for base in baselines:
-            _check_same_queries(records[name][0], records[base][0])
-            for key, _ in METRICS:
-                cells.append("-" if name == base else str(paired_bootstrap(
-                    {t: per_query[t][key] for t in TASKS}, {t: scores[base][t][key] for t in TASKS})))
-        lines.append(f"| {rows[name]} | {len(records[name])} | " + " | ".join(cells) + " |")
+    lines = ["| row | seeds | minus | seeds | " + " | ".join(f"mean {label}" for _, label in METRICS) + " |",
+             "|---|---|---|---|" + "---|" * len(METRICS)]
+    for row, control in pairs:
+        _check_same_queries(records[row][0], records[control][0])
+        method, base = seed_mean(records[row]), seed_mean(records[control])
+        cells = [str(paired_bootstrap({t: method[t][key] for t in TASKS}, {t: base[t][key] for t in TASKS}))
+                 for key, _ in METRICS]
+        lines.append(f"| {titles[row]} | {len(records[row])} | {titles[control]} | {len(records[control])} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,32 @@
+"""The run records committed behind docs/RESULTS.md read, name their rows and agree with themselves."""
+
+import os
+
+import numpy as np
+
+from t5_retrieval.results.common import TASKS
+from t5_retrieval.results.records import METRICS, read_records
+from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED
+
+RECORDS = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "run_records", "mini_kilt")
+
+
+def test_committed_records_are_consistent():
+    records = read_records(RECORDS)
+    assert "minilm_zeroshot" in records, sorted(records)
+    reference = records["minilm_zeroshot"][0]
+    for row, runs in records.items():
+        assert row in ROWS, f"{row}: a record of no row in the catalogue"
+        for run in runs:
+            assert os.path.exists(os.path.join(RECORDS, run.file_name)), f"{run.file_name} holds another run"
+            assert run.seed == 0 or row in SEEDED, f"{run.file_name}: seeds > 0 only for seeded rows"
+            for task in TASKS:
+                assert run.query_ids[task] == reference.query_ids[task], f"{run.file_name}: other {task} queries"
+                for key, _ in METRICS:
+                    mean = np.mean(run.per_query[task][key])
+                    assert abs(mean - run.table[task][key]) < 1e-9, (run.file_name, task, key)
+
+
+def test_every_method_has_a_seeded_control_in_the_catalogue():
+    for row, control in CONTROLS.items():
+        assert row in ROWS and control in ROWS and control in SEEDED and row != control, (row, control)
