@@ -13,7 +13,7 @@ import pytest
 from t5_retrieval import cli, gin_utils
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
+DOCS = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))]
 
 
 def documented_commands() -> list[tuple[str, str]]:

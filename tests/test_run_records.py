@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 
+from t5_retrieval import cli
 from t5_retrieval.results.common import TASKS
 from t5_retrieval.results.records import METRICS, read_records
 from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED
@@ -30,3 +31,13 @@ def test_committed_records_are_consistent():
 def test_every_method_has_a_seeded_control_in_the_catalogue():
     for row, control in CONTROLS.items():
         assert row in ROWS and control in ROWS and control in SEEDED and row != control, (row, control)
+
+
+def test_the_tables_print_from_the_records_as_the_records_readme_shows(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(os.path.join(os.path.dirname(__file__), os.pardir))
+    work_dir = tmp_path / "tables"
+    assert cli.main(["results", f"--work_dir={work_dir}", "--records_dir=docs/run_records/mini_kilt", "--rows="]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    zero_shot = read_records(RECORDS)["minilm_zeroshot"][0]
+    assert f"| MiniLM-L6 zero-shot | {zero_shot.table['fever']['Rprec']:.3f} | " in "\n".join(lines), lines
+    assert not work_dir.exists(), "printing the tables writes nothing"
