@@ -15,18 +15,16 @@ import glob
 import gzip
 import json
 import os
-import re
 from typing import Any
 
 import numpy as np
 
-from t5_retrieval.results.common import TASKS, dataset_table
+from t5_retrieval.results.common import TASKS, dataset_name, dataset_table
 from t5_retrieval.stages import DONE
 
 
 FORMAT = 1
 METRICS = (("Rprec", "R-prec"), ("recall@20", "R@20"))  # key in the KILT table, column label
-_NAME = re.compile(r"(?P<row>.+)-seed(?P<seed>\d+)\.json\.gz")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +91,6 @@ def record_run(run_dir: str, data_dir: str, row: str, seed: int) -> RunRecord:
 
 def _predictions_file(run_dir: str, task: str) -> str:
     """`<run>/eval/predictions/<task>.jsonl`, or `<run>/<task>/eval/predictions/` for one model per task."""
-    from t5_retrieval.results.common import dataset_name
-
     for directory in (os.path.join(run_dir, "eval", "predictions"), os.path.join(run_dir, task, "eval", "predictions")):
         if os.path.isdir(directory):
             names = [os.path.basename(p)[:-len(".jsonl")] for p in glob.glob(os.path.join(directory, "*.jsonl"))]
@@ -138,8 +134,9 @@ def read_record(path: str) -> RunRecord:
             doc = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a run record ({e})") from e
-    if doc.get("format") != FORMAT:
-        raise ValueError(f"{path}: run record format {doc.get('format')!r}, this version reads {FORMAT}")
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"{path}: run record format {found!r}, this version reads {FORMAT}")
     try:
         queries = doc["queries"]
         return RunRecord(doc["row"], int(doc["seed"]), float(doc["seconds"]),
@@ -155,7 +152,6 @@ def read_records(records_dir: str) -> dict[str, list[RunRecord]]:
     """Every record in `records_dir`, by row, each row's runs in increasing seed order."""
     records: dict[str, list[RunRecord]] = {}
     for path in sorted(glob.glob(os.path.join(records_dir, "*-seed*.json.gz"))):
-        if _NAME.fullmatch(os.path.basename(path)):
-            record = read_record(path)
-            records.setdefault(record.row, []).append(record)
+        record = read_record(path)
+        records.setdefault(record.row, []).append(record)
     return {row: sorted(runs, key=lambda r: r.seed) for row, runs in records.items()}
