@@ -124,7 +124,9 @@ def trained_row(run_file: str, mixture: str, *bindings: str, both_towers: bool =
         model_dir = os.path.join(row_dir, "model")
         gin_bindings = [f"DATA_DIR = '{data_dir}'", f"MIXTURE_OR_TASK_NAME = '{mixture}'", *TRAIN_BINDINGS,
                         f"train.init_from = '{os.path.join(base_dir, 'model')}'", f"train.seed = {seed}"]
-        if not both_towers:
+        if both_towers:  # ~30 s a step on a 2-core CPU: checkpoint every 5 minutes, not every 25
+            gin_bindings.append("train.checkpoint_every = 10")
+        else:
             gin_bindings.append(f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'")
         gin_bindings += bindings
         stage(model_dir, f"train {run_file}",
