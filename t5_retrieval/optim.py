@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from t5_retrieval.sharding import param_path
+
 log = logging.getLogger(__name__)
 
 
@@ -53,11 +55,6 @@ def build_multitask(factory: Callable[..., optax.GradientTransformation], num_ta
     if "burn_in_steps" in accepted:
         kwargs["burn_in_steps"] = int(round(burn_in_fraction * total_steps))
     return factory(**kwargs)
-
-
-def param_path(path: tuple[Any, ...]) -> str:
-    """A parameter's key path as "a/b/c" (the names `frozen` patterns match)."""
-    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
 def frozen_labels(patterns: Sequence[str]) -> Callable[[Any], Any]:

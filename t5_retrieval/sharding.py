@@ -114,3 +114,17 @@ def local_data_devices(mesh: Mesh) -> int:
     process = jax.process_index()
     rows = {i for i, row in enumerate(mesh.devices) for d in row if d.process_index == process}
     return len(rows)
+
+
+def param_path(path: Sequence[Any]) -> str:
+    """A pytree leaf's key path as "a/b/c" (dict keys, attribute names, sequence indices): the names
+    `make_optimizer.frozen` patterns match and the task-sensitivity files are keyed by."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)

@@ -16,7 +16,8 @@ from t5_retrieval.multitask import taco
 from t5_retrieval.multitask.analysis import load_state_npz
 from t5_retrieval.multitask.state import find_taco_state
 from t5_retrieval.inference import load_dual_encoder
-from t5_retrieval.optim import freeze, make_optimizer, param_path
+from t5_retrieval.optim import freeze, make_optimizer
+from t5_retrieval.sharding import param_path
 from t5_retrieval.train import TACO_STATE_FILE, train
 
 TASKS = ("fever", "trex")

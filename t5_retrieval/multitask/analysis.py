@@ -25,27 +25,16 @@ import jax
 import numpy as np
 
 from t5_retrieval import gin_utils
+from t5_retrieval.sharding import param_path
 
 TASK_NAMES_KEY = "task_names"
 ENTROPY_BINS = 50
 
 
-def _leaf_path(path) -> str:
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
-
-
 def save_state_npz(ema: Any, task_names: Sequence[str], path: str) -> None:
     """Writes the EMA pytree (leaves [K, ...]) as one float32 array per leaf path, plus names."""
     flat = jax.tree_util.tree_flatten_with_path(ema)[0]
-    arrays = {_leaf_path(p): np.asarray(x, np.float32) for p, x in flat}
+    arrays = {param_path(p): np.asarray(x, np.float32) for p, x in flat}
     if TASK_NAMES_KEY in arrays:
         raise ValueError(f"an EMA leaf is named {TASK_NAMES_KEY!r}, which is reserved")
     for name, x in arrays.items():
