@@ -14,7 +14,7 @@ from t5_retrieval.results.analysis import analysis_table
 from t5_retrieval.results.common import TASKS
 from t5_retrieval.results.qa_open import bm25_answer_recall, qa_open_dir, qa_open_table
 from t5_retrieval.results.records import RunRecord, read_record, read_records, record_run, seed_dir, write_record
-from t5_retrieval.results.significance import differences_table, paired_bootstrap
+from t5_retrieval.results.significance import differences_table, paired_bootstrap, seed_differences
 from t5_retrieval.results.tables import markdown_table
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="needs ../shared mini-KILT")
@@ -152,13 +152,22 @@ def test_per_query_scores_average_to_the_eval_table_and_seeds_give_intervals(bm2
     table = differences_table({"bm25": [bm25], "worse": worse}, {"bm25": "BM25", "worse": "fever reversed"},
                               {"worse": "bm25", "missing": "bm25"})
     lines = table.splitlines()
-    assert lines[0] == "| row | seeds | minus | seeds | mean R-prec | mean R@20 |", table
+    assert lines[0] == "| row | seeds | minus | seeds | mean R-prec | mean R@20 | mean R-prec, seed by seed |", table
     assert len(lines) == 3, "one line per pair whose both sides are recorded"
     cells = lines[2].split(" | ")
     assert cells[:4] == ["| fever reversed", "2", "BM25", "1"], table
     drop = worse[1].per_query["fever"]["Rprec"].mean() - bm25.per_query["fever"]["Rprec"].mean()
     assert drop < -0.3 and cells[4].startswith(f"{drop / len(TASKS):+.3f} [") and cells[4].endswith(" *"), table
-    assert cells[5].startswith("-") and cells[5].endswith(" * |"), table
+    assert cells[5].startswith("-") and cells[5].endswith(" *"), table
+    # Seed by seed: only seed 0 ran on both sides, so one paired difference.
+    assert cells[6] == f"{worse[0].mean('Rprec') - bm25.mean('Rprec'):+.3f} |", table
+
+
+def test_seed_by_seed_differences_pair_equal_seeds():
+    method = [synthetic_record("pcgrad", s, r) for s, r in ((0, 0.30), (1, 0.20), (2, 0.50))]
+    control = [synthetic_record("naive_prefix", s, r) for s, r in ((0, 0.25), (2, 0.55))]
+    assert seed_differences(method, control, "Rprec") == pytest.approx([0.05, -0.05])
+    assert seed_differences(method, [], "Rprec") == []
 
 
 def test_records_round_trip_byte_for_byte_and_tables_print_from_records_alone(bm25_run, tmp_path, capsys):
