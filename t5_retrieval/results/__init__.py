@@ -62,7 +62,7 @@ from t5_retrieval.data.kilt_slice import SHIPPED, extract
 from t5_retrieval.results.analysis import analysis_table, sensitivity_analysis
 from t5_retrieval.results.common import prepare_data
 from t5_retrieval.results.qa_open import qa_open_table
-from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED
+from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED, TITLES
 from t5_retrieval.results.records import read_records, record_run, seed_dir, write_record
 from t5_retrieval.results.significance import differences_table
 from t5_retrieval.results.tables import markdown_table
@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
             log.info("results: row %s (seed %d) done in %.0f s, recorded in %s", name, seed, time.time() - start, path)
     sensitivity_analysis(args.work_dir)
     records = read_records(records_dir)
-    differences = differences_table(records, {n: title for n, (title, _) in ROWS.items()}, CONTROLS)
+    differences = differences_table(records, TITLES, CONTROLS)
     table = "\n".join(t for t in (markdown_table(records), differences, analysis_table(args.work_dir),
                                    qa_open_table(args.work_dir)) if t)
     if args.markdown:

@@ -48,6 +48,7 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
                          t5_scratch_row("naive_multitask.gin")),
     "gdmtl": ("GDMTL (T5 from scratch)", t5_scratch_row("gdmtl.gin")),
 }
+TITLES = {name: title for name, (title, _) in ROWS.items()}
 
 # Each method row's control: the naive multi-task row that differs from it in the method alone (same
 # prefixes, frozen parameters, towers and negatives source), or the same method trained shorter.
