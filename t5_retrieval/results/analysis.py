@@ -14,7 +14,7 @@ from t5_retrieval.stages import DONE
 PROBE_ROWS = ("naive_noprefix", "naive_prefix", "taco", "naive_prefix_frozen_embeddings", "taco_frozen_embeddings")
 
 
-# And the weights these used in training (their final EMA).
+# The TACO rows whose own training weights (their final EMA) are analysed as well.
 TACO_ROWS = ("taco", "taco_nonzero_median", "taco_frozen_embeddings", "taco_frozen_embeddings_both_towers")
 PROBE_BATCHES, PROBE_BETA, PROBE_SEED = 50, 0.98, 1  # EMA at 1 - 0.98^50 = 64% of its signal
 
