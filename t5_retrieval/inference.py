@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5_retrieval import checkpoint, sharding
-from t5_retrieval.data import task_names
 from t5_retrieval.data.records import Passage, write_json_atomic
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage, format_query
 from t5_retrieval.data.tokenize import load_vocabulary, tokenize, vocabulary_digest
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.build import build_model
 from t5_retrieval.models.dual_encoder import DualEncoder
+from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_tasks
 from t5_retrieval.retrieval.index import IndexMismatchError
 
 
@@ -83,7 +83,7 @@ class DualEncoderInference:
 
     @property
     def task_names(self) -> list[str]:
-        return sorted(self.features.get("tasks", {}))
+        return sorted(recorded_tasks(self))
 
     @property
     def training_task_order(self) -> list[str]:
@@ -106,8 +106,8 @@ class DualEncoderInference:
         return self._vocab
 
     def task_name(self, name: str) -> str:
-        """The model's task for `name`, its registered name or its dataset (`data.task_names.resolve`)."""
-        return task_names.resolve(self.features.get("tasks", {}), name)
+        """The model's task for `name` in any form (`data.task_names.resolve`)."""
+        return model_task_name(self, name)
 
     def prefix_of(self, task: str) -> str | None:
         return self.features["tasks"][self.task_name(task)]["prefix"]
@@ -224,10 +224,10 @@ class QuerySideEncoder:
     `fingerprint` is the base's: the embedding space, and so the index it may search, is the base's.
     """
 
-    def __init__(self, query_encoder: DualEncoderInference, passage_encoder: Any):
+    def __init__(self, query_encoder: DualEncoderInference, passage_encoder: Encoder):
         self.query_encoder = query_encoder
         self.passage_encoder = passage_encoder
-        self.step = getattr(passage_encoder, "step", None)  # the step whose passage embeddings this gives
+        self.step = passage_encoder.step  # the step whose passage embeddings this gives
 
     @property
     def fingerprint(self) -> str:
@@ -241,6 +241,10 @@ class QuerySideEncoder:
     def features(self) -> dict[str, Any]:
         """How queries become model inputs (tasks, prefixes, lengths): the fine-tuned model's."""
         return self.query_encoder.features
+
+    @property
+    def task_names(self) -> list[str]:
+        return self.query_encoder.task_names
 
     def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
         return self.query_encoder.encode_queries(texts, task)

@@ -6,8 +6,8 @@
 
 The model is opened by `inference.load_encoder`, so queries are formatted, tokenized and embedded
 as in training; the index is checked against the model and the KB (`Index.check`) as by every
-`t5r` command, so a search never mixes embedding spaces. A task is named by its dataset (`fever`)
-or its registered name (`demo_fever`), see `data.task_names`.
+`t5r` command, so a search never mixes embedding spaces. A task is named by its dataset (`fever`),
+its registered name (`demo_fever`) or a seqio Mixture of one of them, see `data.task_names`.
 """
 
 from __future__ import annotations

@@ -29,3 +29,165 @@ def test_a_dataset_read_by_two_tasks_is_ambiguous():
     with pytest.raises(UnknownTaskError, match=r"ambiguous.*\['demo_fever', 'demo_fever_noprefix'\]"):
         task_names.resolve(tasks, "fever")
     assert task_names.resolve(tasks, "demo_fever_noprefix") == "demo_fever_noprefix"
+
+
+MIXTURES = {"only_fever": ["demo_fever"], "fever_and_nq": ["demo_fever", "demo_nq"],
+            "fever_and_trex": ["demo_fever", "demo_trex"]}
+
+
+@pytest.fixture
+def mixtures():
+    """seqio Mixtures of the registered demo Tasks (conftest registers them), removed afterwards."""
+    import seqio
+
+    for name, members in MIXTURES.items():
+        if name in seqio.MixtureRegistry.names():
+            seqio.MixtureRegistry.remove(name)
+        seqio.MixtureRegistry.add(name, [(m, 1.0) for m in members])
+    yield MIXTURES
+    for name in MIXTURES:
+        seqio.MixtureRegistry.remove(name)
+
+
+def test_a_mixture_stands_for_the_model_tasks_it_holds(mixtures):
+    assert task_names.expand(TASKS, ["fever_and_nq"]) == ["demo_fever", "demo_nq"]
+    assert task_names.expand(TASKS, ["nq", "fever_and_nq"]) == ["nq", "demo_fever", "demo_nq"], \
+        "a name the model knows is kept as given; the Mixture adds its Tasks"
+    assert task_names.resolve(TASKS, "only_fever") == "demo_fever", "a Mixture of one Task names that task"
+    assert task_names.dataset_of(TASKS, "only_fever") == "fever"
+    with pytest.raises(UnknownTaskError, match=r"Mixture 'fever_and_nq' holds several .*\['demo_fever', 'demo_nq'\]"
+                                               r".*name one of them"):
+        task_names.resolve(TASKS, "fever_and_nq")
+
+
+def test_a_mixture_of_tasks_the_model_was_not_trained_on_names_them(mixtures):
+    expected = (r"seqio Mixture 'fever_and_nq' holds \['demo_nq'\], which this model was not trained on; "
+                r"it was trained on: demo_fever \(dataset fever\)$")
+    model = {"demo_fever": TASKS["demo_fever"]}
+    with pytest.raises(UnknownTaskError, match=expected):
+        task_names.expand(model, ["fever_and_nq"])
+    with pytest.raises(UnknownTaskError, match=expected):
+        task_names.resolve(model, "fever_and_nq")
+
+
+def test_a_model_without_tasks_takes_every_name_as_its_own_task_and_dataset(mixtures):
+    assert task_names.resolve({}, "only_fever") == "only_fever" and task_names.dataset_of({}, "fever") == "fever"
+    assert task_names.expand({}, ["fever_and_nq", "x"]) == ["fever_and_nq", "x"]
+
+
+def test_aliases_are_the_names_that_resolve_without_the_registry():
+    tasks = {**TASKS, "demo_fever_noprefix": {"dataset": "fever", "prefix": None}}
+    aliases = task_names.aliases(tasks)
+    assert aliases == {"demo_fever": "demo_fever", "demo_nq": "demo_nq", "demo_fever_noprefix": "demo_fever_noprefix",
+                       "nq": "demo_nq"}, "fever is read by two tasks: not an alias"
+    assert all(task_names.resolve(tasks, name) == task for name, task in aliases.items())
+
+
+def test_registered_tasks_reads_datasets_from_the_registry_and_expands_mixtures(mixtures):
+    assert task_names.registered_tasks(["mini_kilt_trex_noprefix", "fever_and_nq", "wow"]) == {
+        "mini_kilt_trex_noprefix": {"dataset": "trex", "prefix": None},
+        "demo_fever": {"dataset": "fever", "prefix": "FEVER"}, "demo_nq": {"dataset": "nq", "prefix": "NQ"},
+        "wow": {"dataset": "wow"}}, "a name registered as nothing is a dataset"
+
+
+def test_the_registry_module_does_not_import_the_resolver():
+    from test_layers import imported_modules
+
+    from t5_retrieval.data import retrieval_tasks
+
+    imports = [module for _, module in imported_modules(retrieval_tasks.__file__)]
+    assert not [m for m in imports if m.startswith("t5_retrieval.data.task_names")], \
+        "retrieval_tasks -> task_names -> retrieval_tasks would be an import cycle: only the resolver imports the other"
+
+
+# ---------------------------------------------------------------------------------------------
+# Every caller resolves names through this module: each form works, with the same messages.
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny T5 model directory over the demo Tasks demo_fever and demo_trex, its KB embeddings and index."""
+    from tests.tiny_model import build_tiny_run
+
+    return build_tiny_run(str(tmp_path_factory.mktemp("names")))
+
+
+def test_searcher_service_and_experts_take_each_form_of_a_task_name(tiny_run, mixtures):
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.records import read_examples
+    from t5_retrieval.fusion.experts import ExpertSpec, load_expert
+    from t5_retrieval.retrieval.serve import SearchService
+    from t5_retrieval.searcher import Searcher
+
+    searcher = Searcher.open(tiny_run.model_dirs[0], tiny_run.index_dirs[0], layout.kb_dir(tiny_run.data_dir))
+    queries = [e.query for e in read_examples(layout.examples_path(tiny_run.data_dir, "fever", "dev"))]
+    by_name = searcher.search(queries, task="demo_fever", k=3)
+    assert searcher.search(queries, task="demo_trex", k=3) != by_name, "another task's prefix scores differently"
+    assert searcher.search(queries, task="fever", k=3) == by_name, "a dataset names the task reading it"
+    assert searcher.search(queries, task="only_fever", k=3) == by_name, "a Mixture of one Task names it"
+    with pytest.raises(UnknownTaskError, match=r"^unknown task 'wow'; this model was trained on: "
+                                               r"demo_fever \(dataset fever\), demo_trex \(dataset trex\)$"):
+        searcher.search(queries, task="wow")
+    with pytest.raises(UnknownTaskError, match=r"Mixture 'fever_and_trex' holds several"):
+        searcher.search(queries, task="fever_and_trex")
+
+    service = SearchService(searcher.encoder, searcher.index, searcher.store, ["fever_and_trex"])
+    assert service.tasks == ("demo_fever", "demo_trex"), "a Mixture serves each of its Tasks"
+    assert SearchService(searcher.encoder, searcher.index, searcher.store, ["trex", "demo_fever"]).tasks == \
+        ("demo_trex", "demo_fever")
+    assert service.parse({"task": "only_fever", "query": "who"})[0] == "demo_fever"
+    with pytest.raises(UnknownTaskError, match=r"^unknown task 'wow'; this model was trained on: "):
+        SearchService(searcher.encoder, searcher.index, searcher.store, ["fever", "wow"])
+
+    expert = load_expert(ExpertSpec("only_fever", tiny_run.model_dirs[0], tiny_run.index_dirs[0]), searcher.store.ids())
+    assert expert.query_task == "demo_fever"
+
+
+def test_t5r_eval_takes_each_form_of_a_task_name(tiny_run, mixtures, tmp_path, capsys):
+    import json
+
+    from t5_retrieval import cli
+
+    base = ["eval", f"--checkpoint_dir={tiny_run.model_dirs[0]}", f"--index_dir={tiny_run.index_dirs[0]}",
+            f"--data_dir={tiny_run.data_dir}"]
+    tables = {}
+    for form in ("fever,trex", "demo_fever,demo_trex", "fever_and_trex"):
+        assert cli.main([*base, f"--tasks={form}", f"--output_dir={tmp_path / form}"]) == 0, form
+        with open(tmp_path / form / "results.json") as f:
+            tables[form] = json.load(f)
+    by_name = tables["demo_fever,demo_trex"]
+
+    def retrieval_metrics(table: dict) -> dict:  # evaluate.skip_answer_recall matches the names given
+        return {key: value for key, value in table.items() if "answer" not in key}
+
+    assert {t: retrieval_metrics(table) for t, table in tables["fever,trex"].items()} == \
+        {"fever": retrieval_metrics(by_name["demo_fever"]), "trex": retrieval_metrics(by_name["demo_trex"])}, \
+        "tables are keyed by the names given, each scored as the model's task"
+    assert tables["fever_and_trex"] == by_name, "a Mixture stands for its Tasks"
+    capsys.readouterr()
+    assert cli.main([*base, "--tasks=wow", f"--output_dir={tmp_path / 'wow'}"]) == 2
+    assert "unknown task 'wow'; this model was trained on: demo_fever (dataset fever), demo_trex (dataset trex)" in \
+        capsys.readouterr().err
+
+
+def test_results_find_a_dataset_among_a_tables_task_names():
+    from t5_retrieval.results.common import dataset_name
+
+    assert dataset_name(["mini_kilt_fever_noprefix", "mini_kilt_trex_noprefix"], "fever") == "mini_kilt_fever_noprefix"
+    assert dataset_name(["fever", "trex"], "trex") == "trex", "BM25's tables are keyed by dataset"
+    assert dataset_name(["mini_kilt_typed"], "wow") == "mini_kilt_wow_typed", "a Mixture's Task reading it"
+    with pytest.raises(KeyError, match=r"^unknown task 'wow'; this model was trained on: mini_kilt_fever "):
+        dataset_name(["mini_kilt_fever"], "wow")
+
+
+def test_every_encoder_provides_what_the_protocol_declares(tiny_run):
+    from t5_retrieval.inference import QuerySideEncoder
+    from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder
+
+    lexical, trained = HashedBagOfWordsEncoder(8), tiny_run.encoders[0]
+    side = QuerySideEncoder(trained, trained)
+    assert all(isinstance(encoder, Encoder) for encoder in (lexical, trained, side))
+    assert (lexical.features, lexical.task_names, lexical.step) == ({}, [], None)
+    assert trained.task_names == ["demo_fever", "demo_trex"] == sorted(trained.features["tasks"])
+    assert trained.step == 0, "the checkpoint step restored"
+    assert (side.features, side.task_names, side.step) == (trained.features, trained.task_names, trained.step)

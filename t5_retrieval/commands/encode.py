@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
         encoder, store, store.ids(), args.output_dir, process_index=process_index,
         process_count=process_count, progress=not args.no_progress,
         # The step restored, which is older than --step's absent default when the newest is unreadable.
-        meta={"kb_dir": args.kb_dir, "checkpoint_dir": args.checkpoint_dir, "step": getattr(encoder, "step", None),
+        meta={"kb_dir": args.kb_dir, "checkpoint_dir": args.checkpoint_dir, "step": encoder.step,
               "lexical_baseline_dim": args.lexical_baseline_dim},
         **embedding_store.encode_settings())
     state = "complete" if report.complete else "waiting for other processes' shards"

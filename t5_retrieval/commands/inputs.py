@@ -82,11 +82,18 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
     return SearchInputs(store, examples, datasets, index, encoder)
 
 
+def register_named_mixtures(tasks: task_names.Tasks, names: Sequence[str]) -> None:
+    """Registers the project's seqio Tasks and Mixtures when one of `names` is neither one of the
+    model's tasks nor a dataset of one, so it may name one of the project's Mixtures (a
+    MIXTURE_OR_TASK_MODULE's are registered by its flag)."""
+    if tasks and not all(task_names.knows(tasks, name) for name in names):
+        import t5_retrieval.tasks  # noqa: F401  (the project's Mixtures, by name)
+
+
 def expand_task_names(tasks: task_names.Tasks, names: Sequence[str]) -> list[str]:
     """`names` with registered seqio Mixtures (the project's, or a MIXTURE_OR_TASK_MODULE's) replaced
     by the model's Tasks they hold."""
-    if tasks and not all(task_names.knows(tasks, name) for name in names):
-        import t5_retrieval.tasks  # noqa: F401  (the project's Mixtures, by name)
+    register_named_mixtures(tasks, names)
     return task_names.expand(tasks, names)
 
 

@@ -12,9 +12,9 @@ import socket
 import sys
 
 from t5_retrieval import gin_utils, logs
-from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags, expand_task_names
+from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags, register_named_mixtures
 from t5_retrieval.errors import UserError
-from t5_retrieval.retrieval.encoder import model_task_name, recorded_tasks
+from t5_retrieval.retrieval.encoder import recorded_tasks
 from t5_retrieval.retrieval.index import Index, IndexMismatchError
 from t5_retrieval.retrieval.serve import (TOKEN_ENV, SearchService, ServeLimits, ServerOptions, bind_address,
                                           make_server)
@@ -86,8 +86,8 @@ def main(argv: list[str]) -> int:
         index = Index.load(args.index_dir)
         encoder = encoder_from_flags(args)
         index.check(encoder, store.ids())
-        names = expand_task_names(recorded_tasks(encoder), [t for t in args.tasks.split(",") if t])
-        tasks = [model_task_name(encoder, t) for t in names] or list(getattr(encoder, "task_names", []))
+        tasks = [t for t in args.tasks.split(",") if t] or list(encoder.task_names)
+        register_named_mixtures(recorded_tasks(encoder), tasks)  # SearchService resolves every form
         if not tasks:
             raise ValueError("--tasks is required: this encoder does not list its task names")
         service = SearchService(encoder, index, store, tasks, ServeLimits())

@@ -32,6 +32,7 @@ from t5_retrieval.data import layout
 from t5_retrieval.data.records import read_examples
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenize import conventions_of, load_vocabulary, vocabulary_digest
+from t5_retrieval.errors import UserError
 
 TEMPERATURE = 4.0
 TASK_TYPES = ("QA", "FC", "SF", "EL", "DIAL")
@@ -64,6 +65,16 @@ def use_vocabulary(vocabulary: Any) -> None:
     """Makes `run_vocabulary()` (the KILT Tasks' vocabulary) this one, a path or a vocabulary
     object: training sets the model's."""
     _VOCABULARY[0] = vocabulary
+
+
+class UnknownTaskError(KeyError, ValueError, UserError):
+    """A name that is no registered seqio Task or Mixture, or none of a model's tasks (`task_names`).
+
+    Both a KeyError (a missing key of a registry or of the model's tasks) and a ValueError (a bad
+    argument), so the callers that catch either keep working."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,8 +316,6 @@ def resolve(names: str | Sequence[str]) -> list[tuple[Any, float]]:
     A Mixture's rates are its own (`Mixture.get_rate`: numbers, rate functions, any temperature); a
     single Task has rate 1; a list of Task names is mixed as the KILT Mixtures are (n^(1/4))."""
     import seqio
-
-    from t5_retrieval.data.task_names import UnknownTaskError
 
     def get(name: str) -> Any:
         known = [*seqio.MixtureRegistry.names(), *seqio.TaskRegistry.names()]

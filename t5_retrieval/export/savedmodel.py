@@ -83,11 +83,10 @@ def _jax_embed(encoder: DualEncoderInference):
 
 def task_lookup(tasks: task_names.Tasks, order: Sequence[str]) -> tuple[list[str], list[int]]:
     """(name, position in `order`) for every name a query's task may have: each task's registered
-    name and, where no other task reads it, its dataset (as `data.task_names.resolve` maps them)."""
-    names = list(order)
-    names += [d for d in task_names.datasets(tasks) if d not in tasks and
-              sum(spec.get("dataset") == d for spec in tasks.values()) == 1]
-    return names, [order.index(task_names.resolve(tasks, name)) for name in names]
+    name and, where no other task reads it, its dataset (`data.task_names.aliases`)."""
+    aliases = task_names.aliases(tasks)
+    names = [*order, *(name for name in aliases if name not in order)]
+    return names, [order.index(aliases[name]) for name in names]
 
 
 class RetrievalModule(tf.Module):

@@ -18,13 +18,15 @@ def prepare_data(raw_dir: str, data_dir: str) -> None:
 
 
 def dataset_name(names: Iterable[str], dataset: str) -> str:
-    """Which of a model's task names is `dataset`: the dataset itself, or the registered
-    `mini_kilt_{dataset}` task in any prefix variant."""
-    names = set(names)
-    for name in (dataset, *(f"mini_kilt_{dataset}{v}" for v in ("", "_noprefix", "_typed"))):
-        if name in names:
-            return name
-    raise KeyError(f"no task for {dataset} among {sorted(names)}")
+    """Which of a model's task names (a table's keys, or seqio Mixtures standing for their Tasks)
+    reads `dataset`: resolved against what the seqio registry records of them; a name registered as
+    nothing is a dataset (BM25's tables are keyed by dataset).
+
+    Raises UnknownTaskError (a KeyError) when none of them, or several, read it."""
+    import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, whose datasets the names are resolved by)
+    from t5_retrieval.data import task_names
+
+    return task_names.resolve(task_names.registered_tasks(names), dataset)
 
 
 def dataset_table(tables: dict[str, Any], dataset: str) -> dict[str, Any]:

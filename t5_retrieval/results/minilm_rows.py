@@ -10,7 +10,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from t5_retrieval.results.common import TASKS, dataset_table, run_cli, train_model
+from t5_retrieval.results.common import TASKS, dataset_name, dataset_table, run_cli, train_model
 
 
 def bm25_row(row_dir: str, data_dir: str) -> None:
@@ -171,7 +171,8 @@ def task_specific_row(row_dir: str, data_dir: str, seed: int = 0) -> None:
 
     base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
     for task in TASKS:
-        trained_row("single_task.gin", f"mini_kilt_{task}_noprefix", f"TRAIN_STEPS = {TASK_SPECIFIC_STEPS}")(
+        single_task = dataset_name(["mini_kilt_noprefix"], task)  # the Mixture's Task that reads it
+        trained_row("single_task.gin", single_task, f"TRAIN_STEPS = {TASK_SPECIFIC_STEPS}")(
             os.path.join(row_dir, task), data_dir, seed, base_dir)
     stage(os.path.join(row_dir, "eval"), "join task-specific tables", lambda: join_tables(row_dir))
 

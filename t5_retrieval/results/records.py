@@ -92,8 +92,8 @@ def record_run(run_dir: str, data_dir: str, row: str, seed: int) -> RunRecord:
 def _predictions_file(run_dir: str, task: str) -> str:
     """`<run>/eval/predictions/<task>.jsonl`, or `<run>/<task>/eval/predictions/` for one model per task."""
     for directory in (os.path.join(run_dir, "eval", "predictions"), os.path.join(run_dir, task, "eval", "predictions")):
-        if os.path.isdir(directory):
-            names = [os.path.basename(p)[:-len(".jsonl")] for p in glob.glob(os.path.join(directory, "*.jsonl"))]
+        names = [os.path.basename(p)[:-len(".jsonl")] for p in glob.glob(os.path.join(directory, "*.jsonl"))]
+        if names:
             try:
                 return os.path.join(directory, dataset_name(names, task) + ".jsonl")
             except KeyError:

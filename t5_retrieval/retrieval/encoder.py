@@ -12,8 +12,8 @@ import hashlib
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -24,11 +24,16 @@ from t5_retrieval.data.records import Passage
 
 @runtime_checkable
 class Encoder(Protocol):
-    """A dual encoder seen from the retrieval side.
+    """A dual encoder seen from the retrieval side: everything the retrieval stages, commands,
+    `Searcher`, serving, fusion and export read from a model.
 
     `fingerprint` identifies the model (config + parameters): an index built with one fingerprint
-    is refused for queries encoded by another. `encode_queries` applies the task's query prefix.
-    Both encode methods return float32 [n, dim] arrays whose dot products are the scores.
+    is refused for queries encoded by another. `features` is how the model reads text, as recorded
+    with it (`features["tasks"]`: its tasks, their datasets and query prefixes; `{}` for a model that
+    records none); `task_names` are its tasks' registered names, sorted; `step` is the checkpoint
+    step its parameters come from (None for a model without one). `encode_queries` applies the
+    task's query prefix. Both encode methods return float32 [n, dim] arrays whose dot products are
+    the scores.
     """
 
     @property
@@ -37,28 +42,34 @@ class Encoder(Protocol):
     @property
     def dim(self) -> int: ...
 
+    @property
+    def features(self) -> Mapping[str, Any]: ...
+
+    @property
+    def task_names(self) -> Sequence[str]: ...
+
+    @property
+    def step(self) -> int | None: ...
+
     def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray: ...
 
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray: ...
 
 
 def recorded_tasks(encoder: Encoder) -> task_names.Tasks:
-    """The tasks a trained model records with its features (`{}` for one that records none, e.g. the
+    """The tasks a model records with its features (`{}` for one that records none, e.g. the
     lexical baseline, whose queries have no task prefix)."""
-    return (getattr(encoder, "features", None) or {}).get("tasks") or {}
+    return encoder.features.get("tasks") or {}
 
 
 def model_task_name(encoder: Encoder, name: str) -> str:
-    """The encoder's own name for the task a user calls `name` (registered name or dataset, see
-    `data.task_names`); an encoder that records no tasks takes any name."""
-    tasks = recorded_tasks(encoder)
-    return task_names.resolve(tasks, name) if tasks else name
+    """The encoder's own name for the task a user calls `name` (`data.task_names.resolve`)."""
+    return task_names.resolve(recorded_tasks(encoder), name)
 
 
 def dataset_of(encoder: Encoder, name: str) -> str:
-    """The dataset whose example files the task `name` reads (`name` itself for an encoder without tasks)."""
-    tasks = recorded_tasks(encoder)
-    return task_names.dataset_of(tasks, name) if tasks else name
+    """The dataset whose example files the task `name` reads (`data.task_names.dataset_of`)."""
+    return task_names.dataset_of(recorded_tasks(encoder), name)
 
 
 _WORD = re.compile(r"\w+")
@@ -81,10 +92,16 @@ class HashedBagOfWordsEncoder:
             raise ValueError(f"dim must be >= 1, got {dim}")
         self._dim = dim
         self._buckets: dict[str, tuple[int, float]] = {}
+        self.features: dict[str, Any] = {}  # no tasks recorded: without a prefix, any task name is its own
+        self.step: int | None = None  # nothing trained
 
     @property
     def dim(self) -> int:
         return self._dim
+
+    @property
+    def task_names(self) -> list[str]:
+        return sorted(recorded_tasks(self))
 
     @property
     def fingerprint(self) -> str:

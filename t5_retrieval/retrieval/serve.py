@@ -37,8 +37,9 @@ from typing import Any
 import gin
 import numpy as np
 
+from t5_retrieval.data import task_names
 from t5_retrieval.data.task_names import UnknownTaskError
-from t5_retrieval.retrieval.encoder import Encoder, model_task_name
+from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_tasks
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.data.passages import PassageLookup
 
@@ -72,16 +73,21 @@ class RequestError(ValueError):
 
 
 class SearchService:
-    """Validates search requests and answers them with one encoder, one index and the passages."""
+    """Validates search requests and answers them with one encoder, one index and the passages.
+
+    `tasks` are the tasks requests may name, each by registered name, dataset or seqio Mixture
+    (`data.task_names`); a request names one of them in any form."""
 
     def __init__(self, encoder: Encoder, index: Index, passages: PassageLookup, tasks: Sequence[str],
                  limits: ServeLimits | None = None):
         index.check(encoder)
         if not tasks:
             raise ValueError("SearchService needs at least one task name")
+        # Any form (registered name, dataset, seqio Mixture) -> the model's own names.
+        tasks = [model_task_name(encoder, t) for t in task_names.expand(recorded_tasks(encoder), tasks)]
         # A model that names its tasks fails every query of another task: refuse them up front.
-        known = getattr(encoder, "task_names", None)
-        unknown = [t for t in tasks if known is not None and t not in known]
+        known = encoder.task_names
+        unknown = [t for t in tasks if known and t not in known]
         if unknown:
             raise ValueError(f"unknown task(s) {unknown}: this model knows {list(known)}")
         self.encoder = encoder
