@@ -147,17 +147,31 @@ def process_shards(num_shards: int, process_index: int, process_count: int) -> r
     return range(start, start + per + (process_index < extra))
 
 
-def shard_done(directory: str, manifest: Manifest, shard: int) -> bool:
-    """A shard counts as done when its file exists with the planned shape (renames are atomic)."""
+def shard_problem(directory: str, manifest: Manifest, shard: int) -> str | None:
+    """What is wrong with a shard's file ("missing", "truncated ...", ...), or None when it has the
+    planned shape and size (renames are atomic, so a shard is either whole or was damaged later)."""
     path = os.path.join(directory, manifest.shard_name(shard))
     if not os.path.exists(path):
-        return False
+        return "missing"
     start, stop = manifest.shard_rows(shard)
+    expected = (stop - start, manifest.dim)
     try:
-        shape = np.load(path, mmap_mode="r").shape
-    except (ValueError, OSError):
-        return False
-    return shape == (stop - start, manifest.dim)
+        array = np.load(path, mmap_mode="r")
+    except ValueError as e:
+        # numpy refuses to map a file shorter than its header says ("mmap length is greater than file size").
+        return f"truncated or damaged ({os.path.getsize(path)} bytes: {e})"
+    except OSError as e:
+        return f"unreadable ({e})"
+    if array.shape != expected:
+        return f"has shape {array.shape}, expected {expected}"
+    size = os.path.getsize(path)
+    if size < array.offset + array.nbytes:
+        return f"truncated ({size} of {array.offset + array.nbytes} bytes)"
+    return None
+
+
+def shard_done(directory: str, manifest: Manifest, shard: int) -> bool:
+    return shard_problem(directory, manifest, shard) is None
 
 
 def missing_shards(directory: str, manifest: Manifest) -> list[int]:
@@ -264,13 +278,18 @@ def write_embeddings(
 
 def check_complete(directory: str, manifest: Manifest | None = None) -> Manifest:
     manifest = manifest or read_manifest(directory)
-    missing = missing_shards(directory, manifest)
-    if missing:
-        names = ", ".join(manifest.shard_name(s) for s in missing[:5])
+    problems = {s: p for s in range(manifest.num_shards) if (p := shard_problem(directory, manifest, s))}
+    if not problems:
+        return manifest
+    if all(p == "missing" for p in problems.values()):
+        names = ", ".join(manifest.shard_name(s) for s in list(problems)[:5])
         raise EmbeddingsError(
-            f"{directory}: {len(missing)} of {manifest.num_shards} shards missing ({names}"
-            f"{', ...' if len(missing) > 5 else ''}); finish `t5r encode` on every process first")
-    return manifest
+            f"{directory}: {len(problems)} of {manifest.num_shards} shards missing ({names}"
+            f"{', ...' if len(problems) > 5 else ''}); finish `t5r encode` on every process first")
+    shard, problem = next((s, p) for s, p in problems.items() if p != "missing")
+    raise EmbeddingsError(
+        f"{os.path.join(directory, manifest.shard_name(shard))}: {problem}; rerun the `t5r encode` that wrote "
+        f"{directory} (it rewrites the shards that are not whole and keeps the others){f' ({len(problems)} shards need it)' if len(problems) > 1 else ''}")
 
 
 def iter_shards(directory: str, manifest: Manifest | None = None) -> Iterator[tuple[int, np.ndarray]]:
