@@ -14,9 +14,9 @@ reported with its path and the previous one is used; the unreadable one is moved
 Integrity: orbax stores no checksums, so a flipped byte in an array file would restore silently.
 After orbax has finalised a step (every process's files written, the directory renamed), process 0
 writes `t5r_checksums.json` into it: the size and sha256 of every file, hashed in 4 MiB chunks.
-Restoring verifies them first; a mismatch makes the checkpoint unreadable (see above). A checkpoint
-without the file (written before it existed, or killed between orbax's rename and the file's)
-restores unverified.
+Restoring verifies them first; a mismatch makes the checkpoint unreadable (see above), and so does
+a checkpoint without the file (killed between orbax's rename and the file's, or written by an older
+version: `t5r checksum --accept <step dir>` records one the user trusts).
 """
 
 from __future__ import annotations
@@ -113,13 +113,15 @@ def write_checksums(step_dir: epath.Path) -> None:
     tmp.replace(step_dir / CHECKSUMS_FILE)
 
 
-def verify_checksums(step_dir: epath.Path) -> bool:
-    """Raises CheckpointError naming the first missing, resized or altered file; False if the step has
-    no checksums to verify, True if all match."""
+def verify_checksums(step_dir: epath.Path) -> None:
+    """Raises CheckpointError naming the first missing, resized or altered file, or a step without
+    checksums (the same record `t5_retrieval.checksums` writes; this reads it through epath, so
+    checkpoints on object stores are verified too)."""
     manifest = step_dir / CHECKSUMS_FILE
     if not manifest.exists():
-        log.info("%s has no %s; restoring it unverified", step_dir, CHECKSUMS_FILE)
-        return False
+        raise CheckpointError(f"checkpoint {step_dir}: no {CHECKSUMS_FILE} (the run was killed before writing "
+                              "it, or an older t5-retrieval wrote the checkpoint); if you trust it, record its "
+                              f"checksums as it is now: t5r checksum --accept {step_dir}")
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError) as e:
@@ -134,7 +136,6 @@ def verify_checksums(step_dir: epath.Path) -> bool:
                                   f"were written (truncated or overwritten)")
         if _sha256(path) != expected["sha256"]:
             raise CheckpointError(f"checkpoint {step_dir}: file {name} fails its sha256 checksum (corrupted)")
-    return True
 
 
 def _restore_step(mngr: ocp.CheckpointManager, step: int, args: ocp.args.Composite, what: str) -> Any:

@@ -40,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export-hf": ("t5_retrieval.export.hf:main", "A Hugging Face (transformers / sentence-transformers) directory."),
     "query-side": ("t5_retrieval.query_side:main", "Fine-tune the query encoder over a frozen index."),
     "results": ("t5_retrieval.results:main", "The mini-KILT results table, row by row (resumable)."),
+    "checksum": ("t5_retrieval.commands.checksum:main", "Verify an artefact's checksums in full, or record them."),
 }
 
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import gin
 import numpy as np
 
+from t5_retrieval import checksums
 from t5_retrieval.data.passages import ids_digest
 from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
 from t5_retrieval.errors import UserError, disk_full, remove_stale_temporaries, temp_path
@@ -270,6 +271,8 @@ def write_embeddings(
             if isinstance(e, OSError):  # numpy reports a full disk as "N requested and M written"
                 raise disk_full(path, e) from e
             raise
+        checksums.record_file(tmp)  # the sidecar names the shard's final path once both are renamed
+        os.replace(tmp + checksums.SIDECAR_SUFFIX, path + checksums.SIDECAR_SUFFIX)
         os.replace(tmp, path)
         log.info("process %d: wrote %s (rows [%d, %d))", process_index, manifest.shard_name(shard), start, stop)
     bar.close()
@@ -293,10 +296,14 @@ def check_complete(directory: str, manifest: Manifest | None = None) -> Manifest
 
 
 def iter_shards(directory: str, manifest: Manifest | None = None) -> Iterator[tuple[int, np.ndarray]]:
-    """Yields (first row, memory-mapped shard) in row order; reads nothing until sliced."""
+    """Yields (first row, memory-mapped shard) in row order, each verified against its checksum first
+    (a flipped byte would otherwise be indexed or trained on in silence)."""
     manifest = check_complete(directory, manifest)
+    rebuild = f"rerun the `t5r encode` that wrote {directory} after deleting this shard"
     for shard in range(manifest.num_shards):
-        yield manifest.shard_rows(shard)[0], np.load(os.path.join(directory, manifest.shard_name(shard)), mmap_mode="r")
+        path = os.path.join(directory, manifest.shard_name(shard))
+        checksums.verify_file(path, "embeddings directory", rebuild)
+        yield manifest.shard_rows(shard)[0], np.load(path, mmap_mode="r")
 
 
 def load_matrix(directory: str, out: np.ndarray | None = None) -> np.ndarray:

@@ -2,13 +2,15 @@
 
 Layout of a passage store directory (written by `t5r data kb`)::
 
-    manifest.json               counts, shard names, chunking settings (written last)
+    manifest.json               counts, shard names, chunking settings
     passages-00000.jsonl        {"id", "wikipedia_id", "title", "text", "span"} in id order
     passages-00000.offsets.npy  byte offset of every line, for random access by `get`
     page_map.tsv                passage_id <TAB> wikipedia_id, in id order (the passage -> page map)
+    t5r_checksums.json          size and sha256 of every file, verified when the store is opened
 
 Writes stream page by page into a temporary directory that is renamed into place only after the
-manifest is written, so an interrupted run never leaves something that looks finished. The same
+manifest and the checksums are written, so an interrupted run never leaves something that looks
+finished, and a store altered or truncated afterwards is refused when opened. The same
 layout holds the 36M-passage KILT KB (sharded files, no whole-KB list in memory while writing).
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from t5_retrieval import checksums
 from t5_retrieval.data.records import DataError, Passage, read_jsonl, require
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
 from t5_retrieval.errors import disk_full, is_disk_full, remove_stale_temporaries, temp_path
@@ -264,6 +267,7 @@ def _write_store(passages: Iterable[tuple[Passage, Span | None]], tmp: str, pass
                 "page_map": PAGE_MAP, **(metadata or {})}
     with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
+    checksums.record(tmp)
     return manifest
 
 
@@ -279,6 +283,15 @@ def build_kb(source: str, out_dir: str, *, words_per_passage: int = 100, passage
 
 # ----------------------------------------------------------------------------------------------
 # Reading
+
+
+def _rebuild_hint(directory: str, manifest: dict[str, Any]) -> str:
+    """The command that writes this store again (a store lives at `<data_dir>/kb`)."""
+    if "source" not in manifest or os.path.basename(os.path.normpath(directory)) != "kb":
+        return "rebuild it with `t5r data kb`"
+    data_dir = os.path.dirname(os.path.normpath(os.path.abspath(directory)))
+    return (f"rebuild it: t5r data kb --source={manifest['source']} --data_dir={data_dir} "
+            f"--words_per_passage={manifest.get('words_per_passage', 100)} --overwrite")
 
 
 class PassageStore:
@@ -311,6 +324,7 @@ class PassageStore:
             raise DataError(f"{path}: damaged ({e}); rebuild the store with `t5r data kb`") from None
         if manifest.get("format") != FORMAT:
             raise DataError(f"{path}: field 'format' is {manifest.get('format')!r}, expected {FORMAT!r}")
+        checksums.verify(directory, "passage store", _rebuild_hint(directory, manifest))
         return cls(directory, manifest)
 
     def __len__(self) -> int:
