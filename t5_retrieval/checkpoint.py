@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from t5_retrieval.data.records import write_json_atomic
-from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full
+from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded
 
 CONFIG_FILE = "model_config.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
@@ -70,18 +71,37 @@ def reader(directory: str) -> ocp.CheckpointManager:
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_state: dict[str, Any]) -> None:
-    try:
-        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                data=ocp.args.JsonSave(data_state)))
-        mngr.wait_until_finished()
-    except Exception as e:  # tensorstore reports a full disk in many words, rarely as ENOSPC
-        if is_disk_full(e) or nearly_full(str(mngr.directory)):
-            raise disk_full(str(mngr.directory / str(step)), e) from e
-        raise
+    with stderr_kept_unless_discarded() as stderr:
+        try:
+            mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    data=ocp.args.JsonSave(data_state)))
+            mngr.wait_until_finished()
+        except Exception as e:  # tensorstore reports a full disk in many words, rarely as ENOSPC
+            if is_disk_full(e) or nearly_full(str(mngr.directory)):
+                # orbax's writer threads have each logged this failure with a traceback, and their
+                # callbacks keep printing into a closed event loop for a moment: the user gets one line.
+                _wait_for_writer_threads(mngr)
+                stderr.discard()
+                raise disk_full(str(mngr.directory / str(step)), e) from e
+            raise
     if jax.process_count() > 1:  # every process has returned from orbax's save: all files exist
         multihost_utils.sync_global_devices("t5r_checkpoint_saved")
     if jax.process_index() == 0:
         write_checksums(mngr.directory / str(step))
+
+
+def _wait_for_writer_threads(mngr: ocp.CheckpointManager, seconds: float = 2.0) -> None:
+    """After a failed save: lets orbax's threads and tensorstore's callbacks finish failing (and
+    printing) before the caller reports, so nothing trails its one-line message."""
+    try:
+        mngr.close()
+    except Exception:  # noqa: BLE001  (the save already failed; this only drains it)
+        pass
+    deadline = time.monotonic() + seconds
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    time.sleep(0.2)
 
 
 def _files(directory: epath.Path, prefix: str = "") -> list[str]:

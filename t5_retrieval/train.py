@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Protocol
@@ -99,10 +100,17 @@ class MetricsLog:
         self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
         self.jsonl.flush()
 
-    def close(self) -> None:
-        if self.enabled:
+    def close(self, failing: bool = False) -> None:
+        """`failing`: the run is already failing (a full disk, say), and a flush error here must not
+        replace that error."""
+        if not self.enabled:
+            return
+        try:
             self.tb.close()
             self.jsonl.close()
+        except OSError:
+            if not failing:
+                raise
 
 
 @gin.configurable(denylist=["model_dir", "data_overrides", "command_line"])
@@ -371,7 +379,7 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
         preemption.close()
         if progress is not None:
             progress.close()
-        metrics_log.close()
+        metrics_log.close(failing=sys.exc_info()[0] is not None)
     return state
 
 
