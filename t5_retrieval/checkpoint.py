@@ -14,9 +14,9 @@ reported with its path and the previous one is used; the unreadable one is moved
 Integrity: orbax stores no checksums, so a flipped byte in an array file would restore silently.
 After orbax has finalised a step (every process's files written, the directory renamed), process 0
 writes `t5r_checksums.json` into it: the size and sha256 of every file, hashed in 4 MiB chunks.
-Restoring verifies them first; a mismatch makes the checkpoint unreadable (see above). A checkpoint
-without the file (written before it existed, or killed between orbax's rename and the file's)
-restores unverified.
+Restoring verifies them first; a mismatch makes the checkpoint unreadable (see above), and so does
+a checkpoint without the file (killed between orbax's rename and the file's, or written by an older
+version: `t5r checksum --accept <step dir>` records one the user trusts).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from t5_retrieval.data.records import write_json_atomic
-from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full
+from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded
 
 CONFIG_FILE = "model_config.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
@@ -70,18 +71,37 @@ def reader(directory: str) -> ocp.CheckpointManager:
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_state: dict[str, Any]) -> None:
-    try:
-        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                data=ocp.args.JsonSave(data_state)))
-        mngr.wait_until_finished()
-    except Exception as e:  # tensorstore reports a full disk in many words, rarely as ENOSPC
-        if is_disk_full(e) or nearly_full(str(mngr.directory)):
-            raise disk_full(str(mngr.directory / str(step)), e) from e
-        raise
+    with stderr_kept_unless_discarded() as stderr:
+        try:
+            mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    data=ocp.args.JsonSave(data_state)))
+            mngr.wait_until_finished()
+        except Exception as e:  # tensorstore reports a full disk in many words, rarely as ENOSPC
+            if is_disk_full(e) or nearly_full(str(mngr.directory)):
+                # orbax's writer threads have each logged this failure with a traceback, and their
+                # callbacks keep printing into a closed event loop for a moment: the user gets one line.
+                _wait_for_writer_threads(mngr)
+                stderr.discard()
+                raise disk_full(str(mngr.directory / str(step)), e) from e
+            raise
     if jax.process_count() > 1:  # every process has returned from orbax's save: all files exist
         multihost_utils.sync_global_devices("t5r_checkpoint_saved")
     if jax.process_index() == 0:
         write_checksums(mngr.directory / str(step))
+
+
+def _wait_for_writer_threads(mngr: ocp.CheckpointManager, seconds: float = 2.0) -> None:
+    """After a failed save: lets orbax's threads and tensorstore's callbacks finish failing (and
+    printing) before the caller reports, so nothing trails its one-line message."""
+    try:
+        mngr.close()
+    except Exception:  # noqa: BLE001  (the save already failed; this only drains it)
+        pass
+    deadline = time.monotonic() + seconds
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    time.sleep(0.2)
 
 
 def _files(directory: epath.Path, prefix: str = "") -> list[str]:
@@ -113,13 +133,15 @@ def write_checksums(step_dir: epath.Path) -> None:
     tmp.replace(step_dir / CHECKSUMS_FILE)
 
 
-def verify_checksums(step_dir: epath.Path) -> bool:
-    """Raises CheckpointError naming the first missing, resized or altered file; False if the step has
-    no checksums to verify, True if all match."""
+def verify_checksums(step_dir: epath.Path) -> None:
+    """Raises CheckpointError naming the first missing, resized or altered file, or a step without
+    checksums (the same record `t5_retrieval.checksums` writes; this reads it through epath, so
+    checkpoints on object stores are verified too)."""
     manifest = step_dir / CHECKSUMS_FILE
     if not manifest.exists():
-        log.info("%s has no %s; restoring it unverified", step_dir, CHECKSUMS_FILE)
-        return False
+        raise CheckpointError(f"checkpoint {step_dir}: no {CHECKSUMS_FILE} (the run was killed before writing "
+                              "it, or an older t5-retrieval wrote the checkpoint); if you trust it, record its "
+                              f"checksums as it is now: t5r checksum --accept {step_dir}")
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError) as e:
@@ -134,7 +156,6 @@ def verify_checksums(step_dir: epath.Path) -> bool:
                                   f"were written (truncated or overwritten)")
         if _sha256(path) != expected["sha256"]:
             raise CheckpointError(f"checkpoint {step_dir}: file {name} fails its sha256 checksum (corrupted)")
-    return True
 
 
 def _restore_step(mngr: ocp.CheckpointManager, step: int, args: ocp.args.Composite, what: str) -> Any:

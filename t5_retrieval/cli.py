@@ -12,9 +12,8 @@ import os
 import re
 import sys
 
-from t5_retrieval.errors import UserError, disk_full, is_disk_full
+from t5_retrieval.errors import DEBUG_ENV, DiskFullError, UserError, disk_full, is_disk_full
 
-DEBUG_ENV = "T5R_DEBUG"
 # gin appends where a configurable raised ("  In call to configurable ..."); a user error says it all.
 _GIN_CONTEXT = "\n  In call to configurable"
 _OS_ERROR = re.compile(r"\[Errno \d+\] (?P<what>[^:]+): '(?P<path>.*)'")
@@ -40,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export-hf": ("t5_retrieval.export.hf:main", "A Hugging Face (transformers / sentence-transformers) directory."),
     "query-side": ("t5_retrieval.query_side:main", "Fine-tune the query encoder over a frozen index."),
     "results": ("t5_retrieval.results:main", "The mini-KILT results table, row by row (resumable)."),
+    "checksum": ("t5_retrieval.commands.checksum:main", "Verify an artefact's checksums in full, or record them."),
 }
 
 
@@ -82,6 +82,24 @@ def user_message(error: BaseException) -> str | None:
     return None
 
 
+# Commands whose failure leaves library threads and exit handlers that fail again on the way out.
+_TEARDOWN_NOISE: list[str] = []
+
+
+def run() -> None:
+    """The `t5r` executable: `main`, then exit. After a full disk has been reported in one line, the
+    libraries' writer threads and exit handlers (orbax, tensorboard) fail to flush on their way out,
+    each with a traceback; they are not shown (`--debug` shows them)."""
+    code = main()
+    if _TEARDOWN_NOISE and os.environ.get(DEBUG_ENV, "") in ("", "0"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one command. Errors the user can fix are one line, `t5r <command>: error: <path>: ...`,
     with exit status 2; `t5r --debug <command> ...` (or T5R_DEBUG=1) shows their traceback."""
@@ -89,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     if argv and argv[0] == "--debug":
         debug, argv = True, argv[1:]
+        os.environ[DEBUG_ENV] = "1"  # libraries that quieten third-party noise read it too
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
@@ -110,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         if message is None:
             raise
         print(f"t5r {name}: error: {message}", file=sys.stderr)
+        if isinstance(e, DiskFullError) or is_disk_full(e):
+            _TEARDOWN_NOISE.append(name)
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -8,12 +8,18 @@ that does not fit, an index of another model, ...) derives from `UserError`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import os
 import re
 import shutil
 import socket
+import sys
+import tempfile
+
+
+DEBUG_ENV = "T5R_DEBUG"  # set (or `t5r --debug`): tracebacks and every library message are shown
 
 
 class UserError(Exception):
@@ -24,11 +30,15 @@ def is_disk_full(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def disk_full(path: str, error: BaseException | None = None) -> UserError:
+class DiskFullError(UserError):
+    """A write ran out of space; what was finished before it is kept."""
+
+
+def disk_full(path: str, error: BaseException | None = None) -> DiskFullError:
     """The error for a write that ran out of space at `path` (earlier outputs are complete and kept)."""
     free = _free_bytes(path)
     detail = f" ({error})" if error is not None and not is_disk_full(error) else ""
-    return UserError(f"{path}: no space left on the device{detail}"
+    return DiskFullError(f"{path}: no space left on the device{detail}"
                      + (f"; {free / 2**20:.0f} MiB free" if free is not None else "")
                      + ". Free space (or choose another output directory) and rerun: finished outputs are kept "
                        "and the run resumes")
@@ -107,3 +117,38 @@ def remove_stale_temporaries(directory: str, pattern: str = "*.tmp-*") -> list[s
                 pass
         removed.append(path)
     return removed
+
+
+class _CapturedStderr:
+    def __init__(self) -> None:
+        self.discarded = False
+
+    def discard(self) -> None:
+        """Drop what was captured: the caller reports the failure itself, in one line."""
+        self.discarded = True
+
+
+@contextlib.contextmanager
+def stderr_kept_unless_discarded():
+    """Captures file descriptor 2 (what native code and threads print, too) for the block and writes
+    it back when the block ends, unless the block called `discard()` on what this yields: for a
+    library whose failure prints screens of thread tracebacks before the one error the caller
+    reports. With T5R_DEBUG set nothing is captured."""
+    captured = _CapturedStderr()
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        yield captured
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not captured.discarded:
+                sink.seek(0)
+                while chunk := sink.read(1 << 16):
+                    os.write(2, chunk)

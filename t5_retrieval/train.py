@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Protocol
@@ -38,8 +39,11 @@ from t5_retrieval.optim import make_optimizer
 from t5_retrieval.train_step import TrainState, make_train_step
 
 log = logging.getLogger(__name__)
-# On CPU, more than ~50 dispatched steps with collectives can deadlock; never run further ahead.
-MAX_STEPS_IN_FLIGHT = 20
+# The host dispatches each step while the device runs the one before, then waits for that one: it
+# hides the host's per-step work, keeps at most two steps queued (more than ~50 with collectives can
+# deadlock on CPU), and a SIGTERM's checkpoint waits for the running step and at most one more.
+# The state itself is looked at (non-finite streak, logged metrics) every SYNC_EVERY steps.
+SYNC_EVERY = 20
 TACO_STATE_FILE = "taco_state.npz"
 OPERATIVE_CONFIG = "config.gin"  # the gin bindings the run used (t5x's name)
 
@@ -99,10 +103,17 @@ class MetricsLog:
         self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
         self.jsonl.flush()
 
-    def close(self) -> None:
-        if self.enabled:
+    def close(self, failing: bool = False) -> None:
+        """`failing`: the run is already failing (a full disk, say), and a flush error here must not
+        replace that error."""
+        if not self.enabled:
+            return
+        try:
             self.tb.close()
             self.jsonl.close()
+        except OSError:
+            if not failing:
+                raise
 
 
 @gin.configurable(denylist=["model_dir", "data_overrides", "command_line"])
@@ -305,13 +316,15 @@ class PreemptionNotice:
 
     def __init__(self) -> None:
         self.requested = False
+        self.finished_step = 0  # the last step the host saw complete (the loop keeps it current)
         self._previous = None
         self._multi_process = jax.process_count() > 1
         if not self._multi_process and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        log.warning("SIGTERM: checkpointing after the current step, then stopping")
+        log.warning("SIGTERM after step %d finished: checkpointing after the running step, then stopping",
+                    self.finished_step)
         self.requested = True
 
     def reached(self, step: int) -> bool:
@@ -338,7 +351,11 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
     preemption = PreemptionNotice()
     try:
         for step in range(start + 1, num_steps + 1):
+            previous = metrics if step > start + 1 else None
             state, metrics = step_fn(state, sharding.global_batch(mesh, batch))
+            if previous is not None:  # the device runs this step while the host prepares the next
+                jax.block_until_ready(previous)
+                preemption.finished_step = step - 1
             if progress is None:
                 jax.block_until_ready(metrics)
                 log.info("step %d compiled and ran in %.1f s", step, time.time() - last_time)
@@ -346,7 +363,7 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
                                 disable=jax.process_index() != 0, mininterval=5.0)
                 last_time, last_step = time.time(), step
             preempted = preemption.reached(step)
-            synced = step % min(log_every, MAX_STEPS_IN_FLIGHT) == 0 or step == num_steps
+            synced = step % min(log_every, SYNC_EVERY) == 0 or step == num_steps
             if synced or step % checkpoint_every == 0 or preempted:
                 _check_finite_streak(state, step, max_nonfinite_in_a_row, model_dir, mngr)  # never save a frozen state
             if synced:
@@ -371,7 +388,7 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
         preemption.close()
         if progress is not None:
             progress.close()
-        metrics_log.close()
+        metrics_log.close(failing=sys.exc_info()[0] is not None)
     return state
 
 

@@ -105,9 +105,27 @@ def test_inference_restore_skips_a_corrupted_checkpoint_but_moves_nothing(two_ch
     assert os.path.isdir(os.path.join(directory, "2")), "a reader must not move a writer's checkpoints"
 
 
-def test_a_checkpoint_without_checksums_restores_unverified(two_checkpoints):
+def test_a_checkpoint_without_checksums_is_not_trusted_and_the_previous_state_restored(two_checkpoints):
+    """Killed between orbax's rename and the checksums, or altered and its record deleted: either way
+    unverifiable, so it is set aside like a corrupted one."""
     directory, first, second = two_checkpoints
     os.remove(os.path.join(directory, "2", checkpoint.CHECKSUMS_FILE))
     state, data = checkpoint.restore(checkpoint.manager(directory, writer=True), checkpoint.abstract_like(first))
+    assert data == {"step": 1}
+    assert_same_tree(state, first, "the previous, verified checkpoint should come back")
+
+
+def test_an_older_checkpoint_without_checksums_restores_after_the_hinted_accept_command(two_checkpoints, capsys):
+    from t5_retrieval import cli
+
+    directory, first, second = two_checkpoints
+    for step in ("1", "2"):
+        os.remove(os.path.join(directory, step, checkpoint.CHECKSUMS_FILE))
+    with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint") as raised:
+        checkpoint.restore(checkpoint.manager(directory, writer=True), checkpoint.abstract_like(first))
+    hint = str(raised.value).rpartition("as it is now: ")[2]
+    assert hint == f"t5r checksum --accept {os.path.join(directory, '2')}", str(raised.value)
+    assert cli.main(hint.split()[1:]) == 0
+    state, data = checkpoint.restore(checkpoint.manager(directory, writer=True), checkpoint.abstract_like(first))
     assert data == {"step": 2}
-    assert_same_tree(state, second, "an older checkpoint (no checksums) should restore as saved")
+    assert_same_tree(state, second, "the accepted checkpoint should restore as saved")

@@ -87,3 +87,34 @@ def test_duplicate_passage_ids_are_an_error(tmp_path):
     rows = [(Passage("a", "p", "t", "x"), None), (Passage("a", "q", "t", "y"), None)]
     with pytest.raises(DataError, match="duplicate passage id 'a'"):
         write_passage_store(rows, str(tmp_path / "kb"))
+
+
+def test_a_page_repeated_in_the_knowledge_source_names_both_lines(tmp_path):
+    src = tmp_path / "pages.jsonl"
+    rows = [{"wikipedia_id": w, "wikipedia_title": t, "text": [f"{t} text."]} for w, t in [("1", "A"), ("2", "B"), ("1", "C")]]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"pages.jsonl:3: page \(wikipedia_id\) '1' is also on line 1"):
+        build_kb(str(src), str(tmp_path / "kb"))
+    assert not (tmp_path / "kb").exists()
+
+
+def test_a_passage_id_repeated_in_a_passages_file_or_dpr_tsv_names_both_lines(tmp_path):
+    src = tmp_path / "passages.jsonl"
+    rows = [{"id": i, "wikipedia_id": "p", "title": "T", "text": "x"} for i in ("a", "b", "c", "b")]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"passages.jsonl:4: passage id 'b' is also on line 2"):
+        build_kb(str(src), str(tmp_path / "kb"))
+    tsv = tmp_path / "psgs.tsv"
+    tsv.write_text("id\ttext\ttitle\n1\tx\tT\n2\ty\tT\n1\tz\tT\n")
+    with pytest.raises(DataError, match=r"psgs.tsv:4: passage id '1' is also on line 2"):
+        build_kb(str(tsv), str(tmp_path / "kb"))
+
+
+def test_a_knowledge_source_without_text_is_an_error_naming_it(tmp_path):
+    src = tmp_path / "pages.jsonl"
+    src.write_text(json.dumps({"wikipedia_id": "1", "wikipedia_title": "A", "text": ["A"]}) + "\n")
+    with pytest.raises(DataError, match=r"pages.jsonl: no passages"):
+        build_kb(str(src), str(tmp_path / "kb"))
+    (tmp_path / "empty.tsv").write_text("")
+    with pytest.raises(DataError, match=r"empty.tsv: no passages"):
+        build_kb(str(tmp_path / "empty.tsv"), str(tmp_path / "kb"))

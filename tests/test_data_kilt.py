@@ -159,3 +159,25 @@ def test_subbatch_sizes_give_every_task_one_and_split_the_rest_by_largest_remain
 def test_subbatch_sizes_reject_a_batch_smaller_than_the_task_count():
     with pytest.raises(ValueError, match="per-device batch 2 is smaller than the number of tasks 3"):
         subbatch_sizes([1, 2, 3], per_device_batch=2)
+
+
+def test_ids_differing_only_in_surrounding_whitespace_are_one_id_as_for_the_kilt_scorer(tmp_path, store):
+    rows = [{"id": i, "input": f"q{n}", "output": [{"provenance": [{"wikipedia_id": "2"}]}]}
+            for n, i in enumerate(["fever-dev-1", "fever-dev-2", "fever-dev-2 "])]
+    with pytest.raises(DataError, match=r"t-train-kilt.jsonl:3: example id 'fever-dev-2' is also the id of line 2"):
+        _convert(_write(tmp_path, rows), store)
+    examples, _ = _convert(_write(tmp_path, rows[:1] + [{**rows[2], "id": " fever-dev-3\t"}]), store)
+    assert [e.id for e in examples] == ["fever-dev-1", "fever-dev-3"], "stored ids are the stripped ones"
+
+
+def test_an_empty_task_file_is_an_error_not_zero_examples(tmp_path, store):
+    with pytest.raises(DataError, match=r"t-train-kilt.jsonl: no examples \(the file is empty\)"):
+        _convert(_write(tmp_path, []), store)
+    with pytest.raises(DataError, match=r"t-dev.jsonl: no examples \(the file is empty\)"):
+        read_examples(_write(tmp_path, [], "t-dev.jsonl"))
+
+
+def test_a_file_whose_every_example_is_dropped_by_min_bleu_is_an_error(tmp_path, store):
+    rows = [{"id": "a", "input": "q", "output": [{"provenance": [{"wikipedia_id": "2", "bleu_score": 0.1}]}]}]
+    with pytest.raises(DataError, match=r"none of its 1 examples is kept: every evidence set is below min_bleu=0.5"):
+        _convert(_write(tmp_path, rows), store, min_bleu=0.5)

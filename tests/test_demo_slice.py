@@ -18,6 +18,9 @@ def test_rebuilding_the_slice_from_mini_kilt_gives_the_committed_bytes(tmp_path)
     with open(kilt_slice.SHIPPED, "rb") as f:
         committed = f.read()
     assert rebuilt.read_bytes() == committed, "the slice builder no longer reproduces the committed slice"
+    sidecar = ".sha256.json"
+    assert open(f"{rebuilt}{sidecar}").read() == open(kilt_slice.SHIPPED + sidecar).read(), \
+        "the committed checksum record is not the slice's"
     assert len(committed) <= 3 * 2**20, f"the slice is {len(committed)} bytes; keep it under 3 MiB"
 
 
@@ -61,3 +64,24 @@ def test_the_demo_table_shows_the_bm25_row_with_its_wall_time(bm25_demo):
     assert len(scores) == 2 * 7 and all(0.0 <= s <= 1.0 for s in scores), cells
     assert sum(scores) > 0, "BM25 finds gold pages on real data"
     assert cells[-1].endswith(" s"), cells[-1]
+
+
+def test_the_slice_archive_and_its_unpacked_copy_are_verified_before_use(tmp_path):
+    from t5_retrieval import checksums
+
+    archive = str(tmp_path / "slice.tar.gz")
+    data = bytearray(open(kilt_slice.SHIPPED, "rb").read())
+    open(archive, "wb").write(bytes(data))
+    open(archive + checksums.SIDECAR_SUFFIX, "w").write(open(kilt_slice.SHIPPED + checksums.SIDECAR_SUFFIX).read())
+    target = kilt_slice.extract(archive, str(tmp_path / "out"))
+    assert sorted(os.listdir(target))[:2] == ["entity_linking-dev-kilt.jsonl", "entity_linking-train-kilt.jsonl"]
+    assert kilt_slice.extract(archive, str(tmp_path / "out")) == target  # reused, verified
+    with open(os.path.join(target, "fever-dev-kilt.jsonl"), "r+b") as f:
+        f.write(b"X")
+    with pytest.raises(checksums.ChecksumError, match=r"fever-dev-kilt.jsonl: fails its sha256 checksum"):
+        kilt_slice.extract(archive, str(tmp_path / "out"))
+    data[len(data) // 2] ^= 1
+    open(archive, "wb").write(bytes(data))
+    with pytest.raises(checksums.ChecksumError, match=r"slice.tar.gz: fails its sha256 checksum"):
+        kilt_slice.extract(archive, str(tmp_path / "again"))
+    assert not os.path.exists(tmp_path / "again" / kilt_slice.ROOT)

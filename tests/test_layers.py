@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lowest first. Components in one layer do not import each other.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("__init__", "logs", "gin_utils", "sharding"),
+    ("__init__", "logs", "gin_utils", "sharding", "checksums"),
     ("data",),
     ("tasks",),
     ("checkpoint",),

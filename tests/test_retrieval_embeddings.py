@@ -130,3 +130,16 @@ def test_float16_shards_load_as_float32(tmp_path):
     matrix = embedding_store.load_matrix(str(tmp_path))
     assert matrix.dtype == np.float32
     np.testing.assert_allclose(matrix, HashedBagOfWordsEncoder(dim=8).encode_passages(passages), atol=1e-3)
+
+
+def test_a_truncated_shard_is_reported_as_truncated_not_missing(tmp_path):
+    passages = make_passages(10)
+    embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=16), passages, [p.id for p in passages],
+                                     str(tmp_path), shard_size=5, progress=False)
+    shard = tmp_path / "shard-00001-of-00002.npy"
+    shard.write_bytes(shard.read_bytes()[:-40])
+    with pytest.raises(embedding_store.EmbeddingsError, match=r"shard-00001-of-00002.npy: truncated"):
+        embedding_store.load_matrix(str(tmp_path))
+    shard.unlink()
+    with pytest.raises(embedding_store.EmbeddingsError, match=r"1 of 2 shards missing \(shard-00001-of-00002.npy\)"):
+        embedding_store.load_matrix(str(tmp_path))

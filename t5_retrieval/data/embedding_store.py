@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import gin
 import numpy as np
 
+from t5_retrieval import checksums
 from t5_retrieval.data.passages import ids_digest
 from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
 from t5_retrieval.errors import UserError, disk_full, remove_stale_temporaries, temp_path
@@ -147,17 +148,31 @@ def process_shards(num_shards: int, process_index: int, process_count: int) -> r
     return range(start, start + per + (process_index < extra))
 
 
-def shard_done(directory: str, manifest: Manifest, shard: int) -> bool:
-    """A shard counts as done when its file exists with the planned shape (renames are atomic)."""
+def shard_problem(directory: str, manifest: Manifest, shard: int) -> str | None:
+    """What is wrong with a shard's file ("missing", "truncated ...", ...), or None when it has the
+    planned shape and size (renames are atomic, so a shard is either whole or was damaged later)."""
     path = os.path.join(directory, manifest.shard_name(shard))
     if not os.path.exists(path):
-        return False
+        return "missing"
     start, stop = manifest.shard_rows(shard)
+    expected = (stop - start, manifest.dim)
     try:
-        shape = np.load(path, mmap_mode="r").shape
-    except (ValueError, OSError):
-        return False
-    return shape == (stop - start, manifest.dim)
+        array = np.load(path, mmap_mode="r")
+    except ValueError as e:
+        # numpy refuses to map a file shorter than its header says ("mmap length is greater than file size").
+        return f"truncated or damaged ({os.path.getsize(path)} bytes: {e})"
+    except OSError as e:
+        return f"unreadable ({e})"
+    if array.shape != expected:
+        return f"has shape {array.shape}, expected {expected}"
+    size = os.path.getsize(path)
+    if size < array.offset + array.nbytes:
+        return f"truncated ({size} of {array.offset + array.nbytes} bytes)"
+    return None
+
+
+def shard_done(directory: str, manifest: Manifest, shard: int) -> bool:
+    return shard_problem(directory, manifest, shard) is None
 
 
 def missing_shards(directory: str, manifest: Manifest) -> list[int]:
@@ -256,6 +271,8 @@ def write_embeddings(
             if isinstance(e, OSError):  # numpy reports a full disk as "N requested and M written"
                 raise disk_full(path, e) from e
             raise
+        checksums.record_file(tmp)  # the sidecar names the shard's final path once both are renamed
+        os.replace(tmp + checksums.SIDECAR_SUFFIX, path + checksums.SIDECAR_SUFFIX)
         os.replace(tmp, path)
         log.info("process %d: wrote %s (rows [%d, %d))", process_index, manifest.shard_name(shard), start, stop)
     bar.close()
@@ -264,20 +281,29 @@ def write_embeddings(
 
 def check_complete(directory: str, manifest: Manifest | None = None) -> Manifest:
     manifest = manifest or read_manifest(directory)
-    missing = missing_shards(directory, manifest)
-    if missing:
-        names = ", ".join(manifest.shard_name(s) for s in missing[:5])
+    problems = {s: p for s in range(manifest.num_shards) if (p := shard_problem(directory, manifest, s))}
+    if not problems:
+        return manifest
+    if all(p == "missing" for p in problems.values()):
+        names = ", ".join(manifest.shard_name(s) for s in list(problems)[:5])
         raise EmbeddingsError(
-            f"{directory}: {len(missing)} of {manifest.num_shards} shards missing ({names}"
-            f"{', ...' if len(missing) > 5 else ''}); finish `t5r encode` on every process first")
-    return manifest
+            f"{directory}: {len(problems)} of {manifest.num_shards} shards missing ({names}"
+            f"{', ...' if len(problems) > 5 else ''}); finish `t5r encode` on every process first")
+    shard, problem = next((s, p) for s, p in problems.items() if p != "missing")
+    raise EmbeddingsError(
+        f"{os.path.join(directory, manifest.shard_name(shard))}: {problem}; rerun the `t5r encode` that wrote "
+        f"{directory} (it rewrites the shards that are not whole and keeps the others){f' ({len(problems)} shards need it)' if len(problems) > 1 else ''}")
 
 
 def iter_shards(directory: str, manifest: Manifest | None = None) -> Iterator[tuple[int, np.ndarray]]:
-    """Yields (first row, memory-mapped shard) in row order; reads nothing until sliced."""
+    """Yields (first row, memory-mapped shard) in row order, each verified against its checksum first
+    (a flipped byte would otherwise be indexed or trained on in silence)."""
     manifest = check_complete(directory, manifest)
+    rebuild = f"rerun the `t5r encode` that wrote {directory} after deleting this shard"
     for shard in range(manifest.num_shards):
-        yield manifest.shard_rows(shard)[0], np.load(os.path.join(directory, manifest.shard_name(shard)), mmap_mode="r")
+        path = os.path.join(directory, manifest.shard_name(shard))
+        checksums.verify_file(path, "embeddings directory", rebuild)
+        yield manifest.shard_rows(shard)[0], np.load(path, mmap_mode="r")
 
 
 def load_matrix(directory: str, out: np.ndarray | None = None) -> np.ndarray:

@@ -2,13 +2,15 @@
 
 Layout of a passage store directory (written by `t5r data kb`)::
 
-    manifest.json               counts, shard names, chunking settings (written last)
+    manifest.json               counts, shard names, chunking settings
     passages-00000.jsonl        {"id", "wikipedia_id", "title", "text", "span"} in id order
     passages-00000.offsets.npy  byte offset of every line, for random access by `get`
     page_map.tsv                passage_id <TAB> wikipedia_id, in id order (the passage -> page map)
+    t5r_checksums.json          size and sha256 of every file, verified when the store is opened
 
 Writes stream page by page into a temporary directory that is renamed into place only after the
-manifest is written, so an interrupted run never leaves something that looks finished. The same
+manifest and the checksums are written, so an interrupted run never leaves something that looks
+finished, and a store altered or truncated afterwards is refused when opened. The same
 layout holds the 36M-passage KILT KB (sharded files, no whole-KB list in memory while writing).
 """
 
@@ -21,11 +23,12 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
+from t5_retrieval import checksums
 from t5_retrieval.data.records import DataError, Passage, read_jsonl, require
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
 from t5_retrieval.errors import disk_full, is_disk_full, remove_stale_temporaries, temp_path
@@ -93,10 +96,35 @@ def chunk_page(wikipedia_id: str, title: str, paragraphs: list[str],
     return out
 
 
+class _UniqueKeys:
+    """Refuses a key (page or passage id) seen on an earlier line of the same source file.
+
+    Only the keys are held; the earlier line is found by reading the file again, on the error path."""
+
+    def __init__(self, path: str, what: str, key_of: Callable[[Any], str | None]):
+        self.path, self.what, self.key_of, self.seen = path, what, key_of, set()
+
+    def add(self, key: str, line_no: int) -> None:
+        if key in self.seen:
+            first = next(n for n, row in self._rows() if self.key_of(row) == key)
+            raise DataError(f"{self.path}:{line_no}: {self.what} {key!r} is also on line {first}; "
+                            f"each {self.what} must appear once in the knowledge source")
+        self.seen.add(key)
+
+    def _rows(self) -> Iterator[tuple[int, Any]]:
+        if self.path.endswith(".tsv"):
+            with open(self.path, encoding="utf-8", newline="") as f:
+                yield from enumerate(csv.reader(f, delimiter="\t"), start=1)
+        else:
+            yield from read_jsonl(self.path)
+
+
 def iter_knowledge_source(path: str, words_per_passage: int = 100) -> Iterator[tuple[Passage, Span]]:
     """Streams passages from a KILT knowledge source (jsonl: wikipedia_id, wikipedia_title, text)."""
+    pages = _UniqueKeys(path, "page (wikipedia_id)", lambda row: str(row.get("wikipedia_id")))
     for line_no, row in read_jsonl(path):
         wikipedia_id = str(require(row, "wikipedia_id", path, line_no))
+        pages.add(wikipedia_id, line_no)
         title = str(require(row, "wikipedia_title", path, line_no))
         text = require(row, "text", path, line_no)
         if not isinstance(text, list) or not all(isinstance(p, str) for p in text):
@@ -110,6 +138,7 @@ def iter_dpr_tsv(path: str) -> Iterator[tuple[Passage, Span | None]]:
     DPR passages carry no page id: the title is the page key, as in DPR's own evaluation.
     """
     csv.field_size_limit(sys.maxsize)
+    ids = _UniqueKeys(path, "passage id", lambda fields: fields[0] if fields else None)
     with open(path, encoding="utf-8", newline="") as f:
         for line_no, fields in enumerate(csv.reader(f, delimiter="\t"), start=1):
             if line_no == 1 and fields[:3] == ["id", "text", "title"]:
@@ -120,6 +149,7 @@ def iter_dpr_tsv(path: str) -> Iterator[tuple[Passage, Span | None]]:
                 raise DataError(f"{path}:{line_no}: expected 3 tab-separated fields (id, text, title), "
                                 f"got {len(fields)}")
             pid, text, title = fields
+            ids.add(pid, line_no)
             if text.startswith('"') and text.endswith('"'):
                 text = text[1:-1].replace('""', '"')
             yield Passage(id=pid, wikipedia_id=title, title=title, text=text), None
@@ -128,8 +158,10 @@ def iter_dpr_tsv(path: str) -> Iterator[tuple[Passage, Span | None]]:
 def iter_passages_jsonl(path: str) -> Iterator[tuple[Passage, Span | None]]:
     """Streams already-chunked passages (jsonl: id, wikipedia_id, title, text), e.g. mini-KILT's
     `kb/passages.jsonl`; they are stored as they are."""
+    ids = _UniqueKeys(path, "passage id", lambda row: str(row.get("id")))
     for line_no, row in read_jsonl(path):
         fields = [str(require(row, f, path, line_no)) for f in ("id", "wikipedia_id", "title", "text")]
+        ids.add(fields[0], line_no)
         span = row.get("span")
         yield Passage(*fields), (int(span[0]), int(span[1])) if isinstance(span, list) else None
 
@@ -229,11 +261,13 @@ def _write_store(passages: Iterable[tuple[Passage, Span | None]], tmp: str, pass
             page_map.write(f"{passage.id}\t{passage.wikipedia_id}\n")
         close_shard()
     if not seen:
-        raise DataError("the knowledge source produced no passages")
+        source = (metadata or {}).get("source", "the knowledge source")
+        raise DataError(f"{source}: no passages (every page's text is empty); a knowledge source needs text")
     manifest = {"format": FORMAT, "num_passages": len(seen), "num_pages": len(pages), "shards": shards,
                 "page_map": PAGE_MAP, **(metadata or {})}
     with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
+    checksums.record(tmp)
     return manifest
 
 
@@ -249,6 +283,15 @@ def build_kb(source: str, out_dir: str, *, words_per_passage: int = 100, passage
 
 # ----------------------------------------------------------------------------------------------
 # Reading
+
+
+def _rebuild_hint(directory: str, manifest: dict[str, Any]) -> str:
+    """The command that writes this store again (a store lives at `<data_dir>/kb`)."""
+    if "source" not in manifest or os.path.basename(os.path.normpath(directory)) != "kb":
+        return "rebuild it with `t5r data kb`"
+    data_dir = os.path.dirname(os.path.normpath(os.path.abspath(directory)))
+    return (f"rebuild it: t5r data kb --source={manifest['source']} --data_dir={data_dir} "
+            f"--words_per_passage={manifest.get('words_per_passage', 100)} --overwrite")
 
 
 class PassageStore:
@@ -281,6 +324,7 @@ class PassageStore:
             raise DataError(f"{path}: damaged ({e}); rebuild the store with `t5r data kb`") from None
         if manifest.get("format") != FORMAT:
             raise DataError(f"{path}: field 'format' is {manifest.get('format')!r}, expected {FORMAT!r}")
+        checksums.verify(directory, "passage store", _rebuild_hint(directory, manifest))
         return cls(directory, manifest)
 
     def __len__(self) -> int:

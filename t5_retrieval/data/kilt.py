@@ -1,11 +1,12 @@
 """KILT task files -> `Example`s: query, gold pages per evidence set, positive passages, answers.
 
 Gold labels are read as the official scorer (`kilt/eval_retrieval.py`) reads them, so that our
-metrics are its metrics: a page id is `str(wikipedia_id).strip()`; every `output` entry that has a
+metrics are its metrics: an example id is `str(id).strip()` and a page id `str(wikipedia_id).strip()`; every `output` entry that has a
 `provenance` key is one evidence set, even an empty one (it can never be found, but it counts);
 an example none of whose outputs has provenance is kept and scores 0. A line without `output` and
-an example id used twice in a file are errors naming the file and the line(s): negatives are
-joined to examples by id, so a repeated id would train with another example's negatives.
+an example id used twice in a file (after stripping) are errors naming the file and the line(s):
+negatives are joined to examples by id, so a repeated id would train with another example's
+negatives. An empty file is an error too: it would evaluate as n=0 and look like a result.
 
 Positives: where a provenance entry gives a paragraph span, the KB passage covering its first
 paragraph; where only the page is known (or the span falls outside the KB's text), the gold page's
@@ -87,7 +88,10 @@ def convert_task_file(path: str, task: str, store: PassageStore, best_passage: B
     for line_no, row in read_jsonl(path):
         where = f"{path}:{line_no}"
         stats.read += 1
-        example_id = str(require(row, "id", path, line_no))
+        # The official scorer strips ids: "x" and "x " are one example there, so they are here.
+        example_id = str(require(row, "id", path, line_no)).strip()
+        if not example_id:
+            raise DataError(f"{where}: field 'id' is empty")
         check_unique_id(path, line_no, example_id, line_of_id)
         query = _field(where, row, "input", str)
         if not normalize_query(query):
@@ -151,6 +155,11 @@ def convert_task_file(path: str, task: str, store: PassageStore, best_passage: B
             stats.examples_without_positive += 1
         examples.append(Example(id=example_id, task=task, query=query, gold_pages=tuple(gold_sets),
                                 positive_passages=tuple(positives), answers=tuple(answers)))
+    if not stats.read:
+        raise DataError(f"{path}: no examples (the file is empty); a task file holds one json object per line")
+    if not examples:
+        raise DataError(f"{path}: none of its {stats.read} examples is kept: every evidence set is below "
+                        f"min_bleu={min_bleu}; lower --min_bleu")
     if max_examples is not None and len(examples) > max_examples:
         keep = np.sort(np.random.default_rng(seed).choice(len(examples), max_examples, replace=False))
         examples = [examples[i] for i in keep]

@@ -20,11 +20,14 @@ import io
 import json
 import os
 import random
+import shutil
 import sys
 import tarfile
 from collections.abc import Iterable
 
+from t5_retrieval import checksums
 from t5_retrieval.data.records import read_jsonl
+from t5_retrieval.errors import temp_path
 
 TASKS = ("fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking")
 TRAIN_FRACTION = 0.2
@@ -96,14 +99,30 @@ def write_archive(files: dict[str, bytes], path: str) -> None:
     with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
         gz.write(buffer.getvalue())
     os.replace(tmp, path)
+    checksums.record_file(path)
 
 
 def extract(archive: str, out_dir: str) -> str:
-    """Unpacks the slice under `out_dir` (once); returns its KILT-format directory."""
+    """Unpacks the slice under `out_dir` (once); returns its KILT-format directory.
+
+    The archive is checked against its recorded sha256 first, unpacked into a temporary directory
+    that gets its own checksums and is renamed into place; a later run verifies what it reuses."""
     target = os.path.join(out_dir, ROOT)
-    if not os.path.exists(os.path.join(target, "stats.json")):
-        with tarfile.open(archive, "r:gz") as tar:
-            tar.extractall(out_dir, filter="data")
+    rebuild = f"delete {target} and rerun: it is unpacked again from {archive}"
+    if os.path.exists(target):
+        checksums.verify(target, "unpacked demo slice", rebuild)
+        return target
+    checksums.verify_file(archive, "demo slice archive",
+                          "reinstall t5-retrieval, or rebuild it with `python -m t5_retrieval.data.kilt_slice`")
+    tmp = temp_path(target)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with tarfile.open(archive, "r:gz") as tar:
+        tar.extractall(tmp, filter="data")
+    unpacked = os.path.join(tmp, ROOT)
+    checksums.record(unpacked)
+    os.replace(unpacked, target)
+    shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

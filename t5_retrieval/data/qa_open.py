@@ -14,7 +14,7 @@ import dataclasses
 
 from t5_retrieval.data.answers import AnswerMatcher
 from t5_retrieval.data.kilt import kilt_file
-from t5_retrieval.data.records import DataError, Example, read_jsonl, require
+from t5_retrieval.data.records import DataError, Example, check_unique_id, read_jsonl, require
 from t5_retrieval.data.text import normalize_query
 
 MATCH_KINDS = ("string", "regex")
@@ -37,8 +37,10 @@ def read_qa_task(input_dir: str, task: str, split: str) -> QATask:
     path = kilt_file(input_dir, task, split)
     examples: list[Example] = []
     kinds: set[str] = set()
+    line_of_id: dict[str, int] = {}
     for line_no, row in read_jsonl(path):
-        example_id = str(require(row, "id", path, line_no))
+        example_id = str(require(row, "id", path, line_no)).strip()  # stripped, as the KILT scorer does
+        check_unique_id(path, line_no, example_id, line_of_id)
         query = require(row, "input", path, line_no)
         if not isinstance(query, str) or not normalize_query(query):
             raise DataError(f"{path}:{line_no}: field 'input' is empty or not a string (example {example_id!r})")

@@ -157,6 +157,8 @@ def read_examples(path: str | os.PathLike[str]) -> list[Example]:
             raise DataError(f"{path}:{line_no}: missing field {e.args[0]!r}") from None
         check_unique_id(path, line_no, example.id, line_of_id)
         examples.append(example)
+    if not examples:
+        raise DataError(f"{path}: no examples (the file is empty); rerun `t5r data tasks` for this task")
     return examples
 
 
