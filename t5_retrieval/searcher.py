@@ -5,10 +5,9 @@
     hits = searcher.search(["who founded the city"], k=10, task="fever")  # per query: [Hit, ...]
 
 The model is opened by `inference.load_encoder`, so queries are formatted, tokenized and embedded
-as in training; the index (either backend, `index.load_index`) is checked against the model and
-the KB (`Index.check`) as by every
-`t5r` command, so a search never mixes embedding spaces. A task is named by its dataset (`fever`)
-or its registered name (`demo_fever`), see `data.task_names`.
+as in training; the index (of either backend, `index.load_index`) is checked against the model and
+the KB (`Index.check`) as by every `t5r` command, so a search never mixes embedding spaces. A task
+is named by its dataset (`fever`) or its registered name (`demo_fever`), see `data.task_names`.
 """
 
 from __future__ import annotations

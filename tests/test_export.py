@@ -163,6 +163,21 @@ def test_export_refuses_an_index_built_by_another_model(exported, tmp_path, caps
     assert not os.path.exists(out), "a refused export must not leave a SavedModel behind"
 
 
+def test_export_refuses_an_exact_index_in_one_line(exported, tmp_path, capsys):
+    from t5_retrieval.retrieval.index import build_index, load_index
+
+    run = exported[0]
+    exact_dir = str(tmp_path / "exact")
+    build_index(load_index(run.index_dirs[0]).embeddings_dir, backend="exact").save(exact_dir)
+    out = str(tmp_path / "t5r" / "1")
+    capsys.readouterr()
+    assert cli.main(["export", "--checkpoint_dir", run.model_dirs[0], "--index_dir", exact_dir,
+                     "--kb_dir", layout.kb_dir(run.data_dir), "--output_dir", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"t5r export: error: {exact_dir}: an index of backend 'exact'") and "--backend=scann" in err, err
+    assert not os.path.exists(out), "a refused export must not leave a SavedModel behind"
+
+
 def test_query_preprocessing_ops_tokenize_like_the_python_path(exported):
     import seqio
     import tensorflow as tf

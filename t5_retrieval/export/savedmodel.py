@@ -196,8 +196,9 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
                          "cannot be exported yet)")
     index = load_index(index_dir)
     if not isinstance(index, ScannIndex):
-        raise UserError(f"{index_dir}: a {index.backend} index; the SavedModel embeds a ScaNN searcher: "
-                        "build one with `t5r index --backend=scann` (ScannConfig.mode='brute_force' is exact)")
+        raise UserError(f"{index_dir}: an index of backend {index.backend!r}; the SavedModel embeds a ScaNN "
+                        "searcher: build one with `t5r index --backend=scann` (ScannConfig.mode='brute_force' "
+                        "is exact)")
     index.check(encoder, store.ids())
     with open(os.path.join(index_dir, INDEX_JSON), encoding="utf-8") as f:
         index_manifest = json.load(f)
