@@ -52,12 +52,12 @@ def main(argv: list[str]) -> int:
     from t5_retrieval.data.records import read_examples
     from t5_retrieval.export.savedmodel import export_savedmodel
     from t5_retrieval.retrieval.evaluate import retrieve
-    from t5_retrieval.retrieval.index import Index
+    from t5_retrieval.retrieval.index import load_index
     from tests.tiny_model import build_tiny_run
 
     with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
         run = build_tiny_run(tmp, num_pages=args.pages)
-        encoder, index = run.encoders[0], Index.load(run.index_dirs[0])
+        encoder, index = run.encoders[0], load_index(run.index_dirs[0])
         store = PassageStore.open(layout.kb_dir(run.data_dir))
         savedmodel = os.path.join(tmp, "serving", "1")
         start = time.perf_counter()
@@ -80,13 +80,13 @@ def main(argv: list[str]) -> int:
             start = time.perf_counter()
             served = search(**inputs)  # the first call also builds the ScaNN searcher and compiles
             first_call_s = time.perf_counter() - start
-            python = retrieve(encoder, index, queries, task, args.k)
+            python = retrieve(encoder, index, queries, args.k, task=task)
             served_ids = served["passage_ids"].numpy().astype(str).tolist()
             match = served_ids == [pids for pids, _ in python]
             max_score_diff = float(np.max(np.abs(served["scores"].numpy() - np.stack([s for _, s in python]))))
             times = common.interleaved_times({
                 "savedmodel": lambda: search(**inputs)["scores"].numpy(),
-                "python": lambda: retrieve(encoder, index, queries, task, args.k)}, args.repeats)
+                "python": lambda: retrieve(encoder, index, queries, args.k, task=task)}, args.repeats)
             by_batch[str(size_)] = {"savedmodel": common.summarize(times["savedmodel"]),
                                     "python": common.summarize(times["python"]),
                                     "savedmodel_speedup": common.speedup(times, "savedmodel", "python"),

@@ -50,7 +50,7 @@ from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenize import tokenize
 from t5_retrieval.data import embedding_store
 from t5_retrieval.inference import bucketed_width, load_dual_encoder, token_lengths, write_base_record
-from t5_retrieval.retrieval.index import Index, IndexMismatchError
+from t5_retrieval.retrieval.index import Index, IndexMismatchError, load_index
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "query_side_report.json"  # dev answer recall before / after, per task, and the rounds
@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
         names = [t for t in args.task.split(",") if t]
         train_tasks = [read_qa_task(args.qa_dir, t, "train") for t in names]
         dev_tasks = [read_qa_task(args.qa_dir, t, "dev") for t in names]
-        index = Index.load(args.index_dir)
+        index = load_index(args.index_dir)
         encoder = load_dual_encoder(args.checkpoint_dir)
         index.check(encoder, store.ids())
         if embedding_store.read_ids(args.embeddings_dir) != index.passage_ids:

@@ -2,12 +2,13 @@
 
     from t5_retrieval.searcher import Searcher
     searcher = Searcher.open("run/model", "run/index", "data/kb")
-    hits = searcher.search(["who founded the city"], task="fever", k=10)  # per query: [Hit, ...]
+    hits = searcher.search(["who founded the city"], k=10, task="fever")  # per query: [Hit, ...]
 
 The model is opened by `inference.load_encoder`, so queries are formatted, tokenized and embedded
-as in training; the index is checked against the model and the KB (`Index.check`) as by every
-`t5r` command, so a search never mixes embedding spaces. A task is named by its dataset (`fever`),
-its registered name (`demo_fever`) or a seqio Mixture of one of them, see `data.task_names`.
+as in training; the index (of either backend, `index.load_index`) is checked against the model and
+the KB (`Index.check`) as by every `t5r` command, so a search never mixes embedding spaces. A task
+is named by its dataset (`fever`), its registered name (`demo_fever`) or a seqio Mixture of one of
+them, see `data.task_names`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from t5_retrieval.data.kb import PassageStore
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import Encoder, model_task_name
 from t5_retrieval.retrieval.evaluate import retrieve
-from t5_retrieval.retrieval.index import Index
+from t5_retrieval.retrieval.index import Index, load_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +46,9 @@ class Searcher:
     @classmethod
     def open(cls, model_dir: str, index_dir: str, kb_dir: str) -> "Searcher":
         """From the directories `t5r train`, `t5r index` and `t5r data kb` write."""
-        return cls(load_encoder(model_dir), Index.load(index_dir), PassageStore.open(kb_dir))
+        return cls(load_encoder(model_dir), load_index(index_dir), PassageStore.open(kb_dir))
 
-    def search(self, queries: Sequence[str], task: str, k: int = 10) -> list[list[Hit]]:
+    def search(self, queries: Sequence[str], k: int = 10, *, task: str) -> list[list[Hit]]:
         """The top-k hits of each query, best first, with `task`'s query prefix.
 
         Raises UnknownTaskError (listing the model's tasks) for a task the model was not trained on."""
@@ -55,7 +56,7 @@ class Searcher:
             raise TypeError("queries must be a list of strings, not one string")
         task = model_task_name(self.encoder, task)
         results = []
-        for pids, scores in retrieve(self.encoder, self.index, list(queries), task, k):
+        for pids, scores in retrieve(self.encoder, self.index, list(queries), k, task=task):
             passages = [self.store.get(pid) for pid in pids]
             results.append([Hit(p.id, p.wikipedia_id, p.title, float(s), p.text) for p, s in zip(passages, scores)])
         return results

@@ -87,14 +87,15 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
     dataset the model was trained on (or of `datasets`): `stage_dir/{embeddings,index,eval}`.
 
     `index_dir`: score against this existing index instead (a query-side model searches its base's
-    index, which `Index.check` verifies through the fingerprint); nothing is encoded then."""
+    index, which `Index.check` verifies through the fingerprint); nothing is encoded then. The index's
+    backend is gin's `build_index.backend` (ScaNN by default)."""
     from t5_retrieval.data import embedding_store, layout, task_names
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.data.retrieval_tasks import split_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.encoder import recorded_tasks
     from t5_retrieval.retrieval.evaluate import evaluate, write_results
-    from t5_retrieval.retrieval.index import Index, build_index
+    from t5_retrieval.retrieval.index import build_index, load_index
 
     store = PassageStore.open(layout.kb_dir(data_dir))
     emb_dir, eval_dir = os.path.join(stage_dir, "embeddings"), os.path.join(stage_dir, "eval")
@@ -114,7 +115,7 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
 
     def score() -> dict[str, Any]:
         encoder = load_encoder(model_dir)
-        index = Index.load(index_dir)
+        index = load_index(index_dir)
         index.check(encoder, store.ids())
         tasks = recorded_tasks(encoder)
         # Tables are keyed by the model's task names, as the results tables read them.
@@ -145,12 +146,12 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
     from t5_retrieval.data.retrieval_tasks import split_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.encoder import recorded_tasks
-    from t5_retrieval.retrieval.index import Index
+    from t5_retrieval.retrieval.index import load_index
     from t5_retrieval.retrieval.mine import mine_negatives
 
     def run() -> dict[str, Any]:
         store = PassageStore.open(layout.kb_dir(data_dir))
-        encoder, index = load_encoder(model_dir), Index.load(index_dir)
+        encoder, index = load_encoder(model_dir), load_index(index_dir)
         index.check(encoder, store.ids())
         counts = {}
         tasks = recorded_tasks(encoder)

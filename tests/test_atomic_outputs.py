@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from t5_retrieval.retrieval import evaluate, index
+from t5_retrieval.retrieval import evaluate, index, scann_index
 from test_retrieval_index import clustered, write
 
 
@@ -20,17 +20,17 @@ class FailingSearcher:
 
 
 def test_index_rewrite_that_fails_leaves_no_loadable_index(tmp_path):
-    built = index.build_index(write(tmp_path, clustered(40, 8))[0], index.ScannConfig())
+    built = scann_index.build_scann_index(write(tmp_path, clustered(40, 8))[0], scann_index.ScannConfig())
     out = str(tmp_path / "index")
     built.save(out)
-    assert len(index.Index.load(out)) == 40, "the first save should load"
-    broken = index.Index(FailingSearcher(), built.passage_ids, "other-model", built.dim, built.config)
+    assert len(index.load_index(out)) == 40, "the first save should load"
+    broken = scann_index.ScannIndex(FailingSearcher(), built.passage_ids, "other-model", built.dim, built.config)
     with pytest.raises(OSError, match="no space"):
         broken.save(out)
     with pytest.raises(index.IndexMismatchError, match="not an index directory"):
-        index.Index.load(out)  # the old index.json must not vouch for the half-written assets
+        index.load_index(out)  # the old index.json must not vouch for the half-written assets
     built.save(out)  # redoing the stage publishes a complete index again
-    assert index.Index.load(out).fingerprint == built.fingerprint
+    assert index.load_index(out).fingerprint == built.fingerprint
 
 
 def test_eval_results_that_fail_midway_leave_no_results_json(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from t5_retrieval import cli, errors
 from t5_retrieval.data import embedding_store
 from t5_retrieval.data.kb import write_passage_store
 from t5_retrieval.data.records import Passage
-from t5_retrieval.retrieval import index
+from t5_retrieval.retrieval import index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
 KB = [Passage(str(i), f"page{i}", f"Title {i}", f"passage number {i} about topic {i % 3}") for i in range(12)]
@@ -34,7 +34,7 @@ def dirs(tmp_path_factory):
     write_passage_store(((p, None) for p in KB), os.path.join(data_dir, "kb"))
     os.makedirs(os.path.join(data_dir, "examples"))
     embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=32), KB, [p.id for p in KB], emb_dir, progress=False)
-    index.build_index(emb_dir, index.ScannConfig(mode="brute_force")).save(idx_dir)
+    scann_index.build_scann_index(emb_dir, scann_index.ScannConfig(mode="brute_force")).save(idx_dir)
     return {"data": data_dir, "emb": emb_dir, "index": idx_dir, "root": root}
 
 
@@ -216,7 +216,7 @@ def test_the_next_runs_remove_a_crashed_kb_build_and_partial_index_assets(dirs, 
     assert cli.main(["index", "--embeddings_dir", dirs["emb"], "--output_dir", str(out),
                      "--gin.ScannConfig.mode='brute_force'"]) == 0
     assert not (out / "scann" / "stale_asset.npy").exists()
-    assert len(index.Index.load(str(out))) == len(KB)
+    assert len(index.load_index(str(out))) == len(KB)
 
 
 def test_a_missing_source_and_an_existing_output_are_one_line_errors(tmp_path, capsys):

@@ -73,10 +73,10 @@ def exported(tmp_path_factory):
 @pytest.fixture(scope="module")
 def python_path(exported):
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.retrieval.index import Index
+    from t5_retrieval.retrieval.index import load_index
 
     run = exported[0]
-    return run.encoders[0], Index.load(run.index_dirs[0]), PassageStore.open(layout.kb_dir(run.data_dir))
+    return run.encoders[0], load_index(run.index_dirs[0]), PassageStore.open(layout.kb_dir(run.data_dir))
 
 
 def test_savedmodel_search_returns_the_python_search_paths_top_k(exported, python_path):
@@ -87,7 +87,7 @@ def test_savedmodel_search_returns_the_python_search_paths_top_k(exported, pytho
     got = responses["search"]
     assert np.shape(got["passage_ids"]) == (len(queries), K), np.shape(got["passage_ids"])
     for i, (query, task) in enumerate(zip(queries, tasks)):
-        ((pids, scores),) = retrieve(encoder, index, [query], task, K)
+        ((pids, scores),) = retrieve(encoder, index, [query], K, task=task)
         assert got["passage_ids"][i] == pids, f"query {i} ({task}: {query!r}): {got['passage_ids'][i]} vs {pids}"
         np.testing.assert_allclose(got["scores"][i], scores, rtol=1e-4, atol=1e-4, err_msg=f"query {i}")
         assert got["page_ids"][i] == [store.page_of(p) for p in pids], f"query {i}: page ids"
@@ -163,6 +163,21 @@ def test_export_refuses_an_index_built_by_another_model(exported, tmp_path, caps
     assert not os.path.exists(out), "a refused export must not leave a SavedModel behind"
 
 
+def test_export_refuses_an_exact_index_in_one_line(exported, tmp_path, capsys):
+    from t5_retrieval.retrieval.index import build_index, load_index
+
+    run = exported[0]
+    exact_dir = str(tmp_path / "exact")
+    build_index(load_index(run.index_dirs[0]).embeddings_dir, backend="exact").save(exact_dir)
+    out = str(tmp_path / "t5r" / "1")
+    capsys.readouterr()
+    assert cli.main(["export", "--checkpoint_dir", run.model_dirs[0], "--index_dir", exact_dir,
+                     "--kb_dir", layout.kb_dir(run.data_dir), "--output_dir", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"t5r export: error: {exact_dir}: an index of backend 'exact'") and "--backend=scann" in err, err
+    assert not os.path.exists(out), "a refused export must not leave a SavedModel behind"
+
+
 def test_query_preprocessing_ops_tokenize_like_the_python_path(exported):
     import seqio
     import tensorflow as tf
@@ -189,13 +204,14 @@ def test_tf_scann_op_loads_our_serialized_index_and_finds_the_same_neighbours(mo
     import tensorflow as tf
 
     from t5_retrieval.export.scann_tf import ScannSearcher
-    from t5_retrieval.retrieval.index import SCANN_DIR, Index, ScannConfig, build_searcher
+    from t5_retrieval.retrieval.index import load_index
+    from t5_retrieval.retrieval.scann_index import SCANN_DIR, ScannConfig, ScannIndex, build_searcher
 
     rng = np.random.default_rng(0)
     matrix, queries = rng.normal(size=(400, 16)).astype(np.float32), rng.normal(size=(7, 16)).astype(np.float32)
     config = ScannConfig(mode=mode, num_leaves=20, num_leaves_to_search=5, reorder_num_neighbors=40).resolved(400)
-    Index(build_searcher(matrix, config), [f"p{i}" for i in range(400)], "fp", 16, config).save(str(tmp_path))
-    index = Index.load(str(tmp_path))
+    ScannIndex(build_searcher(matrix, config), [f"p{i}" for i in range(400)], "fp", 16, config).save(str(tmp_path))
+    index = load_index(str(tmp_path))
     rows, scores = index.search(queries, 10)
     pre = -1 if mode == "brute_force" else 40
     tf_rows, tf_scores = ScannSearcher(str(tmp_path / SCANN_DIR)).search(tf.constant(queries), 10, pre)
@@ -208,12 +224,12 @@ def test_models_with_per_task_query_towers_encode_each_row_with_its_tasks_tower(
 
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.export.savedmodel import RetrievalModule
-    from t5_retrieval.retrieval.index import Index
+    from t5_retrieval.retrieval.index import load_index
 
     run = exported[0]
     encoder = run.encoders[1]
     assert encoder.model.config.query_towers == 2
-    module = RetrievalModule(encoder, Index.load(run.index_dirs[1]), run.index_dirs[1],
+    module = RetrievalModule(encoder, load_index(run.index_dirs[1]), run.index_dirs[1],
                              PassageStore.open(layout.kb_dir(run.data_dir)), str(tmp_path))
     queries = ["a river in France", "Paris [SEP] capital of", "a river in France"]
     tasks = ["demo_fever", "demo_trex", "demo_trex"]
@@ -230,12 +246,12 @@ def test_a_separate_query_encoder_embeds_queries_in_the_export(exported, tmp_pat
     from t5_retrieval.data.text import format_query
     from t5_retrieval.data.tokenize import tokenize
     from t5_retrieval.export.savedmodel import RetrievalModule
-    from t5_retrieval.retrieval.index import Index
+    from t5_retrieval.retrieval.index import load_index
 
     run = exported[0]
     encoder = run.encoders[2]
     assert encoder.model.config.separate_query_encoder
-    module = RetrievalModule(encoder, Index.load(run.index_dirs[2]), run.index_dirs[2],
+    module = RetrievalModule(encoder, load_index(run.index_dirs[2]), run.index_dirs[2],
                              PassageStore.open(layout.kb_dir(run.data_dir)), str(tmp_path))
     queries, tasks = ["a river in France", "Paris [SEP] capital of"], ["demo_fever", "demo_trex"]
     got = module.encode(tf.constant(queries), tf.constant(tasks))["embeddings"].numpy()

@@ -20,7 +20,7 @@ from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.data import embedding_store
 from t5_retrieval.inference import QuerySideEncoder, load_encoder
-from t5_retrieval.retrieval.index import Index
+from t5_retrieval.retrieval.index import load_index
 from t5_retrieval.stages import index_and_evaluate
 from t5_retrieval.train import train
 from t5_retrieval.train_step import per_task_gradients, summed_gradient, task_loss_fn
@@ -113,9 +113,9 @@ def test_training_over_stored_passages_gives_a_query_side_model_of_the_base(tiny
     trained = load_encoder(model_dir)
     assert isinstance(trained, QuerySideEncoder)
     store = PassageStore.open(layout.kb_dir(run.data_dir))
-    Index.load(run.index_dirs[0]).check(trained, store.ids())  # the base's index accepts it
+    load_index(run.index_dirs[0]).check(trained, store.ids())  # the base's index accepts it
     with pytest.raises(Exception, match="fingerprint"):
-        Index.load(run.index_dirs[1]).check(trained, store.ids())
+        load_index(run.index_dirs[1]).check(trained, store.ids())
     passages = [store.get(pid) for pid in store.ids()[:4]]
     np.testing.assert_array_equal(trained.encode_passages(passages), run.encoders[0].encode_passages(passages))
     queries = ["who wrote it", "is it true"]
@@ -140,7 +140,7 @@ def test_fusion_experts_read_the_stored_embeddings_behind_their_index(tiny, tmp_
     ids = store.ids()[3:9]
     np.testing.assert_allclose(stored.get(ids), PassageVectors(expert.encoder, store).get(ids), rtol=1e-5, atol=1e-6)
 
-    moved = Index.load(run.index_dirs[0])
+    moved = load_index(run.index_dirs[0])
     moved.embeddings_dir = str(tmp_path / "gone")
     expert.index = moved
     assert isinstance(passage_vectors(expert, store), PassageVectors), "without them, the encoder embeds on demand"

@@ -16,7 +16,7 @@ from t5_retrieval.data.prepare import prepare_kb, prepare_tasks
 from t5_retrieval.data.records import read_jsonl
 from t5_retrieval.fusion import experts, fuse, muf
 from t5_retrieval.data import embedding_store
-from t5_retrieval.retrieval import evaluate, index
+from t5_retrieval.retrieval import evaluate, index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
 TASKS = ("nq", "trex")
@@ -66,7 +66,7 @@ def demo(tmp_path_factory):
         emb, idx = str(root / f"emb-{task}"), str(root / f"idx-{task}")
         embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim), store, store.ids(), emb, shard_size=500,
                                     progress=False)
-        index.build_index(emb, index.ScannConfig(mode="brute_force")).save(idx)
+        scann_index.build_scann_index(emb, scann_index.ScannConfig(mode="brute_force")).save(idx)
         specs[task] = f"{task},lexical:{dim},{idx}"
     return data_dir, store, specs
 
@@ -129,7 +129,7 @@ def test_bm25_hybrid_at_weight_one_is_the_bm25_ranking(demo):
     from t5_retrieval.data.negatives import bm25_query
     from t5_retrieval.retrieval import metrics
     for example, row in zip(dev["trex"], result.results["hybrid"].predictions["trex"]):
-        top, scores = bm25.search(bm25_query(example.query), 20)
+        (top,), (scores,) = bm25.search([bm25_query(example.query)], 20)
         # Passages scoring the list minimum tie with every dense-only passage; above it, BM25 rules.
         expected = metrics.dedup_keep_first(bm25.pages[i] for i in top[scores > scores.min()])
         got = [p["wikipedia_id"] for p in row["output"][0]["provenance"]]

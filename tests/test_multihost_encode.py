@@ -79,15 +79,15 @@ def test_two_process_embeddings_equal_a_single_process_encode(runs):
 
 def test_manifest_is_complete_and_the_index_builder_accepts_it(runs):
     from t5_retrieval.data import embedding_store
-    from t5_retrieval.retrieval import index
+    from t5_retrieval.retrieval import index, scann_index
 
     manifest = embedding_store.check_complete(runs["emb_dir"])
     reference = embedding_store.read_manifest(runs["reference_dir"])
     assert (manifest.num_passages, manifest.shard_size, manifest.fingerprint, manifest.dim, manifest.ids_sha256) == \
         (len(runs["store"].ids()), SHARD_SIZE, reference.fingerprint, reference.dim, reference.ids_sha256), manifest
     assert any("; complete:" in log for log in runs["first"]), "the process that finished last should report complete"
-    index.build_index(runs["emb_dir"], index.ScannConfig(mode="brute_force")).save(runs["index_dir"])
-    built = index.Index.load(runs["index_dir"])
+    scann_index.build_scann_index(runs["emb_dir"], scann_index.ScannConfig(mode="brute_force")).save(runs["index_dir"])
+    built = index.load_index(runs["index_dir"])
     built.check(runs["tiny"].encoders[0], runs["store"].ids())  # same model fingerprint, same KB rows
     matrix = embedding_store.load_matrix(runs["emb_dir"])
     queries = matrix[::9]

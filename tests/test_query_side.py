@@ -19,7 +19,7 @@ from t5_retrieval.inference import QuerySideEncoder, load_encoder, token_lengths
 from t5_retrieval.data import embedding_store
 from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
 from t5_retrieval.retrieval.encoder import model_task_name
-from t5_retrieval.retrieval.index import Index
+from t5_retrieval.retrieval.index import load_index
 from t5_retrieval.stages import index_and_evaluate
 from tiny_model import build_tiny_run
 
@@ -90,7 +90,7 @@ def test_finetuning_lowers_the_loss_keeps_passages_frozen_and_reloads_with_the_b
     encoder = run.encoders[0]
     base_params = encoder.params
     emb_dir, index_dir = os.path.join(root, "emb_0"), run.index_dirs[0]
-    index, store = Index.load(index_dir), PassageStore.open(layout.kb_dir(run.data_dir))
+    index, store = load_index(index_dir), PassageStore.open(layout.kb_dir(run.data_dir))
     matrix = embedding_store.load_matrix(emb_dir)
     task = _qa_task(run)
     config = query_side.QuerySideConfig(top_k=20, batch_size=2, learning_rate=3e-3, rounds=2, epochs_per_round=3)
@@ -163,7 +163,7 @@ def test_cli_adapts_to_several_qa_tasks_with_their_own_matching_and_reports_each
     for when in ("dev_before", "dev_after"):
         assert {t: r["n"] for t, r in report[when].items()} == {"plain": half, "regexy": len(examples) - half}
     texts = AnswerTexts(PassageStore.open(layout.kb_dir(run.data_dir)))
-    index = Index.load(run.index_dirs[0])
+    index = load_index(run.index_dirs[0])
     base = load_encoder(run.model_dirs[0])  # not run.encoders[0]: the test above fine-tuned it in place
     separately = sum(len(query_side.retrieve_candidates(base, index, texts, read_qa_task(str(qa_dir), t, "train"),
                                                         "demo_trex", 20).rows) for t in ("plain", "regexy"))

@@ -8,7 +8,7 @@ import pytest
 
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data import embedding_store
-from t5_retrieval.retrieval import index
+from t5_retrieval.retrieval import index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
 
@@ -49,7 +49,7 @@ def exact_top_k(matrix: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
 
 def test_tiny_sets_fall_back_to_exact_brute_force(tmp_path):
     matrix = clustered(40, 8)
-    built = index.build_index(write(tmp_path, matrix)[0], index.ScannConfig())
+    built = scann_index.build_scann_index(write(tmp_path, matrix)[0], scann_index.ScannConfig())
     assert built.config.mode == "brute_force", "40 points are too few to partition"
     queries = clustered(5, 8, seed=1)
     rows, scores = built.search(queries, k=7)
@@ -61,14 +61,14 @@ def test_tiny_sets_fall_back_to_exact_brute_force(tmp_path):
 
 def test_k_beyond_the_index_size_returns_every_passage_once(tmp_path):
     matrix = clustered(6, 4)
-    built = index.build_index(write(tmp_path, matrix)[0], index.ScannConfig(mode="brute_force"))
+    built = scann_index.build_scann_index(write(tmp_path, matrix)[0], scann_index.ScannConfig(mode="brute_force"))
     rows, _ = built.search(clustered(2, 4, seed=3), k=50)
     assert all(sorted(r.tolist()) == list(range(6)) for r in rows), rows
 
 
 def test_tree_ah_recall_against_exact_search(tmp_path):
     matrix = clustered(6000, 32)
-    built = index.build_index(write(tmp_path, matrix)[0], index.ScannConfig(mode="tree_ah"))
+    built = scann_index.build_scann_index(write(tmp_path, matrix)[0], scann_index.ScannConfig(mode="tree_ah"))
     assert built.config.mode == "tree_ah" and built.config.num_leaves == 77, built.config
     queries = clustered(50, 32, seed=2)
     rows, _ = built.search(queries, k=10)
@@ -79,9 +79,9 @@ def test_tree_ah_recall_against_exact_search(tmp_path):
 
 def test_saved_index_loads_back_with_identical_results(tmp_path):
     matrix = clustered(300, 8)
-    built = index.build_index(write(tmp_path, matrix)[0], index.ScannConfig(mode="brute_force"))
+    built = scann_index.build_scann_index(write(tmp_path, matrix)[0], scann_index.ScannConfig(mode="brute_force"))
     built.save(str(tmp_path / "idx"))
-    loaded = index.Index.load(str(tmp_path / "idx"))
+    loaded = index.load_index(str(tmp_path / "idx"))
     assert loaded.passage_ids == built.passage_ids and loaded.fingerprint == "matrix-v1" and loaded.dim == 8
     assert loaded.meta == {"checkpoint_dir": "ckpt", "step": 7}, "the embeddings' provenance travels with the index"
     queries = clustered(4, 8, seed=5)
@@ -92,7 +92,7 @@ def test_saved_index_loads_back_with_identical_results(tmp_path):
 def test_index_refuses_another_model_or_another_kb(tmp_path):
     matrix = clustered(30, 8)
     emb_dir, passages = write(tmp_path, matrix)
-    built = index.build_index(emb_dir, index.ScannConfig(mode="brute_force"))
+    built = scann_index.build_scann_index(emb_dir, scann_index.ScannConfig(mode="brute_force"))
     built.check(MatrixEncoder(matrix), [p.id for p in passages])  # The matching pair passes.
     with pytest.raises(index.IndexMismatchError, match="model fingerprint 'matrix-v1'.*'hashed-bow-v2-dim8'"):
         built.check(HashedBagOfWordsEncoder(dim=8))
@@ -109,7 +109,7 @@ def test_incomplete_embeddings_and_missing_index_are_clear_errors(tmp_path):
     with pytest.raises(embedding_store.EmbeddingsError, match="1 of 3 shards missing"):
         index.build_index(emb_dir)
     with pytest.raises(index.IndexMismatchError, match="not an index directory"):
-        index.Index.load(str(tmp_path))
+        index.load_index(str(tmp_path))
 
 
 def test_cli_builds_an_index_with_gin_overrides(tmp_path):
@@ -142,12 +142,12 @@ def test_reordering_copy_dtype_trades_index_size_for_recall(tmp_path):
                                "--gin.ScannConfig.dimensions_per_block=1"]) == 0
         finally:
             gin.clear_config()
-        loaded = index.Index.load(str(out))
+        loaded = index.load_index(str(out))
         assert loaded.config.reorder_dtype == dtype and loaded.config.reorders == (dtype != "none")
-        sizes[dtype] = sum(f.stat().st_size for f in (out / index.SCANN_DIR).iterdir())
+        sizes[dtype] = sum(f.stat().st_size for f in (out / scann_index.SCANN_DIR).iterdir())
         rows, _ = loaded.search(queries, k=10)
         recalls[dtype] = np.mean([len(set(r.tolist()) & set(e.tolist())) / 10 for r, e in zip(rows, expected)])
     assert sizes["float32"] > sizes["int8"] > sizes["none"], sizes
     assert min(recalls.values()) >= 0.8, recalls
     with pytest.raises(ValueError, match="reorder_dtype must be one of float32, bfloat16, int8, none, got 'fp16'"):
-        index.ScannConfig(reorder_dtype="fp16").resolved(100)
+        scann_index.ScannConfig(reorder_dtype="fp16").resolved(100)

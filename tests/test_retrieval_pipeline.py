@@ -13,7 +13,7 @@ from t5_retrieval.data.kb import PassageStore, write_passage_store
 from t5_retrieval.data.records import Example, Passage, read_jsonl, read_negatives
 from t5_retrieval.data import embedding_store
 from t5_retrieval.commands import encode as encode_command, evaluate as eval_command, mine as mine_command
-from t5_retrieval.retrieval import evaluate, index, metrics, mine
+from t5_retrieval.retrieval import evaluate, index, metrics, mine, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 from t5_retrieval.data.passages import PassageTable
 
@@ -50,7 +50,7 @@ def tiny(tmp_path_factory):
     encoder = HashedBagOfWordsEncoder(dim=512)
     directory = str(tmp_path_factory.mktemp("emb"))
     embedding_store.write_embeddings(encoder, KB, [p.id for p in KB], directory, shard_size=3, progress=False)
-    return encoder, index.build_index(directory, index.ScannConfig(mode="brute_force")), PassageTable(KB)
+    return encoder, scann_index.build_scann_index(directory, scann_index.ScannConfig(mode="brute_force")), PassageTable(KB)
 
 
 def exact_pages(encoder, query: str, k: int) -> list[str]:

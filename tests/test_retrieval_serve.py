@@ -16,7 +16,7 @@ import pytest
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data import embedding_store
 from t5_retrieval.commands import serve as serve_command
-from t5_retrieval.retrieval import index, serve
+from t5_retrieval.retrieval import index, scann_index, serve
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 from t5_retrieval.data.passages import PassageTable
 
@@ -32,7 +32,7 @@ KB = [
 def kb_index(tmp_path_factory) -> index.Index:
     directory = str(tmp_path_factory.mktemp("emb"))
     embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=256), KB, [p.id for p in KB], directory, progress=False)
-    return index.build_index(directory, index.ScannConfig(mode="brute_force"))
+    return scann_index.build_scann_index(directory, scann_index.ScannConfig(mode="brute_force"))
 
 
 def make_service(idx: index.Index, encoder=None, **limits) -> serve.SearchService:
@@ -162,7 +162,7 @@ def test_oversized_body_and_unknown_paths_are_refused_and_the_server_lives_on(se
 def test_service_refuses_an_index_built_by_another_model(tmp_path):
     directory = str(tmp_path / "emb")
     embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=64), KB, [p.id for p in KB], directory, progress=False)
-    idx = index.build_index(directory, index.ScannConfig(mode="brute_force"))
+    idx = scann_index.build_scann_index(directory, scann_index.ScannConfig(mode="brute_force"))
     with pytest.raises(index.IndexMismatchError, match="fingerprint"):
         serve.SearchService(HashedBagOfWordsEncoder(dim=128), idx, PassageTable(KB), ["nq"])
 
@@ -309,7 +309,7 @@ def cli_dirs(tmp_path_factory) -> tuple[str, str]:
     kb_dir, emb_dir, idx_dir = (str(root / d) for d in ("kb", "emb", "idx"))
     write_passage_store(((p, None) for p in KB), kb_dir)
     embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=64), KB, [p.id for p in KB], emb_dir, progress=False)
-    index.build_index(emb_dir, index.ScannConfig(mode="brute_force")).save(idx_dir)
+    scann_index.build_scann_index(emb_dir, scann_index.ScannConfig(mode="brute_force")).save(idx_dir)
     return kb_dir, idx_dir
 
 

@@ -67,7 +67,7 @@ def build_tiny_run(root: str, models: tuple[tuple[int, tuple[str, ...]], ...] = 
     from t5_retrieval.data.vocab import train_vocabulary
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.data import embedding_store
-    from t5_retrieval.retrieval import index
+    from t5_retrieval.retrieval import index, scann_index
 
     raw, data_dir = os.path.join(root, "raw"), os.path.join(root, "data")
     write_demo(raw, num_pages=num_pages, train_per_task=8, dev_per_task=4)
@@ -83,7 +83,7 @@ def build_tiny_run(root: str, models: tuple[tuple[int, tuple[str, ...]], ...] = 
         encoder = load_encoder(model_dir)
         embedding_store.write_embeddings(encoder, store, store.ids(), emb_dir, meta={"model_dir": model_dir},
                                     progress=False)
-        index.build_index(emb_dir, index.ScannConfig(mode="brute_force")).save(index_dir)
+        scann_index.build_scann_index(emb_dir, scann_index.ScannConfig(mode="brute_force")).save(index_dir)
         model_dirs.append(model_dir)
         index_dirs.append(index_dir)
         encoders.append(encoder)

@@ -17,7 +17,7 @@ from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import (Encoder, HashedBagOfWordsEncoder, dataset_of, model_task_name,
                                             recorded_tasks)
 from t5_retrieval.retrieval.evaluate import load_task_examples
-from t5_retrieval.retrieval.index import Index
+from t5_retrieval.retrieval.index import Index, load_index
 
 
 def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +75,7 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
     from t5_retrieval.data.kb import PassageStore
 
     store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
-    index = Index.load(args.index_dir)
+    index = load_index(args.index_dir)
     encoder = encoder_from_flags(args)
     index.check(encoder, store.ids())
     examples, datasets = task_examples(encoder, args.data_dir, args.split, [t for t in args.tasks.split(",") if t])

@@ -15,7 +15,7 @@ from t5_retrieval import gin_utils, logs
 from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags, register_named_mixtures
 from t5_retrieval.errors import UserError
 from t5_retrieval.retrieval.encoder import recorded_tasks
-from t5_retrieval.retrieval.index import Index, IndexMismatchError
+from t5_retrieval.retrieval.index import IndexMismatchError, load_index
 from t5_retrieval.retrieval.serve import (TOKEN_ENV, SearchService, ServeLimits, ServerOptions, bind_address,
                                           make_server)
 
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
                                 _auth_token(args.auth_token_file))
         _check_listenable(args.host, args.port, options.auth_token)  # before minutes of loading, not after
         store = PassageStore.open(args.kb_dir)
-        index = Index.load(args.index_dir)
+        index = load_index(args.index_dir)
         encoder = encoder_from_flags(args)
         index.check(encoder, store.ids())
         tasks = [t for t in args.tasks.split(",") if t] or list(encoder.task_names)

@@ -47,8 +47,18 @@ class BM25Index:
             return np.zeros(len(self.ids), np.float32)
         return self.retriever.get_scores_from_ids(token_ids.tolist())
 
-    def search(self, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k passage indices (best first) and their scores; ties broken by store order."""
+    def search(self, queries: Sequence[str], k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per query: the top-k passage indices (best first) and their scores; ties broken by store order.
+
+        The shape of a dense index's search (`retrieval.index.Index.search`), with query texts."""
+        rows, scores = [], []
+        for query in queries:
+            top, top_scores = self._top_k(query, k)
+            rows.append(top)
+            scores.append(top_scores)
+        return rows, scores
+
+    def _top_k(self, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
         scores = self.scores(query)
         k = min(k, len(scores))
         top = np.argpartition(-scores, k - 1)[:k]
@@ -71,7 +81,7 @@ class BM25Index:
 
     def search_pages(self, query: str, k_pages: int, k_passages: int = 1000) -> list[str]:
         """Pages of the top passages, duplicates removed keeping the first (max-pooling), best first."""
-        top, _ = self.search(query, k_passages)
+        top, _ = self._top_k(query, k_passages)
         pages: list[str] = []
         seen: set[str] = set()
         for i in top:

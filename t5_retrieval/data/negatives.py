@@ -23,5 +23,5 @@ def mine_bm25_negatives(examples: Sequence[Example], index: BM25Index, top_k: in
     """For each example: the top_k BM25 passages, dropping those on any gold page."""
     for example in examples:
         gold = {p for s in example.gold_pages for p in s}
-        top, _ = index.search(bm25_query(example.query), top_k)
+        (top,), _ = index.search([bm25_query(example.query)], top_k)
         yield Negatives(example.id, tuple(index.ids[i] for i in top if index.pages[i] not in gold))

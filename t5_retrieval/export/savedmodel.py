@@ -1,6 +1,6 @@
 """One TF SavedModel for serving: query preprocessing, the query encoder and the ScaNN searcher.
 
-    search(query: string[n], task: string[n], k: int32) -> passage_ids, page_ids, titles: string[n, k],
+    search(query: string[n], k: int32, task: string[n]) -> passage_ids, page_ids, titles: string[n, k],
                                                             scores: float32[n, k]
     encode(query: string[n], task: string[n]) -> embeddings: float32[n, dim]
 
@@ -11,7 +11,8 @@
   variables. Models with per-task query towers run every tower and keep each row's own.
 - The searcher is the index's own serialized ScaNN searcher, loaded by ScaNN's TF ops
   (`export.scann_tf`); passage ids, page ids and titles come from row-keyed lookup tables
-  initialised from asset files.
+  initialised from asset files. An index of another backend (`t5r index --backend=exact`) is
+  refused: the graph holds ScaNN's searcher, not the index's Python code.
 - Provenance travels as assets: `t5r_export.json` (model fingerprint, tasks and prefixes, query
   length, the index manifest), the index's `index.json`, the model's `model_config.json` and the
   sentencepiece `.model` file. `export_savedmodel` refuses a model and an index that do not belong
@@ -42,7 +43,9 @@ from t5_retrieval.export import preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
 from t5_retrieval.inference import DualEncoderInference
 from t5_retrieval.data import embedding_store, task_names
-from t5_retrieval.retrieval.index import INDEX_JSON, SCANN_DIR, Index
+from t5_retrieval.errors import UserError
+from t5_retrieval.retrieval.index import INDEX_JSON, load_index
+from t5_retrieval.retrieval.scann_index import SCANN_DIR, ScannIndex
 
 FORMAT = "t5r-savedmodel-v1"
 EXPORT_JSON = "t5r_export.json"
@@ -92,7 +95,7 @@ def task_lookup(tasks: task_names.Tasks, order: Sequence[str]) -> tuple[list[str
 class RetrievalModule(tf.Module):
     """What the SavedModel holds: tables, tokenizer, weights, converted encoder, searcher, assets."""
 
-    def __init__(self, encoder: DualEncoderInference, index: Index, index_dir: str, store: PassageStore,
+    def __init__(self, encoder: DualEncoderInference, index: ScannIndex, index_dir: str, store: PassageStore,
                  staging: str):
         super().__init__()
         from jax.experimental import jax2tf
@@ -160,10 +163,11 @@ class RetrievalModule(tf.Module):
     def encode(self, query: tf.Tensor, task: tf.Tensor) -> dict[str, tf.Tensor]:
         return {"embeddings": self._embeddings(query, task)}
 
+    # Inputs in the order of every search (queries, k, task); a signature is called by input name.
     @tf.function(autograph=False, input_signature=[tf.TensorSpec([None], tf.string, name="query"),
-                                  tf.TensorSpec([None], tf.string, name="task"),
-                                  tf.TensorSpec([], tf.int32, name="k")])
-    def search(self, query: tf.Tensor, task: tf.Tensor, k: tf.Tensor) -> dict[str, tf.Tensor]:
+                                  tf.TensorSpec([], tf.int32, name="k"),
+                                  tf.TensorSpec([None], tf.string, name="task")])
+    def search(self, query: tf.Tensor, k: tf.Tensor, task: tf.Tensor) -> dict[str, tf.Tensor]:
         with tf.control_dependencies([tf.debugging.assert_positive(k, message="k must be >= 1")]):
             k = tf.minimum(k, self._num_passages)
         pre_reorder = tf.maximum(k, self._reorder) if self._reorder > 0 else tf.constant(-1)
@@ -179,7 +183,8 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
                       ) -> dict[str, Any]:
     """Writes the SavedModel to `output_dir` (which must not exist); returns what t5r_export.json records.
 
-    Raises IndexMismatchError when the index was built by another model or for another KB.
+    Raises IndexMismatchError when the index was built by another model or for another KB, and
+    UserError for an index of another backend than ScaNN.
     """
     if os.path.exists(output_dir):
         raise FileExistsError(f"{output_dir}: already exists; export into a new directory "
@@ -188,7 +193,11 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
         raise ValueError(f"{encoder.features.get('vocabulary')}: the export builds a sentencepiece tokenizer "
                          "into the graph; this model's vocabulary is not sentencepiece (WordPiece models "
                          "cannot be exported yet)")
-    index = Index.load(index_dir)
+    index = load_index(index_dir)
+    if not isinstance(index, ScannIndex):
+        raise UserError(f"{index_dir}: an index of backend {index.backend!r}; the SavedModel embeds a ScaNN "
+                        "searcher: build one with `t5r index --backend=scann` (ScannConfig.mode='brute_force' "
+                        "is exact)")
     index.check(encoder, store.ids())
     with open(os.path.join(index_dir, INDEX_JSON), encoding="utf-8") as f:
         index_manifest = json.load(f)

@@ -1,4 +1,4 @@
-"""Our serialized ScaNN index (`retrieval.index.Index.save`, written by ScaNN's pybind API) as a TF resource.
+"""Our serialized ScaNN index (`retrieval.scann_index.ScannIndex.save`, written by ScaNN's pybind API) as a TF resource.
 
 ScaNN's TF op `tensors_to_scann` rebuilds a searcher from the same assets that the pybind
 `serialize` writes (config proto, partitioner, tokenization, AH codebook and codes, dataset); an

@@ -19,7 +19,7 @@ from t5_retrieval.fusion import muf
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.data.task_names import UnknownTaskError
 from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder, model_task_name
-from t5_retrieval.retrieval.index import Index
+from t5_retrieval.retrieval.index import Index, load_index
 from t5_retrieval.data.passages import PassageLookup
 
 LEXICAL = "lexical:"  # checkpoint spec for the hashed bag-of-words baseline: "lexical:<dim>"
@@ -58,7 +58,7 @@ class Expert:
     def task(self) -> str:
         return self.spec.task
 
-    def search(self, queries: Sequence[str], k: int, batch_size: int = 128) -> tuple[np.ndarray, Hits]:
+    def search(self, queries: Sequence[str], k: int, *, batch_size: int = 128) -> tuple[np.ndarray, Hits]:
         """Query embeddings [n, d] (with the expert's own task prefix) and top-k hits per query."""
         vectors, hits = [], []
         for start in range(0, len(queries), batch_size):
@@ -82,7 +82,7 @@ def load_expert(spec: ExpertSpec, passage_ids: Sequence[str] | None = None) -> E
         encoder: Encoder = HashedBagOfWordsEncoder(dim)
     else:
         encoder = load_encoder(spec.checkpoint)
-    index = Index.load(spec.index_dir)
+    index = load_index(spec.index_dir)
     index.check(encoder, passage_ids)  # IndexMismatchError names the index dir and both fingerprints.
     try:
         query_task = model_task_name(encoder, spec.task)
@@ -164,7 +164,7 @@ def _is_gold(example: Example, passages: PassageLookup, pid: str) -> bool:
 def training_set(expert: Expert, examples: Sequence[Example], passages: PassageLookup, vectors: Vectors,
                  top_l: int, batch_size: int = 128) -> muf.TrainingSet:
     """The expert's top-L for its own task's train queries, labelled gold (see `muf` docstring)."""
-    query_vectors, hits = expert.search([e.query for e in examples], top_l, batch_size)
+    query_vectors, hits = expert.search([e.query for e in examples], top_l, batch_size=batch_size)
     keep, lists, golds = [], [], []
     for i, (example, (ids, _)) in enumerate(zip(examples, hits)):
         ids = list(ids[:top_l])
@@ -207,7 +207,7 @@ def train_and_calibrate(expert: Expert, train_examples: Sequence[Example],
              " ".join(f"{x:.3f}" for x in ensemble.info["loss_per_epoch"]))
     examples = [e for task_examples in calibration_examples.values() for e in task_examples]
     if config.calibrate and examples:
-        query_vectors, hits = expert.search([e.query for e in examples], config.top_l, batch_size)
+        query_vectors, hits = expert.search([e.query for e in examples], config.top_l, batch_size=batch_size)
         candidates, valid = candidate_arrays([ids for ids, _ in hits], vectors, config.top_l)
         scores = ensemble.member_scores(query_vectors, candidates)
         correct = top1_on_gold_page(examples, hits, passages)

@@ -142,7 +142,7 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
             rankings["muf"].append(fused[0][:config.depth])
             rankings["uniform"].append(fuse_lists(per_query, [1.0] * len(per_query))[0][:config.depth])
             if config.hybrid_weight is not None:
-                rows, scores = bm25.search(bm25_query(example.query), config.depth)
+                (rows,), (scores,) = bm25.search([bm25_query(example.query)], config.depth)
                 sparse = ([bm25.ids[r] for r in rows], scores)
                 dense = (fused[0][:config.depth], fused[1][:config.depth])
                 rankings["hybrid"].append(hybrid(dense, sparse, config.hybrid_weight)[0][:config.depth])
@@ -159,7 +159,7 @@ def _search_with_confidence(expert: experts_lib.Expert, ensemble: muf.Ensemble,
                             vectors: experts_lib.Vectors, queries: Sequence[str], depth: int, top_l: int,
                             batch_size: int) -> tuple[list[tuple[list[str], np.ndarray]], np.ndarray]:
     """The expert's top-`depth` (ids, scores) per query and its confidence per query (from its top-L)."""
-    query_vectors, hits = expert.search(queries, max(depth, top_l), batch_size)
+    query_vectors, hits = expert.search(queries, max(depth, top_l), batch_size=batch_size)
     candidates, valid = experts_lib.candidate_arrays([ids for ids, _ in hits], vectors, top_l)
     conf = ensemble.confidence(query_vectors, candidates, valid)
     return [(ids[:depth], scores[:depth]) for ids, scores in hits], conf

@@ -70,7 +70,8 @@ def bm25_answer_recall(data_dir: str, qa_dir: str, tasks: tuple[str, ...] = QA_O
     recall = {}
     for name in tasks:
         task = read_qa_task(qa_dir, name, "dev")
-        rankings = [[index.ids[i] for i in index.search(e.query, max(QA_OPEN_KS))[0]] for e in task.examples]
+        rows, _ = index.search([e.query for e in task.examples], max(QA_OPEN_KS))
+        rankings = [[index.ids[i] for i in top] for top in rows]
         recall[name] = ranking_answer_recall(texts, task, rankings, QA_OPEN_KS)
     return {"dev": recall}
 

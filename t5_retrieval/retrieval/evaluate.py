@@ -29,9 +29,9 @@ from t5_retrieval.retrieval.index import Index
 from t5_retrieval.data.passages import PassageLookup
 
 
-def retrieve(encoder: Encoder, index: Index, queries: Sequence[str], task: str, k: int,
+def retrieve(encoder: Encoder, index: Index, queries: Sequence[str], k: int, *, task: str,
              batch_size: int = 128) -> list[tuple[list[str], np.ndarray]]:
-    """Top-k (passage ids, scores) per query, best first, encoding queries in batches."""
+    """Top-k (passage ids, scores) per query, best first, encoding queries with `task`'s prefix in batches."""
     out: list[tuple[list[str], np.ndarray]] = []
     for start in range(0, len(queries), batch_size):
         vectors = encoder.encode_queries(list(queries[start:start + batch_size]), task)
@@ -84,7 +84,7 @@ def evaluate(
         raise ValueError(f"depth must be >= 1, got {depth}")
     scorer = RankingScorer(passages, ks, skip_answer_recall)
     for task, examples in examples_by_task.items():
-        hits = retrieve(encoder, index, [e.query for e in examples], task, depth, batch_size)
+        hits = retrieve(encoder, index, [e.query for e in examples], depth, task=task, batch_size=batch_size)
         scorer.add_task(task, examples, [pids for pids, _ in hits], [scores for _, scores in hits])
     return scorer.result()
 

@@ -40,7 +40,7 @@ def mine_negatives(
         by_task.setdefault(example.task, []).append(i)
     out: list[Negatives | None] = [None] * len(examples)
     for task, positions in by_task.items():
-        hits = retrieve(encoder, index, [examples[i].query for i in positions], task, k, batch_size)
+        hits = retrieve(encoder, index, [examples[i].query for i in positions], k, task=task, batch_size=batch_size)
         for i, (pids, _) in zip(positions, hits):
             example = examples[i]
             gold_pages = {p for s in example.gold_pages for p in s}

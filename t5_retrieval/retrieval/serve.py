@@ -95,7 +95,7 @@ class SearchService:
         self.passages = passages
         self.tasks = tuple(tasks)
         self.limits = limits or ServeLimits()
-        # The model object is not promised to be thread-safe; ScaNN search is, and runs unlocked.
+        # The model object is not promised to be thread-safe; index search is, and runs unlocked.
         self._encode_lock = threading.Lock()
 
     def health(self) -> dict[str, Any]:
@@ -145,7 +145,8 @@ class SearchService:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"field 'k' must be an integer in [1, {self.limits.max_k}]")
         return task, queries, k, single
 
-    def search(self, task: str, queries: Sequence[str], k: int) -> list[list[dict[str, Any]]]:
+    def search(self, queries: Sequence[str], k: int, *, task: str) -> list[list[dict[str, Any]]]:
+        """The top-k hits of each query, best first, with `task`'s query prefix (the model's task name)."""
         with self._encode_lock:
             vectors = np.asarray(self.encoder.encode_queries(list(queries), task), np.float32)
         rows, scores = self.index.search(vectors, k)
@@ -167,7 +168,7 @@ class SearchService:
         except RecursionError:
             raise RequestError(HTTPStatus.BAD_REQUEST, "request body is nested too deeply") from None
         task, queries, k, single = self.parse(request)
-        results = self.search(task, queries, k)
+        results = self.search(queries, k, task=task)
         return {"task": task, "k": k, "results": results[0] if single else results}
 
 
