@@ -128,3 +128,27 @@ def test_flipped_bytes_in_an_embedding_shard_stop_t5r_index(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{shard}: fails its sha256 checksum" in err, err
     assert not os.path.exists(tmp_path / "index" / "index.json")
+
+
+@pytest.mark.parametrize("backend", ["scann", "exact"])
+def test_a_flipped_bit_in_an_index_asset_is_refused_at_load_and_the_hint_rebuilds_it(tmp_path, backend, capsys):
+    from t5_retrieval.retrieval.index import load_index
+
+    passages = [Passage(f"p{i}", f"w{i}", f"T{i}", f"text number {i} of many") for i in range(40)]
+    emb, out = str(tmp_path / "emb"), str(tmp_path / "index")
+    embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=16), passages, [p.id for p in passages], emb,
+                                     progress=False)
+    assert cli.main(["index", f"--embeddings_dir={emb}", f"--output_dir={out}", f"--backend={backend}"]) == 0
+    queries = HashedBagOfWordsEncoder(dim=16).encode_passages(passages[:3])
+    before = load_index(out).search(queries, 5)
+    # The largest asset holds the vectors (ScaNN's dataset.npy, the exact backend's embeddings.npy).
+    asset = max((os.path.join(root, f) for root, _, files in os.walk(out) for f in files), key=os.path.getsize)
+    flip_byte(asset, -2)
+    with pytest.raises(checksums.ChecksumError, match=f"{asset}: fails its sha256") as raised:
+        load_index(out)
+    command = str(raised.value).rpartition("rebuild it: ")[2]
+    assert command == f"t5r index --embeddings_dir={emb} --output_dir={out} --backend={backend}", command
+    assert cli.main(command.split()[1:]) == 0
+    after = load_index(out).search(queries, 5)
+    for a, b in zip(before[0], after[0]):
+        np.testing.assert_array_equal(a, b)

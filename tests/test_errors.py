@@ -96,8 +96,9 @@ def test_a_damaged_index_names_what_is_damaged(dirs, tmp_path, capsys, damage):
         expected = f"{idx / 'index.json'}: damaged"
     else:
         asset = max((p for p in (idx / "scann").iterdir() if p.suffix == ".npy"), key=lambda p: p.stat().st_size)
+        size = asset.stat().st_size
         asset.write_bytes(asset.read_bytes()[:40])
-        expected = f"{idx / 'scann'}: damaged ScaNN assets"
+        expected = f"{asset}: 40 bytes where {size} were written (truncated or overwritten)"
     args = eval_args(dirs, str(tmp_path / "out"))
     args[args.index("--index_dir") + 1] = str(idx)
     assert cli.main(args) == 2

@@ -10,7 +10,7 @@ import gin
 import numpy as np
 import pytest
 
-from t5_retrieval import cli
+from t5_retrieval import checksums, cli
 from t5_retrieval.retrieval import exact_index, index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 from test_retrieval_index import MatrixEncoder, clustered, write
@@ -143,7 +143,11 @@ def test_damaged_backend_assets_are_a_clear_error(tmp_path, backend):
     index.build_index(write(tmp_path, clustered(50, 8))[0], backend=backend).save(str(out))
     assets = [p for p in out.rglob("*") if p.is_file() and p.name not in ("index.json", IDS_FILE)]
     largest = max(assets, key=lambda p: p.stat().st_size)
+    size = largest.stat().st_size
     largest.write_bytes(largest.read_bytes()[:40])
+    with pytest.raises(checksums.ChecksumError, match=f"{largest}: 40 bytes where {size} were written"):
+        index.load_index(str(out))
+    checksums.record(str(out))  # accepted as it is (`t5r checksum --accept`): the backend still notices
     with pytest.raises(index.IndexMismatchError, match="damaged"):
         index.load_index(str(out))
 
@@ -211,6 +215,10 @@ def test_a_directory_written_before_backends_existed_loads_as_scann(tmp_path):
         record["format"] = "t5r-scann-index-v1"
 
     _rewrite(tmp_path / "idx" / "index.json", as_v1)
+    os.remove(tmp_path / "idx" / checksums.CHECKSUMS_FILE)  # nor did it record checksums
+    with pytest.raises(checksums.ChecksumError, match="t5r checksum --accept"):
+        index.load_index(str(tmp_path / "idx"))
+    checksums.record(str(tmp_path / "idx"))
     loaded = index.load_index(str(tmp_path / "idx"))
     assert isinstance(loaded, scann_index.ScannIndex) and loaded.config == built.config
     for a, b in zip(built.search(queries, 5)[0], loaded.search(queries, 5)[0]):

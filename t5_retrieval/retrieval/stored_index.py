@@ -1,7 +1,8 @@
 """What every index backend shares: the index directory's layout, its commit order and its checks.
 
-An index directory holds the backend's own assets, `passage_ids.txt` (the row order) and
-`index.json`, written last as the commit:
+An index directory holds the backend's own assets, `passage_ids.txt` (the row order),
+`index.json`, written last as the commit, and `t5r_checksums.json` (size and sha256 of every file,
+written after it and verified by every load):
 
     {"format": "t5r-index-v2", "backend": "scann" | "exact", "fingerprint", "dim", "num_passages",
      "ids_sha256", "meta", "embeddings_dir", <backend>: {its build parameters}}
@@ -22,6 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from t5_retrieval import checksums
 from t5_retrieval.data import embedding_store
 from t5_retrieval.data.passages import ids_digest
 from t5_retrieval.data.records import write_json_atomic
@@ -69,6 +71,14 @@ def read_complete_store(embeddings_dir: str) -> tuple[embedding_store.Manifest, 
     if ids_digest(ids) != manifest.ids_sha256:
         raise embedding_store.EmbeddingsError(f"{embeddings_dir}/{embedding_store.IDS_FILE}: does not match the manifest")
     return manifest, ids
+
+
+def _rebuild_hint(directory: str, record: dict[str, Any]) -> str:
+    """The command that builds this index again, from the embeddings it records."""
+    if not record.get("embeddings_dir"):
+        return "rebuild it with `t5r index`"
+    return (f"rebuild it: t5r index --embeddings_dir={record['embeddings_dir']} --output_dir={directory} "
+            f"--backend={record['backend']}")
 
 
 class StoredIndex(abc.ABC):
@@ -141,6 +151,7 @@ class StoredIndex(abc.ABC):
                 raise disk_full(directory, e) from e
             raise
         write_json_atomic(commit, self.record())
+        checksums.record(directory)  # every file, index.json included: verified by `load`
 
     @classmethod
     def load(cls, directory: str) -> "StoredIndex":
@@ -157,6 +168,7 @@ class StoredIndex(abc.ABC):
             raise IndexMismatchError(f"{path}: missing; rebuild the index with `t5r index`") from None
         if ids_digest(ids) != record["ids_sha256"] or len(ids) != record["num_passages"]:
             raise IndexMismatchError(f"{path}: does not match {INDEX_JSON}'s ids_sha256")
+        checksums.verify(directory, "index", _rebuild_hint(directory, record))  # the backend's assets too
         return cls._load(directory, record, ids)
 
     @abc.abstractmethod
