@@ -238,3 +238,26 @@ def test_a_model_flag_conflict_exits_2_in_the_error_style(dirs, tmp_path, capsys
     assert cli.main(["encode", "--kb_dir", os.path.join(dirs["data"], "kb"), "--output_dir", str(tmp_path / "e")]) == 2
     assert capsys.readouterr().err.strip() == \
         "t5r encode: error: give exactly one of --checkpoint_dir and --lexical_baseline_dim"
+
+
+@pytest.mark.parametrize("damage", ["offsets gone", "store truncated"])
+def test_serve_refuses_a_damaged_passage_store_before_listening(dirs, tmp_path, capsys, damage):
+    import shutil
+
+    kb = tmp_path / "kb"
+    shutil.copytree(os.path.join(dirs["data"], "kb"), kb)
+    if damage == "offsets gone":
+        (damaged := kb / "passages-00000.offsets.npy").unlink()
+        expected = f"{damaged}: missing (listed in {kb / 't5r_checksums.json'})"
+    else:
+        damaged = kb / "passages-00000.jsonl"
+        size = damaged.stat().st_size
+        damaged.write_bytes(damaged.read_bytes()[:size // 2])
+        expected = f"{damaged}: {size // 2} bytes where {size} were written (truncated or overwritten)"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = cli.main(["serve", "--lexical_baseline_dim", "32", "--index_dir", dirs["index"], "--kb_dir", str(kb),
+                     "--tasks", "nq", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"t5r serve: error: {expected}"), err
