@@ -13,14 +13,12 @@ from another model's embedding space would be silently meaningless.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import math
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -28,12 +26,11 @@ from typing import Any
 import gin
 import numpy as np
 
-from t5_retrieval import logs
 from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data import embedding_store
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.data.passages import ids_digest
-from t5_retrieval.errors import UserError, check_writable_dir, disk_full, is_disk_full, nearly_full
+from t5_retrieval.errors import ConfigError, UserError, disk_full, is_disk_full, nearly_full
 
 FORMAT = "t5r-scann-index-v1"
 REORDER_DTYPES = ("float32", "bfloat16", "int8", "none")
@@ -82,10 +79,10 @@ class ScannConfig:
     def resolved(self, n: int) -> "ScannConfig":
         """Fills the size-dependent defaults for a set of n points and picks the mode."""
         if self.mode not in ("auto", "tree_ah", "brute_force"):
-            raise ValueError(f"ScannConfig.mode must be auto, tree_ah or brute_force, got {self.mode!r}")
+            raise ConfigError(f"ScannConfig.mode must be auto, tree_ah or brute_force, got {self.mode!r}")
         if self.reorder_dtype not in REORDER_DTYPES:
-            raise ValueError(f"ScannConfig.reorder_dtype must be one of {', '.join(REORDER_DTYPES)}, "
-                             f"got {self.reorder_dtype!r}")
+            raise ConfigError(f"ScannConfig.reorder_dtype must be one of {', '.join(REORDER_DTYPES)}, "
+                              f"got {self.reorder_dtype!r}")
         mode = self.mode
         if mode == "auto":
             mode = "tree_ah" if n >= self.min_points_for_tree else "brute_force"
@@ -96,7 +93,7 @@ class ScannConfig:
             return dataclasses.replace(self, mode=mode)
         leaves = self.num_leaves or max(1, int(round(math.sqrt(n))))
         if leaves > n:
-            raise ValueError(f"ScannConfig.num_leaves={leaves} exceeds the {n} points to index")
+            raise ConfigError(f"ScannConfig.num_leaves={leaves} exceeds the {n} points to index")
         to_search = self.num_leaves_to_search or min(leaves, max(8, leaves // 10))
         return dataclasses.replace(self, mode=mode, num_leaves=leaves, num_leaves_to_search=min(to_search, leaves),
                                    training_sample_size=self.training_sample_size or min(n, 100_000))
@@ -260,26 +257,3 @@ def build_index(embeddings_dir: str, config: ScannConfig | None = None, staging_
         shutil.rmtree(staging, ignore_errors=True)
     return Index(searcher, ids, manifest.fingerprint, manifest.dim, config, source=embeddings_dir,
                  meta=manifest.meta, embeddings_dir=os.path.abspath(embeddings_dir))
-
-
-def main(argv: list[str]) -> int:
-    """`t5r index`: embedding shards -> serialized ScaNN index directory."""
-    from t5_retrieval import gin_utils
-
-    parser = argparse.ArgumentParser(prog="t5r index", description=__doc__.splitlines()[0])
-    parser.add_argument("--embeddings_dir", required=True, help="output of `t5r encode`")
-    parser.add_argument("--output_dir", required=True, help="where to write the index")
-    parser.add_argument("--staging_dir", default=None, help="disk for the temporary matrix (default: tmp)")
-    args = gin_utils.parse_args(parser, argv)
-    logs.setup()
-    check_writable_dir(args.output_dir, "--output_dir")
-    try:
-        index = build_index(args.embeddings_dir, ScannConfig(), args.staging_dir)
-    except ValueError as e:
-        if isinstance(e, UserError):
-            raise
-        print(f"t5r index: error: {e}", file=sys.stderr)
-        return 2
-    index.save(args.output_dir)
-    print(f"t5r index: {len(index)} passages, mode={index.config.mode}, wrote {args.output_dir}")
-    return 0
