@@ -160,8 +160,8 @@ def _macro_names(bindings: Sequence[str]) -> list[str]:
 
 
 def apply_command_line(gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:
-    """Parses a command's gin files and `--gin.` bindings (`split_gin_overrides`), checked before any
-    work starts.
+    """Parses a command's gin files and bindings (`--gin.` flags as `split_gin_overrides` returns
+    them), checked before any work starts.
 
     Raises UserError naming it for a binding gin cannot apply (an unknown configurable or parameter,
     a missing file), a macro bound on the command line that no gin file reads and a

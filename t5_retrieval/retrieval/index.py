@@ -83,6 +83,12 @@ class ScannConfig:
         if self.reorder_dtype not in REORDER_DTYPES:
             raise ConfigError(f"ScannConfig.reorder_dtype must be one of {', '.join(REORDER_DTYPES)}, "
                               f"got {self.reorder_dtype!r}")
+        counts = ("num_leaves", "num_leaves_to_search", "dimensions_per_block", "reorder_num_neighbors",
+                  "training_sample_size", "num_neighbors")
+        below_one = [f"{name}={getattr(self, name)}" for name in counts
+                     if getattr(self, name) is not None and getattr(self, name) < 1]
+        if below_one:  # ScaNN would divide by them or refuse them only while building
+            raise ConfigError(f"ScannConfig: {', '.join(below_one)}; these must be >= 1")
         mode = self.mode
         if mode == "auto":
             mode = "tree_ah" if n >= self.min_points_for_tree else "brute_force"

@@ -354,6 +354,8 @@ def _handler(service: SearchService, auth_token: str | None) -> type[BaseHTTPReq
 
 def bind_address(host: str, port: int, auth_token: str | None) -> tuple[socket.AddressFamily, Any]:
     """Where to bind `host`; refuses, before binding, a non-loopback address without a token."""
+    if not 0 <= port <= 65535:  # getaddrinfo would wrap 70000 to 4464, or blame the host for -1
+        raise ConfigError(f"--port {port}: must be in 0..65535 (0 lets the OS pick a free port)")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
