@@ -86,7 +86,7 @@ class Inputs:
     data: str  # kb/, examples/ (train), negatives/
     emb: str  # lexical (32-dim) embeddings of the KB
     index: str  # their index
-    malformed: str  # a jsonl file whose second line is not JSON
+    malformed: str  # a jsonl file whose first line is not JSON
     not_a_dir: str  # a regular file where a directory is expected
     empty_dir: str
     tmp: str  # a fresh directory per test, for outputs
@@ -135,7 +135,7 @@ def broken_gin(x: Inputs) -> str:
 
 
 def malformed_task_dir(x: Inputs, task: str = "fever", split: str = "train") -> str:
-    """A directory holding `{task}-{split}-kilt.jsonl` whose second line is not JSON."""
+    """A directory holding `{task}-{split}-kilt.jsonl` whose first line is not JSON."""
     directory = os.path.join(x.tmp, "tasks")
     os.makedirs(directory)
     shutil.copy(x.malformed, os.path.join(directory, f"{task}-{split}-kilt.jsonl"))
