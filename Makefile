@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 demo: $(STAMP)
-	$(PY) -m t5_retrieval.demo --data=$(DATA) --out=$(OUT)
+	$(VENV)/bin/t5r demo --data=$(DATA) --out=$(OUT)
 
 # docs/RESULTS.md from scratch: `make results MINI_KILT=<mini-KILT directory>` (hours on a CPU;
 # shows progress, resumes when rerun). MINI_KILT=slice runs the rows on the shipped demo slice;

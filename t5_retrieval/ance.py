@@ -16,7 +16,6 @@ mixture), e.g. `warmup/make_optimizer.learning_rate = 1e-5`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -26,8 +25,7 @@ from typing import Any
 import gin
 import optax
 
-from t5_retrieval import gin_utils, logs
-from t5_retrieval.retrieval.evaluate import format_table
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.stages import index_and_evaluate, mine_stage, stage
 from t5_retrieval.train import train
 
@@ -53,6 +51,13 @@ def ance(work_dir: str,
       answer_checkable: datasets whose mined negatives also drop answer-holding passages (MT-DPR's
         adversarial confounders; only where an answer string means relevance, e.g. QA).
     """
+    if num_episodes < 0:
+        raise ConfigError(f"ance.num_episodes must be >= 0, got {num_episodes}")
+    if mine_depth < 1:
+        raise ConfigError(f"ance.mine_depth must be >= 1, got {mine_depth}")
+    outside = [e for e in taco_episodes if not 1 <= e <= num_episodes]
+    if outside:
+        raise ConfigError(f"ance.taco_episodes: {outside} not among the episodes 1..{num_episodes}")
     stages = ["warmup"] + [f"episode_{e}" for e in range(1, num_episodes + 1)]
     for number, name in enumerate(stages):
         stage_dir = os.path.join(work_dir, name)
@@ -78,14 +83,3 @@ def ance(work_dir: str,
 def _train(model_dir: str, **kwargs: Any) -> dict[str, Any]:
     state = train(model_dir, **kwargs)
     return {"steps": int(state.step)}
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="t5r ance", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work_dir", required=True, help="where every stage writes (resumed if it exists)")
-    args = gin_utils.parse_args(parser, argv)
-    logs.setup()
-    tables = ance(args.work_dir)
-    print(format_table(tables), end="")
-    return 0

@@ -1,8 +1,11 @@
-"""`t5r`: one entry point, one subcommand per pipeline stage.
+"""`t5r`: one entry point, one subcommand per pipeline stage, and the one place errors are shown.
 
-Each stage lives in its own module and exposes ``main(argv: list[str]) -> int``; this file only
-maps names to modules, importing a stage lazily so that `t5r --help` stays fast and a stage's
-heavy dependencies (TensorFlow, ScaNN) load only when that stage runs.
+Each command lives in `t5_retrieval/commands/` and exposes ``main(argv: list[str]) -> int``; this
+file only maps names to them, importing a command lazily so that `t5r --help` stays fast and a
+command's heavy dependencies (TensorFlow, ScaNN) load only when it runs. A `UserError` (or a
+missing, unwritable or full path) raised anywhere below becomes one line, `t5r <command>: error:
+...`, and exit status 2; anything else is a bug and keeps its traceback. Flag syntax errors are
+argparse's: the usage line, then the same one line and status 2.
 """
 
 from __future__ import annotations
@@ -20,25 +23,27 @@ _OS_ERROR = re.compile(r"\[Errno \d+\] (?P<what>[^:]+): '(?P<path>.*)'")
 
 # name -> ("module:function", one-line help). Two-word commands ("data kb") are written with a space.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("t5_retrieval.train:main", "Train a dual encoder (gin-configured)."),
-    "data kb": ("t5_retrieval.data.cli:kb_main", "Chunk a KILT knowledge source into passages."),
-    "data tasks": ("t5_retrieval.data.cli:tasks_main", "Turn KILT task files into examples."),
-    "data negatives": ("t5_retrieval.data.cli:negatives_main", "Mine BM25 hard negatives."),
-    "data demo": ("t5_retrieval.data.cli:demo_main", "Write the built-in synthetic KILT-format data."),
-    "data download-kilt": ("t5_retrieval.data.cli:download_main", "Download official KILT files."),
-    "vocab train": ("t5_retrieval.data.cli:vocab_main", "Train a sentencepiece vocabulary on a KB."),
-    "analyze": ("t5_retrieval.multitask.analysis:main", "TACO task-specialisation figures and numbers."),
+    "train": ("t5_retrieval.commands.train:main", "Train a dual encoder (gin-configured)."),
+    "data kb": ("t5_retrieval.commands.data:kb_main", "Chunk a KILT knowledge source into passages."),
+    "data tasks": ("t5_retrieval.commands.data:tasks_main", "Turn KILT task files into examples."),
+    "data negatives": ("t5_retrieval.commands.data:negatives_main", "Mine BM25 hard negatives."),
+    "data demo": ("t5_retrieval.commands.data:demo_main", "Write the built-in synthetic KILT-format data."),
+    "data download-kilt": ("t5_retrieval.commands.data:download_main", "Download official KILT files."),
+    "data slice": ("t5_retrieval.commands.data:slice_main", "Rebuild the shipped real-data demo slice from mini-KILT."),
+    "vocab train": ("t5_retrieval.commands.data:vocab_main", "Train a sentencepiece vocabulary on a KB."),
+    "analyze": ("t5_retrieval.commands.analyze:main", "TACO task-specialisation figures and numbers."),
     "encode": ("t5_retrieval.commands.encode:main", "Embed the KB with a checkpoint into shards."),
-    "index": ("t5_retrieval.retrieval.index:main", "Build a ScaNN index from embedding shards."),
+    "index": ("t5_retrieval.commands.index:main", "Build a ScaNN index from embedding shards."),
     "eval": ("t5_retrieval.commands.evaluate:main", "Retrieve and score with the KILT metrics."),
     "mine": ("t5_retrieval.commands.mine:main", "Mine hard negatives with the current model."),
-    "fuse": ("t5_retrieval.fusion.fuse:main", "DPR-MUF: fuse single-task experts by model uncertainty."),
-    "ance": ("t5_retrieval.ance:main", "Warm-up, then ANCE episodes of (mine, train, eval)."),
+    "fuse": ("t5_retrieval.commands.fuse:main", "DPR-MUF: fuse single-task experts by model uncertainty."),
+    "ance": ("t5_retrieval.commands.ance:main", "Warm-up, then ANCE episodes of (mine, train, eval)."),
     "serve": ("t5_retrieval.commands.serve:main", "HTTP search API over an index."),
-    "export": ("t5_retrieval.export.cli:main", "One TF SavedModel (tokenizer, encoder, ScaNN) for serving."),
-    "export-hf": ("t5_retrieval.export.hf:main", "A Hugging Face (transformers / sentence-transformers) directory."),
-    "query-side": ("t5_retrieval.query_side:main", "Fine-tune the query encoder over a frozen index."),
-    "results": ("t5_retrieval.results:main", "The mini-KILT results table, row by row (resumable)."),
+    "export": ("t5_retrieval.commands.export:main", "One TF SavedModel (tokenizer, encoder, ScaNN) for serving."),
+    "export-hf": ("t5_retrieval.commands.export_hf:main", "A Hugging Face (transformers / sentence-transformers) directory."),
+    "query-side": ("t5_retrieval.commands.query_side:main", "Fine-tune the query encoder over a frozen index."),
+    "results": ("t5_retrieval.commands.results:main", "The mini-KILT results table, row by row (resumable)."),
+    "demo": ("t5_retrieval.commands.demo:main", "`make demo`: BM25, MiniLM, naive and TACO rows on the shipped real-data slice."),
     "checksum": ("t5_retrieval.commands.checksum:main", "Verify an artefact's checksums in full, or record them."),
 }
 

@@ -1,8 +1,8 @@
 """`make demo`: real retrieval on a slice of mini-KILT shipped with the code, in minutes on a CPU.
 
-    python -m t5_retrieval.demo                       # the shipped real-data slice (default)
-    python -m t5_retrieval.demo --data=DIR            # any KILT-format directory of the six mini-KILT tasks
-    python -m t5_retrieval.demo --data=synthetic      # SYNTHETIC data, tiny T5 from scratch (smoke run)
+    t5r demo                       # the shipped real-data slice (default)
+    t5r demo --data=DIR            # any KILT-format directory of the six mini-KILT tasks
+    t5r demo --data=synthetic      # SYNTHETIC data, tiny T5 from scratch (smoke run)
 
 Real data: BM25, all-MiniLM-L6-v2 zero-shot, then naive multi-task and TACO fine-tuning from
 MiniLM (the `t5r results` rows of the same names, with DEMO_STEPS steps: the query side trains over
@@ -13,14 +13,11 @@ Every step is skipped when its output exists, so an interrupted demo resumes whe
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
-import sys
-import time
 
-from t5_retrieval import gin_utils, logs
+from t5_retrieval import gin_utils
 
 # The trained rows' step budget: ~2 epochs of the slice's 1,745 training queries at 32 per step,
 # which keeps the demo within 10 minutes on 2 CPU cores (`t5r results` trains 200 steps).
@@ -78,8 +75,8 @@ def prepare_synthetic(out: str) -> tuple[str, str]:
     return data_dir, vocab_prefix + ".model"
 
 
-def synthetic_demo(out: str) -> None:
-    """The whole TACO recipe at toy scale (runs/demo.gin): warm-up, one ANCE episode, eval."""
+def synthetic_demo(out: str) -> str:
+    """The whole TACO recipe at toy scale (runs/demo.gin): warm-up, one ANCE episode, eval; returns the report."""
     from t5_retrieval.ance import ance
     from t5_retrieval.retrieval.evaluate import format_table
 
@@ -90,32 +87,7 @@ def synthetic_demo(out: str) -> None:
     tables = ance(work_dir)
     with open(os.path.join(work_dir, "warmup", "eval", "results.json")) as f:
         warmup = summary(json.load(f))["mean"]
-    print("\nDev set, page-level KILT metrics after BM25 warm-up + 1 ANCE episode with TACO (SYNTHETIC demo data):")
-    print(format_table(summary(tables)), end="")
-    print(f"(after warm-up only: mean Rprec {warmup['Rprec']:.4f}, recall@20 {warmup['recall@20']:.4f})")
-    print(f"(all metrics: {out}/ance/episode_1/eval/results.txt; every stage's output under {out}/ance)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default="slice",
-                        help="'slice' (the shipped mini-KILT slice), 'synthetic', or a KILT-format directory")
-    parser.add_argument("--out", default="demo_out")
-    args = parser.parse_args(argv)
-    logs.setup()
-    start = time.time()
-    if args.data == "synthetic":
-        synthetic_demo(args.out)
-    else:
-        table = real_data_demo(args.data, args.out)
-        source = "the shipped mini-KILT slice" if args.data == "slice" else args.data
-        print(f"\nDev queries of {source}, page-level KILT R-precision and recall@20 per task (wall time per row):")
-        print(table, end="")
-        print(f"(every row's metrics: {args.out}/<row>/eval/results.txt; what the rows are: README.md, "
-              "docs/RESULTS.md)")
-    print(f"(total {time.time() - start:.0f} s)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return ("\nDev set, page-level KILT metrics after BM25 warm-up + 1 ANCE episode with TACO (SYNTHETIC demo data):\n"
+            + format_table(summary(tables))
+            + f"(after warm-up only: mean Rprec {warmup['Rprec']:.4f}, recall@20 {warmup['recall@20']:.4f})\n"
+            f"(all metrics: {out}/ance/episode_1/eval/results.txt; every stage's output under {out}/ance)\n")

@@ -26,6 +26,12 @@ class UserError(Exception):
     """A problem in what the user gave; the message names the path (and line) and what to do."""
 
 
+class ConfigError(UserError, ValueError):
+    """A value that cannot work in a flag, a gin binding or a stored model config; the message names
+    the flag or binding (`ScannConfig.mode`, `--lexical_baseline_dim`) and what it accepts. Also a
+    ValueError, for callers of the library functions that raise it."""
+
+
 def is_disk_full(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 

@@ -1,8 +1,8 @@
-"""t5x-style gin flags shared by every subcommand: --gin_file, --gin.NAME=value, --gin_search_paths."""
+"""t5x-style gin configuration shared by every subcommand: gin files, `--gin.NAME=value` bindings and
+search paths, parsed and checked (the flags themselves are `commands/gin_flags.py`'s)."""
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import logging
 import os
@@ -11,19 +11,11 @@ from typing import Any
 
 import gin
 
-from t5_retrieval.errors import UserError
+from t5_retrieval.errors import ConfigError, UserError
 
 # The project's gin files ship inside the package (a wheel carries them; `gin_configs/` at the top
 # of a source checkout links here), so `--gin_file=models/t5_base.gin` resolves from any directory.
 GIN_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gin_configs")
-
-
-def add_gin_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gin_file", action="append", default=[],
-                        help="gin file to load (repeatable; later files override earlier ones).")
-    parser.add_argument("--gin_search_paths", "--gin_search_path", action="append", default=[],
-                        help="extra directories for gin `include` and --gin_file lookups (comma-separated "
-                             "and/or repeated, as in t5x).")
 
 
 # Earlier names of t5x's launch macros, still accepted on the command line.
@@ -38,7 +30,7 @@ def split_gin_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         if arg.startswith("--gin."):
             name, sep, value = arg[len("--gin."):].partition("=")
             if not sep:
-                raise ValueError(f"--gin.{name}: expected --gin.NAME=value")
+                raise ConfigError(f"--gin.{name}: expected --gin.NAME=value")
             name = MACRO_ALIASES.get(name.strip(), name.strip())
             if name == "MODEL_DIR":
                 rest.append(f"--model_dir={_string_literal(value, name)}")
@@ -57,7 +49,7 @@ def _string_literal(value: str, name: str) -> str:
     except (ValueError, SyntaxError):
         parsed = value  # t5x quotes it ("'/dir'"); a bare path is what was meant
     if not isinstance(parsed, str):
-        raise ValueError(f"--gin.{name}: expected a path, got {value}")
+        raise ConfigError(f"--gin.{name}: expected a path, got {value}")
     return parsed
 
 
@@ -167,24 +159,21 @@ def _macro_names(bindings: Sequence[str]) -> list[str]:
     return [n for n in names if n and "." not in n and "/" not in n]
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """Parses a subcommand's argv: gin overrides, gin files, then the parser's own flags.
+def apply_command_line(gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:
+    """Parses a command's gin files and bindings (`--gin.` flags as `split_gin_overrides` returns
+    them), checked before any work starts.
 
-    A binding gin cannot apply (an unknown configurable or parameter, a missing file), a macro
-    bound on the command line that no gin file reads and a `%gin.REQUIRED` macro left unset are
-    errors naming it, before any work starts.
+    Raises UserError naming it for a binding gin cannot apply (an unknown configurable or parameter,
+    a missing file), a macro bound on the command line that no gin file reads and a
+    `%gin.REQUIRED` macro left unset.
     """
-    add_gin_flags(parser)
     try:
-        bindings, rest = split_gin_overrides(argv)
-    except ValueError as e:
-        parser.error(str(e))
-    args = parser.parse_args(rest)
-    search_paths = [p for arg in args.gin_search_paths for p in arg.split(",") if p]
-    try:
-        parse_gin(args.gin_file, bindings, search_paths)
+        parse_gin(gin_files, bindings, search_paths)
+    except SyntaxError as e:  # gin's parser: where, and the line it could not read
+        where = f"{e.filename or 'the --gin. bindings'}:{e.lineno}"
+        raise ConfigError(f"gin: {where}: {e.msg} ({(e.text or '').strip()!r})") from None
     except (ValueError, OSError) as e:
-        parser.error(f"gin: {e}")
+        raise ConfigError(f"gin: {e}") from None
     _COMMAND_LINE[:] = bindings
     defined = [k[0] for k in gin.config._CONFIG if k[1] == "gin.macro"]
     unread = unread_macros(_macro_names(bindings))
@@ -193,16 +182,14 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
         gin.bind_parameter("train.init_from", gin.query_parameter("%INITIAL_CHECKPOINT_PATH"))
         unread.remove("INITIAL_CHECKPOINT_PATH")
     if "MIXTURE_OR_TASK_MODULE" in unread:  # a command that reads Tasks by name only (eval, serve, ...)
-        try:
-            import_modules(gin.query_parameter("%MIXTURE_OR_TASK_MODULE"))
-        except UserError as e:
-            parser.error(str(e))
+        import_modules(gin.query_parameter("%MIXTURE_OR_TASK_MODULE"))
         unread.remove("MIXTURE_OR_TASK_MODULE")
-    for name in unread:
+    if unread:
+        name = unread[0]
         near = difflib.get_close_matches(name, [d for d in defined if d != name], n=3)
-        parser.error(f"--gin.{name}: no gin file reads %{name}, so the value would be ignored"
-                     + (f" (did you mean {', '.join(near)}?)" if near else ""))
-    for name in [*undefined_macros(), *required_macros()]:  # before any work, not when a configurable needs it
-        parser.error(f"gin: {name} is required by {' '.join(args.gin_file) or 'the gin bindings'}; set it, "
-                     f"e.g. --gin.{name}=...")
-    return args
+        raise ConfigError(f"--gin.{name}: no gin file reads %{name}, so the value would be ignored"
+                          + (f" (did you mean {', '.join(near)}?)" if near else ""))
+    unset = [*undefined_macros(), *required_macros()]  # before any work, not when a configurable needs it
+    if unset:
+        raise ConfigError(f"gin: {unset[0]} is required by {' '.join(gin_files) or 'the gin bindings'}; set it, "
+                          f"e.g. --gin.{unset[0]}=...")

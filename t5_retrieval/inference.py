@@ -24,6 +24,7 @@ from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.records import Passage, write_json_atomic
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage, format_query
 from t5_retrieval.data.tokenize import load_vocabulary, tokenize, vocabulary_digest
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.build import build_model
 from t5_retrieval.models.dual_encoder import DualEncoder
@@ -92,8 +93,8 @@ class DualEncoderInference:
         if not self.model.config.query_towers:
             return list(tasks)  # the order only matters for choosing a tower
         if any("index" not in spec for spec in tasks.values()):
-            raise ValueError("this model's config records no task order (features.tasks.*.index); "
-                             "it was written before towers were tracked: retrain or add the indices")
+            raise ConfigError("this model's config records no task order (features.tasks.*.index); "
+                              "it was written before towers were tracked: retrain or add the indices")
         return sorted(tasks, key=lambda t: tasks[t]["index"])
 
     @property
@@ -101,7 +102,7 @@ class DualEncoderInference:
         if self._vocab is None:
             path = self.features.get("vocabulary")
             if not path:
-                raise ValueError("this model records no vocabulary path (trained on synthetic token batches?)")
+                raise ConfigError("this model records no vocabulary path (trained on synthetic token batches?)")
             self._vocab = load_vocabulary(path)  # sentencepiece (T5) or WordPiece (BERT), by the path
         return self._vocab
 
@@ -188,7 +189,7 @@ def load_encoder(model_dir: str, step: int | None = None, batch_size: int | None
     if not is_query_side_dir(model_dir):
         return load_dual_encoder(model_dir, step, batch_size)
     if step is not None:
-        raise ValueError(f"step={step}: {model_dir} is a query-side model; it is used at its latest step")
+        raise ConfigError(f"step={step}: {model_dir} is a query-side model; it is used at its latest step")
     record = read_base_record(model_dir)
     base = load_encoder(record["base_checkpoint"], batch_size=batch_size)
     if base.fingerprint != record["base_fingerprint"]:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.sharding import param_path
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def check_frozen_patterns(patterns: Sequence[str], params: Any) -> list[str]:
         return []
     for pattern in patterns:
         if not any(re.fullmatch(pattern, path) for path in paths):
-            raise ValueError(f"make_optimizer.frozen: {pattern!r} matches no parameter (e.g. {paths[0]!r})")
+            raise ConfigError(f"make_optimizer.frozen: {pattern!r} matches no parameter (e.g. {paths[0]!r})")
     return [path for path in paths if any(re.fullmatch(p, path) for p in patterns)]
 
 

@@ -26,12 +26,10 @@ union of several question sets; each keeps its own answer matching and gets its 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,11 +42,13 @@ from tqdm import tqdm
 
 from t5_retrieval import checkpoint
 from t5_retrieval.data.answers import AnswerTexts, recall_at_ks
-from t5_retrieval.data.qa_open import QATask
-from t5_retrieval.data.records import write_json_atomic
+from t5_retrieval.data.kb import PassageStore
+from t5_retrieval.data.qa_open import QATask, read_qa_task
+from t5_retrieval.data.records import DataError, write_json_atomic
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenize import tokenize
 from t5_retrieval.data import embedding_store
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.inference import bucketed_width, load_dual_encoder, token_lengths, write_base_record
 from t5_retrieval.retrieval.index import Index, IndexMismatchError, load_index
 
@@ -104,7 +104,7 @@ def retrieve_candidates(encoder: Any, index: Index, answer_texts: AnswerTexts, t
     keep, all_rows, labels = [], [], []
     for i, (example, row) in enumerate(zip(task.examples, rows)):
         if len(row) < top_k:
-            raise ValueError(f"index has {len(index)} passages, fewer than top_k={top_k}")
+            raise ConfigError(f"QuerySideConfig.top_k={top_k}: the index has only {len(index)} passages")
         matcher = task.matcher(example)
         hit = np.array([answer_texts.holds_answer(matcher, index.passage_ids[r]) for r in row])
         if hit.any():
@@ -143,8 +143,8 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_text
     loss, and the mean loss of each pass over the questions, which says whether training helps).
     """
     if encoder.model.config.query_towers:
-        raise ValueError("query-side fine-tuning of a model with per-task query towers is not supported: "
-                         "the new task would need a tower of its own")
+        raise ConfigError("query-side fine-tuning of a model with per-task query towers is not supported: "
+                          "the new task would need a tower of its own")
     if passage_matrix.shape != (len(index), index.dim):
         raise IndexMismatchError(f"passage embeddings have shape {passage_matrix.shape}, the index "
                                  f"[{len(index)}, {index.dim}]")
@@ -160,8 +160,8 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_text
                                  for task in tasks])
         batches, lengths = len(data.rows) // config.batch_size, token_lengths(data.tokens)
         if batches == 0:
-            raise ValueError(f"{','.join(t.name for t in tasks)}: only {len(data.rows)} questions have an answer "
-                             f"in their top-{config.top_k} (batch_size {config.batch_size}); nothing to train on")
+            raise DataError(f"{','.join(t.name for t in tasks)}: only {len(data.rows)} questions have an answer "
+                            f"in their top-{config.top_k} (batch_size {config.batch_size}); nothing to train on")
         losses: list[list[float]] = []
         bar = tqdm(total=batches * config.epochs_per_round, desc=f"query-side round {round_index + 1}",
                    disable=not progress, mininterval=5.0)
@@ -216,49 +216,32 @@ def ranking_answer_recall(answer_texts: AnswerTexts, task: QATask, rankings: Seq
                                         for key in per_question[0]}}
 
 
-def main(argv: list[str]) -> int:
-    """`t5r query-side`: fine-tune the query encoder on an answer-only QA task over a frozen index."""
-    from t5_retrieval import gin_utils, logs
-    from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.qa_open import read_qa_task
-    from t5_retrieval.data.records import DataError
+def fine_tune_query_side(checkpoint_dir: str, index_dir: str, embeddings_dir: str, kb_dir: str, qa_dir: str,
+                         tasks: Sequence[str], as_task: str, output_dir: str) -> dict[str, Any]:
+    """Adapts `checkpoint_dir`'s query encoder to the answer-only QA `tasks` of `qa_dir` (their questions
+    take `as_task`'s query prefix) over its frozen index, and writes the result as a model directory
+    `output_dir` with `REPORT_FILE` (dev answer recall before and after, per task, and the rounds).
 
-    parser = argparse.ArgumentParser(prog="t5r query-side", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint_dir", required=True, help="the base model (t5r train)")
-    parser.add_argument("--index_dir", required=True, help="the base model's index (t5r index)")
-    parser.add_argument("--embeddings_dir", required=True, help="the embeddings the index was built from")
-    parser.add_argument("--kb_dir", required=True, help="the passage store the embeddings cover")
-    parser.add_argument("--qa_dir", required=True, help="directory of {task}-{split}-kilt.jsonl answer-only files")
-    parser.add_argument("--task", required=True,
-                        help="the QA task(s) to adapt to, comma-separated, e.g. nq_open or nq_open,webq")
-    parser.add_argument("--as_task", required=True,
-                        help="a task of the base model (registered name or dataset) whose query prefix "
-                             "the new questions take")
-    parser.add_argument("--output_dir", required=True)
-    args = gin_utils.parse_args(parser, argv)
-    logs.setup()
-    try:
-        store = PassageStore.open(args.kb_dir)
-        names = [t for t in args.task.split(",") if t]
-        train_tasks = [read_qa_task(args.qa_dir, t, "train") for t in names]
-        dev_tasks = [read_qa_task(args.qa_dir, t, "dev") for t in names]
-        index = load_index(args.index_dir)
-        encoder = load_dual_encoder(args.checkpoint_dir)
-        index.check(encoder, store.ids())
-        if embedding_store.read_ids(args.embeddings_dir) != index.passage_ids:
-            raise IndexMismatchError(f"{args.embeddings_dir}: passage ids differ from the index at {args.index_dir}")
-        args.as_task = encoder.task_name(args.as_task)  # by registered name or dataset; recorded by name
-    except (DataError, IndexMismatchError, KeyError, checkpoint.CheckpointError) as e:
-        print(f"t5r query-side: error: {e}", file=sys.stderr)
-        return 2
+    Everything is opened and checked against everything else before training (DataError,
+    IndexMismatchError, CheckpointError, UnknownTaskError). Returns the report.
+    """
+    if not tasks:
+        raise ConfigError("no QA task to adapt to: name one or more, e.g. nq_open or nq_open,webq")
+    store = PassageStore.open(kb_dir)
+    train_tasks = [read_qa_task(qa_dir, t, "train") for t in tasks]
+    dev_tasks = [read_qa_task(qa_dir, t, "dev") for t in tasks]
+    index = load_index(index_dir)
+    encoder = load_dual_encoder(checkpoint_dir)
+    index.check(encoder, store.ids())
+    if embedding_store.read_ids(embeddings_dir) != index.passage_ids:
+        raise IndexMismatchError(f"{embeddings_dir}: passage ids differ from the index at {index_dir}")
+    as_task = encoder.task_name(as_task)  # by registered name or dataset; recorded by name
     texts = AnswerTexts(store)
-    before = {t.name: answer_recall(encoder, index, texts, t, args.as_task) for t in dev_tasks}
-    params, history = finetune(encoder, index, embedding_store.load_matrix(args.embeddings_dir), texts, train_tasks,
-                               args.as_task, QuerySideConfig())
-    after = {t.name: answer_recall(encoder, index, texts, t, args.as_task) for t in dev_tasks}
-    save(args.output_dir, encoder, params, args.checkpoint_dir, args.as_task, names, history)
-    report = {"tasks": names, "dev_before": before, "dev_after": after, "history": history}
-    write_json_atomic(os.path.join(args.output_dir, REPORT_FILE), report)
-    print(json.dumps(report, indent=1))
-    return 0
+    before = {t.name: answer_recall(encoder, index, texts, t, as_task) for t in dev_tasks}
+    params, history = finetune(encoder, index, embedding_store.load_matrix(embeddings_dir), texts, train_tasks,
+                               as_task, QuerySideConfig())
+    after = {t.name: answer_recall(encoder, index, texts, t, as_task) for t in dev_tasks}
+    save(output_dir, encoder, params, checkpoint_dir, as_task, list(tasks), history)
+    report = {"tasks": list(tasks), "dev_before": before, "dev_after": after, "history": history}
+    write_json_atomic(os.path.join(output_dir, REPORT_FILE), report)
+    return report

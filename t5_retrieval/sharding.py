@@ -18,6 +18,8 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from t5_retrieval.errors import ConfigError
+
 Rules = tuple[tuple[str, str | None], ...]
 
 # Logical names used by the models: batch, length, embed, heads, kv, mlp, vocab, relpos_buckets,
@@ -41,7 +43,7 @@ LAYOUTS: dict[str, Rules] = {
 def logical_axis_rules(layout: str = "data_parallel") -> Rules:
     """The rules of a named layout (gin: `logical_axis_rules.layout = 'fsdp'`)."""
     if layout not in LAYOUTS:
-        raise ValueError(f"unknown sharding layout {layout!r}; known: {sorted(LAYOUTS)}")
+        raise ConfigError(f"logical_axis_rules.layout: unknown sharding layout {layout!r}; known: {sorted(LAYOUTS)}")
     return LAYOUTS[layout]
 
 
@@ -54,7 +56,7 @@ def make_mesh(model_parallelism: int = 1, devices: Sequence[jax.Device] | None =
     """
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) % model_parallelism:
-        raise ValueError(f"model_parallelism={model_parallelism} does not divide {len(devices)} devices")
+        raise ConfigError(f"make_mesh.model_parallelism={model_parallelism} does not divide {len(devices)} devices")
     grid = np.asarray(devices).reshape(len(devices) // model_parallelism, model_parallelism)
     return Mesh(grid, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
 

@@ -8,7 +8,6 @@ mesh -> data -> model + sharded init -> optimiser -> restore -> jitted step -> l
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -27,8 +26,8 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import t5_retrieval.tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
-from t5_retrieval import checkpoint, gin_utils, logs, sharding
-from t5_retrieval.errors import UserError, check_writable_dir
+from t5_retrieval import checkpoint, gin_utils, sharding
+from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
 from t5_retrieval.data.records import write_text_atomic
 from t5_retrieval.inference import load_encoder, write_base_record
@@ -163,6 +162,10 @@ def train(model_dir: str,
     The operative gin config (every binding the run used) is written to `<model_dir>/config.gin`;
     `t5r train --gin_file=<model_dir>/config.gin --model_dir=<model_dir>` runs it again.
     """
+    if max_nonfinite_in_a_row < 1:
+        raise ConfigError(f"train.max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
+    if (num_steps is None) == (num_epochs is None):
+        raise ConfigError(f"train: set exactly one of num_steps ({num_steps}) and num_epochs ({num_epochs})")
     use_compilation_cache(compilation_cache_dir)
     mesh = sharding.make_mesh()
     rules = sharding.logical_axis_rules()
@@ -170,16 +173,12 @@ def train(model_dir: str,
                    host_index=jax.process_index(), host_count=jax.process_count(), seed=seed,
                    **(data_overrides or {}))
     task_names = list(data.task_names)
-    if max_nonfinite_in_a_row < 1:
-        raise ValueError(f"train.max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
-    if (num_steps is None) == (num_epochs is None):
-        raise ValueError(f"train: set exactly one of num_steps ({num_steps}) and num_epochs ({num_epochs})")
     num_steps = num_steps or max(1, int(round(num_epochs * data.steps_per_epoch)))
     config = {**model_config(), "features": data.features}
     towers = config["dual_encoder"]["query_towers"]
     if towers and towers != len(task_names):
-        raise ValueError(f"DualEncoderConfig.query_towers={towers} but the mixture has {len(task_names)} tasks "
-                         f"({', '.join(task_names)}); set one query tower per task")
+        raise ConfigError(f"DualEncoderConfig.query_towers={towers} but the mixture has {len(task_names)} tasks "
+                          f"({', '.join(task_names)}); set one query tower per task")
     checkpoint.write_config(model_dir, config, upgrade=lambda stored: upgraded_config(stored, config))
     if "passage_embeddings" in data.features:
         record_passage_base(model_dir, init_from, data.features["passage_embeddings"], config)
@@ -241,14 +240,14 @@ def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, 
     checks that `init_from` is it, and marks `model_dir` as a query-side model over that base (so
     encode/index/eval/serve embed passages with the base and accept the base's indexes)."""
     if config["dual_encoder"].get("query_generation"):
-        raise ValueError("make_train_iterator.passage_embeddings: GDMTL's query generation needs passage tokens")
+        raise ConfigError("make_train_iterator.passage_embeddings: GDMTL's query generation needs passage tokens")
     if not init_from or not os.path.exists(os.path.join(init_from, checkpoint.CONFIG_FILE)):
-        raise ValueError(f"make_train_iterator.passage_embeddings={table['directory']!r} needs train.init_from to be "
-                         f"the t5r model directory that wrote them (got {init_from!r})")
+        raise ConfigError(f"make_train_iterator.passage_embeddings={table['directory']!r} needs train.init_from to be "
+                          f"the t5r model directory that wrote them (got {init_from!r})")
     base = load_encoder(init_from)
     if base.fingerprint != table["fingerprint"]:
-        raise ValueError(f"{table['directory']}: written by the model with fingerprint {table['fingerprint']!r}, but "
-                         f"train.init_from={init_from!r} has fingerprint {base.fingerprint!r}")
+        raise ConfigError(f"{table['directory']}: written by the model with fingerprint {table['fingerprint']!r}, but "
+                          f"train.init_from={init_from!r} has fingerprint {base.fingerprint!r}")
     if jax.process_index() == 0:
         write_base_record(model_dir, init_from, base.fingerprint, trained_by="t5r train",
                                      passage_embeddings=table["directory"])
@@ -390,14 +389,3 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
             progress.close()
         metrics_log.close(failing=sys.exc_info()[0] is not None)
     return state
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="t5r train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_dir", required=True, help="where checkpoints, config and metrics go")
-    args = gin_utils.parse_args(parser, argv)
-    logs.setup()
-    check_writable_dir(args.model_dir, "--model_dir")
-    train(args.model_dir, command_line=True)
-    return 0

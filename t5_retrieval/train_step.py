@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from t5_retrieval.data.batches import Batch
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.losses import in_batch_softmax_loss, positive_rows, token_cross_entropy
 
 Params = Any
@@ -260,8 +261,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
     on the exact state where the limit was hit.
     """
     if model.config.query_generation and not per_task:
-        raise ValueError("a model with query_generation (GDMTL) needs a multi-task transform over its two "
-                         "objectives, e.g. train.multitask = @multitask.uncertainty_weighting")
+        raise ConfigError("a model with query_generation (GDMTL) needs a multi-task transform over its two "
+                          "objectives, e.g. train.multitask = @multitask.uncertainty_weighting")
     loss_fn = task_loss_fn(model, logit_scale, stop_passage_gradient)
     task_names = tuple(task_names)
 

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from t5_retrieval import cli, gin_utils
+from t5_retrieval.commands import gin_flags
 
 
 def test_every_command_resolves_to_an_importable_main():
@@ -65,7 +66,7 @@ def test_a_macro_no_gin_file_reads_is_an_error_naming_it(clean_gin, capsys):
     import t5_retrieval.train  # noqa: F401  (the configurables runs/base.gin binds)
 
     def parse(*argv):
-        return gin_utils.parse_args(argparse.ArgumentParser(prog="t5r train"),
+        return gin_flags.parse_args(argparse.ArgumentParser(prog="t5r train"),
                                     ["--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin", *argv])
 
     given = ["--gin.DATA_DIR='d'", "--gin.VOCABULARY='v'", "--gin.MIXTURE_OR_TASK_NAME='demo'"]  # what runs/base.gin reads
@@ -86,7 +87,7 @@ def test_t5x_launch_names_and_the_earlier_aliases_reach_the_run(clean_gin):
 
     parser = argparse.ArgumentParser(prog="t5r train")
     parser.add_argument("--model_dir", required=True)
-    args = gin_utils.parse_args(parser, [
+    args = gin_flags.parse_args(parser, [
         "--gin_file=models/minilm_l6.gin", "--gin_file=runs/naive_multitask.gin", "--gin.MODEL_DIR='/runs/a b'",
         "--gin.DATA_DIR='d'", "--gin.VOCABULARY='v'", "--gin.MIXTURE='kilt_nq'", "--gin.NUM_STEPS=7",
         "--gin.INITIAL_CHECKPOINT_PATH='/ckpt/t5'"])
@@ -104,7 +105,7 @@ def test_a_macro_the_gin_files_need_is_an_error_naming_it_before_any_work(clean_
 
     flags = ["--gin.TRAIN_STEPS=5", "--gin.DATA_DIR='d'", "--gin.VOCABULARY='v'", "--gin.MIXTURE_OR_TASK_NAME='demo'"]
     with pytest.raises(SystemExit) as exit_info:
-        gin_utils.parse_args(argparse.ArgumentParser(prog="t5r train"), [
+        gin_flags.parse_args(argparse.ArgumentParser(prog="t5r train"), [
             "--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin", *[f for f in flags if f != left_out]])
     assert exit_info.value.code == 2
     name = left_out[len("--gin."):].split("=")[0]
@@ -115,7 +116,7 @@ def test_a_binding_gin_cannot_apply_is_a_usage_error(clean_gin, capsys):
     import argparse
 
     with pytest.raises(SystemExit) as exit_info:
-        gin_utils.parse_args(argparse.ArgumentParser(prog="t5r eval"), ["--gin.no_such_configurable.x=1"])
+        gin_flags.parse_args(argparse.ArgumentParser(prog="t5r eval"), ["--gin.no_such_configurable.x=1"])
     assert exit_info.value.code == 2
     assert "no_such_configurable" in capsys.readouterr().err
 

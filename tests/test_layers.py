@@ -27,10 +27,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("train_step",),
     ("train", "query_side", "fusion", "export", "probe", "searcher"),
     ("stages",),
-    ("ance", "commands"),
-    ("cli",),
+    ("ance",),
     ("results",),
     ("demo",),
+    ("commands", "cli"),
 ]
 LAYER_OF = {component: i for i, layer in enumerate(LAYERS) for component in layer}
 

@@ -17,6 +17,7 @@ from t5_retrieval.data.qa_open import QATask, read_qa_task
 from t5_retrieval.data.records import DataError, Example, read_examples
 from t5_retrieval.inference import QuerySideEncoder, load_encoder, token_lengths
 from t5_retrieval.data import embedding_store
+from t5_retrieval.commands import query_side as query_side_command
 from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
 from t5_retrieval.retrieval.encoder import model_task_name
 from t5_retrieval.retrieval.index import load_index
@@ -156,7 +157,7 @@ def test_cli_adapts_to_several_qa_tasks_with_their_own_matching_and_reports_each
             "--embeddings_dir", os.path.join(root, "emb_0"), "--kb_dir", layout.kb_dir(run.data_dir),
             "--qa_dir", str(qa_dir), "--task", "plain,regexy", "--as_task", "demo_trex", "--output_dir", out,
             "--gin.QuerySideConfig.top_k=20", "--gin.QuerySideConfig.batch_size=2"]
-    assert query_side.main(argv) == 0
+    assert query_side_command.main(argv) == 0
     with open(os.path.join(out, query_side.REPORT_FILE)) as f:
         report = json.load(f)
     assert report["tasks"] == ["plain", "regexy"]

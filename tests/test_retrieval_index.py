@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from t5_retrieval.data.records import Passage
+from t5_retrieval.commands import index as index_command
 from t5_retrieval.data import embedding_store
 from t5_retrieval.retrieval import index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
@@ -116,7 +117,7 @@ def test_cli_builds_an_index_with_gin_overrides(tmp_path):
     emb_dir, _ = write(tmp_path, clustered(30, 8))
     out = tmp_path / "cli_idx"
     try:
-        code = index.main(["--embeddings_dir", emb_dir, "--output_dir", str(out),
+        code = index_command.main(["--embeddings_dir", emb_dir, "--output_dir", str(out),
                            "--gin.ScannConfig.reorder_num_neighbors=50"])
     finally:
         gin.clear_config()
@@ -137,7 +138,7 @@ def test_reordering_copy_dtype_trades_index_size_for_recall(tmp_path):
     for dtype in ("float32", "int8", "none"):
         out = tmp_path / f"idx_{dtype}"
         try:  # The flags docs/retrieval.md gives for the 16 GB layout at full KILT.
-            assert index.main(["--embeddings_dir", emb_dir, "--output_dir", str(out),
+            assert index_command.main(["--embeddings_dir", emb_dir, "--output_dir", str(out),
                                "--gin.ScannConfig.mode='tree_ah'", f"--gin.ScannConfig.reorder_dtype='{dtype}'",
                                "--gin.ScannConfig.dimensions_per_block=1"]) == 0
         finally:

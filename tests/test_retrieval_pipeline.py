@@ -12,7 +12,8 @@ from t5_retrieval.data import answers, layout
 from t5_retrieval.data.kb import PassageStore, write_passage_store
 from t5_retrieval.data.records import Example, Passage, read_jsonl, read_negatives
 from t5_retrieval.data import embedding_store
-from t5_retrieval.commands import encode as encode_command, evaluate as eval_command, mine as mine_command
+from t5_retrieval.commands import encode as encode_command, evaluate as eval_command, index as index_command
+from t5_retrieval.commands import mine as mine_command
 from t5_retrieval.retrieval import evaluate, index, metrics, mine, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 from t5_retrieval.data.passages import PassageTable
@@ -132,7 +133,7 @@ def test_cli_pipeline_on_real_mini_kilt(tmp_path, capsys):
     assert encode_command.main([*model, "--kb_dir", kb_dir, "--output_dir", emb, "--no_progress",
                         "--gin.encode_settings.shard_size=4000"]) == 0
     assert embedding_store.read_manifest(emb).num_shards == 4
-    assert index.main(["--embeddings_dir", emb, "--output_dir", idx_dir]) == 0
+    assert index_command.main(["--embeddings_dir", emb, "--output_dir", idx_dir]) == 0
     assert eval_command.main([*model, "--index_dir", idx_dir, "--data_dir", data_dir, "--output_dir", out]) == 0
     table = json.loads(open(os.path.join(out, "results.json")).read())["fever"]
     # A hashed bag of words is a weak lexical model (0.42 on all of fever dev; BM25 reaches 0.685).

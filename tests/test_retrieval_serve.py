@@ -15,6 +15,7 @@ import pytest
 
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data import embedding_store
+from t5_retrieval import cli
 from t5_retrieval.commands import serve as serve_command
 from t5_retrieval.retrieval import index, scann_index, serve
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
@@ -169,7 +170,7 @@ def test_service_refuses_an_index_built_by_another_model(tmp_path):
 
 def test_cli_refuses_to_serve_an_index_of_another_model(cli_dirs, capsys):
     kb_dir, idx_dir = cli_dirs
-    code = serve_command.main(["--lexical_baseline_dim", "32", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq"])
+    code = cli.main(["serve", "--lexical_baseline_dim", "32", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq"])
     assert code == 2 and "hashed-bow-v2-dim64" in capsys.readouterr().err
 
 
@@ -317,11 +318,11 @@ def test_cli_refuses_an_open_host_without_a_token_and_an_empty_token_file(cli_di
     monkeypatch.delenv(serve.TOKEN_ENV, raising=False)
     kb_dir, idx_dir = cli_dirs
     base = ["--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq", "--port", "0"]
-    assert serve_command.main([*base, "--host", "0.0.0.0"]) == 2
+    assert cli.main(["serve", *base, "--host", "0.0.0.0"]) == 2
     assert "reachable beyond this machine" in capsys.readouterr().err
     empty = tmp_path / "token"
     empty.write_text("\n")
-    assert serve_command.main([*base, "--auth_token_file", str(empty)]) == 2
+    assert cli.main(["serve", *base, "--auth_token_file", str(empty)]) == 2
     assert "is empty" in capsys.readouterr().err
 
 
@@ -351,8 +352,8 @@ def test_cli_names_unknown_and_known_tasks_and_does_not_serve(cli_dirs, capsys, 
     monkeypatch.setattr(serve_command, "encoder_from_flags", lambda args: NamedTaskEncoder(dim=64))
     kb_dir, idx_dir = cli_dirs
     codes = []  # main runs in a thread: were the tasks not checked, it would serve and never return
-    thread = threading.Thread(target=lambda: codes.append(serve_command.main([
-        "--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq,wow", "--port", "0"])),
+    thread = threading.Thread(target=lambda: codes.append(cli.main([
+        "serve", "--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq,wow", "--port", "0"])),
         daemon=True)
     thread.start()
     thread.join(timeout=60)

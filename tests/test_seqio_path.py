@@ -16,6 +16,7 @@ import gin
 import pytest
 
 from t5_retrieval import cli, gin_utils
+from t5_retrieval.commands import gin_flags
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import read_examples, read_negatives
 
@@ -268,11 +269,11 @@ def test_a_seqio_mixture_names_the_model_tasks_it_holds_in_every_command(user_se
     write_user_module(user_setup, "REWRITTEN")
     sys.modules.pop(MODULE_NAME, None)
     # t5x's flag on a command that reads no gin file of Tasks (eval, mine, serve): the module is imported.
-    gin_utils.parse_args(argparse.ArgumentParser(), [f"--gin.MIXTURE_OR_TASK_MODULE='{MODULE_NAME}'"])
+    gin_flags.parse_args(argparse.ArgumentParser(), [f"--gin.MIXTURE_OR_TASK_MODULE='{MODULE_NAME}'"])
     gin.clear_config()
     assert MODULE_NAME in sys.modules
     with pytest.raises(SystemExit):
-        gin_utils.parse_args(argparse.ArgumentParser(prog="t5r eval"), ["--gin.MIXTURE_OR_TASK_MODULE='no_such_tasks'"])
+        gin_flags.parse_args(argparse.ArgumentParser(prog="t5r eval"), ["--gin.MIXTURE_OR_TASK_MODULE='no_such_tasks'"])
     gin.clear_config()
     assert "MIXTURE_OR_TASK_MODULE 'no_such_tasks': cannot import it" in capsys.readouterr().err
 

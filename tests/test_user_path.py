@@ -2,7 +2,7 @@
 trained by `t5r train`, with every stage's outputs checked; then docs/retrieval.md's `Searcher`
 example on what they wrote.
 
-The `t5r` commands run in-process through `cli.main` (as `t5r results` runs its stages), except
+The `t5r` commands run in-process through `cli.main` (as `launch/run.py` runs them), except
 `t5r serve` and `curl`, which run as the processes a user starts: the server on a free loopback port
 instead of README's 8080.
 """

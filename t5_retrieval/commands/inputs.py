@@ -33,12 +33,7 @@ def encoder_from_flags(args: argparse.Namespace) -> Encoder:
         raise UserError("give exactly one of --checkpoint_dir and --lexical_baseline_dim")
     if args.lexical_baseline_dim is not None:
         return HashedBagOfWordsEncoder(args.lexical_baseline_dim)
-    try:
-        return load_encoder(args.checkpoint_dir, step=args.step)
-    except ValueError as e:  # e.g. --step given for a query-side model
-        if isinstance(e, UserError):
-            raise
-        raise UserError(f"{args.checkpoint_dir}: {e}") from None
+    return load_encoder(args.checkpoint_dir, step=args.step)  # ConfigError for --step of a query-side model
 
 
 @dataclasses.dataclass

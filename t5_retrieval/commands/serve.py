@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 
-from t5_retrieval import gin_utils, logs
+from t5_retrieval import logs
+from t5_retrieval.commands.gin_flags import parse_args
 from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags, register_named_mixtures
 from t5_retrieval.errors import UserError
 from t5_retrieval.retrieval.encoder import recorded_tasks
-from t5_retrieval.retrieval.index import IndexMismatchError, load_index
+from t5_retrieval.retrieval.index import load_index
 from t5_retrieval.retrieval.serve import (TOKEN_ENV, SearchService, ServeLimits, ServerOptions, bind_address,
                                           make_server)
 
@@ -25,16 +25,16 @@ def _auth_token(path: str | None) -> str | None:
     environment, not a flag value: command lines are visible to every user of the machine)."""
     from_env = os.environ.get(TOKEN_ENV)
     if path is not None and from_env is not None:
-        raise ValueError(f"give the token either with --auth_token_file or with {TOKEN_ENV}, not both")
+        raise UserError(f"give the token either with --auth_token_file or with {TOKEN_ENV}, not both")
     if path is None:
         return from_env
     try:
         with open(path, encoding="utf-8") as f:
             token = f.read().strip()
     except OSError as e:
-        raise ValueError(f"--auth_token_file: {e}") from None
+        raise UserError(f"--auth_token_file: {e}") from None
     if not token:
-        raise ValueError(f"--auth_token_file {path} is empty")
+        raise UserError(f"--auth_token_file {path} is empty")
     return token
 
 
@@ -53,9 +53,7 @@ def _check_listenable(host: str, port: int, auth_token: str | None) -> None:
 
 def main(argv: list[str]) -> int:
     """`t5r serve`: HTTP search over an index with a query encoder."""
-    from t5_retrieval.checkpoint import CheckpointError
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.records import DataError
 
     parser = argparse.ArgumentParser(prog="t5r serve", description=__doc__.splitlines()[0])
     add_encoder_flags(parser)
@@ -76,25 +74,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--auth_token_file", default=None,
                         help=f"file holding a bearer token every request must send (or set {TOKEN_ENV}); "
                              f"required unless --host is a loopback address")
-    args = gin_utils.parse_args(parser, argv)
+    args = parse_args(parser, argv)
     logs.setup()
+    options = ServerOptions(args.workers, args.max_queued, args.read_timeout_s, args.max_connections,
+                            _auth_token(args.auth_token_file))
+    _check_listenable(args.host, args.port, options.auth_token)  # before minutes of loading, not after
+    store = PassageStore.open(args.kb_dir)
+    index = load_index(args.index_dir)
+    encoder = encoder_from_flags(args)
+    index.check(encoder, store.ids())
+    tasks = [t for t in args.tasks.split(",") if t] or list(encoder.task_names)
+    register_named_mixtures(recorded_tasks(encoder), tasks)  # SearchService resolves every form
+    if not tasks:
+        raise UserError("--tasks is required: this encoder does not list its task names")
+    service = SearchService(encoder, index, store, tasks, ServeLimits())
     try:
-        options = ServerOptions(args.workers, args.max_queued, args.read_timeout_s, args.max_connections,
-                                _auth_token(args.auth_token_file))
-        _check_listenable(args.host, args.port, options.auth_token)  # before minutes of loading, not after
-        store = PassageStore.open(args.kb_dir)
-        index = load_index(args.index_dir)
-        encoder = encoder_from_flags(args)
-        index.check(encoder, store.ids())
-        tasks = [t for t in args.tasks.split(",") if t] or list(encoder.task_names)
-        register_named_mixtures(recorded_tasks(encoder), tasks)  # SearchService resolves every form
-        if not tasks:
-            raise ValueError("--tasks is required: this encoder does not list its task names")
-        service = SearchService(encoder, index, store, tasks, ServeLimits())
         server = make_server(service, args.host, args.port, options)
-    except (DataError, IndexMismatchError, CheckpointError, ValueError, OSError) as e:
-        print(f"t5r serve: error: {e}", file=sys.stderr)
-        return 2
+    except OSError as e:  # e.g. an address of another machine
+        raise UserError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from None
     host, port = server.server_address[:2]
     print(f"t5r serve: http://{host}:{port}/search ({len(index)} passages, tasks {list(service.tasks)}"
           f"{', bearer token required' if options.auth_token else ''})", flush=True)

@@ -34,6 +34,7 @@ from t5_retrieval.data.retrieval_tasks import TaskInfo
 from t5_retrieval.data.text import PASSAGE_TEMPLATE
 from t5_retrieval.data.tokenize import (TokenConventions, Vocabulary, conventions_of, encode_text, load_vocabulary,
                                         vocabulary_digest)
+from t5_retrieval.errors import ConfigError
 
 # {task: {feature: rows}}: numpy arrays on the host, jax.Arrays (global, sharded) inside the step.
 Batch = dict[str, dict[str, ArrayLike]]
@@ -97,8 +98,8 @@ class TrainIterator:
         mine = self.state()
         for key in ("seed", "tasks", "sizes", "host_count"):
             if list(np.atleast_1d(state.get(key))) != list(np.atleast_1d(mine[key])):
-                raise ValueError(f"iterator state has {key}={state.get(key)!r}, this iterator has {mine[key]!r}; "
-                                 "restore with the same tasks, batch sizes, seed and host layout")
+                raise ConfigError(f"iterator state has {key}={state.get(key)!r}, this iterator has {mine[key]!r}; "
+                                  "restore with the same tasks, batch sizes, seed and host layout")
         self.step = int(state["step"])
 
     @property

@@ -15,6 +15,8 @@ import random
 import shutil
 from typing import Any
 
+from t5_retrieval.errors import ConfigError
+
 SYLLABLES = ["ka", "lo", "mi", "ren", "tu", "vas", "zor", "bel", "qui", "dan", "fey", "gor", "hal", "jin",
              "kor", "lum", "nor", "pel", "ros", "sil", "tam", "ul", "ver", "wyn", "xen", "yar", "zel", "bri"]
 CATEGORIES = ["city", "river", "painter", "band", "mountain", "novel", "company", "scientist", "festival",
@@ -131,6 +133,9 @@ def make_example(task: str, page: dict[str, Any], pages: list[dict[str, Any]], r
 def write_demo(out_dir: str, *, num_pages: int = 300, train_per_task: int = 160, dev_per_task: int = 40,
                seed: int = 0, overwrite: bool = False) -> dict[str, Any]:
     """Writes the demo benchmark to out_dir (atomically: temp dir, then rename); returns counts."""
+    if num_pages < 1 or train_per_task < 0 or dev_per_task < 0:
+        raise ConfigError(f"num_pages must be >= 1 ({num_pages}), train_per_task ({train_per_task}) and "
+                          f"dev_per_task ({dev_per_task}) >= 0")
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass --overwrite to replace it)")

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import os
+import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 
-from t5_retrieval.data.records import write_text_atomic
+from t5_retrieval.data.records import DataError, write_text_atomic
+from t5_retrieval.errors import UserError
 
 KILT_BASE_URL = "http://dl.fbaipublicfiles.com/KILT/"
 SUMS_FILE = "SHA256SUMS"
 _CHUNK = 1 << 20
+
+
+class DownloadError(UserError):
+    """A file that could not be fetched: the URL and why."""
 
 
 def sha256_of(path: str) -> str:
@@ -53,8 +59,11 @@ def fetch(url: str, dest: str, expected_sha256: str | None = None, timeout: floa
         response = urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as e:
         if e.code != 416:  # 416: nothing left to fetch, the part file is already complete
-            raise
+            raise DownloadError(f"{url}: HTTP {e.code} {e.reason}; check the file name and the base URL") from None
         response = None
+    except urllib.error.URLError as e:
+        raise DownloadError(f"{url}: cannot download ({e.reason}); check the base URL and the network, then run "
+                            "again (a partial download resumes)") from None
     if response is not None:
         with response:
             # A server that ignores Range answers 200 with the whole body: start over.
@@ -65,8 +74,8 @@ def fetch(url: str, dest: str, expected_sha256: str | None = None, timeout: floa
     digest = sha256_of(part)
     if expected_sha256 and digest != expected_sha256:
         os.remove(part)
-        raise ValueError(f"{url}: sha256 {digest} does not match the expected {expected_sha256}; "
-                         f"the partial file was removed, run again to re-download")
+        raise DataError(f"{url}: sha256 {digest} does not match the expected {expected_sha256}; "
+                        f"the partial file was removed, run again to re-download")
     os.replace(part, dest)
     return digest
 
@@ -86,8 +95,8 @@ def download_kilt(names: Sequence[str], out_dir: str, base_url: str = KILT_BASE_
         if os.path.exists(dest):
             digest = sha256_of(dest)
             if name in known and digest != known[name]:
-                raise ValueError(f"{dest}: sha256 {digest} does not match the recorded {known[name]}; "
-                                 "delete it to download again")
+                raise DataError(f"{dest}: sha256 {digest} does not match the recorded {known[name]}; "
+                                "delete it to download again")
         else:
             digest = fetch(base_url.rstrip("/") + "/" + name, dest, known.get(name))
         sums[name] = digest

@@ -29,7 +29,7 @@ import numpy as np
 from t5_retrieval import checksums
 from t5_retrieval.data.passages import ids_digest
 from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
-from t5_retrieval.errors import UserError, disk_full, remove_stale_temporaries, temp_path
+from t5_retrieval.errors import ConfigError, UserError, disk_full, remove_stale_temporaries, temp_path
 
 FORMAT = "t5r-embeddings-v1"
 MANIFEST = "manifest.json"
@@ -212,9 +212,9 @@ def write_embeddings(
     place before the next begins, so an interrupted run resumes at the first missing shard.
     """
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        raise ConfigError(f"encode_settings.dtype must be one of {DTYPES}, got {dtype!r}")
     if shard_size < 1 or batch_size < 1:
-        raise ValueError(f"shard_size and batch_size must be >= 1, got {shard_size}, {batch_size}")
+        raise ConfigError(f"encode_settings: shard_size and batch_size must be >= 1, got {shard_size}, {batch_size}")
     if not passage_ids:
         raise EmbeddingsError("the KB has no passages to encode")
     manifest = Manifest(fingerprint=encoder.fingerprint, dim=encoder.dim, dtype=dtype,

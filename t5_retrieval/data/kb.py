@@ -31,7 +31,7 @@ import numpy as np
 from t5_retrieval import checksums
 from t5_retrieval.data.records import DataError, Passage, read_jsonl, require
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
-from t5_retrieval.errors import disk_full, is_disk_full, remove_stale_temporaries, temp_path
+from t5_retrieval.errors import ConfigError, disk_full, is_disk_full, remove_stale_temporaries, temp_path
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +274,9 @@ def _write_store(passages: Iterable[tuple[Passage, Span | None]], tmp: str, pass
 def build_kb(source: str, out_dir: str, *, words_per_passage: int = 100, passages_per_shard: int = 1_000_000,
              overwrite: bool = False) -> dict[str, Any]:
     """`t5r data kb`: knowledge source (KILT pages, passages jsonl or DPR tsv) -> passage store."""
+    if words_per_passage < 1 or passages_per_shard < 1:
+        raise ConfigError(f"words_per_passage ({words_per_passage}) and passages_per_shard ({passages_per_shard}) "
+                          "must be >= 1")
     return write_passage_store(
         iter_source(source, words_per_passage), out_dir, passages_per_shard=passages_per_shard,
         overwrite=overwrite,

@@ -1,6 +1,6 @@
 """The real-data demo slice: a few thousand queries of mini-KILT and a KB around their gold pages.
 
-    python -m t5_retrieval.data.kilt_slice --mini_kilt=DIR --out=t5_retrieval/demo_data/mini_kilt_slice.tar.gz
+    t5r data slice --mini_kilt=DIR --out=t5_retrieval/demo_data/mini_kilt_slice.tar.gz
 
 Deterministic (seeded sampling, sorted output, a tar with fixed metadata and a gzip without a
 timestamp), so rebuilding it from the same mini-KILT gives the same bytes. What it takes:
@@ -14,19 +14,17 @@ timestamp), so rebuilding it from the same mini-KILT gives the same bytes. What 
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import io
 import json
 import os
 import random
 import shutil
-import sys
 import tarfile
 from collections.abc import Iterable
 
 from t5_retrieval import checksums
-from t5_retrieval.data.records import read_jsonl
+from t5_retrieval.data.records import DataError, read_jsonl
 from t5_retrieval.errors import temp_path
 
 TASKS = ("fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking")
@@ -68,7 +66,7 @@ def build_slice(mini_kilt: str) -> dict[str, bytes]:
     pages = sorted({str(p["wikipedia_id"]) for p in passages})
     missing = gold - set(pages)
     if missing:
-        raise ValueError(f"{mini_kilt}/kb/passages.jsonl: {len(missing)} gold pages missing, e.g. {sorted(missing)[:3]}")
+        raise DataError(f"{mini_kilt}/kb/passages.jsonl: {len(missing)} gold pages missing, e.g. {sorted(missing)[:3]}")
     others = [p for p in pages if p not in gold]
     distractors = set(rng.sample(others, max(0, min(len(others), KB_PAGES - len(gold)))))
     kept = gold | distractors
@@ -113,7 +111,8 @@ def extract(archive: str, out_dir: str) -> str:
         checksums.verify(target, "unpacked demo slice", rebuild)
         return target
     checksums.verify_file(archive, "demo slice archive",
-                          "reinstall t5-retrieval, or rebuild it with `python -m t5_retrieval.data.kilt_slice`")
+                          "reinstall t5-retrieval, or rebuild it: t5r data slice --mini_kilt=<mini-KILT dir> "
+                          f"--out={archive}")
     tmp = temp_path(target)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -124,21 +123,3 @@ def extract(archive: str, out_dir: str) -> str:
     os.replace(unpacked, target)
     shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m t5_retrieval.data.kilt_slice", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mini_kilt", required=True, help="the mini-KILT directory (train/dev files and kb/)")
-    parser.add_argument("--out", required=True, help="the .tar.gz to write")
-    args = parser.parse_args(argv)
-    files = build_slice(args.mini_kilt)
-    write_archive(files, args.out)
-    stats = json.loads(files["stats.json"])
-    print(f"{args.out}: {os.path.getsize(args.out) / 2**20:.2f} MiB, {stats['kb_pages']} KB pages "
-          f"({stats['gold_pages']} gold), tasks {stats['tasks']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

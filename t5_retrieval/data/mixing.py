@@ -12,15 +12,18 @@ from collections.abc import Sequence
 
 import gin
 
+from t5_retrieval.data.records import DataError
+from t5_retrieval.errors import ConfigError
+
 
 def temperature_rates(num_examples: Sequence[int], temperature: float = 4.0) -> list[float]:
     """r_t = n_t^(1/T), normalised to sum to 1."""
     if not num_examples:
-        raise ValueError("temperature_rates: no tasks given")
+        raise ConfigError("temperature_rates: no tasks given (an empty mixture?)")
     if any(n <= 0 for n in num_examples):
-        raise ValueError(f"temperature_rates: every task needs >= 1 example, got {list(num_examples)}")
+        raise DataError(f"temperature_rates: every task needs >= 1 example, got {list(num_examples)}")
     if temperature <= 0:
-        raise ValueError(f"temperature_rates: temperature must be > 0, got {temperature}")
+        raise ConfigError(f"temperature_rates: temperature must be > 0, got {temperature}")
     raw = [float(n) ** (1.0 / temperature) for n in num_examples]
     total = sum(raw)
     return [r / total for r in raw]
@@ -33,11 +36,11 @@ def sizes_from_rates(rates: Sequence[float], per_device_batch: int) -> list[int]
     """
     k = len(rates)
     if per_device_batch < k:
-        raise ValueError(f"per-device batch {per_device_batch} is smaller than the number of tasks {k}; "
-                         "every task needs at least one example per step")
+        raise ConfigError(f"per-device batch {per_device_batch} is smaller than the number of tasks {k}; "
+                          "every task needs at least one example per step")
     total = sum(rates)
     if total <= 0 or any(r < 0 for r in rates):
-        raise ValueError(f"mixing rates must be non-negative with a positive sum, got {list(rates)}")
+        raise ConfigError(f"mixing rates must be non-negative with a positive sum, got {list(rates)}")
     quotas = [max(per_device_batch * r / total - 1.0, 0.0) for r in rates]
     # Scale quotas so they sum to exactly B - K before taking floors (the max(.,0) can shrink the sum).
     extra = per_device_batch - k

@@ -10,7 +10,7 @@ import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
-from t5_retrieval.data.records import Passage
+from t5_retrieval.data.records import DataError, Passage
 
 
 @runtime_checkable
@@ -33,7 +33,7 @@ class PassageTable:
         self._passages = list(passages)
         self._by_id = {p.id: p for p in self._passages}
         if len(self._by_id) != len(self._passages):
-            raise ValueError("PassageTable: passage ids must be unique")
+            raise DataError("PassageTable: passage ids must be unique")
 
     def __len__(self) -> int:
         return len(self._passages)

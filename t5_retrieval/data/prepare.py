@@ -18,6 +18,7 @@ from t5_retrieval.data.kb import PassageStore, build_kb
 from t5_retrieval.data.kilt import ConversionStats, convert_task_file, kilt_file
 from t5_retrieval.data.negatives import bm25_query, mine_bm25_negatives
 from t5_retrieval.data.records import read_examples, write_jsonl_atomic, write_negatives
+from t5_retrieval.errors import ConfigError
 
 
 @gin.configurable
@@ -85,6 +86,8 @@ def prepare_missing(kb_source: str, input_dir: str, data_dir: str, tasks: Sequen
 def prepare_negatives(data_dir: str, tasks: Sequence[str], splits: Sequence[str] = ("train",), top_k: int = 100,
                       index: BM25Index | None = None) -> dict[str, int]:
     """BM25 negatives for each task/split -> `{data_dir}/negatives/bm25/{task}-{split}.jsonl`."""
+    if top_k < 1:
+        raise ConfigError(f"top_k must be >= 1, got {top_k}")
     store = PassageStore.open(layout.kb_dir(data_dir))
     index = index or BM25Index(store)
     directory = layout.negatives_dir(data_dir, "bm25")

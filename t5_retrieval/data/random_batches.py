@@ -18,6 +18,8 @@ from typing import Any
 import gin
 import numpy as np
 
+from t5_retrieval.errors import ConfigError
+
 
 def split_evenly(total: int, parts: int) -> list[int]:
     base, extra = divmod(total, parts)
@@ -33,7 +35,7 @@ class RandomBatches:
                  host_count: int = 1, seed: int = 0, task_names: Sequence[str] = ("task_a", "task_b"),
                  vocab_size: int = 128, query_len: int = 8, passage_len: int = 16, num_negatives: int = 1):
         if per_device_batch < len(task_names):
-            raise ValueError(f"per_device_batch={per_device_batch} < {len(task_names)} tasks: each needs >= 1")
+            raise ConfigError(f"per_device_batch={per_device_batch} < {len(task_names)} tasks: each needs >= 1")
         self.task_names = list(task_names)
         self.sizes = [n * local_data_devices for n in split_evenly(per_device_batch, len(task_names))]
         self.vocab_size, self.query_len, self.passage_len = vocab_size, query_len, passage_len

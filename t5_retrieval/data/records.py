@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from t5_retrieval.data.text import normalize_query
 from t5_retrieval.errors import UserError, disk_full, is_disk_full, temp_path
 
 
@@ -155,6 +156,8 @@ def read_examples(path: str | os.PathLike[str]) -> list[Example]:
             example = Example.from_json(row)
         except KeyError as e:
             raise DataError(f"{path}:{line_no}: missing field {e.args[0]!r}") from None
+        if not normalize_query(example.query):  # as `t5r data tasks` refuses it; no encoder could embed it
+            raise DataError(f"{path}:{line_no}: field 'query' is empty (example {example.id!r})")
         check_unique_id(path, line_no, example.id, line_of_id)
         examples.append(example)
     if not examples:

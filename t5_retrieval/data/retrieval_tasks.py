@@ -32,7 +32,7 @@ from t5_retrieval.data import layout
 from t5_retrieval.data.records import read_examples
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenize import conventions_of, load_vocabulary, vocabulary_digest
-from t5_retrieval.errors import UserError
+from t5_retrieval.errors import ConfigError, UserError
 
 TEMPERATURE = 4.0
 TASK_TYPES = ("QA", "FC", "SF", "EL", "DIAL")
@@ -49,8 +49,8 @@ def set_data_dir(data_dir: str) -> None:
 
 def get_data_dir() -> str:
     if not _DATA_DIR[0]:
-        raise ValueError("no data directory: call t5_retrieval.data.retrieval_tasks.set_data_dir(...) "
-                         "(gin: set_data_dir.data_dir) or set T5R_DATA_DIR")
+        raise ConfigError("no data directory: call t5_retrieval.data.retrieval_tasks.set_data_dir(...) "
+                          "(gin: set_data_dir.data_dir) or set T5R_DATA_DIR")
     return _DATA_DIR[0]
 
 
@@ -109,8 +109,8 @@ def run_vocabulary():
         def current() -> Any:
             chosen = _VOCABULARY[0] or vocabulary_path()
             if not chosen:
-                raise ValueError("no vocabulary: set gin vocabulary_path.path or T5R_VOCAB (training sets "
-                                 "the model's)")
+                raise ConfigError("no vocabulary: set gin vocabulary_path.path or T5R_VOCAB (training sets "
+                                  "the model's)")
             return _load(chosen) if isinstance(chosen, str) else chosen
 
         def __getattr__(self, name: str) -> Any:  # token_conventions, encode_batch, tokenizer

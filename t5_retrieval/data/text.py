@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from t5_retrieval.errors import ConfigError
+
 # KILT marks segment boundaries (e.g. T-REx "subject [SEP] relation") with [SEP]; T5 has no [SEP],
 # and the TACO reference feeds its end-of-sequence marker instead.
 KILT_SEP = "[SEP]"
@@ -45,5 +47,5 @@ PASSAGE_TEMPLATES = (PASSAGE_TEMPLATE, "{title}: {text}")
 def format_passage(title: str, text: str, template: str = PASSAGE_TEMPLATE) -> str:
     """The passage string the model sees (no prefix), whitespace runs collapsed."""
     if template not in PASSAGE_TEMPLATES:
-        raise ValueError(f"passage template {template!r}: expected one of {PASSAGE_TEMPLATES}")
+        raise ConfigError(f"passage template {template!r}: expected one of {PASSAGE_TEMPLATES}")
     return template.format(title=_WHITESPACE.sub(' ', title).strip(), text=_WHITESPACE.sub(' ', text).strip())

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from t5_retrieval.data.text import T5_EOS_TEXT
+from t5_retrieval.errors import ConfigError
 
 PAD_ID = 0
 EOS_ID = 1
@@ -104,7 +105,7 @@ def tokenize(vocab: Vocabulary, texts: Sequence[str], length: int) -> np.ndarray
     start, end = list(conventions.start_ids), conventions.end_id
     shortest = len(start) + 2
     if length < shortest:
-        raise ValueError(f"sequence length must be >= {shortest} (special tokens and one text token), got {length}")
+        raise ConfigError(f"sequence length must be >= {shortest} (special tokens and one text token), got {length}")
     keep = length - len(start) - 1
     out = np.zeros((len(texts), length), np.int32)
     for i, ids in enumerate(encode_batch(vocab, texts)):

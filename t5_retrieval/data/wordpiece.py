@@ -35,6 +35,7 @@ import seqio
 import tensorflow as tf
 import tokenizers
 
+from t5_retrieval.data.records import DataError
 from t5_retrieval.data.tokenize import PAD_ID, TokenConventions
 
 MAX_CHARS_PER_WORD = 100
@@ -165,9 +166,9 @@ class WordPieceVocabulary(seqio.Vocabulary):
         self._ids = {t: i for i, t in enumerate(tokens)}
         for special in ("[PAD]", "[UNK]", "[CLS]", "[SEP]"):
             if special not in self._ids:
-                raise ValueError(f"{vocab_file}: no {special} token; is this a BERT vocab.txt?")
+                raise DataError(f"{vocab_file}: no {special} token; is this a BERT vocab.txt?")
         if self._ids["[PAD]"] != PAD_ID:
-            raise ValueError(f"{vocab_file}: [PAD] has id {self._ids['[PAD]']}, expected {PAD_ID}")
+            raise DataError(f"{vocab_file}: [PAD] has id {self._ids['[PAD]']}, expected {PAD_ID}")
         self.cls_id, self.sep_id = self._ids["[CLS]"], self._ids["[SEP]"]
         self.token_conventions = TokenConventions(start_ids=(self.cls_id,), end_id=self.sep_id,
                                                   separator_id=self.sep_id)
@@ -220,7 +221,7 @@ class WordPieceVocabulary(seqio.Vocabulary):
     def _sentinel_token(self, n: int) -> str:
         token = f"[unused{n}]"
         if token not in self._ids:
-            raise ValueError(f"{self.vocab_file}: no {token} token for the query marker <extra_id_{n}>")
+            raise DataError(f"{self.vocab_file}: no {token} token for the query marker <extra_id_{n}>")
         return token
 
     def _encode(self, s: str) -> Sequence[int]:

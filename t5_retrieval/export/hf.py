@@ -333,26 +333,3 @@ Relevance is the dot product of a query and a passage embedding ({record['dim']}
 
 def indent(code: str) -> str:
     return "\n".join("    " + line for line in code.splitlines())
-
-
-def main(argv: list[str]) -> int:
-    """`t5r export-hf --checkpoint_dir=... --output_dir=... [--step=N]`."""
-    import argparse
-    import sys
-
-    from t5_retrieval import logs
-
-    parser = argparse.ArgumentParser(prog="t5r export-hf", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint_dir", required=True, help="trained model directory (t5r train)")
-    parser.add_argument("--output_dir", required=True, help="new Hugging Face directory")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    args = parser.parse_args(argv)
-    logs.setup()
-    try:
-        record = export_hf(args.checkpoint_dir, args.output_dir, args.step)
-    except (checkpoint.CheckpointError, FileExistsError, ValueError) as e:
-        print(f"t5r export-hf: error: {e}", file=sys.stderr)
-        return 2
-    print(f"t5r export-hf: wrote {args.output_dir} ({record['family']}, model {record['fingerprint']}, "
-          f"tasks {sorted(record['tasks'])})")
-    return 0

@@ -39,11 +39,12 @@ import tensorflow as tf
 
 from t5_retrieval import checkpoint
 from t5_retrieval.data.kb import PassageStore
+from t5_retrieval.data.records import DataError
 from t5_retrieval.export import preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
 from t5_retrieval.inference import DualEncoderInference
 from t5_retrieval.data import embedding_store, task_names
-from t5_retrieval.errors import UserError
+from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.retrieval.index import INDEX_JSON, load_index
 from t5_retrieval.retrieval.scann_index import SCANN_DIR, ScannIndex
 
@@ -63,8 +64,8 @@ def _row_table(path: str) -> tf.lookup.StaticHashTable:
 def _write_lines(path: str, values: list[str], field: str) -> str:
     for row, value in enumerate(values):
         if "\n" in value or "\r" in value:
-            raise ValueError(f"passage row {row}: {field} {value!r} contains a line break; "
-                             "it cannot be stored in a line-per-row lookup asset")
+            raise DataError(f"passage row {row}: {field} {value!r} contains a line break; "
+                            "it cannot be stored in a line-per-row lookup asset")
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(f"{v}\n" for v in values)
     return path
@@ -190,9 +191,9 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
         raise FileExistsError(f"{output_dir}: already exists; export into a new directory "
                               "(TF Serving reads numbered versions: <model>/1, <model>/2, ...)")
     if not hasattr(encoder.vocabulary, "sp_model"):
-        raise ValueError(f"{encoder.features.get('vocabulary')}: the export builds a sentencepiece tokenizer "
-                         "into the graph; this model's vocabulary is not sentencepiece (WordPiece models "
-                         "cannot be exported yet)")
+        raise ConfigError(f"{encoder.features.get('vocabulary')}: the export builds a sentencepiece tokenizer "
+                          "into the graph; this model's vocabulary is not sentencepiece (WordPiece models "
+                          "cannot be exported yet)")
     index = load_index(index_dir)
     if not isinstance(index, ScannIndex):
         raise UserError(f"{index_dir}: an index of backend {index.backend!r}; the SavedModel embeds a ScaNN "

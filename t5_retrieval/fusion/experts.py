@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from t5_retrieval.data.records import Example
+from t5_retrieval.data.records import DataError, Example
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.fusion import muf
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.data.task_names import UnknownTaskError
@@ -42,8 +43,8 @@ class ExpertSpec:
         """From "task,checkpoint,index_dir" (CLI) or a 3-tuple (gin)."""
         parts = [p.strip() for p in (text.split(",") if isinstance(text, str) else text)]
         if len(parts) != 3 or not all(parts):
-            raise ValueError(f"expert {text!r}: expected TASK,CHECKPOINT_DIR,INDEX_DIR "
-                             f"(CHECKPOINT_DIR may be {LEXICAL}<dim>)")
+            raise ConfigError(f"expert {text!r}: expected TASK,CHECKPOINT_DIR,INDEX_DIR "
+                              f"(CHECKPOINT_DIR may be {LEXICAL}<dim>)")
         return cls(*parts)
 
 
@@ -77,8 +78,8 @@ def load_expert(spec: ExpertSpec, passage_ids: Sequence[str] | None = None) -> E
         try:
             dim = int(spec.checkpoint[len(LEXICAL):])
         except ValueError:
-            raise ValueError(f"expert {spec.task}: checkpoint {spec.checkpoint!r}: "
-                             f"expected {LEXICAL}<int dim>") from None
+            raise ConfigError(f"expert {spec.task}: checkpoint {spec.checkpoint!r}: "
+                              f"expected {LEXICAL}<int dim>") from None
         encoder: Encoder = HashedBagOfWordsEncoder(dim)
     else:
         encoder = load_encoder(spec.checkpoint)
@@ -87,7 +88,7 @@ def load_expert(spec: ExpertSpec, passage_ids: Sequence[str] | None = None) -> E
     try:
         query_task = model_task_name(encoder, spec.task)
     except UnknownTaskError as e:
-        raise ValueError(f"expert {spec.task}: {spec.checkpoint}: {e}") from None
+        raise ConfigError(f"expert {spec.task}: {spec.checkpoint}: {e}") from None
     return Expert(spec, encoder, index, query_task)
 
 
@@ -199,8 +200,8 @@ def train_and_calibrate(expert: Expert, train_examples: Sequence[Example],
     vectors = vectors or passage_vectors(expert, passages)
     data = training_set(expert, train_examples, passages, vectors, config.top_l, batch_size)
     if not len(data.queries):
-        raise ValueError(f"expert {expert.task}: none of its {len(train_examples)} train queries has a gold "
-                         f"passage among its top-{config.top_l} or a positive passage to add")
+        raise DataError(f"expert {expert.task}: none of its {len(train_examples)} train queries has a gold "
+                        f"passage among its top-{config.top_l} or a positive passage to add")
     ensemble = muf.train_ensemble(data, config, expert.encoder.fingerprint)
     log.info("expert %s: ensemble of %d trained on %d of %d train queries; loss per epoch %s", expert.task,
              config.num_members, len(data.queries), len(train_examples),

@@ -14,25 +14,24 @@ score (DPR-MUF; also the usual dense + sparse hybrid rule, Ma et al. 2021):
 Each ranking is cut to `depth` passages and scored with the same page mapping and KILT metrics as
 `t5r eval` (`evaluate.RankingScorer`).
 
-`t5r fuse --data_dir=... --output_dir=... --expert=TASK,CHECKPOINT_DIR,INDEX_DIR [--expert=...]`
-(CHECKPOINT_DIR may be `lexical:<dim>`; experts can also come from gin, `FuseConfig.experts`)
+`fuse_experts` (`t5r fuse --data_dir=... --output_dir=... --expert=TASK,CHECKPOINT_DIR,INDEX_DIR
+[--expert=...]`; CHECKPOINT_DIR may be `lexical:<dim>`; experts can also come from gin, `FuseConfig.experts`)
 writes `<output_dir>/<method>/{results.json,results.txt,predictions/}`, `<output_dir>/ensembles/<task>/`
 and `<output_dir>/confidence.json` (mean confidence of each expert on each task's queries).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import sys
 from collections.abc import Mapping, Sequence
 
 import gin
 import numpy as np
 
 from t5_retrieval.data.records import Example
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.fusion import experts as experts_lib
 from t5_retrieval.fusion import muf
 from t5_retrieval.retrieval.evaluate import EvalResult, RankingScorer
@@ -71,7 +70,7 @@ def hybrid(dense: tuple[Sequence[str], Sequence[float]], sparse: tuple[Sequence[
            weight: float) -> Ranking:
     """(1 - weight) * dense + weight * sparse over the union, missing scores = the list's minimum."""
     if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"hybrid weight must be in [0, 1], got {weight}")
+        raise ConfigError(f"FuseConfig.hybrid_weight must be in [0, 1], got {weight}")
     return fuse_lists([dense, sparse], [1.0 - weight, weight])
 
 
@@ -112,14 +111,14 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
     if config.hybrid_weight is not None and bm25 is None:
         raise ValueError("FuseConfig.hybrid_weight is set but no BM25 index was given")
     if config.depth < 1:
-        raise ValueError(f"FuseConfig.depth must be >= 1, got {config.depth}")
+        raise ConfigError(f"FuseConfig.depth must be >= 1, got {config.depth}")
     from t5_retrieval.data.negatives import bm25_query
 
     vectors = {x.task: experts_lib.passage_vectors(x, passages) for x in experts}
     ensembles = {}
     for x in experts:
         if x.task not in train_examples:
-            raise ValueError(f"expert {x.task}: no train examples for task {x.task!r}")
+            raise ConfigError(f"expert {x.task}: no train examples for task {x.task!r}")
         ensembles[x.task] = experts_lib.train_and_calibrate(
             x, train_examples[x.task], calibration_examples if calibration_examples is not None else eval_examples,
             passages, ensemble_config, config.batch_size, vectors[x.task])
@@ -177,69 +176,51 @@ def write_fusion(result: FusionResult, output_dir: str) -> None:
         json.dump(result.confidence, f, indent=1)
 
 
-def _expert_specs(flags: Sequence[str], config: FuseConfig) -> list[experts_lib.ExpertSpec]:
-    specs = [experts_lib.ExpertSpec.parse(e) for e in (flags or config.experts)]
+def _expert_specs(given: Sequence[str], config: FuseConfig) -> list[experts_lib.ExpertSpec]:
+    specs = [experts_lib.ExpertSpec.parse(e) for e in (given or config.experts)]
     if not specs:
-        raise ValueError("no experts: pass --expert=TASK,CHECKPOINT_DIR,INDEX_DIR (or gin FuseConfig.experts)")
+        raise ConfigError("no experts: pass --expert=TASK,CHECKPOINT_DIR,INDEX_DIR (or gin FuseConfig.experts)")
     tasks = [s.task for s in specs]
     if len(set(tasks)) != len(tasks):
-        raise ValueError(f"experts: one expert per task, got tasks {tasks}")
+        raise ConfigError(f"experts: one expert per task, got tasks {tasks}")
     return specs
 
 
-def main(argv: list[str]) -> int:
-    """`t5r fuse`: DPR-MUF fusion of single-task experts, scored with the KILT metrics."""
-    from t5_retrieval import gin_utils, logs
+def fuse_experts(expert_specs: Sequence[str], data_dir: str, output_dir: str, kb_dir: str | None = None,
+                 tasks: Sequence[str] = (), split: str = "dev", train_split: str = "train",
+                 calibration_split: str = "dev") -> FusionResult:
+    """DPR-MUF fusion of single-task experts ("TASK,CHECKPOINT_DIR,INDEX_DIR" each, else gin
+    `FuseConfig.experts`) on `tasks` (default: the experts' tasks), scored with the KILT metrics and
+    written to `output_dir` (`write_fusion`).
+
+    The KB, the experts and every example file are opened and checked before any ensemble trains.
+    """
     from t5_retrieval.data import layout
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.records import DataError
     from t5_retrieval.retrieval.encoder import dataset_of
-    from t5_retrieval.retrieval.evaluate import format_table, load_task_examples
-    from t5_retrieval.retrieval.index import IndexMismatchError
+    from t5_retrieval.retrieval.evaluate import load_task_examples
 
-    parser = argparse.ArgumentParser(prog="t5r fuse", description=__doc__.splitlines()[0])
-    parser.add_argument("--expert", action="append", default=[],
-                        help="TASK,CHECKPOINT_DIR,INDEX_DIR (repeat per expert; CHECKPOINT_DIR may be lexical:<dim>)")
-    parser.add_argument("--data_dir", required=True, help="processed data (examples/, kb/)")
-    parser.add_argument("--kb_dir", default=None, help="passage store (default: <data_dir>/kb)")
-    parser.add_argument("--tasks", default="", help="comma-separated eval tasks (default: the experts' tasks)")
-    parser.add_argument("--split", default="dev", help="split to evaluate")
-    parser.add_argument("--train_split", default="train", help="split the ensembles are trained on")
-    parser.add_argument("--calibration_split", default="dev", help="split the temperature is calibrated on")
-    parser.add_argument("--output_dir", required=True)
-    args = gin_utils.parse_args(parser, argv)
-    logs.setup()
     config = FuseConfig()
-    try:
-        specs = _expert_specs(args.expert, config)
-        store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
-        ids = store.ids()
-        experts = [experts_lib.load_expert(spec, ids) for spec in specs]
-        # An expert's task may be its model's registered name or its dataset; example files are by dataset.
-        datasets = {x.task: dataset_of(x.encoder, x.task) for x in experts}
+    specs = _expert_specs(expert_specs, config)
+    store = PassageStore.open(kb_dir or layout.kb_dir(data_dir))
+    ids = store.ids()
+    experts = [experts_lib.load_expert(spec, ids) for spec in specs]
+    # An expert's task may be its model's registered name or its dataset; example files are by dataset.
+    datasets = {x.task: dataset_of(x.encoder, x.task) for x in experts}
 
-        def examples(split: str, names: Sequence[str]) -> dict[str, list[Example]]:
-            by_dataset = load_task_examples(args.data_dir, split, [datasets.get(n, n) for n in names])
-            return {n: by_dataset[datasets.get(n, n)] for n in names}
+    def examples(split: str, names: Sequence[str]) -> dict[str, list[Example]]:
+        by_dataset = load_task_examples(data_dir, split, [datasets.get(n, n) for n in names])
+        return {n: by_dataset[datasets.get(n, n)] for n in names}
 
-        eval_tasks = [t for t in args.tasks.split(",") if t] or [s.task for s in specs]
-        eval_examples = examples(args.split, eval_tasks)
-        train_examples = examples(args.train_split, [s.task for s in specs])
-        calibration = (eval_examples if args.calibration_split == args.split
-                       else examples(args.calibration_split, eval_tasks))
-        bm25 = None
-        if config.hybrid_weight is not None:
-            from t5_retrieval.data.bm25 import BM25Index
-            bm25 = BM25Index(store)
-        result = fuse_and_evaluate(experts, train_examples, eval_examples, store, muf.EnsembleConfig(), config,
-                                   calibration, bm25)
-    except (DataError, IndexMismatchError, ValueError) as e:
-        print(f"t5r fuse: error: {e}", file=sys.stderr)
-        return 2
-    write_fusion(result, args.output_dir)
-    for method, evaluation in result.results.items():
-        print(f"== {method}")
-        print(format_table(evaluation.tables), end="")
-    print("== mean confidence (expert x eval task)")
-    print(json.dumps(result.confidence, indent=1))
-    return 0
+    eval_tasks = list(tasks) or [s.task for s in specs]
+    eval_examples = examples(split, eval_tasks)
+    train_examples = examples(train_split, [s.task for s in specs])
+    calibration = eval_examples if calibration_split == split else examples(calibration_split, eval_tasks)
+    bm25 = None
+    if config.hybrid_weight is not None:
+        from t5_retrieval.data.bm25 import BM25Index
+        bm25 = BM25Index(store)
+    result = fuse_and_evaluate(experts, train_examples, eval_examples, store, muf.EnsembleConfig(), config,
+                               calibration, bm25)
+    write_fusion(result, output_dir)
+    return result

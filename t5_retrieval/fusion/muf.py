@@ -56,6 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from t5_retrieval.errors import ConfigError
+
 ENSEMBLE_JSON = "ensemble.json"
 PARAMS_FILE = "params.msgpack"
 
@@ -88,12 +90,13 @@ class EnsembleConfig:
 
     def __post_init__(self):
         if self.num_members < 2:
-            raise ValueError(f"EnsembleConfig.num_members must be >= 2 (MI needs members), got {self.num_members}")
+            raise ConfigError(f"EnsembleConfig.num_members must be >= 2 (MI needs members), got {self.num_members}")
         for name in ("hidden_dim", "top_l", "num_epochs", "batch_size", "num_bins"):
             if getattr(self, name) < 1:
-                raise ValueError(f"EnsembleConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"EnsembleConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature <= 0 or self.train_temperature <= 0:
-            raise ValueError("EnsembleConfig temperatures must be > 0")
+            raise ConfigError(f"EnsembleConfig.temperature ({self.temperature}) and train_temperature "
+                              f"({self.train_temperature}) must be > 0")
 
     def temperature_grid(self) -> np.ndarray:
         k = np.arange(-self.calibration_decades * self.calibration_per_decade,

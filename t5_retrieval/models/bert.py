@@ -21,6 +21,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.models.t5 import attend, padding_bias, param_init, with_constraint
 
 Array = jax.Array
@@ -47,8 +48,8 @@ class BertConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"BertConfig: hidden_size {self.hidden_size} is not a multiple of "
-                             f"num_heads {self.num_heads}")
+            raise ConfigError(f"BertConfig: hidden_size {self.hidden_size} is not a multiple of "
+                              f"num_heads {self.num_heads}")
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -84,8 +85,8 @@ class Embeddings(nn.Module):
         cfg = self.config
         length = tokens.shape[1]
         if length > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {length} exceeds BertConfig.max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
+            raise ConfigError(f"sequence length {length} exceeds BertConfig.max_position_embeddings "
+                              f"{cfg.max_position_embeddings}")
         embed = functools.partial(nn.Embed, features=cfg.hidden_size, dtype=jnp.float32, param_dtype=jnp.float32)
         x = embed(cfg.vocab_size, embedding_init=_normal(cfg, ("vocab", "embed")), name="word")(tokens)
         positions = embed(cfg.max_position_embeddings, embedding_init=_normal(cfg, ("positions", "embed")),

@@ -15,6 +15,7 @@ import flax.linen as nn
 import gin
 import jax
 
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.models.bert import Bert, BertConfig
 from t5_retrieval.models.dual_encoder import QueryTowers, l2_normalize, mean_pool
 from t5_retrieval.models.t5 import with_constraint
@@ -33,8 +34,8 @@ class BertDualEncoderConfig(QueryTowers):
 
     def __post_init__(self) -> None:
         if self.pooling not in BERT_POOLINGS:
-            raise ValueError(f"BertDualEncoderConfig.pooling: expected one of {BERT_POOLINGS}, "
-                             f"got {self.pooling!r}")
+            raise ConfigError(f"BertDualEncoderConfig.pooling: expected one of {BERT_POOLINGS}, "
+                              f"got {self.pooling!r}")
         self.check_towers()
 
     @property

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.text import PASSAGE_TEMPLATE
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.models import pretrained  # noqa: F401 (gin: @minilm_l6_dir)
 from t5_retrieval.models.bert import BertConfig
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder, BertDualEncoderConfig
@@ -45,7 +46,7 @@ def model_config(family: str = "t5", t5: T5Config | None = None, dual_encoder: D
         return {"family": "bert", "bert": dataclasses.asdict(bert),
                 "dual_encoder": dataclasses.asdict(bert_dual_encoder)}
     if family != "t5":
-        raise ValueError(f"model_config.family: expected one of {FAMILIES}, got {family!r}")
+        raise ConfigError(f"model_config.family: expected one of {FAMILIES}, got {family!r}")
     t5 = t5 or T5Config()
     dual_encoder = dual_encoder or DualEncoderConfig()
     return {"t5": dataclasses.asdict(t5), "dual_encoder": dataclasses.asdict(dual_encoder)}
@@ -84,7 +85,7 @@ def build_model(config: dict[str, Any]) -> DualEncoder | BertDualEncoder:
     if family == "bert":
         return BertDualEncoder(BertConfig(**config["bert"]), BertDualEncoderConfig(**config["dual_encoder"]))
     if family != "t5":
-        raise ValueError(f"stored model config has family {family!r}; this version knows {FAMILIES}")
+        raise ConfigError(f"stored model config has family {family!r}; this version knows {FAMILIES}")
     return DualEncoder(T5Config(**config["t5"]), DualEncoderConfig(**config["dual_encoder"]))
 
 

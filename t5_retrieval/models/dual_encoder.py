@@ -15,6 +15,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.models.t5 import T5, T5Config, param_init, with_constraint
 
 POOLINGS = ("encdec", "mean")
@@ -42,8 +43,8 @@ class QueryTowers:
 
     def check_towers(self) -> None:
         if self.query_towers and self.separate_query_encoder:
-            raise ValueError(f"{type(self).__name__}: choose per-task query towers (query_towers="
-                             f"{self.query_towers}) or one separate query encoder, not both")
+            raise ConfigError(f"{type(self).__name__}: choose per-task query towers (query_towers="
+                              f"{self.query_towers}) or one separate query encoder, not both")
 
 
 def mean_pool(encoded: jax.Array, mask: jax.Array) -> jax.Array:
@@ -73,7 +74,7 @@ class DualEncoderConfig(QueryTowers):
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLINGS:
-            raise ValueError(f"DualEncoderConfig.pooling: expected one of {POOLINGS}, got {self.pooling!r}")
+            raise ConfigError(f"DualEncoderConfig.pooling: expected one of {POOLINGS}, got {self.pooling!r}")
         self.check_towers()
 
 

@@ -22,6 +22,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from t5_retrieval.errors import ConfigError
+
 Array = jax.Array
 NEG_INF = -1e10  # masked attention logit; finite so fully-masked rows stay NaN-free
 
@@ -186,7 +188,7 @@ class MLP(nn.Module):
             gate = jax.nn.gelu(dense(cfg.d_ff, name="wi_0", kernel_init=init_in)(x), approximate=True)
             h = gate * dense(cfg.d_ff, name="wi_1", kernel_init=init_in)(x)
         else:
-            raise ValueError(f"T5Config.mlp_activation: expected 'relu' or 'gated-gelu', got {cfg.mlp_activation!r}")
+            raise ConfigError(f"T5Config.mlp_activation: expected 'relu' or 'gated-gelu', got {cfg.mlp_activation!r}")
         h = with_constraint(h, ("batch", "length", "mlp"))
         h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
         init_out = param_init(("mlp", "embed"), nn.initializers.normal(cfg.d_ff ** -0.5))

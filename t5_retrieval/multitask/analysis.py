@@ -15,16 +15,17 @@ writes:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import zipfile
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from t5_retrieval import gin_utils
+from t5_retrieval.data.records import DataError
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.sharding import param_path
 
 TASK_NAMES_KEY = "task_names"
@@ -47,16 +48,22 @@ def save_state_npz(ema: Any, task_names: Sequence[str], path: str) -> None:
 
 def load_state_npz(path: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """Reads a file written by :func:`save_state_npz`: ({leaf path: [K, ...]}, task names)."""
-    with np.load(path) as data:
-        if TASK_NAMES_KEY not in data:
-            raise ValueError(
-                f"{path}: no {TASK_NAMES_KEY!r} array; was it written by save_state_npz?")
-        names = [str(n) for n in data[TASK_NAMES_KEY]]
-        ema = {k: data[k] for k in data.files if k != TASK_NAMES_KEY}
+    if not zipfile.is_zipfile(path):  # np.load would read an .npy or try a pickle instead
+        raise DataError(f"{path}: not an .npz file; pass the state written by save_state_npz")
+    try:
+        with np.load(path) as data:
+            names = [str(n) for n in data[TASK_NAMES_KEY]] if TASK_NAMES_KEY in data else None
+            ema = {k: data[k] for k in data.files if k != TASK_NAMES_KEY}
+    except (ValueError, zipfile.BadZipFile) as e:
+        raise DataError(f"{path}: damaged .npz ({type(e).__name__}: {e})") from None
+    if names is None:
+        raise DataError(f"{path}: no {TASK_NAMES_KEY!r} array; was it written by save_state_npz?")
+    if not ema:
+        raise DataError(f"{path}: holds task names but no EMA leaf")
     for leaf, x in ema.items():
         if x.ndim == 0 or x.shape[0] != len(names):
-            raise ValueError(f"{path}: leaf {leaf!r} has shape {x.shape}, expected leading axis "
-                             f"{len(names)} (one per task in {TASK_NAMES_KEY})")
+            raise DataError(f"{path}: leaf {leaf!r} has shape {x.shape}, expected leading axis "
+                            f"{len(names)} (one per task in {TASK_NAMES_KEY})")
     return ema, names
 
 
@@ -70,6 +77,8 @@ def _flat_ema(ema: Any) -> np.ndarray:
 
 def task_weights_and_entropy(ema: Any, tau: float) -> tuple[np.ndarray, np.ndarray]:
     """W = softmax_k(ema / tau) as [K, P] and its per-parameter entropy [P] (natural log)."""
+    if not tau > 0:
+        raise ConfigError(f"tau must be > 0 (TACO's softmax temperature), got {tau}")
     z = _flat_ema(ema).astype(np.float64) / tau
     z -= z.max(axis=0, keepdims=True)
     log_w = z - np.log(np.exp(z).sum(axis=0, keepdims=True))
@@ -166,22 +175,3 @@ def write_analysis(ema: Any, task_names: Sequence[str], tau: float, out_dir: str
     with open(os.path.join(out_dir, "analysis.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="t5r analyze", description=__doc__.splitlines()[0])
-    parser.add_argument("--state_npz", required=True,
-                        help="EMA state written by save_state_npz (leaf arrays + task_names).")
-    parser.add_argument("--out", required=True, help="output directory for figures and JSON.")
-    parser.add_argument("--tau", type=float, default=2.0, help="TACO softmax temperature.")
-    parser.add_argument("--entropy_threshold", type=float, default=0.3)
-    parser.add_argument("--inactive_threshold", type=float, default=1e-6)
-    args = gin_utils.parse_args(parser, argv)
-    ema, names = load_state_npz(args.state_npz)
-    summary = write_analysis(ema, names, args.tau, args.out, args.entropy_threshold,
-                             args.inactive_threshold)
-    print(f"analyze: {summary['num_params']} params, {summary['num_tasks']} tasks: "
-          f"task specific {100 * summary['task_specific_fraction']:.2f}%, not activated "
-          f"{100 * summary['not_activated_fraction']:.2f}%, mean entropy "
-          f"{summary['mean_entropy']:.3f} nats -> {args.out}")
-    return 0

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.multitask.bf16 import stochastic_round_bfloat16
 from t5_retrieval.multitask.median import MEDIAN_OVER, taco_global_median
 from t5_retrieval.multitask.task_axis import num_tasks as task_count, sum_tasks
@@ -156,17 +157,17 @@ def _taco_leaf(g: jax.Array, theta: jax.Array, ema: jax.Array, inv_median: jax.A
 def _check_arguments(num_tasks: int, beta: float, tau: float, median: str, median_over: str,
                      state_dtype: Any) -> None:
     if num_tasks < 1:
-        raise ValueError(f"taco: num_tasks must be >= 1, got {num_tasks}")
+        raise ConfigError(f"taco: num_tasks must be >= 1, got {num_tasks}")
     if not 0.0 <= beta < 1.0:
-        raise ValueError(f"taco: beta must be in [0, 1), got {beta}")
+        raise ConfigError(f"taco: beta must be in [0, 1), got {beta}")
     if tau <= 0:
-        raise ValueError(f"taco: tau must be positive, got {tau}")
+        raise ConfigError(f"taco: tau must be positive, got {tau}")
     if median not in ("exact", "approx"):
-        raise ValueError(f"taco: median must be 'exact' or 'approx', got {median!r}")
+        raise ConfigError(f"taco: median must be 'exact' or 'approx', got {median!r}")
     if median_over not in MEDIAN_OVER:
-        raise ValueError(f"taco: median_over must be one of {MEDIAN_OVER}, got {median_over!r}")
+        raise ConfigError(f"taco: median_over must be one of {MEDIAN_OVER}, got {median_over!r}")
     if jnp.dtype(state_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"taco: state_dtype must be float32 or bfloat16, got {jnp.dtype(state_dtype).name}")
+        raise ConfigError(f"taco: state_dtype must be float32 or bfloat16, got {jnp.dtype(state_dtype).name}")
 
 
 # --------------------------------------------------------------------------------------------

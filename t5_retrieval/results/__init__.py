@@ -51,14 +51,13 @@ After the rows, the task-specialisation analysis (TACO Fig. 1-2) runs for naive 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import sys
 import time
+from collections.abc import Sequence
 
-from t5_retrieval import logs
 from t5_retrieval.data.kilt_slice import SHIPPED, extract
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.results.analysis import analysis_table, sensitivity_analysis
 from t5_retrieval.results.common import prepare_data
 from t5_retrieval.results.qa_open import qa_open_table
@@ -71,57 +70,28 @@ from t5_retrieval.results.tables import markdown_table
 log = logging.getLogger(__name__)
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="t5r results", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", help="the mini-KILT directory, or 'slice' for the shipped demo slice of it "
-                                       "(needed unless --rows is empty: then only the tables are printed)")
-    parser.add_argument("--work_dir", required=True, help="where every row writes (resumed if it exists)")
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from: {', '.join(ROWS)}")
-    parser.add_argument("--seeds", default="0",
-                        help="comma-separated training seeds for the method rows (" + ", ".join(SEEDED) + ")")
-    parser.add_argument("--records_dir", default=None,
-                        help="where every finished run's record goes and the tables are built from "
-                             "(default <work_dir>/records; docs/run_records/mini_kilt holds docs/RESULTS.md's)")
-    parser.add_argument("--markdown", default=None, help="also write the table to this file")
-    args = parser.parse_args(argv)
-    rows = [r for r in args.rows.split(",") if r]
+def run_rows(work_dir: str, rows: Sequence[str], seeds: Sequence[int] = (0,), data: str | None = None,
+             records_dir: str | None = None) -> str:
+    """Runs (or resumes) `rows` on `data` (the mini-KILT directory, or "slice") under `work_dir`, `seeds`
+    for the rows of `SEEDED`, records each finished run in `records_dir` (default
+    `<work_dir>/records`), and returns the tables of every recorded row (Markdown)."""
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
-        print(f"t5r results: error: unknown rows {unknown}; known: {', '.join(ROWS)}", file=sys.stderr)
-        return 2
-    try:
-        seeds = sorted({int(s) for s in args.seeds.split(",") if s})
-    except ValueError:
-        print(f"t5r results: error: --seeds must be comma-separated integers, got {args.seeds!r}", file=sys.stderr)
-        return 2
-    if not seeds or min(seeds) < 0:
-        print(f"t5r results: error: --seeds must list integers >= 0, got {args.seeds!r}", file=sys.stderr)
-        return 2
-    if rows and not args.data:
-        print("t5r results: error: --data is needed to run rows (or pass --rows= to print the tables only)",
-              file=sys.stderr)
-        return 2
-    logs.setup()
-    records_dir = args.records_dir or os.path.join(args.work_dir, "records")
+        raise ConfigError(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    records_dir = records_dir or os.path.join(work_dir, "records")
     if rows:
-        data_dir = os.path.join(args.work_dir, "data")
-        raw_dir = extract(SHIPPED, args.work_dir) if args.data == "slice" else os.path.abspath(args.data)
+        data_dir = os.path.join(work_dir, "data")
+        raw_dir = extract(SHIPPED, work_dir) if data == "slice" else os.path.abspath(data)
         prepare_data(raw_dir, data_dir)
     for name in rows:
         for seed in seeds if name in SEEDED else [0]:
             start = time.time()
-            run_dir = seed_dir(args.work_dir, name, seed)
+            run_dir = seed_dir(work_dir, name, seed)
             ROWS[name][1](run_dir, data_dir, **({"seed": seed} if name in SEEDED else {}))
             path = write_record(record_run(run_dir, data_dir, name, seed), records_dir)
             log.info("results: row %s (seed %d) done in %.0f s, recorded in %s", name, seed, time.time() - start, path)
-    sensitivity_analysis(args.work_dir)
+    sensitivity_analysis(work_dir)
     records = read_records(records_dir)
     differences = differences_table(records, TITLES, CONTROLS)
-    table = "\n".join(t for t in (markdown_table(records), differences, analysis_table(args.work_dir),
-                                   qa_open_table(args.work_dir)) if t)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table)
-    print(table, end="")
-    return 0
+    return "\n".join(t for t in (markdown_table(records), differences, analysis_table(work_dir),
+                                 qa_open_table(work_dir)) if t)

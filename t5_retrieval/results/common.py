@@ -1,10 +1,12 @@
-"""What every row shares: the six tasks, the prepared data, and in-process `t5r` commands."""
+"""What every row shares: the six tasks, the prepared data, and in-process gin-configured stages."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 TASKS = ("fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking")
@@ -34,31 +36,23 @@ def dataset_table(tables: dict[str, Any], dataset: str) -> dict[str, Any]:
     return tables[dataset_name(tables, dataset)]
 
 
-def run_cli(argv: list[str]) -> dict[str, Any]:
-    """`t5r <argv>` in-process; raises if it fails. Returns the command for the stage record."""
-    import gin
-
-    from t5_retrieval import cli
-
-    try:
-        if cli.main(argv) != 0:
-            raise RuntimeError(f"t5r {argv[0]} failed: t5r {' '.join(argv)}")
-    finally:
-        gin.clear_config()
-    return {"command": "t5r " + " ".join(argv)}
-
-
-def train_model(model_dir: str, gin_files: list[str], bindings: list[str]) -> dict[str, Any]:
-    """`t5r train --gin_file=<gin files> --gin.<bindings>` in-process."""
+def configured(gin_files: Sequence[str], bindings: Sequence[str], run: Callable[[], T]) -> T:
+    """`run()` under these gin files and `NAME = value` bindings alone (cleared before and after)."""
     import gin
 
     from t5_retrieval import gin_utils
-    from t5_retrieval.train import train
 
     gin.clear_config()
     try:
         gin_utils.parse_gin(gin_files, bindings)
-        state = train(model_dir)
+        return run()
     finally:
         gin.clear_config()
+
+
+def train_model(model_dir: str, gin_files: list[str], bindings: list[str]) -> dict[str, Any]:
+    """`t5r train --gin_file=<gin files> --gin.<bindings>` in-process."""
+    from t5_retrieval.train import train
+
+    state = configured(gin_files, bindings, lambda: train(model_dir))
     return {"steps": int(state.step), "gin_files": gin_files, "bindings": bindings}

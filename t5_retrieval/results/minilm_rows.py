@@ -10,7 +10,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from t5_retrieval.results.common import TASKS, dataset_name, dataset_table, run_cli, train_model
+from t5_retrieval.results.common import TASKS, configured, dataset_name, dataset_table, train_model
 
 
 def bm25_row(row_dir: str, data_dir: str) -> None:
@@ -193,6 +193,7 @@ def dpr_muf_row(row_dir: str, data_dir: str) -> None:
     """DPR-MUF (`t5r fuse --gin_file=runs/dpr_muf.gin`) over the task-specific row's six experts,
     which share the zero-shot index (their passage side is MiniLM's); the row reports the fused
     ("muf") ranking, `<row>/fusion` also holds the uniform sum and each expert alone."""
+    from t5_retrieval.fusion.fuse import fuse_experts
     from t5_retrieval.stages import stage
 
     experts_dir = os.path.join(os.path.dirname(row_dir), "task_specific")
@@ -201,10 +202,9 @@ def dpr_muf_row(row_dir: str, data_dir: str) -> None:
     fusion_dir = os.path.join(row_dir, "fusion")
 
     def fuse() -> dict[str, Any]:
-        argv = ["fuse", "--gin_file=runs/dpr_muf.gin", "--data_dir", data_dir, "--output_dir", fusion_dir,
-                *(f"--expert={t},{os.path.join(experts_dir, t, 'model')},{index_dir}" for t in TASKS)]
-        info = run_cli(argv)
+        experts = [f"{t},{os.path.join(experts_dir, t, 'model')},{index_dir}" for t in TASKS]
+        configured(["runs/dpr_muf.gin"], [], lambda: fuse_experts(experts, data_dir, fusion_dir))
         shutil.copytree(os.path.join(fusion_dir, "muf"), os.path.join(row_dir, "eval"), dirs_exist_ok=True)
-        return info
+        return {"gin": ["runs/dpr_muf.gin"], "experts": experts}
 
     stage(fusion_dir, "DPR-MUF fusion", fuse)

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from t5_retrieval.results.common import TASKS, run_cli
+from t5_retrieval.results.common import TASKS, configured
 from t5_retrieval.results.minilm_rows import minilm_zeroshot_row
 from t5_retrieval.stages import DONE
 
@@ -19,7 +19,8 @@ QA_OPEN_KS = (5, 20, 100)
 
 # runs/query_side.gin's 2 rounds, with 1 pass over the questions per round instead of 3: ~840 steps
 # of 16 questions, about what a trained row's 200 x 32 queries cost here.
-QUERY_SIDE_BINDINGS = ("--gin.QuerySideConfig.epochs_per_round=1",)
+QUERY_SIDE_GIN = ("runs/query_side.gin",)
+QUERY_SIDE_BINDINGS = ("QuerySideConfig.epochs_per_round = 1",)
 
 
 def query_side_row(row_dir: str, data_dir: str) -> None:
@@ -28,16 +29,21 @@ def query_side_row(row_dir: str, data_dir: str) -> None:
     passages of its top-100 that hold an answer. Scored on the mini-KILT dev sets like every row, and
     on the qa_open dev sets by answer-in-passage recall, next to BM25's (`qa_open_table`)."""
     from t5_retrieval.data import layout
+    from t5_retrieval.query_side import fine_tune_query_side
     from t5_retrieval.stages import index_and_evaluate, stage
 
     base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
     minilm_zeroshot_row(base_dir, data_dir)
     model_dir, qa_dir = os.path.join(row_dir, "model"), qa_open_dir(data_dir)
-    argv = ["query-side", "--gin_file=runs/query_side.gin", "--checkpoint_dir", os.path.join(base_dir, "model"),
-            "--index_dir", os.path.join(base_dir, "index"), "--embeddings_dir", os.path.join(base_dir, "embeddings"),
-            "--kb_dir", layout.kb_dir(data_dir), "--qa_dir", qa_dir, "--task", ",".join(QA_OPEN_TASKS),
-            "--as_task", "hotpotqa", "--output_dir", model_dir, *QUERY_SIDE_BINDINGS]
-    stage(model_dir, "query-side fine-tuning on qa_open", lambda: run_cli(argv))
+    base_model, base_index, base_embeddings = (os.path.join(base_dir, d) for d in ("model", "index", "embeddings"))
+
+    def fine_tune() -> dict[str, Any]:
+        configured(QUERY_SIDE_GIN, QUERY_SIDE_BINDINGS, lambda: fine_tune_query_side(
+            base_model, base_index, base_embeddings, layout.kb_dir(data_dir), qa_dir, QA_OPEN_TASKS, "hotpotqa",
+            model_dir))
+        return {"gin": [*QUERY_SIDE_GIN, *QUERY_SIDE_BINDINGS], "base": base_model, "as_task": "hotpotqa"}
+
+    stage(model_dir, "query-side fine-tuning on qa_open", fine_tune)
     # Scored on the six datasets: the new qa_open tasks have no KILT dev files (see qa_open_table).
     index_and_evaluate(row_dir, model_dir, data_dir, index_dir=os.path.join(base_dir, "index"), datasets=TASKS)
     stage(os.path.join(row_dir, "qa_open_bm25"), "BM25 answer recall on qa_open",

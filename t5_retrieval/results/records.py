@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from t5_retrieval.data.records import DataError
 from t5_retrieval.results.common import TASKS, dataset_name, dataset_table
 from t5_retrieval.stages import DONE
 
@@ -77,7 +78,7 @@ def record_run(run_dir: str, data_dir: str, row: str, seed: int) -> RunRecord:
         examples = read_examples(layout.examples_path(data_dir, task, "dev"))
         missing = [e.id for e in examples if e.id not in pages_by_id]
         if missing:
-            raise ValueError(f"{predictions}: no prediction for {len(missing)} dev queries (first: {missing[0]!r})")
+            raise DataError(f"{predictions}: no prediction for {len(missing)} dev queries (first: {missing[0]!r})")
         scores = [metrics.kilt_scores(e.gold_pages, pages_by_id[e.id], ks=(20,)) for e in examples]
         query_ids[task] = [e.id for e in examples]
         per_query[task] = {key: np.array([s[key] for s in scores], dtype=np.float64) for key, _ in METRICS}
@@ -133,10 +134,10 @@ def read_record(path: str) -> RunRecord:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             doc = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a run record ({e})") from e
+        raise DataError(f"{path}: not a run record ({e})") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-        raise ValueError(f"{path}: run record format {found!r}, this version reads {FORMAT}")
+        raise DataError(f"{path}: run record format {found!r}, this version reads {FORMAT}")
     try:
         queries = doc["queries"]
         return RunRecord(doc["row"], int(doc["seed"]), float(doc["seconds"]),
@@ -145,7 +146,7 @@ def read_record(path: str) -> RunRecord:
                          {t: {k: np.asarray(queries[t][k], dtype=np.float64) for k, _ in METRICS} for t in TASKS},
                          dict(doc.get("training", {})))
     except KeyError as e:
-        raise ValueError(f"{path}: run record without field {e}") from e
+        raise DataError(f"{path}: run record without field {e}") from e
 
 
 def read_records(records_dir: str) -> dict[str, list[RunRecord]]:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from t5_retrieval.data.records import DataError
 from t5_retrieval.results.common import TASKS
 from t5_retrieval.results.records import METRICS, RunRecord
 
@@ -35,8 +36,8 @@ def seed_mean(runs: Sequence[RunRecord]) -> PerQuery:
 def _check_same_queries(a: RunRecord, b: RunRecord) -> None:
     for task in TASKS:
         if a.query_ids[task] != b.query_ids[task]:
-            raise ValueError(f"{a.file_name} and {b.file_name} score different {task} dev queries "
-                             f"({len(a.query_ids[task])} and {len(b.query_ids[task])}): not the same data")
+            raise DataError(f"{a.file_name} and {b.file_name} score different {task} dev queries "
+                            f"({len(a.query_ids[task])} and {len(b.query_ids[task])}): not the same data")
 
 
 @dataclasses.dataclass(frozen=True)

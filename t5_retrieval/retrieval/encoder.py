@@ -20,6 +20,7 @@ import numpy as np
 from t5_retrieval.data import task_names
 from t5_retrieval.data.kb import passage_text
 from t5_retrieval.data.records import Passage
+from t5_retrieval.errors import ConfigError
 
 
 @runtime_checkable
@@ -89,7 +90,7 @@ class HashedBagOfWordsEncoder:
 
     def __init__(self, dim: int = 4096):
         if dim < 1:
-            raise ValueError(f"dim must be >= 1, got {dim}")
+            raise ConfigError(f"lexical baseline dim must be >= 1, got {dim}")
         self._dim = dim
         self._buckets: dict[str, tuple[int, float]] = {}
         self.features: dict[str, Any] = {}  # no tasks recorded: without a prefix, any task name is its own

@@ -22,7 +22,8 @@ import gin
 import numpy as np
 
 from t5_retrieval.data import answers
-from t5_retrieval.data.records import Example, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from t5_retrieval.data.records import DataError, Example, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval import metrics
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.index import Index
@@ -81,7 +82,7 @@ def evaluate(
 ) -> EvalResult:
     """Scores every task's examples; `depth` passages are retrieved per query before page dedup."""
     if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
+        raise ConfigError(f"evaluate.depth must be >= 1, got {depth}")
     scorer = RankingScorer(passages, ks, skip_answer_recall)
     for task, examples in examples_by_task.items():
         hits = retrieve(encoder, index, [e.query for e in examples], depth, task=task, batch_size=batch_size)
@@ -99,7 +100,7 @@ class RankingScorer:
     def __init__(self, passages: PassageLookup, ks: Sequence[int] = (1, 5, 20, 100),
                  skip_answer_recall: Sequence[str] = ("fever", "wow")):
         if any(k < 1 for k in ks):
-            raise ValueError(f"ks must be >= 1, got ks={ks}")
+            raise ConfigError(f"ks must be >= 1, got ks={ks}")
         self.passages = passages
         self.ks = sorted(set(ks))
         self.skip_answer_recall = tuple(skip_answer_recall)
@@ -171,7 +172,7 @@ def trec_run(rankings: Sequence[Ranking], run_tag: str = RUN_TAG) -> str:
     lines = []
     for ranking in rankings:
         if not ranking.query_id or any(c.isspace() for c in ranking.query_id):
-            raise ValueError(f"query id {ranking.query_id!r} is empty or has whitespace: a TREC run cannot hold it")
+            raise DataError(f"query id {ranking.query_id!r} is empty or has whitespace: a TREC run cannot hold it")
         lines += [f"{ranking.query_id} Q0 {pid} {rank} {score:.9g} {run_tag}\n"
                   for rank, (pid, score) in enumerate(zip(ranking.passage_ids, ranking.scores), start=1)]
     return "".join(lines)

@@ -1,4 +1,4 @@
-"""The index interface every caller uses, its two backends, and `t5r index`.
+"""The index interface every caller uses and its two backends.
 
 An index answers maximum-inner-product search over one KB's passage embeddings, built from a
 complete embedding store (`t5r encode`) and checked against the query model and the KB it is used
@@ -12,21 +12,19 @@ index.json; `build_index` builds the backend chosen in gin (`build_index.backend
 - "exact" (`exact_index`): brute force in NumPy, equal scores in row order; for small KBs, and the
   oracle the ScaNN backend is tested against.
 
-`t5r index --embeddings_dir=... --output_dir=... [--backend=scann|exact]` runs `build_index`.
+`t5r index --embeddings_dir=... --output_dir=... [--backend=scann|exact]` (`commands/index.py`)
+runs `build_index`.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import gin
 import numpy as np
 
-from t5_retrieval import logs
-from t5_retrieval.errors import UserError, check_writable_dir
+from t5_retrieval.errors import UserError
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.exact_index import ExactIndex, build_exact_index
 from t5_retrieval.retrieval.scann_index import ScannIndex, build_scann_index
@@ -85,28 +83,3 @@ def load_index(directory: str) -> Index:
                                  f"{', '.join(BACKENDS)}")
     return BACKENDS[backend].load(directory)
 
-
-def main(argv: list[str]) -> int:
-    """`t5r index`: embedding shards -> index directory."""
-    from t5_retrieval import gin_utils
-
-    parser = argparse.ArgumentParser(prog="t5r index", description=__doc__.splitlines()[0])
-    parser.add_argument("--embeddings_dir", required=True, help="output of `t5r encode`")
-    parser.add_argument("--output_dir", required=True, help="where to write the index")
-    parser.add_argument("--staging_dir", default=None, help="disk for the temporary matrix (default: tmp)")
-    parser.add_argument("--backend", choices=sorted(BACKENDS), default=None,
-                        help="scann, or exact (NumPy brute force, for small KBs); default: gin build_index.backend (scann)")
-    args = gin_utils.parse_args(parser, argv)
-    logs.setup()
-    check_writable_dir(args.output_dir, "--output_dir")
-    try:
-        backend = {} if args.backend is None else {"backend": args.backend}
-        index = build_index(args.embeddings_dir, staging_dir=args.staging_dir, **backend)
-    except ValueError as e:
-        if isinstance(e, UserError):
-            raise
-        print(f"t5r index: error: {e}", file=sys.stderr)
-        return 2
-    index.save(args.output_dir)
-    print(f"t5r index: {len(index)} passages, backend={index.backend}, wrote {args.output_dir}")
-    return 0

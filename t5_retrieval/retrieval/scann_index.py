@@ -23,6 +23,7 @@ import gin
 import numpy as np
 
 from t5_retrieval.data import embedding_store
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval.stored_index import IndexMismatchError, StoredIndex, read_complete_store
 
 REORDER_DTYPES = ("float32", "bfloat16", "int8", "none")
@@ -66,10 +67,16 @@ class ScannConfig:
     def resolved(self, n: int) -> "ScannConfig":
         """Fills the size-dependent defaults for a set of n points and picks the mode."""
         if self.mode not in ("auto", "tree_ah", "brute_force"):
-            raise ValueError(f"ScannConfig.mode must be auto, tree_ah or brute_force, got {self.mode!r}")
+            raise ConfigError(f"ScannConfig.mode must be auto, tree_ah or brute_force, got {self.mode!r}")
         if self.reorder_dtype not in REORDER_DTYPES:
-            raise ValueError(f"ScannConfig.reorder_dtype must be one of {', '.join(REORDER_DTYPES)}, "
-                             f"got {self.reorder_dtype!r}")
+            raise ConfigError(f"ScannConfig.reorder_dtype must be one of {', '.join(REORDER_DTYPES)}, "
+                              f"got {self.reorder_dtype!r}")
+        counts = ("num_leaves", "num_leaves_to_search", "dimensions_per_block", "reorder_num_neighbors",
+                  "training_sample_size", "num_neighbors")
+        below_one = [f"{name}={getattr(self, name)}" for name in counts
+                     if getattr(self, name) is not None and getattr(self, name) < 1]
+        if below_one:  # ScaNN would divide by them or refuse them only while building
+            raise ConfigError(f"ScannConfig: {', '.join(below_one)}; these must be >= 1")
         mode = self.mode
         if mode == "auto":
             mode = "tree_ah" if n >= self.min_points_for_tree else "brute_force"
@@ -80,7 +87,7 @@ class ScannConfig:
             return dataclasses.replace(self, mode=mode)
         leaves = self.num_leaves or max(1, int(round(math.sqrt(n))))
         if leaves > n:
-            raise ValueError(f"ScannConfig.num_leaves={leaves} exceeds the {n} points to index")
+            raise ConfigError(f"ScannConfig.num_leaves={leaves} exceeds the {n} points to index")
         to_search = self.num_leaves_to_search or min(leaves, max(8, leaves // 10))
         return dataclasses.replace(self, mode=mode, num_leaves=leaves, num_leaves_to_search=min(to_search, leaves),
                                    training_sample_size=self.training_sample_size or min(n, 100_000))

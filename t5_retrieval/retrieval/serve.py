@@ -39,6 +39,7 @@ import numpy as np
 
 from t5_retrieval.data import task_names
 from t5_retrieval.data.task_names import UnknownTaskError
+from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_tasks
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.data.passages import PassageLookup
@@ -59,9 +60,9 @@ class ServeLimits:
 
     def __post_init__(self):
         if not 1 <= self.default_k <= self.max_k:
-            raise ValueError(f"ServeLimits: default_k={self.default_k} must be in [1, max_k={self.max_k}]")
+            raise ConfigError(f"ServeLimits: default_k={self.default_k} must be in [1, max_k={self.max_k}]")
         if min(self.max_queries, self.max_query_chars, self.max_body_bytes) < 1:
-            raise ValueError(f"ServeLimits: limits must be >= 1, got {self}")
+            raise ConfigError(f"ServeLimits: limits must be >= 1, got {self}")
 
 
 class RequestError(ValueError):
@@ -89,7 +90,7 @@ class SearchService:
         known = encoder.task_names
         unknown = [t for t in tasks if known and t not in known]
         if unknown:
-            raise ValueError(f"unknown task(s) {unknown}: this model knows {list(known)}")
+            raise ConfigError(f"unknown task(s) {unknown}: this model knows {list(known)}")
         self.encoder = encoder
         self.index = index
         self.passages = passages
@@ -194,10 +195,11 @@ class ServerOptions:
 
     def __post_init__(self):
         if self.workers < 1 or self.max_queued < 0 or self.max_connections < 1 or not self.read_timeout_s > 0:
-            raise ValueError(f"ServerOptions: need workers >= 1, max_queued >= 0, max_connections >= 1 and "
-                             f"read_timeout_s > 0, got {self}")
+            raise ConfigError(f"ServerOptions: need workers >= 1, max_queued >= 0, max_connections >= 1 and "
+                              f"read_timeout_s > 0, got workers={self.workers}, max_queued={self.max_queued}, "
+                              f"max_connections={self.max_connections}, read_timeout_s={self.read_timeout_s}")
         if self.auth_token is not None and not self.auth_token.strip():
-            raise ValueError("ServerOptions: the auth token is empty")
+            raise ConfigError("ServerOptions: the auth token is empty")
 
 
 def _response_bytes(status: HTTPStatus, payload: dict[str, Any], *headers: tuple[str, str]) -> bytes:
@@ -359,14 +361,16 @@ def _handler(service: SearchService, auth_token: str | None) -> type[BaseHTTPReq
 
 def bind_address(host: str, port: int, auth_token: str | None) -> tuple[socket.AddressFamily, Any]:
     """Where to bind `host`; refuses, before binding, a non-loopback address without a token."""
+    if not 0 <= port <= 65535:  # getaddrinfo would wrap 70000 to 4464, or blame the host for -1
+        raise ConfigError(f"--port {port}: must be in 0..65535 (0 lets the OS pick a free port)")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise ValueError(f"--host {host!r} does not resolve: {e}") from None
+        raise ConfigError(f"--host {host!r} does not resolve: {e}") from None
     loopback = all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
     if not loopback and auth_token is None:
-        raise ValueError(f"--host {host!r} is reachable beyond this machine: give a token with --auth_token_file "
-                         f"or the {TOKEN_ENV} environment variable, or bind 127.0.0.1")
+        raise ConfigError(f"--host {host!r} is reachable beyond this machine: give a token with --auth_token_file "
+                          f"or the {TOKEN_ENV} environment variable, or bind 127.0.0.1")
     return infos[0][0], infos[0][4]
 
 

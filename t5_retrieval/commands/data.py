@@ -1,12 +1,13 @@
-"""`t5r data ...` and `t5r vocab train`: flag parsing over the stage functions in `prepare` & co."""
+"""`t5r data ...` and `t5r vocab train`: flag parsing over the stage functions in `data.prepare` & co."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import os
 
-from t5_retrieval.gin_utils import parse_args
+from t5_retrieval.commands.gin_flags import parse_args
+from t5_retrieval.errors import UserError
 
 
 def _csv(value: str) -> list[str]:
@@ -95,10 +96,24 @@ def download_main(argv: list[str]) -> int:
     a = parse_args(p, argv)
     names = list(a.files) + (["kilt_knowledgesource.json"] if a.knowledge_source else [])
     if not names:
-        print("t5r data download-kilt: error: nothing to download: pass --files and/or --knowledge_source",
-              file=sys.stderr)
-        return 2
+        raise UserError("nothing to download: pass --files and/or --knowledge_source")
     _report(download_kilt(names, a.out, base_url=a.base_url))
+    return 0
+
+
+def slice_main(argv: list[str]) -> int:
+    from t5_retrieval.data import kilt_slice
+
+    p = argparse.ArgumentParser("t5r data slice", description=kilt_slice.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mini_kilt", required=True, help="the mini-KILT directory (train/dev files and kb/)")
+    p.add_argument("--out", required=True, help="the .tar.gz to write")
+    a = p.parse_args(argv)
+    files = kilt_slice.build_slice(a.mini_kilt)
+    kilt_slice.write_archive(files, a.out)
+    stats = json.loads(files["stats.json"])
+    print(f"{a.out}: {os.path.getsize(a.out) / 2**20:.2f} MiB, {stats['kb_pages']} KB pages "
+          f"({stats['gold_pages']} gold), tasks {stats['tasks']}")
     return 0
 
 

@@ -9,38 +9,32 @@ path (`serving/t5r/1`, `serving/t5r/2`, ...). See docs/export.md for serving and
 from __future__ import annotations
 
 import argparse
-import sys
+
+from t5_retrieval import logs
+from t5_retrieval.commands.gin_flags import parse_args
+from t5_retrieval.errors import UserError
 
 
 def main(argv: list[str]) -> int:
-    from t5_retrieval import gin_utils, logs
-
     parser = argparse.ArgumentParser(prog="t5r export", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint_dir", required=True, help="trained model directory (t5r train)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
     parser.add_argument("--kb_dir", required=True, help="passage store the index was built from")
     parser.add_argument("--output_dir", required=True, help="new SavedModel directory, e.g. <base>/1")
-    args = gin_utils.parse_args(parser, argv)
+    args = parse_args(parser, argv)
     logs.setup()
 
-    from t5_retrieval.checkpoint import CheckpointError
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.records import DataError
     from t5_retrieval.export.savedmodel import export_savedmodel
     from t5_retrieval.inference import DualEncoderInference, load_encoder
-    from t5_retrieval.retrieval.index import IndexMismatchError
 
-    try:
-        store = PassageStore.open(args.kb_dir)
-        encoder = load_encoder(args.checkpoint_dir, step=args.step)
-        if not isinstance(encoder, DualEncoderInference):
-            raise ValueError(f"{args.checkpoint_dir}: a query-side model (queries and passages go through different "
-                             "networks); a SavedModel holds one network, so it cannot be exported")
-        record = export_savedmodel(encoder, args.index_dir, store, args.output_dir)
-    except (CheckpointError, DataError, IndexMismatchError, FileExistsError, ValueError) as e:
-        print(f"t5r export: error: {e}", file=sys.stderr)
-        return 2
+    store = PassageStore.open(args.kb_dir)
+    encoder = load_encoder(args.checkpoint_dir, step=args.step)
+    if not isinstance(encoder, DualEncoderInference):
+        raise UserError(f"{args.checkpoint_dir}: a query-side model (queries and passages go through different "
+                        "networks); a SavedModel holds one network, so it cannot be exported")
+    record = export_savedmodel(encoder, args.index_dir, store, args.output_dir)
     print(f"t5r export: wrote {args.output_dir} (model {record['fingerprint']}, "
           f"{record['index']['num_passages']} passages, tasks {sorted(record['tasks'])})")
     return 0

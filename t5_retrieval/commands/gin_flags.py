@@ -1,0 +1,37 @@
+"""t5x-style gin flags shared by every subcommand: --gin_file, --gin.NAME=value, --gin_search_paths."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from t5_retrieval import gin_utils
+from t5_retrieval.errors import UserError
+
+
+def add_gin_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gin_file", action="append", default=[],
+                        help="gin file to load (repeatable; later files override earlier ones).")
+    parser.add_argument("--gin_search_paths", "--gin_search_path", action="append", default=[],
+                        help="extra directories for gin `include` and --gin_file lookups (comma-separated "
+                             "and/or repeated, as in t5x).")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parses a subcommand's argv: gin overrides, gin files, then the parser's own flags.
+
+    A gin flag that cannot work (`gin_utils.apply_command_line`) is a usage error like a malformed
+    flag: argparse's usage line, then `t5r <command>: error: ...`, exit status 2, before any work.
+    """
+    add_gin_flags(parser)
+    try:
+        bindings, rest = gin_utils.split_gin_overrides(argv)
+    except UserError as e:
+        parser.error(str(e))
+    args = parser.parse_args(rest)
+    search_paths = [p for arg in args.gin_search_paths for p in arg.split(",") if p]
+    try:
+        gin_utils.apply_command_line(args.gin_file, bindings, search_paths)
+    except UserError as e:
+        parser.error(str(e))
+    return args
