@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from t5_retrieval import checksums, cli
+from t5_retrieval.commands import index as index_command
 from t5_retrieval.retrieval import exact_index, index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 from test_retrieval_index import MatrixEncoder, clustered, write
@@ -186,7 +187,7 @@ def test_t5r_index_builds_the_backend_chosen_by_flag_or_gin(tmp_path, backend, h
     out = tmp_path / "idx"
     choice = [f"--backend={backend}"] if how == "flag" else [f"--gin.build_index.backend='{backend}'"]
     try:
-        assert index.main(["--embeddings_dir", emb_dir, "--output_dir", str(out), *choice]) == 0
+        assert index_command.main(["--embeddings_dir", emb_dir, "--output_dir", str(out), *choice]) == 0
     finally:
         gin.clear_config()
     assert json.loads((out / "index.json").read_text())["backend"] == backend
