@@ -3,9 +3,11 @@ search paths, parsed and checked (the flags themselves are `commands/gin_flags.p
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
+import tokenize
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -107,9 +109,33 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str], search_paths: S
     # gin probes each search path with a reader that logs "Path not found" at ERROR for every miss.
     logging.disable(logging.ERROR)
     try:
-        gin.parse_config_files_and_bindings(list(gin_files), list(bindings), finalize_config=False)
+        for path in gin_files:  # one at a time, so that an unreadable file is named
+            with _naming(path):
+                gin.parse_config_file(path)
+        with _naming("the --gin. bindings"):
+            gin.parse_config(list(bindings))
     finally:
         logging.disable(logging.NOTSET)
+
+
+@contextlib.contextmanager
+def _naming(source: str):
+    """Turns what gin's reader raises for a file it cannot read into a ConfigError naming the file
+    (and the line where gin knows it): syntax errors, unbalanced brackets (gin's tokenizer raises
+    `tokenize.TokenError`), bytes that are not UTF-8."""
+    try:
+        yield
+    except SyntaxError as e:
+        where = f"{e.filename or source}:{e.lineno}" if e.lineno else (e.filename or source)
+        raise ConfigError(f"gin: {where}: {e.msg} ({(e.text or '').strip()!r})") from None
+    except tokenize.TokenError as e:
+        message, (line, _) = e.args
+        raise ConfigError(f"gin: {source}:{line}: {message}") from None
+    except UnicodeDecodeError as e:
+        before = e.object[:e.start]
+        line, column = before.count(b"\n") + 1, e.start - (before.rfind(b"\n") + 1) + 1
+        raise ConfigError(f"gin: {source}:{line}: not UTF-8 (byte 0x{e.object[e.start]:02x} at column {column}); "
+                          "gin files are UTF-8 text") from None
 
 
 def _macro_references(value: Any, out: set[str]) -> None:
@@ -169,11 +195,10 @@ def apply_command_line(gin_files: Sequence[str], bindings: Sequence[str], search
     """
     try:
         parse_gin(gin_files, bindings, search_paths)
-    except SyntaxError as e:  # gin's parser: where, and the line it could not read
-        where = f"{e.filename or 'the --gin. bindings'}:{e.lineno}"
-        raise ConfigError(f"gin: {where}: {e.msg} ({(e.text or '').strip()!r})") from None
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"gin: {e}") from None
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:  # gin adds where on lines of their own: one line for `t5r`
+        raise ConfigError(f"gin: {' '.join(str(e).split())}") from None
     _COMMAND_LINE[:] = bindings
     defined = [k[0] for k in gin.config._CONFIG if k[1] == "gin.macro"]
     unread = unread_macros(_macro_names(bindings))
@@ -191,5 +216,8 @@ def apply_command_line(gin_files: Sequence[str], bindings: Sequence[str], search
                           + (f" (did you mean {', '.join(near)}?)" if near else ""))
     unset = [*undefined_macros(), *required_macros()]  # before any work, not when a configurable needs it
     if unset:
-        raise ConfigError(f"gin: {unset[0]} is required by {' '.join(gin_files) or 'the gin bindings'}; set it, "
-                          f"e.g. --gin.{unset[0]}=...")
+        names = ", ".join(unset)
+        raise ConfigError(f"gin: {names} {'is' if len(unset) == 1 else 'are'} required by "
+                          f"{' '.join(gin_files) or 'the gin bindings'}; set "
+                          f"{'it' if len(unset) == 1 else 'them'}, e.g. "
+                          + " ".join(f"--gin.{name}=..." for name in unset))

@@ -20,8 +20,10 @@ def add_gin_flags(parser: argparse.ArgumentParser) -> None:
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
     """Parses a subcommand's argv: gin overrides, gin files, then the parser's own flags.
 
-    A gin flag that cannot work (`gin_utils.apply_command_line`) is a usage error like a malformed
-    flag: argparse's usage line, then `t5r <command>: error: ...`, exit status 2, before any work.
+    A malformed `--gin.` flag is a usage error like any malformed flag (argparse's usage line, then
+    `t5r <command>: error: ...`); a gin file or binding that cannot work (`gin_utils.apply_command_line`:
+    syntax, encoding, unknown or unread names, required macros left unset) raises its ConfigError,
+    which `t5r` shows as one line naming the file and line. Both exit with status 2 before any work.
     """
     add_gin_flags(parser)
     try:
@@ -30,8 +32,5 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
         parser.error(str(e))
     args = parser.parse_args(rest)
     search_paths = [p for arg in args.gin_search_paths for p in arg.split(",") if p]
-    try:
-        gin_utils.apply_command_line(args.gin_file, bindings, search_paths)
-    except UserError as e:
-        parser.error(str(e))
+    gin_utils.apply_command_line(args.gin_file, bindings, search_paths)
     return args
