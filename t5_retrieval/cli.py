@@ -10,6 +10,7 @@ argparse's: the usage line, then the same one line and status 2.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import re
@@ -84,6 +85,10 @@ def user_message(error: BaseException) -> str | None:
         return f"{parsed['path']}: {parsed['what']}" if parsed else text
     if is_disk_full(error):
         return str(disk_full(getattr(error, "filename", None) or "the output directory", error))
+    if isinstance(error, OSError) and f"[Errno {errno.EROFS}]" in str(error):  # gin's copy loses .errno
+        parsed = _OS_ERROR.fullmatch(str(error).split(_GIN_CONTEXT)[0])
+        where = parsed["path"] if parsed else error.filename or "the output directory"
+        return f"{where}: read-only file system; choose an output directory you can write to"
     return None
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import sentencepiece as spm
 
 from t5_retrieval.data.kb import PassageStore, passage_text
-from t5_retrieval.errors import ConfigError
+from t5_retrieval.errors import ConfigError, check_writable_dir
 
 
 # Query prefixes and task-type markers must be spelled with known pieces (a KB may lack capitals).
@@ -37,7 +37,8 @@ def _sentences(store: PassageStore, max_sentences: int, failures: list[Exception
 def train_vocabulary(kb_dir: str, out_prefix: str, vocab_size: int = 8000, max_sentences: int = 1_000_000) -> str:
     """Trains a unigram model on up to max_sentences passages; returns the `.model` path."""
     store = PassageStore.open(kb_dir)  # a wrong directory is named here, before sentencepiece starts
-    os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+    # Named here: sentencepiece reports an unwritable output only after training, in its own words.
+    check_writable_dir(os.path.dirname(os.path.abspath(out_prefix)), "--out")
     failures: list[Exception] = []
     try:
         spm.SentencePieceTrainer.train(

@@ -1,0 +1,88 @@
+"""Outputs that cannot be written, on real filesystems (a tmpfs in a private mount namespace): a full
+disk during training and a read-only output location for every command that writes; each is one
+line naming the path, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+TRAIN = ["train", "--gin_file=models/t5_tiny.gin", "--gin.VOCAB_SIZE=128", "--gin.D_MODEL=32", "--gin.D_FF=64",
+         "--gin.DROPOUT=0.0", "--gin.train.batches=@RandomBatches", "--gin.train.per_device_batch=4"]
+
+
+def in_small_filesystem(mount: str, size: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """Runs argv with a tmpfs of `size` at `mount`, visible to it alone (unprivileged: a user namespace)."""
+    script = f'mount -t tmpfs -o size={size} none "{mount}" && exec "$@"'
+    return subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *argv], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def small_filesystems_work(tmp_path_factory):
+    mount = tmp_path_factory.mktemp("probe")
+    if shutil.which("unshare") is None or in_small_filesystem(str(mount), "64k", ["true"]).returncode != 0:
+        pytest.skip("no unprivileged mount namespaces here (unshare -rm)")
+
+
+def test_disk_full_while_checkpointing_is_one_line_without_tracebacks(tmp_path, small_filesystems_work):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = in_small_filesystem(str(mount), "200k", [
+        sys.executable, "-m", "t5_retrieval.cli", *TRAIN, f"--model_dir={mount / 'model'}", "--gin.train.num_steps=2"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"t5r train: error: {mount / 'model'}/"), result.stderr[-3000:]
+    assert "no space left on the device" in errors[0]
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr, result.stderr[-3000:]
+
+
+# Runs each command in one process (imports paid once) and reports its exit status and stderr.
+DRIVER = """
+import contextlib, io, json, sys
+import gin
+from t5_retrieval import cli
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    gin.clear_config()
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def test_every_writing_command_refuses_a_read_only_output_in_one_line(tmp_path, small_filesystems_work):
+    from conftest import prepare_small_demo
+    from t5_retrieval import cli
+
+    data = prepare_small_demo(tmp_path, ["fever", "nq"])
+    emb, index = str(tmp_path / "emb"), str(tmp_path / "index")
+    lexical = ["--lexical_baseline_dim", "32"]
+    assert cli.main(["encode", *lexical, f"--kb_dir={data}/kb", f"--output_dir={emb}", "--no_progress"]) == 0
+    assert cli.main(["index", f"--embeddings_dir={emb}", f"--output_dir={index}"]) == 0
+    ro = tmp_path / "read_only"
+    ro.mkdir()
+    commands = {
+        "data kb": ["--source", str(tmp_path / "raw" / "kb" / "pages.jsonl"), f"--data_dir={ro}/data"],
+        "data demo": [f"--out={ro}/raw"],
+        "vocab train": [f"--kb={data}/kb", f"--out={ro}/spm", "--vocab_size=100"],
+        "encode": [*lexical, f"--kb_dir={data}/kb", f"--output_dir={ro}/emb"],
+        "index": [f"--embeddings_dir={emb}", f"--output_dir={ro}/index"],
+        "eval": [*lexical, f"--index_dir={index}", f"--data_dir={data}", "--split=train", "--tasks=fever",
+                 f"--output_dir={ro}/eval"],
+        "train": [f"--model_dir={ro}/model", "--gin_file=models/t5_tiny.gin", "--gin.train.batches=@RandomBatches"],
+    }
+    argvs = [name.split() + argv for name, argv in commands.items()]
+    result = in_small_filesystem(str(ro), "1m,ro", [sys.executable, "-c", DRIVER, json.dumps(argvs)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name, (code, err) in zip(commands, json.loads(result.stdout.splitlines()[-1])):
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"t5r {name}: error: {ro}"), (name, err)
+        assert "read-only file system" in lines[0] or "not writable" in lines[0], (name, err)
