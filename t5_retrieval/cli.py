@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"t5r: error: {e}", file=sys.stderr)
         return 2
+    if not debug:  # TensorFlow's start-up lines (no CUDA driver, oneDNN, CPU features) say nothing to act on
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     target, _ = COMMANDS[name]
     module_name, function_name = target.split(":")
     function = getattr(importlib.import_module(module_name), function_name)

@@ -1,5 +1,6 @@
 """`t5r`: subcommand dispatch, help, gin flag parsing and unknown-command errors."""
 
+import os
 import subprocess
 import sys
 
@@ -121,3 +122,38 @@ def test_help_of_the_entry_point_and_of_train():
     train = subprocess.run([sys.executable, "-m", "t5_retrieval.cli", "train", "--help"], capture_output=True,
                            text=True)
     assert train.returncode == 0 and "--model_dir" in train.stdout and "--gin_file" in train.stdout, train.stderr
+
+
+def test_a_cpu_run_prints_no_accelerator_or_onednn_lines_unless_debug(tmp_path):
+    """TensorFlow's start-up chatter (CUDA drivers, oneDNN, CPU features) is hidden; --debug shows it."""
+    raw, data, emb = str(tmp_path / "raw"), str(tmp_path / "data"), str(tmp_path / "emb")
+    assert cli.main(["data", "demo", f"--out={raw}", "--num_pages=5", "--train_per_task=1", "--dev_per_task=1"]) == 0
+    assert cli.main(["data", "kb", f"--source={raw}/kb/pages.jsonl", f"--data_dir={data}"]) == 0
+    assert cli.main(["encode", "--lexical_baseline_dim=8", f"--kb_dir={data}/kb", f"--output_dir={emb}",
+                     "--no_progress"]) == 0
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    index = [sys.executable, "-m", "t5_retrieval.cli", "index", f"--embeddings_dir={emb}"]  # imports ScaNN, TF
+    noisy = subprocess.run([*index[:3], "--debug", *index[3:], f"--output_dir={tmp_path / 'a'}"],
+                           capture_output=True, text=True, env=env)
+    assert noisy.returncode == 0 and "oneDNN" in noisy.stderr, "the check must see TensorFlow's lines"
+    quiet = subprocess.run([*index, f"--output_dir={tmp_path / 'b'}"], capture_output=True, text=True, env=env)
+    assert quiet.returncode == 0, quiet.stderr
+    for line in ("oneDNN", "cuda", "cuInit", "cpu_feature_guard"):
+        assert line not in quiet.stderr, quiet.stderr
+
+
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_help_of_every_gin_reading_command_explains_the_gin_flags_and_its_macros(name, capsys):
+    from t5_retrieval.commands import gin_flags
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*name.split(), "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    if "--gin_file" not in text:  # a command without gin flags (checksum, export-hf, demo, results, data slice)
+        return
+    assert "--gin.NAME=value" in text, text
+    reads = {"train": gin_flags.TRAIN_MACROS, "ance": gin_flags.TRAIN_MACROS}.get(
+        name, gin_flags.TASK_MODULE if name in ("encode", "eval", "mine", "serve", "query-side", "export", "fuse") else ())
+    for macro in reads:
+        assert f"{macro}:" in text, (macro, text)

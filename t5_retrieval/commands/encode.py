@@ -22,7 +22,7 @@ def _process() -> tuple[int, int]:
 
 
 def main(argv: list[str]) -> int:
-    from t5_retrieval.commands.gin_flags import parse_args
+    from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
     from t5_retrieval.data.kb import PassageStore
     from t5_retrieval.errors import check_writable_dir
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kb_dir", required=True, help="passage store (t5r data kb)")
     parser.add_argument("--output_dir", required=True, help="embeddings directory (resumed if it exists)")
     parser.add_argument("--no_progress", action="store_true", help="hide the progress bar")
-    args = parse_args(parser, argv)
+    args = parse_args(parser, argv, reads=TASK_MODULE)
     check_writable_dir(args.output_dir, "--output_dir")
     store = PassageStore.open(args.kb_dir)
     encoder = encoder_from_flags(args)

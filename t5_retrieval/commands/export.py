@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from t5_retrieval import logs
-from t5_retrieval.commands.gin_flags import parse_args
+from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
 from t5_retrieval.errors import UserError
 
 
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
     parser.add_argument("--kb_dir", required=True, help="passage store the index was built from")
     parser.add_argument("--output_dir", required=True, help="new SavedModel directory, e.g. <base>/1")
-    args = parse_args(parser, argv)
+    args = parse_args(parser, argv, reads=TASK_MODULE)
     logs.setup()
 
     from t5_retrieval.data.kb import PassageStore

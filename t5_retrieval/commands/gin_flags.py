@@ -17,8 +17,27 @@ def add_gin_flags(parser: argparse.ArgumentParser) -> None:
                              "and/or repeated, as in t5x).")
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """Parses a subcommand's argv: gin overrides, gin files, then the parser's own flags.
+GIN_HELP = ("gin: --gin.NAME=value binds a macro (NAME) or a configurable's parameter (configurable.param), "
+            "t5x style: strings are quoted (--gin.DATA_DIR=\"'/data/kilt'\"), and --gin. flags override the gin "
+            "files. A value nothing reads is an error naming it.")
+# The launch macros (t5x's names) and what they mean, for the commands that read them.
+MACROS = {
+    "MODEL_DIR": "the model directory (same as --model_dir)",
+    "MIXTURE_OR_TASK_NAME": "a registered seqio Task or Mixture to train on",
+    "MIXTURE_OR_TASK_MODULE": "module(s) registering your own seqio Tasks and Mixtures, imported before tasks "
+                              "are named (--gin.MIXTURE_OR_TASK_MODULE=\"'my_tasks'\")",
+    "DATA_DIR": "processed data directory (t5r data ...)",
+    "VOCABULARY": "sentencepiece .model or WordPiece vocab.txt",
+    "TRAIN_STEPS": "training steps",
+    "INITIAL_CHECKPOINT_PATH": "a t5r model or Hugging Face T5/BERT directory to start from",
+}
+TRAIN_MACROS = tuple(MACROS)
+TASK_MODULE = ("MIXTURE_OR_TASK_MODULE",)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str], reads: Sequence[str] = ()) -> argparse.Namespace:
+    """Parses a subcommand's argv: gin overrides, gin files, then the parser's own flags. `--help`
+    explains the `--gin.` flags and the launch macros in `reads`.
 
     A malformed `--gin.` flag is a usage error like any malformed flag (argparse's usage line, then
     `t5r <command>: error: ...`); a gin file or binding that cannot work (`gin_utils.apply_command_line`:
@@ -26,6 +45,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
     which `t5r` shows as one line naming the file and line. Both exit with status 2 before any work.
     """
     add_gin_flags(parser)
+    parser.epilog = " ".join(filter(None, [parser.epilog, GIN_HELP] + [f"{name}: {MACROS[name]}." for name in reads]))
     try:
         bindings, rest = gin_utils.split_gin_overrides(argv)
     except UserError as e:

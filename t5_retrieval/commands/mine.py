@@ -14,7 +14,7 @@ from t5_retrieval.retrieval.mine import mine_negatives
 
 def main(argv: list[str]) -> int:
     """`t5r mine`: hard negatives for every training query with the current model."""
-    from t5_retrieval.commands.gin_flags import parse_args
+    from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.data import layout
     from t5_retrieval.data.records import write_negatives
     from t5_retrieval.errors import check_writable_dir
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="t5r mine", description=__doc__.splitlines()[0])
     add_search_flags(parser, default_split="train")
     parser.add_argument("--source", required=True, help="negatives name, e.g. ance-1 (bm25 is the data stage's)")
-    args = parse_args(parser, argv)
+    args = parse_args(parser, argv, reads=TASK_MODULE)
     out_dir = layout.negatives_dir(args.data_dir, args.source)
     check_writable_dir(out_dir, "--data_dir/negatives/--source")
     inputs = load_search_inputs(args)

@@ -7,7 +7,7 @@ import argparse
 import json
 
 from t5_retrieval import logs, query_side
-from t5_retrieval.commands.gin_flags import parse_args
+from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
 
 
 def main(argv: list[str]) -> int:
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
                         help="a task of the base model (registered name or dataset) whose query prefix "
                              "the new questions take")
     parser.add_argument("--output_dir", required=True)
-    args = parse_args(parser, argv)
+    args = parse_args(parser, argv, reads=TASK_MODULE)
     logs.setup()
     report = query_side.fine_tune_query_side(
         args.checkpoint_dir, args.index_dir, args.embeddings_dir, args.kb_dir, args.qa_dir,

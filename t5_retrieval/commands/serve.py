@@ -11,7 +11,7 @@ import os
 import socket
 
 from t5_retrieval import logs
-from t5_retrieval.commands.gin_flags import parse_args
+from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
 from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags, register_named_mixtures
 from t5_retrieval.errors import UserError
 from t5_retrieval.retrieval.encoder import recorded_tasks
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--auth_token_file", default=None,
                         help=f"file holding a bearer token every request must send (or set {TOKEN_ENV}); "
                              f"required unless --host is a loopback address")
-    args = parse_args(parser, argv)
+    args = parse_args(parser, argv, reads=TASK_MODULE)
     logs.setup()
     options = ServerOptions(args.workers, args.max_queued, args.read_timeout_s, args.max_connections,
                             _auth_token(args.auth_token_file))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from t5_retrieval import logs, train as trainer
-from t5_retrieval.commands.gin_flags import parse_args
+from t5_retrieval.commands.gin_flags import TRAIN_MACROS, parse_args
 from t5_retrieval.errors import check_writable_dir
 
 
@@ -13,7 +13,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="t5r train", description=trainer.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_dir", required=True, help="where checkpoints, config and metrics go")
-    args = parse_args(parser, argv)
+    args = parse_args(parser, argv, reads=TRAIN_MACROS)
     logs.setup()
     check_writable_dir(args.model_dir, "--model_dir")
     trainer.train(args.model_dir, command_line=True)
