@@ -33,6 +33,9 @@ def real_data_demo(data: str, out: str) -> str:
     from t5_retrieval.results.records import record_run
     from t5_retrieval.results.tables import markdown_table
 
+    from t5_retrieval.models.pretrained import minilm_l6_dir
+
+    minilm_l6_dir()  # the MiniLM rows need the installed weights: say so before BM25, not after it
     steps = f"TRAIN_STEPS = {DEMO_STEPS}"
     rows = {"bm25": bm25_row, "minilm_zeroshot": minilm_zeroshot_row,  # named as `t5r results` names them
             "naive_noprefix": trained_row("naive_multitask.gin", "mini_kilt_noprefix", steps),

