@@ -108,6 +108,31 @@ def unread_bindings(bindings: Sequence[str] | None = None) -> list[str]:
     return unread
 
 
+def operative_values(config_path: str, configurable: str, parameter: str) -> list[Any]:
+    """The values a run's operative config (`<model_dir>/config.gin`) gives `configurable.parameter`,
+    in any scope, without parsing the whole file (which needs every module it names imported).
+
+    gin writes each selector as its shortest unique suffix (`taco.tau` for `multitask.taco.tau`) and
+    every parameter the call used, defaults included. Only one-line literal values are read.
+    """
+    import ast
+    import re
+
+    parts = configurable.split(".")
+    names = "|".join(re.escape(".".join(parts[i:])) for i in range(len(parts)))
+    pattern = re.compile(rf"^(?:\S+/)?(?:{names})\.{re.escape(parameter)}\s*=\s*(.+?)\s*$")
+    values = []
+    with open(config_path) as f:
+        for line in f:
+            match = pattern.match(line)
+            if match:
+                try:
+                    values.append(ast.literal_eval(match.group(1)))
+                except (ValueError, SyntaxError):
+                    raise UserError(f"{config_path}: {line.strip()!r}: not a literal value") from None
+    return values
+
+
 def parse_gin(gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:
     """Loads gin files (resolved against the search paths and gin_configs/) and applies bindings."""
     for path in [*search_paths, GIN_CONFIGS_DIR]:
