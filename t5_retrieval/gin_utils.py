@@ -113,7 +113,8 @@ def operative_values(config_path: str, configurable: str, parameter: str) -> lis
     in any scope, without parsing the whole file (which needs every module it names imported).
 
     gin writes each selector as its shortest unique suffix (`taco.tau` for `multitask.taco.tau`) and
-    every parameter the call used, defaults included. Only one-line literal values are read.
+    every parameter the call used, defaults included. Only one-line literal values (or a macro
+    `%NAME` whose one-line literal value the file defines) are read.
     """
     import ast
     import re
@@ -121,16 +122,18 @@ def operative_values(config_path: str, configurable: str, parameter: str) -> lis
     parts = configurable.split(".")
     names = "|".join(re.escape(".".join(parts[i:])) for i in range(len(parts)))
     pattern = re.compile(rf"^(?:\S+/)?(?:{names})\.{re.escape(parameter)}\s*=\s*(.+?)\s*$")
-    values = []
     with open(config_path) as f:
-        for line in f:
-            match = pattern.match(line)
-            if match:
-                try:
-                    values.append(ast.literal_eval(match.group(1)))
-                except (ValueError, SyntaxError):
-                    raise UserError(f"{config_path}: {line.strip()!r}: not a literal value") from None
-    return values
+        lines = f.read().splitlines()
+    macros = dict(m.groups() for line in lines if (m := re.match(r"^([A-Z_][A-Z0-9_]*)\s*=\s*(.+?)\s*$", line)))
+
+    def literal(text: str) -> Any:
+        text = macros.get(text[1:], text) if text.startswith("%") else text
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise UserError(f"{config_path}: {configurable}.{parameter} = {text}: not a literal value") from None
+
+    return [literal(m.group(1)) for line in lines if (m := pattern.match(line))]
 
 
 def parse_gin(gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:

@@ -86,8 +86,8 @@ def _old_taco_state(model_dir, config_gin: str | None) -> str:
 
 
 def test_a_state_saved_before_hyperparameters_takes_tau_from_the_models_config_gin(tmp_path, caplog):
-    config = ("# Parameters for episode/taco:\n"
-              "episode/taco.beta = 0.99\nepisode/taco.tau = 0.75\n\n"
+    config = ("# Macros:\nTAU = 0.75\n\n# Parameters for episode/taco:\n"
+              "episode/taco.beta = 0.99\nepisode/taco.tau = %TAU\n\n"
               "# Parameters for train:\ntrain.log_every = 20\n")
     path = _old_taco_state(str(tmp_path / "model"), config)
     assert analysis.state_file(str(tmp_path / "model")) == path, "the old file name is still found"
