@@ -42,6 +42,7 @@ import time  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 from t5_retrieval import multitask, sharding  # noqa: E402
 from t5_retrieval.data.random_batches import RandomBatches  # noqa: E402
@@ -81,8 +82,8 @@ def variants(median_samples: int) -> dict:
     return {
         "naive": (None, False),
         "stacked_sum": (multitask.naive_sum, True),
-        "taco_exact": (functools.partial(multitask.taco, median="exact"), True),
-        "taco_approx": (functools.partial(multitask.taco, median="approx",
+        "taco_exact": (functools.partial(multitask.taco, burn_in_fraction=0.0, median="exact"), True),
+        "taco_approx": (functools.partial(multitask.taco, burn_in_fraction=0.0, median="approx",
                                           median_samples=median_samples), True),
     }
 
@@ -91,8 +92,7 @@ class Step:
     """One jitted train step holding its own (donated) state, built like `train.train` does."""
 
     def __init__(self, model, mesh, rules, factory, per_task: bool, task_names, batch):
-        optimizer = make_optimizer(total_steps=1000, num_tasks=len(task_names), multitask=factory,
-                                   burn_in_fraction=0.0)
+        optimizer = make_optimizer(total_steps=1000, num_tasks=len(task_names), multitask=factory)
         params, param_sh = init_params(model, jax.random.PRNGKey(0), mesh, rules)
         opt_sh = sharding.opt_state_shardings(optimizer, params, param_sh, mesh, rules)
         rep = sharding.replicated(mesh)
@@ -102,7 +102,7 @@ class Step:
         self.state = jax.device_put(state, state_sh)
         self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         self.num_params = sum(x.size for x in jax.tree.leaves(params))
-        taco_state = multitask.find_taco_state(self.state.opt_state)
+        taco_state = optax.tree_utils.tree_get(self.state.opt_state, "TacoState")
         self.taco_state_bytes = (None if taco_state is None else
                                  sum(x.nbytes for x in jax.tree.leaves(taco_state)))
         fn = make_train_step(model, optimizer, task_names, per_task=per_task,

@@ -88,9 +88,9 @@ def main() -> int:
             * jnp.exp(jax.random.normal(key, (k,) + p.shape)), params)
         row = {}
         transforms = {
-            "naive_sum": multitask.naive_sum(),
-            "taco_exact": multitask.taco(k, burn_in_steps=0, median="exact"),
-            "taco_approx": multitask.taco(k, burn_in_steps=0, median="approx",
+            "naive_sum": multitask.naive_sum(k, total_steps=10),
+            "taco_exact": multitask.taco(k, total_steps=10, burn_in_fraction=0.0, median="exact"),
+            "taco_approx": multitask.taco(k, total_steps=10, burn_in_fraction=0.0, median="approx",
                                    median_samples=args.median_samples),
         }
         updates = {}
@@ -132,7 +132,7 @@ def main() -> int:
         del sens, flat
 
         for dtype in ("float32", "bfloat16"):
-            shape = jax.eval_shape(multitask.taco(k, 0, state_dtype=jnp.dtype(dtype)).init, params)
+            shape = jax.eval_shape(multitask.taco(k, 1, burn_in_fraction=0.0, state_dtype=jnp.dtype(dtype)).init, params)
             state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shape))
             row[f"state_bytes_{dtype}"] = int(state_bytes)
             row[f"state_over_param_bytes_{dtype}"] = state_bytes / param_bytes

@@ -1,9 +1,9 @@
 """`t5r ance`: BM25-negative warm-up, then ANCE episodes of (mine -> train -> index -> evaluate).
 
-The TACO recipe: warm up on BM25 negatives; then each episode mines new hard negatives
-with the current model (top-k minus gold), trains from the current weights with a fresh optimiser
-and fresh TACO state (TACO only in the episodes the config names), re-encodes the KB, and
-evaluates. Every stage writes into its own directory under `work_dir` and is marked finished by a
+The recipe: warm up on BM25 negatives; then each episode mines new hard negatives with the
+current model (top-k minus gold), trains from the current weights with a fresh optimiser (so a
+fresh multi-task state, in the episodes the config gives a multi-task transform), re-encodes the
+KB, and evaluates. Every stage writes into its own directory under `work_dir` and is marked finished by a
 `DONE` file written last, so a rerun skips finished stages; an interrupted training stage resumes
 from its last checkpoint and an interrupted encoding from its last shard.
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 def ance(work_dir: str,
          data_dir: str = gin.REQUIRED,
          num_episodes: int = 1,
-         taco_episodes: Sequence[int] = (),
+         multitask_episodes: Sequence[int] = (),
          episode_multitask: Callable[..., optax.GradientTransformation] | None = None,
          mine_depth: int = 110,
          answer_checkable: Sequence[str] = (),
@@ -45,8 +45,9 @@ def ance(work_dir: str,
 
     Args:
       data_dir: prepared data (kb/, examples/, negatives/bm25/) used by every stage.
-      taco_episodes: 1-based episodes that train with `episode_multitask` (e.g. `@multitask.taco`);
-        the others sum the task losses. The reference recipe uses TACO in the last episode.
+      multitask_episodes: 1-based episodes that train with `episode_multitask` (a multi-task
+        transform factory, `@multitask.<name>`, as runs/demo.gin binds it); the others sum the
+        task losses. The reference recipe uses it in the last episode.
       mine_depth: passages retrieved per training query when mining (top-110 minus gold).
       answer_checkable: datasets whose mined negatives also drop answer-holding passages (MT-DPR's
         adversarial confounders; only where an answer string means relevance, e.g. QA).
@@ -70,7 +71,7 @@ def ance(work_dir: str,
             negatives = os.path.join(stage_dir, "negatives")
             mine_stage(negatives, os.path.join(previous, "model"), os.path.join(previous, "index"), data_dir,
                        mine_depth, answer_checkable)
-            multitask = episode_multitask if number in taco_episodes else None
+            multitask = episode_multitask if number in multitask_episodes else None
             with gin.config_scope("episode"):
                 stage(model_dir, f"episode {number} training",
                       lambda: _train(model_dir, init_from=os.path.join(previous, "model"), multitask=multitask,

@@ -232,6 +232,23 @@ def restore(mngr: ocp.CheckpointManager, abstract_state: Any, step: int | None =
     return None if found is None else found[0]
 
 
+def leaf_paths(tree: Any) -> set[str]:
+    """Every leaf's path as "/"-joined field names, keys and indices (`opt_state/0/ema/...`), the
+    same for a live state and for the dicts and lists orbax's metadata holds."""
+    def name(key: Any) -> str:
+        return str(next(getattr(key, a) for a in ("name", "key", "idx") if hasattr(key, a)))
+    return {"/".join(name(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def saved_leaf_paths(mngr: ocp.CheckpointManager, step: int) -> set[str] | None:
+    """`leaf_paths` of the state saved at `step`, from its metadata (no array is read); None when
+    the metadata cannot be read (restoring then reports the checkpoint)."""
+    try:
+        return leaf_paths(ocp.StandardCheckpointHandler().metadata(mngr.directory / str(step) / "state").tree)
+    except Exception:  # a missing or damaged metadata file: the restore that follows says which
+        return None
+
+
 def abstract_like(tree: Any) -> Any:
     """ShapeDtypeStructs carrying each array's sharding, the target orbax restores into."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

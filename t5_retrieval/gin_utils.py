@@ -102,6 +102,34 @@ def unread_bindings(bindings: Sequence[str] | None = None) -> list[str]:
     return unread
 
 
+def operative_values(config_path: str, configurable: str, parameter: str) -> list[Any]:
+    """The values a run's operative config (`<model_dir>/config.gin`) gives `configurable.parameter`,
+    in any scope, without parsing the whole file (which needs every module it names imported).
+
+    gin writes each selector as its shortest unique suffix (`taco.tau` for `multitask.taco.tau`) and
+    every parameter the call used, defaults included. Only one-line literal values (or a macro
+    `%NAME` whose one-line literal value the file defines) are read.
+    """
+    import ast
+    import re
+
+    parts = configurable.split(".")
+    names = "|".join(re.escape(".".join(parts[i:])) for i in range(len(parts)))
+    pattern = re.compile(rf"^(?:\S+/)?(?:{names})\.{re.escape(parameter)}\s*=\s*(.+?)\s*$")
+    with open(config_path) as f:
+        lines = f.read().splitlines()
+    macros = dict(m.groups() for line in lines if (m := re.match(r"^([A-Z_][A-Z0-9_]*)\s*=\s*(.+?)\s*$", line)))
+
+    def literal(text: str) -> Any:
+        text = macros.get(text[1:], text) if text.startswith("%") else text
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise UserError(f"{config_path}: {configurable}.{parameter} = {text}: not a literal value") from None
+
+    return [literal(m.group(1)) for line in lines if (m := pattern.match(line))]
+
+
 def parse_gin(gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:
     """Loads gin files (resolved against the search paths and gin_configs/) and applies bindings."""
     for path in [*search_paths, GIN_CONFIGS_DIR]:

@@ -1,17 +1,19 @@
 """The optimiser chain: [multi-task combine] -> clip by global norm -> AdamW, with warm-up/decay.
 
-The multi-task transform (TACO, PCGrad, ...) consumes per-task gradients with a leading task axis
-and emits one ordinary gradient, so everything after it is the standard single-task chain.
+The multi-task transform (any `t5_retrieval.multitask` factory) consumes per-task gradients with a
+leading task axis and emits one ordinary gradient, so everything after it is the standard
+single-task chain. Every factory is built from the same two run-level arguments, `num_tasks` and
+`total_steps`; whatever else it takes comes from gin.
 
 `make_optimizer.frozen` (regular expressions over parameter paths such as
 `bert/embeddings/word/embedding`) keeps parameters at their initial values for any method: the
-whole chain, the multi-task transform included, sees only the trained parameters, so TACO's global
-median and the clipping norm are taken over those alone.
+whole chain, the multi-task transform included, sees only the trained parameters, so whatever a
+transform computes over the parameters (a global median, say) and the clipping norm are taken over
+those alone.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 from collections.abc import Sequence
@@ -40,22 +42,6 @@ def linear_warmup_decay(peak_value: float, total_steps: int, warmup_fraction: fl
         [optax.linear_schedule(0.0, peak_value, warmup_steps),
          optax.linear_schedule(peak_value, 0.0, max(1, total_steps - warmup_steps))],
         boundaries=[warmup_steps])
-
-
-def build_multitask(factory: Callable[..., optax.GradientTransformation], num_tasks: int, total_steps: int,
-                    burn_in_fraction: float) -> optax.GradientTransformation:
-    """Calls a multi-task transform factory with the run-level arguments it declares.
-
-    `num_tasks` comes from the data; TACO's `burn_in_steps` is `burn_in_fraction` of this run's
-    (episode's) steps, so one run file serves episodes of any length.
-    """
-    accepted = inspect.signature(factory).parameters
-    kwargs = {}
-    if "num_tasks" in accepted:
-        kwargs["num_tasks"] = num_tasks
-    if "burn_in_steps" in accepted:
-        kwargs["burn_in_steps"] = int(round(burn_in_fraction * total_steps))
-    return factory(**kwargs)
 
 
 def frozen_labels(patterns: Sequence[str]) -> Callable[[Any], Any]:
@@ -116,13 +102,15 @@ def make_optimizer(total_steps: int,
                    warmup_fraction: float = 0.1,
                    weight_decay: float = 0.0,
                    clip_norm: float = 1.0,
-                   burn_in_fraction: float = 0.1,
                    multitask: Callable[..., optax.GradientTransformation] | None = None,
                    frozen: Sequence[str] = (),
                    ) -> optax.GradientTransformationExtraArgs:
     """[multitask] -> clip_by_global_norm -> AdamW with linear warm-up then linear decay to 0.
 
-    With `multitask=None` the train step sums the task losses and no per-task gradients are formed.
+    `multitask(num_tasks=num_tasks, total_steps=total_steps)` builds the multi-task transform (the
+    number of tasks comes from the data, the steps from this run or episode, so one run file serves
+    episodes of any length); with `multitask=None` the train step sums the task losses and no
+    per-task gradients are formed.
     `frozen`: regular expressions over parameter paths whose parameters never change (`freeze`).
     """
     log.info("optimiser: %sAdamW, peak learning rate %g after %d warm-up steps, linear decay to 0 at step %d, "
@@ -132,4 +120,4 @@ def make_optimizer(total_steps: int,
     tail = [optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay)]
     if multitask is None:
         return freeze(optax.chain(*tail), frozen)
-    return freeze(optax.chain(build_multitask(multitask, num_tasks, total_steps, burn_in_fraction), *tail), frozen)
+    return freeze(optax.chain(multitask(num_tasks=num_tasks, total_steps=total_steps), *tail), frozen)

@@ -21,8 +21,7 @@ import jax
 from tqdm import tqdm
 
 from t5_retrieval import sharding
-from t5_retrieval.multitask import taco
-from t5_retrieval.multitask.state import find_taco_state
+from t5_retrieval.multitask import ExportedState, exported_state, taco
 from t5_retrieval.optim import freeze
 from t5_retrieval.train_step import all_finite, per_task_gradients, select_tree, task_groups, task_loss_fn
 
@@ -30,15 +29,17 @@ from t5_retrieval.train_step import all_finite, per_task_gradients, select_tree,
 def probe_sensitivities(model: nn.Module, params: Any, batches: Iterator[dict[str, dict[str, Any]]],
                         task_names: Sequence[str], num_batches: int, beta: float, logit_scale: float,
                         mesh: jax.sharding.Mesh, seed: int = 0, progress: bool = True,
-                        frozen: Sequence[str] = ()) -> Any:
-    """The TACO EMA (leaves [K, *param.shape]) after `num_batches` batches at fixed `params`.
+                        frozen: Sequence[str] = ()) -> ExportedState:
+    """The TACO EMA (``arrays``, leaves [K, *param.shape]) after `num_batches` batches at fixed
+    `params`, with the hyperparameters of the TACO state that measured it (tau for the analysis).
 
     A batch with non-finite gradients leaves the state as it was, as the train step would.
     `frozen` (the run's `make_optimizer.frozen`) leaves those parameters out, as in training.
     """
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
-    transform = freeze(taco(num_tasks=len(task_names), burn_in_steps=0, beta=beta, median="approx"), frozen)
+    transform = freeze(taco(num_tasks=len(task_names), total_steps=num_batches, burn_in_fraction=0.0, beta=beta,
+                            median="approx"), frozen)
     loss_fn = task_loss_fn(model, logit_scale)
 
     @jax.jit
@@ -52,4 +53,4 @@ def probe_sensitivities(model: nn.Module, params: Any, batches: Iterator[dict[st
         state = jax.jit(transform.init)(params)
         for i in tqdm(range(num_batches), desc="sensitivity probe", disable=not progress, mininterval=5.0):
             state = step(state, params, next(batches), jax.random.fold_in(rng, i))
-    return jax.device_get(find_taco_state(state).ema)
+    return jax.device_get(exported_state(state))

@@ -2,7 +2,7 @@
 
 mesh -> data -> model + sharded init -> optimiser -> restore -> jitted step -> loop (log, checkpoint).
 
-    t5r train --model_dir=/tmp/run --gin_file=models/t5_base.gin --gin_file=runs/taco.gin \
+    t5r train --model_dir=/tmp/run --gin_file=models/t5_base.gin --gin_file=runs/mt_dpr.gin \
         --gin.DATA_DIR="'/data/kilt'" --gin.VOCABULARY="'/models/t5/spiece.model'" --gin.TRAIN_STEPS=20000
 """
 
@@ -32,8 +32,8 @@ from t5_retrieval.data import batches as _batches, random_batches as _random_bat
 from t5_retrieval.data.records import write_text_atomic
 from t5_retrieval.inference import load_encoder, write_base_record
 from t5_retrieval.models.build import build_model, init_params, initial_params, model_config, upgraded_config
-from t5_retrieval.multitask import find_taco_state, multitask_metrics, taco_metrics
-from t5_retrieval.multitask.analysis import save_state_npz
+from t5_retrieval.multitask import exported_state, multitask_metrics, multitask_statistics
+from t5_retrieval.multitask.analysis import STATE_FILE, save_state_npz
 from t5_retrieval.optim import make_optimizer
 from t5_retrieval.train_step import TrainState, make_train_step
 
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 # deadlock on CPU), and a SIGTERM's checkpoint waits for the running step and at most one more.
 # The state itself is looked at (non-finite streak, logged metrics) every SYNC_EVERY steps.
 SYNC_EVERY = 20
-TACO_STATE_FILE = "taco_state.npz"
 OPERATIVE_CONFIG = "config.gin"  # the gin bindings the run used (t5x's name)
 
 
@@ -139,11 +138,13 @@ def train(model_dir: str,
       batches: factory of the multi-task batch iterator, called with per_device_batch,
         local_data_devices, host_index, host_count and seed (gin: `@make_train_iterator`).
       num_steps / num_epochs: the run's length (exactly one), in optimiser steps or in epochs of
-        the largest task; the learning-rate schedule and TACO's burn-in are fractions of it.
+        the largest task; the learning-rate schedule is a fraction of it, and the multi-task
+        transform is built knowing it.
       per_device_batch: queries per device per step, split over the tasks by the mixture rates.
-      multitask: factory of a multi-task gradient transform (gin: `@multitask.taco`, `@multitask.pcgrad`,
-        ...); None sums the task losses (naive multi-task). Its statistics (e.g. whether TACO's
-        weighting is active, the mean task entropy) are logged with the other metrics.
+      multitask: factory of a multi-task gradient transform (gin: `@multitask.<name>`, any factory
+        of `t5_retrieval.multitask`); None sums the task losses (naive multi-task). The metrics its
+        state reports are logged with the others, and the arrays it exports are written to
+        `<model_dir>/multitask_state.npz` when the run ends (for `t5r analyze`).
       init_from: start from these weights instead of a random init: a t5r model directory (its
         latest checkpoint; a fresh optimiser, as between ANCE episodes) or a Hugging Face T5 or
         BERT directory (config.json + safetensors; gin `@minilm_l6_dir()` for the installed
@@ -231,7 +232,7 @@ def train(model_dir: str,
                       max_nonfinite_in_a_row)
     log.info("finished %s at step %d (%d step(s) skipped as non-finite)", model_dir, int(state.step),
              int(state.skipped_steps))
-    export_taco_state(state.opt_state, task_names, model_dir)
+    export_multitask_state(state.opt_state, task_names, model_dir)
     return state
 
 
@@ -253,14 +254,15 @@ def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, 
                                      passage_embeddings=table["directory"])
 
 
-def export_taco_state(opt_state: Any, task_names: list[str], model_dir: str) -> None:
-    """Writes the final TACO EMA as `taco_state.npz` for `t5r analyze` (when the run used TACO)."""
-    taco_state = find_taco_state(opt_state)
-    if taco_state is None:
+def export_multitask_state(opt_state: Any, task_names: list[str], model_dir: str) -> None:
+    """Writes what the multi-task state exports for analysis (if it exports anything), with the task
+    names and its hyperparameters, as `<model_dir>/multitask_state.npz` for `t5r analyze`."""
+    exported = exported_state(opt_state)
+    if exported is None:
         return
-    ema = multihost_utils.process_allgather(taco_state.ema, tiled=True)
+    arrays, hyperparams = multihost_utils.process_allgather(tuple(exported), tiled=True)
     if jax.process_index() == 0:
-        save_state_npz(ema, task_names, os.path.join(model_dir, TACO_STATE_FILE))
+        save_state_npz(arrays, task_names, os.path.join(model_dir, STATE_FILE), hyperparams)
 
 
 def restore_train_state(mngr: Any, like: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
@@ -268,8 +270,11 @@ def restore_train_state(mngr: Any, like: TrainState) -> tuple[TrainState, dict[s
 
     A checkpoint whose non-finite step counters were saved as None (orbax restores them as None)
     resumes with zero counts. (One written by the four-field TrainState from before the counters
-    existed has no such entries and does not restore into this layout.)
+    existed has no such entries and does not restore into this layout.) One whose optimiser state
+    has other fields than this run's is refused (`check_optimizer_state_fits`).
     """
+    if mngr.latest_step() is not None:
+        check_optimizer_state_fits(mngr, mngr.latest_step(), like)
     restored = checkpoint.restore(mngr, checkpoint.abstract_like(like))
     if restored is None:
         return None
@@ -278,6 +283,27 @@ def restore_train_state(mngr: Any, like: TrainState) -> tuple[TrainState, dict[s
         log.info("%s: checkpoint without non-finite step counts; counting from 0", mngr.directory)
         state = state.replace(skipped_steps=like.skipped_steps, nonfinite_in_a_row=like.nonfinite_in_a_row)
     return state, data_state
+
+
+def check_optimizer_state_fits(mngr: Any, step: int, like: TrainState) -> None:
+    """Raises CheckpointError, saying what to do, when the optimiser state saved at `step` has other
+    fields than this run's: another multi-task transform or optimiser setting, or a version of t5r
+    whose multi-task state held other fields (before hyperparameters were saved in it)."""
+    saved_paths = checkpoint.saved_leaf_paths(mngr, step)
+    if saved_paths is None:
+        return
+    saved = {p for p in saved_paths if p.startswith("opt_state/")}
+    expected = {p for p in checkpoint.leaf_paths(like) if p.startswith("opt_state/")}
+    if saved == expected:
+        return
+    differences = [f"{what} {sorted(paths)[0]}" + (f" (and {len(paths) - 1} more)" if len(paths) > 1 else "")
+                   for what, paths in (("lacks", expected - saved), ("has", saved - expected)) if paths]
+    raise checkpoint.CheckpointError(
+        f"checkpoint {mngr.directory / str(step)}: its optimiser state does not fit this run's (it "
+        f"{' and '.join(differences)}): it was written with another multi-task transform or optimiser "
+        "setting, or by an earlier t5r whose multi-task state had other fields, and cannot be resumed "
+        f"here. Resume it with the configuration and t5r version that wrote it, or continue from its "
+        f"weights with a fresh optimiser in a new --model_dir with --gin.train.init_from=\"'{mngr.directory}'\".")
 
 
 class NonFiniteError(FloatingPointError):
@@ -346,7 +372,7 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
     batch = first_batch
     progress = None  # started after the first step, so that its rate and ETA leave compilation out
     last_time, last_step = time.time(), start
-    log_only_metrics = jax.jit(taco_metrics)  # a pass over the TACO state: logging steps only
+    log_only_metrics = jax.jit(multitask_statistics)  # a pass over the multi-task state: logging steps only
     preemption = PreemptionNotice()
     try:
         for step in range(start + 1, num_steps + 1):

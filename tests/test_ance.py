@@ -38,7 +38,7 @@ def ance_run(tmp_path_factory):
         "D_MODEL = 32", "D_FF = 64", "PER_DEVICE_BATCH = 4", "QUERY_LEN = 24", "PASSAGE_LEN = 48",
         "warmup/train.num_epochs = None", "warmup/train.num_steps = 8",
         "episode/train.num_epochs = None", "episode/train.num_steps = 10",
-        "make_optimizer.burn_in_fraction = 0.3", "train.log_every = 1", "ance.mine_depth = 12",
+        "multitask.taco.burn_in_fraction = 0.3", "train.log_every = 1", "ance.mine_depth = 12",
     ]
     gin.clear_config()
     gin_utils.parse_gin(["runs/demo.gin"], bindings)
@@ -81,8 +81,8 @@ def test_taco_weighting_switches_on_after_burn_in(ance_run):
 
 def test_taco_state_is_exported_and_analyzed(ance_run, tmp_path):
     work_dir, _, _ = ance_run
-    state_npz = os.path.join(work_dir, "episode_1", "model", "taco_state.npz")
-    assert not os.path.exists(os.path.join(work_dir, "warmup", "model", "taco_state.npz"))
+    state_npz = os.path.join(work_dir, "episode_1", "model", "multitask_state.npz")
+    assert not os.path.exists(os.path.join(work_dir, "warmup", "model", "multitask_state.npz"))
     assert cli.main(["analyze", "--state_npz", state_npz, "--out", str(tmp_path)]) == 0
     with open(tmp_path / "analysis.json") as f:
         summary = json.load(f)

@@ -2,23 +2,24 @@
 taken over the trained parameters only; a TACO run with a frozen word-embedding table trains,
 checkpoints and resumes through `t5r train`."""
 
+import functools
 import os
 
 import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from conftest import prepare_small_demo
 from t5_retrieval import checkpoint, gin_utils
 from t5_retrieval.multitask import taco
-from t5_retrieval.multitask.analysis import load_state_npz
-from t5_retrieval.multitask.state import find_taco_state
+from t5_retrieval.multitask.analysis import STATE_FILE, load_state_npz
 from t5_retrieval.inference import load_dual_encoder
 from t5_retrieval.optim import freeze, make_optimizer
 from t5_retrieval.sharding import param_path
-from t5_retrieval.train import TACO_STATE_FILE, train
+from t5_retrieval.train import train
 
 TASKS = ("fever", "trex")
 WORD_EMBEDDING = "bert/embeddings/word/embedding"
@@ -37,11 +38,11 @@ def params_and_task_gradients(num_tasks: int = 2):
     return params, grads
 
 
-@pytest.mark.parametrize("multitask", [None, taco])
+@pytest.mark.parametrize("multitask", [None, functools.partial(taco, burn_in_fraction=0.0)], ids=["none", "taco"])
 def test_frozen_parameters_get_zero_updates_and_the_rest_train(multitask):
     params, grads = params_and_task_gradients()
-    optimizer = make_optimizer(total_steps=10, num_tasks=2, learning_rate=0.1, burn_in_fraction=0.0,
-                               multitask=multitask, frozen=["embeddings/word/.*"])
+    optimizer = make_optimizer(total_steps=10, num_tasks=2, learning_rate=0.1, multitask=multitask,
+                               frozen=["embeddings/word/.*"])
     if multitask is None:  # the summed-loss path hands the optimiser one gradient, no task axis
         grads = jax.tree.map(lambda g: g.sum(0), grads)
     state = optimizer.init(params)
@@ -54,16 +55,17 @@ def test_frozen_parameters_get_zero_updates_and_the_rest_train(multitask):
 
 def test_tacos_median_is_taken_over_the_trained_parameters_only():
     params, grads = params_and_task_gradients()
-    everything = taco(num_tasks=2, burn_in_steps=0, beta=0.0, median="exact")
-    trained_only = freeze(taco(num_tasks=2, burn_in_steps=0, beta=0.0, median="exact"), ["embeddings/.*"])
+    everything = taco(num_tasks=2, total_steps=10, burn_in_fraction=0.0, beta=0.0, median="exact")
+    trained_only = freeze(taco(num_tasks=2, total_steps=10, burn_in_fraction=0.0, beta=0.0, median="exact"),
+                          ["embeddings/.*"])
     _, all_state = everything.update(grads, everything.init(params), params)
     _, trained_state = trained_only.update(grads, trained_only.init(params), params)
-    ema = find_taco_state(trained_state).ema
+    ema = optax.tree_utils.tree_get(trained_state, "TacoState").ema
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ema)[0]]
     assert paths == ["['dense']['kernel']"], f"only the trained kernel has sensitivity state: {paths}"
     # With the sparse table included, most sensitivities are 0 and so is the global median: TACO's
     # normaliser degenerates. Over the dense kernel alone it is positive.
-    all_values = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(find_taco_state(all_state).ema)])
+    all_values = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(all_state.ema)])
     trained_values = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(ema)])
     assert np.median(all_values) == 0.0 and np.median(trained_values) > 0.0
 
@@ -87,7 +89,7 @@ def run_taco(model_dir: str, data_dir: str, steps: int) -> None:
             f"DATA_DIR = '{data_dir}'", "VOCABULARY = @minilm_l6_dir()", "VOCAB_SIZE = 30522",
             f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in TASKS]}", f"TRAIN_STEPS = {steps}", "QUERY_LEN = 16",
             "PASSAGE_LEN = 32", "NUM_NEGATIVES = 1", "PER_DEVICE_BATCH = 4", "NUM_LAYERS = 1",
-            "train.checkpoint_every = 1", "train.keep_checkpoints = 10", "make_optimizer.burn_in_fraction = 0.0",
+            "train.checkpoint_every = 1", "train.keep_checkpoints = 10", "multitask.taco.burn_in_fraction = 0.0",
             f"make_optimizer.frozen = ['{WORD_EMBEDDING}']"])
         train(model_dir)
     finally:
@@ -106,6 +108,6 @@ def test_taco_with_a_frozen_word_embedding_trains_and_resumes(data_dir, tmp_path
     np.testing.assert_array_equal(flat_first[WORD_EMBEDDING], flat_last[WORD_EMBEDDING])
     moved = [path for path in flat_first if not np.array_equal(flat_first[path], flat_last[path])]
     assert len(moved) > 10 and WORD_EMBEDDING not in moved, moved
-    ema, task_names = load_state_npz(os.path.join(model_dir, TACO_STATE_FILE))
+    ema, task_names, _ = load_state_npz(os.path.join(model_dir, STATE_FILE))
     assert [t.startswith("demo_") for t in task_names] == [True, True]
     assert not any("embeddings/word" in name for name in ema) and len(ema) > 10, sorted(ema)

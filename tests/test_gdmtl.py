@@ -89,7 +89,7 @@ def _generation_loss(model, params, batch):
 
 def test_gdmtl_training_learns_both_objectives_and_the_uncertainty_weights():
     model, batch, params = _setup()
-    optimizer = optax.chain(multitask.uncertainty_weighting(num_tasks=2, learning_rate=0.05), optax.adam(3e-3))
+    optimizer = optax.chain(multitask.uncertainty_weighting(num_tasks=2, total_steps=1, learning_rate=0.05), optax.adam(3e-3))
     step = jax.jit(make_train_step(model, optimizer, TASKS, per_task=True,
                                    extra_metrics=multitask.multitask_metrics))
     state = TrainState.create(params, optimizer.init(params), jax.random.PRNGKey(2))

@@ -27,7 +27,7 @@ GIN = ["--gin_file=models/t5_tiny.gin"] + [f"--gin.{b}" for b in (
     # 4 queries per device: the global batch is 8 queries whether 1 process has 2 devices or 2 have 1.
     "train.per_device_batch=4", f"train.num_steps={TRAIN_STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}",
     "train.log_every=2", "train.keep_checkpoints=5", "train.multitask=@multitask.taco",
-    "make_optimizer.burn_in_fraction=0.25")]
+    "multitask.taco.burn_in_fraction=0.25")]
 
 
 def train(model_dir: str, launch_flags: list[list[str]], devices_per_process: int) -> list[str]:

@@ -1,13 +1,18 @@
 """The contract every multi-task transform keeps, checked for each of them the same way.
 
-Per-task gradients (leaves [K, ...]) in, an ordinary gradient (the params' shapes and dtypes) out;
-it chains with clipping and AdamW under jit; its state keeps its structure, shapes and dtypes across
-updates; it is deterministic; a step the train step skips leaves its state as it was; and its state
-gets shardings from `sharding.opt_state_shardings`.
+It is built from the run-level `num_tasks` and `total_steps` alone (everything else has a default
+or comes from gin), as `make_optimizer` builds it; per-task gradients (leaves [K, ...]) in, an
+ordinary gradient (the params' shapes and dtypes) out; it chains with clipping and AdamW under jit;
+its state keeps its structure, shapes and dtypes across updates; it is deterministic; a step the
+train step skips leaves its state as it was; its state gets shardings from
+`sharding.opt_state_shardings`; and a stateful one's state is a `multitask.MultitaskState` (its
+hyperparameters saved in it, found by name; its metrics, exported arrays and reset) that the
+trainer reads without knowing the algorithm. A new algorithm adds its case to TRANSFORMS.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -18,25 +23,32 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from t5_retrieval import multitask, sharding
+from t5_retrieval.optim import make_optimizer
 from t5_retrieval.train_step import all_finite, select_tree
 
 K = 3
+TOTAL_STEPS = 10  # the run's length the factories are built for
 # One bfloat16 leaf: the output must keep each leaf's dtype, not promote it.
 PARAMS = {"dense": {"kernel": jnp.zeros((3, 4), jnp.float32), "bias": jnp.zeros((4,), jnp.float32)},
           "norm": jnp.zeros((2, 3), jnp.bfloat16)}
 
-TRANSFORMS: dict[str, Callable[[], optax.GradientTransformation]] = {
+# Each case: the factory with what gin would bind (the run-level num_tasks and total_steps come later).
+FACTORIES: dict[str, Callable[..., optax.GradientTransformation]] = {
     "naive_sum": multitask.naive_sum,
-    "taco": lambda: multitask.taco(num_tasks=K, burn_in_steps=1, beta=0.5),
-    "taco_bf16_approx_nonzero": lambda: multitask.taco(num_tasks=K, burn_in_steps=0, beta=0.5, median="approx",
-                                                       median_samples=8, median_over="nonzero",
-                                                       keep_naive_scale=True, state_dtype=jnp.bfloat16),
-    "pcgrad": lambda: multitask.pcgrad(seed=1),
-    "cgd": lambda: multitask.cgd(num_tasks=K),
-    "gradnorm": lambda: multitask.gradnorm(num_tasks=K),
-    "uncertainty_weighting": lambda: multitask.uncertainty_weighting(num_tasks=K),
+    "taco": functools.partial(multitask.taco, burn_in_fraction=0.1, beta=0.5),
+    "taco_bf16_approx_nonzero": functools.partial(multitask.taco, burn_in_fraction=0.0, beta=0.5, median="approx",
+                                                  median_samples=8, median_over="nonzero", keep_naive_scale=True,
+                                                  state_dtype=jnp.bfloat16),
+    "pcgrad": functools.partial(multitask.pcgrad, seed=1),
+    "cgd": multitask.cgd,
+    "gradnorm": multitask.gradnorm,
+    "uncertainty_weighting": multitask.uncertainty_weighting,
 }
+TRANSFORMS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    name: functools.partial(factory, num_tasks=K, total_steps=TOTAL_STEPS) for name, factory in FACTORIES.items()}
+STATELESS = {"naive_sum"}  # nothing to record, log or export
 each_transform = pytest.mark.parametrize("name", sorted(TRANSFORMS))
+each_stateful_transform = pytest.mark.parametrize("name", sorted(set(TRANSFORMS) - STATELESS))
 
 
 def params(seed: int) -> Any:
@@ -164,7 +176,7 @@ def test_opt_state_shardings_follow_the_params_with_a_leading_tasks_axis(name):
     assert jax.tree.structure(shardings) == jax.tree.structure(abstract), f"{name}: one sharding per state leaf"
     adam_mu = shardings[2][0].mu  # AdamW's first moment mirrors the params
     assert jax.tree.map(lambda s: s.spec, adam_mu) == jax.tree.map(lambda s: s.spec, param_shardings)
-    taco_state = multitask.find_taco_state(shardings)
+    taco_state = optax.tree_utils.tree_get(shardings, "TacoState")  # found by its NamedTuple's name
     if taco_state is not None:
         ema_specs = jax.tree.map(lambda s: s.spec, taco_state.ema)
         assert ema_specs == {"dense": {"kernel": PartitionSpec(None, "data", None), "bias": PartitionSpec(None, None)},
@@ -173,3 +185,62 @@ def test_opt_state_shardings_follow_the_params_with_a_leading_tasks_axis(name):
     state = jax.jit(tx.init, out_shardings=shardings)(PARAMS)
     for s, x in zip(jax.tree.leaves(shardings), jax.tree.leaves(state)):
         assert isinstance(s, NamedSharding) and x.sharding.is_equivalent_to(s, x.ndim)
+
+
+@each_transform
+def test_make_optimizer_builds_it_from_num_tasks_and_total_steps_alone(name):
+    """What `train.multitask = @multitask.<name>` gives the trainer: a factory it calls with the run's
+    number of tasks and steps only, then chains and updates like any other."""
+    tx = make_optimizer(total_steps=TOTAL_STEPS, num_tasks=K, learning_rate=1e-2, multitask=FACTORIES[name])
+    state = tx.init(params(0))
+    updates, _ = jax.jit(lambda g, s, p, losses: tx.update(g, s, p, task_losses=losses))(
+        task_grads(0), state, params(0), task_losses(0))
+    assert shapes_and_dtypes(updates) == shapes_and_dtypes(PARAMS), f"{name}: built by make_optimizer, wrong output"
+
+
+@each_stateful_transform
+def test_its_state_is_one_multitask_state_the_trainer_reads_by_name(name):
+    """The trainer finds the state in the chain by protocol, logs its metrics (scalars, every step)
+    and statistics (scalars, at logging steps), and exports what it marks (leaves [K, ...])."""
+    _, states = run(chained(name), steps=2)
+    found = multitask.multitask_states(states[-1])
+    assert len(found) == 1 and isinstance(found[0], multitask.MultitaskState), f"{name}: found {found}"
+    scalars = {**multitask.multitask_metrics(states[-1]), **multitask.multitask_statistics(states[-1])}
+    for metric, value in scalars.items():
+        assert metric.count("/") >= 1 and jnp.shape(value) == (), f"{name}: {metric} = {value} is not a named scalar"
+    exported = multitask.exported_state(states[-1])
+    if exported is not None:
+        for leaf in jax.tree.leaves(exported.arrays):
+            assert leaf.shape[0] == K, f"{name}: an exported leaf of shape {leaf.shape} has no task axis of {K}"
+
+
+@each_stateful_transform
+def test_its_numeric_hyperparameters_are_saved_in_its_state_and_found_by_name(name):
+    tx = chained(name)
+    initial = tx.init(params(0))
+    hyperparams = optax.tree_utils.tree_get(initial, "hyperparams")
+    assert hyperparams and all(jnp.shape(v) == () for v in hyperparams.values()), f"{name}: {hyperparams}"
+    _, states = run(tx, steps=2)
+    for key, value in hyperparams.items():
+        np.testing.assert_array_equal(optax.tree_utils.tree_get(states[-1], key), value,
+                                      err_msg=f"{name}: hyperparameter {key} changed in the state across updates")
+    if name.startswith("taco"):
+        assert float(optax.tree_utils.tree_get(initial, "tau")) == 2.0, "taco's tau is found by name in the state"
+
+
+@each_stateful_transform
+def test_reset_starts_the_multitask_state_over_and_leaves_the_rest(name):
+    tx = chained(name)
+    initial = tx.init(params(0))
+    _, states = run(tx, steps=2)
+    reset = multitask.reset_multitask(states[-1])
+    assert jax.tree.structure(reset) == jax.tree.structure(initial)
+    for (path, got), want, kept in zip(jax.tree_util.tree_flatten_with_path(multitask.multitask_states(reset))[0],
+                                       jax.tree.leaves(multitask.multitask_states(initial)),
+                                       jax.tree.leaves(multitask.multitask_states(states[-1]))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=(
+            f"{name}: reset state differs from a fresh init at {jax.tree_util.keystr(path)}"))
+        assert got.dtype == kept.dtype
+    for got, kept in zip(jax.tree.leaves(reset[1:]), jax.tree.leaves(states[-1][1:])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(kept),
+                                      err_msg=f"{name}: reset must not touch clipping's or AdamW's state")

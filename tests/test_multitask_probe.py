@@ -10,9 +10,9 @@ import numpy as np
 from t5_retrieval import gin_utils, sharding
 from t5_retrieval.data.batches import make_train_iterator
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.multitask.analysis import load_state_npz
+from t5_retrieval.multitask.analysis import STATE_FILE, load_state_npz
 from t5_retrieval.probe import probe_sensitivities
-from t5_retrieval.train import TACO_STATE_FILE, train
+from t5_retrieval.train import train
 from tiny_model import _bindings, build_tiny_run
 
 STEPS, BETA = 4, 0.5
@@ -25,13 +25,13 @@ def test_probe_equals_the_ema_of_a_taco_run_that_does_not_move(tmp_path, clean_g
     gin_utils.parse_gin(["models/t5_tiny.gin", "runs/taco.gin"], bindings)
     model_dir = str(tmp_path / "model")
     train(model_dir)
-    trained_ema, names = load_state_npz(os.path.join(model_dir, TACO_STATE_FILE))
+    trained_ema, names, _ = load_state_npz(os.path.join(model_dir, STATE_FILE))
 
     encoder = load_encoder(model_dir)
     batches = make_train_iterator(per_device_batch=4)  # the run's first batches again (seed 0)
     gin.clear_config()
     ema = probe_sensitivities(encoder.model, encoder.params, batches, names, STEPS, BETA,
-                              encoder.config["dual_encoder"]["logit_scale"], sharding.make_mesh(), progress=False)
+                              encoder.config["dual_encoder"]["logit_scale"], sharding.make_mesh(), progress=False).arrays
     probed = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(x)
               for path, x in jax.tree_util.tree_flatten_with_path(ema)[0]}
     assert sorted(probed) == sorted(trained_ema), "the probe's EMA must cover the same parameters"

@@ -14,7 +14,7 @@ from t5_retrieval.multitask.bf16 import stochastic_round_bfloat16
 from t5_retrieval.multitask.gradnorm import gradnorm_weight_gradient
 from t5_retrieval.multitask.median import taco_global_median
 from t5_retrieval.multitask.pcgrad import pcgrad_coefficients
-from t5_retrieval.multitask.uncertainty import UncertaintyState, uncertainty_total_loss
+from t5_retrieval.multitask.uncertainty import uncertainty_total_loss
 
 # Leaf shapes of a tiny "model": P = 12 + 6 + 6 = 24 (even, so the lower-median rule matters).
 SHAPES = {"dense": {"kernel": (3, 4), "bias": (6,)}, "norm": (2, 3)}
@@ -75,7 +75,7 @@ def test_taco_matches_numpy_transcription_over_steps(keep_naive_scale):
     k, steps, burn_in, beta, tau = 3, 6, 2, 0.5, 2.0
     grads_seq = [_tree(rng, (k,)) for _ in range(steps)]
     params_seq = [_tree(rng) for _ in range(steps)]
-    tx = multitask.taco(num_tasks=k, burn_in_steps=burn_in, beta=beta, tau=tau,
+    tx = multitask.taco(num_tasks=k, total_steps=steps, burn_in_fraction=burn_in / steps, beta=beta, tau=tau,
                  keep_naive_scale=keep_naive_scale)
     outs, states = _run(tx, grads_seq, params_seq)
     ref_outs, ref_emas = numpy_taco(grads_seq, params_seq, k, burn_in, beta, tau, keep_naive_scale)
@@ -91,7 +91,7 @@ def test_taco_ema_starts_at_zero_without_bias_correction():
     rng = np.random.default_rng(1)
     k, beta = 2, 0.999
     grads, params = _tree(rng, (k,)), _tree(rng)
-    tx = multitask.taco(num_tasks=k, burn_in_steps=10, beta=beta)
+    tx = multitask.taco(num_tasks=k, total_steps=10, burn_in_fraction=1.0, beta=beta)
     state = tx.init(params)
     assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree_util.tree_leaves(state.ema))
     _, state = jax.jit(tx.update)(grads, state, params)
@@ -105,8 +105,9 @@ def test_taco_burn_in_returns_mean_then_switches_to_weights():
     rng = np.random.default_rng(2)
     k = 3
     grads, params = _tree(rng, (k,)), _tree(rng)
-    tx = multitask.taco(num_tasks=k, burn_in_steps=2, beta=0.5)
+    tx = multitask.taco(num_tasks=k, total_steps=10, burn_in_fraction=0.2, beta=0.5)
     state, update = tx.init(params), jax.jit(tx.update)
+    assert int(state.hyperparams["burn_in_steps"]) == 2, "the burn-in is round(0.2 * 10) steps"
     mean = _flat(grads, k).sum(0) / k
     for step in range(2):
         out, state = update(grads, state, params)
@@ -124,18 +125,18 @@ def test_taco_equal_sensitivities_give_uniform_weights():
     params = _tree(rng)
     one = _tree(rng)
     grads = jax.tree_util.tree_map(lambda g: jnp.stack([g] * k), one)
-    tx = multitask.taco(num_tasks=k, burn_in_steps=0, beta=0.9)
+    tx = multitask.taco(num_tasks=k, total_steps=10, burn_in_fraction=0.0, beta=0.9)
     state, update = tx.init(params), jax.jit(tx.update)
     for _ in range(3):
         out, state = update(grads, state, params)
     np.testing.assert_allclose(_flat(out), _flat(one) / k, rtol=1e-5,
                                err_msg="identical tasks: weights 1/K each, output g / K")
-    metrics = multitask.taco_metrics(state)
+    metrics = {**multitask.multitask_metrics(state), **multitask.multitask_statistics(state)}
     np.testing.assert_allclose(float(metrics["taco/mean_entropy"]), np.log(k), rtol=1e-5,
                                err_msg="uniform weights must have entropy log K")
     for i in range(k):
         np.testing.assert_allclose(float(metrics[f"taco/weight_mean/{i}"]), 1 / k, rtol=1e-5)
-    assert bool(metrics["taco/active"]), "burn_in_steps=0: weighting is active from step 0"
+    assert bool(metrics["taco/active"]), "total_steps=10, burn_in_fraction=0.0: weighting is active from step 0"
 
 
 def test_taco_logged_weight_statistics_match_the_analysis_of_the_same_state():
@@ -144,11 +145,11 @@ def test_taco_logged_weight_statistics_match_the_analysis_of_the_same_state():
     k = 3
     params = _tree(rng)
     grads = _tree(rng, lead=(k,))
-    tx = multitask.taco(num_tasks=k, burn_in_steps=0, beta=0.5, tau=0.5)
+    tx = multitask.taco(num_tasks=k, total_steps=10, burn_in_fraction=0.0, beta=0.5, tau=0.5)
     state = tx.init(params)
     for _ in range(2):
         _, state = tx.update(grads, state, params)
-    metrics = multitask.taco_metrics(state)
+    metrics = multitask.multitask_statistics(state)
     weights, entropy = analysis.task_weights_and_entropy(state.ema, 0.5)
     np.testing.assert_allclose(float(metrics["taco/mean_entropy"]), entropy.mean(), rtol=1e-5)
     assert float(metrics["taco/mean_entropy"]) < np.log(k) - 0.05, "random tasks: weights not uniform"
@@ -177,7 +178,7 @@ def test_taco_median_over_nonzero_is_each_tasks_lower_median_of_its_nonzero_valu
         median = jax.jit(lambda x: taco_global_median(x, mode, over="nonzero", **kw))
         np.testing.assert_array_equal(np.asarray(median(leaves)), np.float32(expected), err_msg=mode)
     with pytest.raises(ValueError, match="median_over"):
-        multitask.taco(num_tasks=3, burn_in_steps=0, median_over="touched")
+        multitask.taco(num_tasks=3, total_steps=10, burn_in_fraction=0.0, median_over="touched")
 
 
 def test_taco_exact_median_radix_select_equals_sorting_with_ties_and_zeros():
@@ -201,8 +202,8 @@ def test_taco_bfloat16_state_tracks_float32_state():
     k, steps = 3, 5
     grads_seq = [_tree(rng, (k,)) for _ in range(steps)]
     params_seq = [_tree(rng)] * steps
-    out32, st32 = _run(multitask.taco(k, burn_in_steps=1, beta=0.5), grads_seq, params_seq)
-    out16, st16 = _run(multitask.taco(k, burn_in_steps=1, beta=0.5, state_dtype=jnp.bfloat16),
+    out32, st32 = _run(multitask.taco(k, total_steps=10, burn_in_fraction=0.1, beta=0.5), grads_seq, params_seq)
+    out16, st16 = _run(multitask.taco(k, total_steps=10, burn_in_fraction=0.1, beta=0.5, state_dtype=jnp.bfloat16),
                        grads_seq, params_seq)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(st16[-1].ema))
     np.testing.assert_allclose(_flat(st16[-1].ema, k), _flat(st32[-1].ema, k), rtol=2e-2,
@@ -220,7 +221,7 @@ def test_taco_bfloat16_state_follows_float32_at_the_default_beta():
     grads = {"w": jnp.asarray(rng.normal(size=(k, 64, 64)), jnp.float32)}
 
     def final_ema(state_dtype):
-        tx = multitask.taco(k, burn_in_steps=0, beta=0.999, state_dtype=state_dtype)
+        tx = multitask.taco(k, total_steps=10, burn_in_fraction=0.0, beta=0.999, state_dtype=state_dtype)
         body = lambda state, _: (tx.update(grads, state, params)[1], None)  # noqa: E731
         ema = jax.jit(lambda: jax.lax.scan(body, tx.init(params), None, length=steps)[0])().ema["w"]
         assert ema.dtype == jnp.dtype(state_dtype)
@@ -250,7 +251,7 @@ def test_taco_chains_with_clip_and_adamw_under_jit():
     rng = np.random.default_rng(6)
     k = 3
     params = jax.tree_util.tree_map(jnp.asarray, _tree(rng))
-    tx = optax.chain(multitask.taco(k, burn_in_steps=1, beta=0.5), optax.clip_by_global_norm(1.0),
+    tx = optax.chain(multitask.taco(k, total_steps=10, burn_in_fraction=0.1, beta=0.5), optax.clip_by_global_norm(1.0),
                      optax.adamw(1e-2, weight_decay=0.0))
     state = tx.init(params)
 
@@ -264,23 +265,23 @@ def test_taco_chains_with_clip_and_adamw_under_jit():
         new, state = step(new, state, _tree(rng, (k,)))
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(new))
     assert not np.allclose(_flat(new), _flat(params)), "chained optimiser must move the params"
-    assert int(multitask.find_taco_state(state).step) == 3
-    assert bool(multitask.taco_metrics(state)["taco/active"])
+    assert int(optax.tree_utils.tree_get(state, "TacoState").step) == 3
+    assert bool(multitask.multitask_metrics(state)["taco/active"])
 
 
-def test_reset_taco_zeroes_ema_and_step_inside_a_chain_only():
+def test_reset_zeroes_tacos_ema_and_step_inside_a_chain_only():
     rng = np.random.default_rng(7)
     k = 2
     params = _tree(rng)
-    tx = optax.chain(multitask.taco(k, burn_in_steps=0, beta=0.5), optax.adam(1e-3))
+    tx = optax.chain(multitask.taco(k, total_steps=10, burn_in_fraction=0.0, beta=0.5), optax.adam(1e-3))
     state = tx.init(params)
     _, state = jax.jit(tx.update)(_tree(rng, (k,)), state, params)
-    reset = multitask.reset_taco(state)
-    taco_state = multitask.find_taco_state(reset)
-    assert int(taco_state.step) == 0
+    reset = multitask.reset_multitask(state)
+    taco_state = optax.tree_utils.tree_get(reset, "TacoState")
+    assert int(taco_state.step) == 0 and float(taco_state.hyperparams["beta"]) == 0.5, "hyperparameters are kept"
     assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree_util.tree_leaves(taco_state.ema))
     np.testing.assert_array_equal(np.asarray(reset[1][0].count), np.asarray(state[1][0].count),
-                                  err_msg="reset_taco must not touch the Adam state")
+                                  err_msg="reset_multitask must not touch the Adam state")
     assert jax.tree_util.tree_structure(reset) == jax.tree_util.tree_structure(state)
 
 
@@ -310,7 +311,7 @@ def test_taco_approx_median_weights_agree_with_exact():
     np.testing.assert_array_equal(full_sample, exact_med,
                                   err_msg="a sample as large as the model must give the exact median")
 
-    kw = dict(num_tasks=k, burn_in_steps=0, beta=0.5, tau=2.0)
+    kw = dict(num_tasks=k, total_steps=10, burn_in_fraction=0.0, beta=0.5, tau=2.0)
     _, exact_states = _run(multitask.taco(median="exact", **kw), grads_seq, [params] * steps)
     _, approx_states = _run(multitask.taco(median="approx", median_samples=1 << 14, **kw),
                             grads_seq, [params] * steps)
@@ -325,14 +326,14 @@ def test_taco_approx_median_weights_agree_with_exact():
 def test_taco_rejects_missing_params_and_wrong_task_count():
     rng = np.random.default_rng(9)
     params = _tree(rng)
-    tx = multitask.taco(num_tasks=3, burn_in_steps=0)
+    tx = multitask.taco(num_tasks=3, total_steps=10, burn_in_fraction=0.0)
     state = tx.init(params)
     with pytest.raises(ValueError, match="needs the current params"):
         tx.update(_tree(rng, (3,)), state)
     with pytest.raises(ValueError, match="built for 3 tasks"):
         tx.update(_tree(rng, (2,)), state, params)
     with pytest.raises(ValueError, match="median must be"):
-        multitask.taco(num_tasks=3, burn_in_steps=0, median="histogram")
+        multitask.taco(num_tasks=3, total_steps=10, burn_in_fraction=0.0, median="histogram")
 
 
 def test_transforms_are_gin_configurable_under_multitask():
@@ -362,21 +363,21 @@ def _vec(tree) -> np.ndarray:
 
 def test_naive_sum_sums_task_gradients():
     grads = _two_leaf(np.array([[1.0, 2.0], [3.0, -1.0]]))
-    out, _ = multitask.naive_sum().update(grads, optax.EmptyState())
+    out, _ = multitask.naive_sum(num_tasks=2, total_steps=1).update(grads, optax.EmptyState())
     np.testing.assert_allclose(_vec(out), [4.0, 1.0])
 
 
 def test_pcgrad_projects_two_conflicting_gradients_by_hand():
     # g1 = (1, 0), g2 = (-1, 1): <g1, g2> = -1 < 0.
     # g1_pc = g1 + 1/2 g2 = (0.5, 0.5); g2_pc = g2 + 1/1 g1 = (0, 1); sum = (0.5, 1.5).
-    tx = multitask.pcgrad(seed=0)
+    tx = multitask.pcgrad(num_tasks=2, total_steps=1, seed=0)
     grads = _two_leaf(np.array([[1.0, 0.0], [-1.0, 1.0]]))
     out, _ = jax.jit(tx.update)(grads, tx.init({"x": jnp.zeros(1), "y": jnp.zeros(1)}))
     np.testing.assert_allclose(_vec(out), [0.5, 1.5], rtol=1e-6)
 
 
 def test_pcgrad_leaves_agreeing_gradients_alone():
-    tx = multitask.pcgrad()
+    tx = multitask.pcgrad(num_tasks=3, total_steps=1)
     grads = _two_leaf(np.array([[1.0, 0.5], [0.5, 1.0], [2.0, 0.1]]))
     out, _ = jax.jit(tx.update)(grads, tx.init(None))
     np.testing.assert_allclose(_vec(out), [3.5, 1.6], rtol=1e-6,
@@ -408,7 +409,7 @@ def test_cgd_multiplicative_weights_step_matches_formula():
     g = np.array([[1.0, 0.0], [1.0, 0.2], [-1.0, 0.0]])
     losses = np.array([1.0, 2.0, 0.5])
     lr = 0.5
-    tx = multitask.cgd(num_tasks=3, learning_rate=lr)
+    tx = multitask.cgd(num_tasks=3, total_steps=1, learning_rate=lr)
     state = tx.init(None)
     out, new = jax.jit(tx.update)(_two_leaf(g), state, task_losses=jnp.asarray(losses))
     norms = np.linalg.norm(g, axis=1)
@@ -422,7 +423,7 @@ def test_cgd_multiplicative_weights_step_matches_formula():
 
 
 def test_cgd_requires_task_losses():
-    tx = multitask.cgd(num_tasks=2)
+    tx = multitask.cgd(num_tasks=2, total_steps=1)
     with pytest.raises(ValueError, match="task_losses"):
         tx.update(_two_leaf(np.eye(2)), tx.init(None))
 
@@ -447,7 +448,7 @@ def test_gradnorm_weights_learn_toward_equal_weighted_norms():
     # Task 0's gradient is 4x larger and both tasks train at the same rate, so GradNorm must
     # shift weight from task 0 to task 1 while keeping sum(w) = K.
     # Equilibrium: 4 w0 = w1 = 2 - w0, i.e. w0 = 0.4; lr keeps 5 steps short of it.
-    tx = multitask.gradnorm(num_tasks=2, learning_rate=0.02, alpha=1.5)
+    tx = multitask.gradnorm(num_tasks=2, total_steps=1, learning_rate=0.02, alpha=1.5)
     state = tx.init(None)
     grads = _two_leaf(np.array([[4.0, 0.0], [0.0, 1.0]]))
     update = jax.jit(tx.update)
@@ -465,7 +466,7 @@ def test_gradnorm_weights_learn_toward_equal_weighted_norms():
 
 
 def test_gradnorm_upweights_the_task_that_trains_slower():
-    tx = multitask.gradnorm(num_tasks=2, learning_rate=0.05, alpha=1.5)
+    tx = multitask.gradnorm(num_tasks=2, total_steps=1, learning_rate=0.05, alpha=1.5)
     state = tx.init(None)
     grads = _two_leaf(np.array([[1.0, 0.0], [0.0, 1.0]]))
     _, state = jax.jit(tx.update)(grads, state, task_losses=jnp.array([1.0, 1.0]))  # L(0)
@@ -480,8 +481,8 @@ def test_uncertainty_weighting_is_the_gradient_of_the_gdmtl_loss():
     losses = jnp.asarray(a) @ theta + jnp.array([2.0, 1.0])
     sigma0 = jnp.array([1.0, 0.5])
     lr = 0.1
-    tx = multitask.uncertainty_weighting(num_tasks=2, learning_rate=lr)
-    state = UncertaintyState(sigma=sigma0)
+    tx = multitask.uncertainty_weighting(num_tasks=2, total_steps=1, learning_rate=lr)
+    state = tx.init(None)._replace(sigma=sigma0)
     out, new = jax.jit(tx.update)(_two_leaf(a), state, task_losses=losses)
 
     def total(theta, sigma):
@@ -495,7 +496,7 @@ def test_uncertainty_weighting_is_the_gradient_of_the_gdmtl_loss():
 
 
 def test_multitask_metrics_report_learned_weights():
-    tx = optax.chain(multitask.cgd(num_tasks=2), optax.sgd(0.1))
+    tx = optax.chain(multitask.cgd(num_tasks=2, total_steps=1), optax.sgd(0.1))
     params = {"x": jnp.zeros(1), "y": jnp.zeros(1)}
     state = tx.init(params)
     _, state = jax.jit(tx.update)(_two_leaf(np.eye(2)), state, params, task_losses=jnp.ones(2))

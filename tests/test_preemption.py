@@ -39,7 +39,7 @@ BINDINGS = ["VOCAB_SIZE = 64", "D_MODEL = 16", "D_FF = 32", "NUM_LAYERS = 1", "N
 VARIANTS = {
     "naive_sum": [],
     # TACO's burn-in ends at step 6, so the resumed runs cross it with a restored EMA.
-    "taco": ["train.multitask = @multitask.taco", "make_optimizer.burn_in_fraction = 0.25"],
+    "taco": ["train.multitask = @multitask.taco", "multitask.taco.burn_in_fraction = 0.25"],
 }
 
 

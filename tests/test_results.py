@@ -80,6 +80,25 @@ def test_a_trained_rows_record_reads_the_models_task_names_and_sums_stage_times(
     assert analysis_table(work_dir) == "", "no analysed model, no analysis table"
 
 
+def test_the_training_state_analysis_uses_the_tau_each_run_trained_with(tmp_path):
+    """A state saved with its hyperparameters gives its own tau; one written before (taco_state.npz)
+    takes the `taco.tau` of the model's config.gin beside it."""
+    from t5_retrieval.multitask.analysis import STATE_FILE, TACO_STATE_FILE, save_state_npz
+    from t5_retrieval.results.analysis import sensitivity_analysis
+
+    ema = {"w": np.abs(np.random.default_rng(0).normal(size=(2, 50))).astype(np.float32)}
+    new, old = tmp_path / "taco_nonzero_median" / "model", tmp_path / "taco" / "model"
+    save_state_npz(ema, ["nq", "fever"], str(new / STATE_FILE), {"tau": 0.5, "beta": 0.99})
+    old.mkdir(parents=True)
+    np.savez(old / TACO_STATE_FILE, w=ema["w"], task_names=np.array(["nq", "fever"]))
+    (old / "config.gin").write_text("# Parameters for taco:\ntaco.beta = 0.99\ntaco.tau = 0.75\n")
+    sensitivity_analysis(str(tmp_path))
+    for row, tau in (("taco_nonzero_median", 0.5), ("taco", 0.75)):
+        with open(tmp_path / "analysis" / f"{row}_training" / "analysis.json") as f:
+            assert json.load(f)["tau"] == tau, row
+    assert analysis_table(str(tmp_path)).count("its training EMA") == 2
+
+
 def test_bm25_answer_recall_on_qa_open_matches_the_datas_reference(bm25_run):
     data_dir = os.path.join(bm25_run, "data")
     qa_dir = qa_open_dir(data_dir)

@@ -11,6 +11,7 @@ import pytest
 
 from t5_retrieval import checkpoint, gin_utils
 from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.errors import UserError
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.train import train
 
@@ -92,6 +93,20 @@ def test_model_dir_with_another_architecture_is_refused(finished_run, tmp_path):
     shutil.copytree(model_dir, other)
     with pytest.raises(checkpoint.CheckpointError, match=r"model config differs.*'t5'"):
         run(other, "train.num_steps = 60", "D_FF = 96")
+
+
+def test_a_checkpoint_whose_optimiser_state_does_not_fit_is_refused_saying_what_to_do(finished_run, tmp_path):
+    """As a checkpoint written before multi-task states held their hyperparameters is: its optimiser
+    state has other fields than this run's (here: no multi-task state at all)."""
+    model_dir, _ = finished_run
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other)
+    shutil.rmtree(other / "60")
+    with pytest.raises(checkpoint.CheckpointError, match=r"optimiser state does not fit.*lacks opt_state/0/.*"
+                                                         r"--gin.train.init_from=") as refused:
+        run(other, "train.num_steps = 60", "train.multitask = @multitask.taco")
+    assert isinstance(refused.value, UserError), "t5r shows it as one line, exit status 2"
+    assert sorted(checkpoint.manager(str(other)).all_steps()) == [20, 40], "no checkpoint is set aside or deleted"
 
 
 def test_a_run_written_before_newer_config_fields_resumes(finished_run, tmp_path):

@@ -11,14 +11,18 @@ from t5_retrieval.multitask import analysis
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="t5r analyze", description=analysis.__doc__.splitlines()[0])
     parser.add_argument("--state_npz", required=True,
-                        help="EMA state written by save_state_npz (leaf arrays + task_names).")
+                        help="EMA state written by save_state_npz (leaf arrays, task_names, hyperparams), "
+                             "e.g. <model_dir>/multitask_state.npz.")
     parser.add_argument("--out", required=True, help="output directory for figures and JSON.")
-    parser.add_argument("--tau", type=float, default=2.0, help="TACO softmax temperature.")
+    parser.add_argument("--tau", type=float, default=None,
+                        help="TACO softmax temperature (default: the one saved with the state, else the "
+                             "model's config.gin, else TACO's default).")
     parser.add_argument("--entropy_threshold", type=float, default=0.3)
     parser.add_argument("--inactive_threshold", type=float, default=1e-6)
     args = parse_args(parser, argv)
-    ema, names = analysis.load_state_npz(args.state_npz)
-    summary = analysis.write_analysis(ema, names, args.tau, args.out, args.entropy_threshold,
+    saved = analysis.load_state_npz(args.state_npz)
+    tau = analysis.saved_tau(args.state_npz, saved) if args.tau is None else args.tau
+    summary = analysis.write_analysis(saved.arrays, saved.task_names, tau, args.out, args.entropy_threshold,
                                       args.inactive_threshold)
     print(f"analyze: {summary['num_params']} params, {summary['num_tasks']} tasks: "
           f"task specific {100 * summary['task_specific_fraction']:.2f}%, not activated "

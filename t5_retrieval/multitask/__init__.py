@@ -4,38 +4,33 @@ Every transform receives *per-task* gradients — a pytree shaped like the param
 carry a leading task axis K — and returns one ordinary gradient pytree, so it composes like any
 other optax transform::
 
-    tx = optax.chain(taco(num_tasks=6, burn_in_steps=500), optax.clip_by_global_norm(1.0),
+    tx = optax.chain(taco(num_tasks=6, total_steps=5000), optax.clip_by_global_norm(1.0),
                      optax.adamw(5e-6))
     state = tx.init(params)                                    # ordinary params, no K axis
     grads, state = tx.update(per_task_grads, state, params)    # leaves [K, ...] in, [...] out
 
-Transforms that learn from the per-task losses (CGD, GradNorm, uncertainty weighting) take them as
-``update(..., task_losses=losses)`` with ``losses`` of shape [K]; they are
-``optax.GradientTransformationExtraArgs`` so ``optax.chain`` forwards the keyword.
+Every factory takes the two run-level arguments ``num_tasks`` (K) and ``total_steps`` (the run's
+or episode's optimiser steps), which `optim.make_optimizer` passes; the rest comes from gin, under
+``multitask.<factory>`` (each module registers its factory: ``multitask.taco.tau = 2.0``,
+``multitask.pcgrad.seed = 1``). Transforms that learn from the per-task losses (CGD, GradNorm,
+uncertainty weighting) take them as ``update(..., task_losses=losses)`` with ``losses`` of shape
+[K]; they are ``optax.GradientTransformationExtraArgs`` so ``optax.chain`` forwards the keyword.
 
-One module per algorithm (`naive`, `taco`, `pcgrad`, `cgd`, `gradnorm`, `uncertainty`), helpers
-beside them (`task_axis`, `median`, `bf16`), and `state` to read or reset a chain's multi-task
-state. The transforms are pure: skipping a step with non-finite values is the train step's job.
-They know nothing of gin; they are registered here so that run files can configure them, e.g.
-``multitask.taco.tau = 2.0`` or ``multitask.pcgrad.seed = 1``.
+One module per algorithm, imported below on one line each; helpers beside them (`task_axis`,
+`median`, `bf16`), and `state`: the `MultitaskState` protocol every stateful transform's state
+keeps (hyperparameters, metrics, exported arrays, reset), by which the trainer reads any of them.
+The transforms are pure: skipping a step with non-finite values is the train step's job.
 """
 
-import gin
+from t5_retrieval.multitask.state import (
+    ExportedState, MultitaskState, exported_state, multitask_metrics, multitask_states, multitask_statistics,
+    reset_multitask,
+)
 
+# One line per algorithm (importing its module registers its factory with gin).
 from t5_retrieval.multitask.cgd import CGDState, cgd
 from t5_retrieval.multitask.gradnorm import GradNormState, gradnorm
 from t5_retrieval.multitask.naive import naive_sum
 from t5_retrieval.multitask.pcgrad import PCGradState, pcgrad
-from t5_retrieval.multitask.state import find_taco_state, multitask_metrics, reset_taco, taco_metrics
 from t5_retrieval.multitask.taco import TacoState, taco
 from t5_retrieval.multitask.uncertainty import UncertaintyState, uncertainty_weighting
-
-for _fn in (taco, naive_sum, pcgrad, cgd, gradnorm, uncertainty_weighting):
-    gin.external_configurable(_fn, module="multitask")
-del _fn
-
-__all__ = [
-    "CGDState", "GradNormState", "PCGradState", "TacoState", "UncertaintyState", "cgd",
-    "find_taco_state", "gradnorm", "multitask_metrics", "naive_sum", "pcgrad", "reset_taco",
-    "taco", "taco_metrics", "uncertainty_weighting",
-]

@@ -10,61 +10,115 @@ writes:
   analysis.json                 the same numbers
 
 ``t5r analyze --state_npz STATE.npz --out DIR`` runs it on a file written by
-:func:`save_state_npz` (one array per flattened EMA leaf path, plus ``task_names``).
+:func:`save_state_npz` (one array per flattened EMA leaf path, ``task_names`` and the
+``hyperparams`` of the state); the trainer writes one as `<model_dir>/multitask_state.npz`.
+tau comes from the file, or for a file written before it held hyperparameters
+(`taco_state.npz`) from the model's config.gin beside it, else TACO's default (`saved_tau`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import zipfile
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from t5_retrieval import gin_utils
 from t5_retrieval.data.records import DataError
-from t5_retrieval.errors import ConfigError
+from t5_retrieval.errors import ConfigError, UserError
+from t5_retrieval.multitask.taco import DEFAULT_TAU
 from t5_retrieval.sharding import param_path
 
+log = logging.getLogger(__name__)
 TASK_NAMES_KEY = "task_names"
+HYPERPARAMS_KEY = "hyperparams"  # a JSON object: {name: number}
+RESERVED_KEYS = (TASK_NAMES_KEY, HYPERPARAMS_KEY)
 ENTROPY_BINS = 50
+STATE_FILE = "multitask_state.npz"  # what `t5r train` writes into the model directory
+TACO_STATE_FILE = "taco_state.npz"  # what it wrote before (arrays and task names, no hyperparameters)
+CONFIG_FILE = "config.gin"  # the operative gin config `t5r train` writes beside it
 
 
-def save_state_npz(ema: Any, task_names: Sequence[str], path: str) -> None:
-    """Writes the EMA pytree (leaves [K, ...]) as one float32 array per leaf path, plus names."""
-    flat = jax.tree_util.tree_flatten_with_path(ema)[0]
-    arrays = {param_path(p): np.asarray(x, np.float32) for p, x in flat}
-    if TASK_NAMES_KEY in arrays:
-        raise ValueError(f"an EMA leaf is named {TASK_NAMES_KEY!r}, which is reserved")
-    for name, x in arrays.items():
+class SavedState(NamedTuple):
+    """A file written by :func:`save_state_npz`."""
+
+    arrays: dict[str, np.ndarray]  # {leaf path: [K, ...]}
+    task_names: list[str]
+    hyperparams: dict[str, float]  # empty in a file written before they were saved
+
+
+def state_file(model_dir: str) -> str | None:
+    """The exported multi-task state of a model directory, under today's name or the earlier one."""
+    for name in (STATE_FILE, TACO_STATE_FILE):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def save_state_npz(arrays: Any, task_names: Sequence[str], path: str,
+                   hyperparams: Mapping[str, Any] | None = None) -> None:
+    """Writes a pytree (leaves [K, ...]) as one float32 array per leaf path, plus the task names
+    and the numeric hyperparameters that produced it."""
+    flat = jax.tree_util.tree_flatten_with_path(arrays)[0]
+    named = {param_path(p): np.asarray(x, np.float32) for p, x in flat}
+    for reserved in RESERVED_KEYS:
+        if reserved in named:
+            raise ValueError(f"a state leaf is named {reserved!r}, which is reserved")
+    for name, x in named.items():
         if x.ndim == 0 or x.shape[0] != len(task_names):
-            raise ValueError(f"EMA leaf {name!r} has shape {x.shape}; expected a leading task axis "
+            raise ValueError(f"state leaf {name!r} has shape {x.shape}; expected a leading task axis "
                              f"of {len(task_names)} ({', '.join(task_names)})")
+    numbers = {k: np.asarray(v).item() for k, v in (hyperparams or {}).items()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    np.savez(path, **arrays, **{TASK_NAMES_KEY: np.array(list(task_names))})
+    np.savez(path, **named, **{TASK_NAMES_KEY: np.array(list(task_names)), HYPERPARAMS_KEY: json.dumps(numbers)})
 
 
-def load_state_npz(path: str) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Reads a file written by :func:`save_state_npz`: ({leaf path: [K, ...]}, task names)."""
+def load_state_npz(path: str) -> SavedState:
+    """Reads a file written by :func:`save_state_npz` (or by the trainer before it saved hyperparameters)."""
     if not zipfile.is_zipfile(path):  # np.load would read an .npy or try a pickle instead
         raise DataError(f"{path}: not an .npz file; pass the state written by save_state_npz")
     try:
         with np.load(path) as data:
             names = [str(n) for n in data[TASK_NAMES_KEY]] if TASK_NAMES_KEY in data else None
-            ema = {k: data[k] for k in data.files if k != TASK_NAMES_KEY}
+            hyperparams = json.loads(str(data[HYPERPARAMS_KEY])) if HYPERPARAMS_KEY in data else {}
+            arrays = {k: data[k] for k in data.files if k not in RESERVED_KEYS}
     except (ValueError, zipfile.BadZipFile) as e:
         raise DataError(f"{path}: damaged .npz ({type(e).__name__}: {e})") from None
     if names is None:
         raise DataError(f"{path}: no {TASK_NAMES_KEY!r} array; was it written by save_state_npz?")
-    if not ema:
-        raise DataError(f"{path}: holds task names but no EMA leaf")
-    for leaf, x in ema.items():
+    if not arrays:
+        raise DataError(f"{path}: holds task names but no state leaf")
+    for leaf, x in arrays.items():
         if x.ndim == 0 or x.shape[0] != len(names):
             raise DataError(f"{path}: leaf {leaf!r} has shape {x.shape}, expected leading axis "
                             f"{len(names)} (one per task in {TASK_NAMES_KEY})")
-    return ema, names
+    return SavedState(arrays, names, hyperparams)
+
+
+def saved_tau(path: str, saved: SavedState) -> float:
+    """The tau the state at `path` was trained with: saved with it, else (a file written before
+    hyperparameters were saved) the `taco.tau` of the model's config.gin beside it, else TACO's
+    default. Logs where it came from."""
+    if "tau" in saved.hyperparams:
+        log.info("%s: tau %g, saved with the state", path, saved.hyperparams["tau"])
+        return float(saved.hyperparams["tau"])
+    config = os.path.join(os.path.dirname(os.path.abspath(path)), CONFIG_FILE)
+    values = set(gin_utils.operative_values(config, "multitask.taco", "tau")) if os.path.exists(config) else set()
+    if len(values) > 1:
+        raise UserError(f"{config} binds taco.tau to {sorted(values)} in different scopes; say which with --tau")
+    if values:
+        tau = float(values.pop())
+        log.warning("%s holds no tau (written before states saved their hyperparameters): tau %g from %s",
+                    path, tau, config)
+        return tau
+    log.warning("%s holds no tau and %s binds none: TACO's default tau %g", path, config, DEFAULT_TAU)
+    return DEFAULT_TAU
 
 
 def _flat_ema(ema: Any) -> np.ndarray:

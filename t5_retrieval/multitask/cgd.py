@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import gin
 import jax
 import jax.numpy as jnp
 import optax
 
+from t5_retrieval.multitask.state import hyperparameter_arrays
 from t5_retrieval.multitask.task_axis import (
     gram, num_tasks as task_count, task_losses as checked_losses, weighted_sum,
 )
@@ -33,9 +35,25 @@ from t5_retrieval.multitask.task_axis import (
 
 class CGDState(NamedTuple):
     weights: jax.Array  # f32 [K], on the simplex (up to the min_weight floor)
+    hyperparams: dict[str, jax.Array]  # scalars: learning_rate, min_weight
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """``cgd/weight/{k}``: each task's weight alpha_k."""
+        return {f"cgd/weight/{k}": self.weights[k] for k in range(self.weights.shape[0])}
+
+    def statistics(self) -> dict[str, jax.Array]:
+        return {}
+
+    def exported(self) -> None:
+        return None
+
+    def reset(self) -> CGDState:
+        """Uniform weights again."""
+        return self._replace(weights=jnp.full_like(self.weights, 1.0 / self.weights.shape[0]))
 
 
-def cgd(num_tasks: int, learning_rate: float = 0.1, min_weight: float = 1e-5
+@gin.register(module="multitask")
+def cgd(num_tasks: int, total_steps: int, learning_rate: float = 0.1, min_weight: float = 1e-5
         ) -> optax.GradientTransformationExtraArgs:
     """Common Gradient Descent (Piratla et al., ICLR 2022): sum_i alpha_i g_i with learned alpha.
 
@@ -49,13 +67,18 @@ def cgd(num_tasks: int, learning_rate: float = 0.1, min_weight: float = 1e-5
 
     Args:
       num_tasks: K; the weights start uniform at 1/K.
+      total_steps: the run's length, which CGD does not depend on.
       learning_rate: step size of the multiplicative-weights update.
       min_weight: floor of every weight after normalising.
     """
+    del total_steps
+
+    def recorded() -> dict[str, jax.Array]:
+        return hyperparameter_arrays(learning_rate=float(learning_rate), min_weight=float(min_weight))
 
     def init_fn(params: Any) -> CGDState:
         del params
-        return CGDState(weights=jnp.full([num_tasks], 1.0 / num_tasks, jnp.float32))
+        return CGDState(weights=jnp.full([num_tasks], 1.0 / num_tasks, jnp.float32), hyperparams=recorded())
 
     def update_fn(updates: Any, state: CGDState, params: Any = None, *, task_losses: Any = None,
                   **extra_args: Any) -> tuple[Any, CGDState]:
@@ -67,6 +90,6 @@ def cgd(num_tasks: int, learning_rate: float = 0.1, min_weight: float = 1e-5
         agreement = cosine * jnp.sqrt(jnp.outer(losses, losses))
         logits = jnp.log(state.weights) + learning_rate * jnp.mean(agreement, axis=1)
         weights = jnp.maximum(jax.nn.softmax(logits), min_weight)
-        return weighted_sum(weights, updates), CGDState(weights=weights)
+        return weighted_sum(weights, updates), CGDState(weights=weights, hyperparams=recorded())
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

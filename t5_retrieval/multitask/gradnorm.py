@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import gin
 import jax
 import jax.numpy as jnp
 import optax
 
+from t5_retrieval.multitask.state import hyperparameter_arrays
 from t5_retrieval.multitask.task_axis import (
     gram, num_tasks as task_count, task_losses as checked_losses, weighted_sum,
 )
@@ -38,6 +40,22 @@ class GradNormState(NamedTuple):
     weights: jax.Array  # f32 [K], sum K
     initial_losses: jax.Array  # f32 [K], L_k(0)
     step: jax.Array  # int32 []
+    hyperparams: dict[str, jax.Array]  # scalars: alpha, learning_rate
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """``gradnorm/weight/{k}``: each task's loss weight w_k."""
+        return {f"gradnorm/weight/{k}": self.weights[k] for k in range(self.weights.shape[0])}
+
+    def statistics(self) -> dict[str, jax.Array]:
+        return {}
+
+    def exported(self) -> None:
+        return None
+
+    def reset(self) -> GradNormState:
+        """Weights 1 and step 0, so the next update's losses become L_k(0)."""
+        return self._replace(weights=jnp.ones_like(self.weights), initial_losses=jnp.ones_like(self.initial_losses),
+                             step=jnp.zeros_like(self.step))
 
 
 def gradnorm_weight_gradient(weights: jax.Array, grad_norms: jax.Array, losses: jax.Array,
@@ -52,7 +70,8 @@ def gradnorm_weight_gradient(weights: jax.Array, grad_norms: jax.Array, losses: 
     return jnp.sign(g - target) * grad_norms
 
 
-def gradnorm(num_tasks: int, learning_rate: float = 0.025, alpha: float = 1.5
+@gin.register(module="multitask")
+def gradnorm(num_tasks: int, total_steps: int, learning_rate: float = 0.025, alpha: float = 1.5
              ) -> optax.GradientTransformationExtraArgs:
     """GradNorm (Chen et al., ICML 2018): sum_k w_k g_k with weights that balance gradient norms.
 
@@ -63,15 +82,20 @@ def gradnorm(num_tasks: int, learning_rate: float = 0.025, alpha: float = 1.5
 
     Args:
       num_tasks: K; the weights start at 1 and are renormalised to sum K.
+      total_steps: the run's length, which GradNorm does not depend on.
       learning_rate: SGD step size on L_grad.
       alpha: the paper's asymmetry: how strongly tasks that train slower are pulled up.
     """
+    del total_steps
+
+    def recorded() -> dict[str, jax.Array]:
+        return hyperparameter_arrays(alpha=float(alpha), learning_rate=float(learning_rate))
 
     def init_fn(params: Any) -> GradNormState:
         del params
         return GradNormState(weights=jnp.ones([num_tasks], jnp.float32),
                              initial_losses=jnp.ones([num_tasks], jnp.float32),
-                             step=jnp.zeros([], jnp.int32))
+                             step=jnp.zeros([], jnp.int32), hyperparams=recorded())
 
     def update_fn(updates: Any, state: GradNormState, params: Any = None, *, task_losses: Any = None,
                   **extra_args: Any) -> tuple[Any, GradNormState]:
@@ -83,7 +107,7 @@ def gradnorm(num_tasks: int, learning_rate: float = 0.025, alpha: float = 1.5
         step = gradnorm_weight_gradient(state.weights, grad_norms, losses, initial, alpha)
         weights = jnp.maximum(state.weights - learning_rate * step, WEIGHT_FLOOR)
         weights = k * weights / jnp.sum(weights)
-        new_state = GradNormState(weights=weights, initial_losses=initial, step=state.step + 1)
+        new_state = GradNormState(weights=weights, initial_losses=initial, step=state.step + 1, hyperparams=recorded())
         return weighted_sum(state.weights, updates), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -16,15 +16,31 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import gin
 import jax
 import jax.numpy as jnp
 import optax
 
-from t5_retrieval.multitask.task_axis import gram, num_tasks, weighted_sum
+from t5_retrieval.multitask.state import hyperparameter_arrays
+from t5_retrieval.multitask.task_axis import gram, num_tasks as task_count, weighted_sum
 
 
 class PCGradState(NamedTuple):
     key: jax.Array  # PRNG key for the random task order
+    hyperparams: dict[str, jax.Array]  # scalars: seed
+
+    def metrics(self) -> dict[str, jax.Array]:
+        return {}
+
+    def statistics(self) -> dict[str, jax.Array]:
+        return {}
+
+    def exported(self) -> None:
+        return None
+
+    def reset(self) -> PCGradState:
+        """The key drawn from the seed again."""
+        return self._replace(key=jax.random.PRNGKey(self.hyperparams["seed"]))
 
 
 def pcgrad_coefficients(gram_matrix: jax.Array, orders: jax.Array) -> jax.Array:
@@ -46,7 +62,8 @@ def pcgrad_coefficients(gram_matrix: jax.Array, orders: jax.Array) -> jax.Array:
     return coeffs
 
 
-def pcgrad(seed: int = 0) -> optax.GradientTransformation:
+@gin.register(module="multitask")
+def pcgrad(num_tasks: int, total_steps: int, seed: int = 0) -> optax.GradientTransformation:
     """PCGrad (Yu et al., NeurIPS 2020): project away conflicting components, then sum.
 
     ``update(per_task_grads, state)`` with task gradients g (leaves [K, ...]): for each task i, in
@@ -54,19 +71,25 @@ def pcgrad(seed: int = 0) -> optax.GradientTransformation:
     g_i^PC <- g_i^PC - <g_i^PC, g_j> / ||g_j||^2 g_j; returns sum_i g_i^PC.
 
     Args:
+      num_tasks: K, checked against the gradients' task axis.
+      total_steps: the run's length, which PCGrad does not depend on.
       seed: seeds the PRNG key in the state from which each step draws every task's random order.
     """
+    del total_steps
 
     def init_fn(params: Any) -> PCGradState:
         del params
-        return PCGradState(key=jax.random.PRNGKey(seed))
+        return PCGradState(key=jax.random.PRNGKey(seed), hyperparams=hyperparameter_arrays(seed=seed))
 
     def update_fn(updates: Any, state: PCGradState, params: Any = None) -> tuple[Any, PCGradState]:
         del params
-        k = num_tasks(updates)
+        k = task_count(updates)
+        if k != num_tasks:
+            raise ValueError(f"pcgrad was built for {num_tasks} tasks, got gradients with K={k}")
         key, sub = jax.random.split(state.key)
         orders = jax.vmap(lambda kk: jax.random.permutation(kk, k))(jax.random.split(sub, k))
         coeffs = pcgrad_coefficients(gram(updates), orders)
-        return weighted_sum(jnp.sum(coeffs, axis=0), updates), PCGradState(key=key)
+        return weighted_sum(jnp.sum(coeffs, axis=0), updates), PCGradState(
+            key=key, hyperparams=hyperparameter_arrays(seed=seed))
 
     return optax.GradientTransformation(init_fn, update_fn)

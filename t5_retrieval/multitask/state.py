@@ -1,105 +1,89 @@
-"""Reading and resetting the multi-task part of a (chained) optimiser state.
+"""What the trainer reads from a multi-task transform's state, wherever it sits in an optax chain.
 
-Logging and the ANCE episodes need the TACO state wherever it sits in an optax chain; these
-functions find the multi-task states by type, so they work on a bare state or any chain.
+A stateful multi-task transform keeps a NamedTuple state that is a `MultitaskState`: next to its
+arrays, a field ``hyperparams`` ({name: scalar array}, the numeric hyperparameters its update ran
+with, as `optax.inject_hyperparams` keeps them, so every checkpoint says what produced it and
+``optax.tree_utils.tree_get(opt_state, "tau")`` finds one by name), and four methods that say what
+to log, what to export for analysis and how to start over. The functions below find such states in
+any chain state by that protocol, so the trainer, the probe and ANCE name no algorithm; a new
+transform is found as soon as its state has these members.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 
-from t5_retrieval.multitask.cgd import CGDState
-from t5_retrieval.multitask.gradnorm import GradNormState
-from t5_retrieval.multitask.pcgrad import PCGradState
-from t5_retrieval.multitask.taco import TacoState
-from t5_retrieval.multitask.task_axis import softmax_tasks
-from t5_retrieval.multitask.uncertainty import UncertaintyState
 
-_MULTITASK_STATES = (TacoState, PCGradState, CGDState, GradNormState, UncertaintyState)
+@runtime_checkable
+class MultitaskState(Protocol):
+    """The members the trainer reads from a multi-task transform's state."""
+
+    hyperparams: dict[str, jax.Array]
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """Scalars logged every step, named as logged (e.g. ``"cgd/weight/0"``); cheap."""
+
+    def statistics(self) -> dict[str, jax.Array]:
+        """Scalars that cost a pass over the state, logged at logging steps only; may be empty."""
+
+    def exported(self) -> Any | None:
+        """The arrays `t5r analyze` reads (leaves [K, ...]), written when training ends; or None."""
+
+    def reset(self) -> MultitaskState:
+        """The state as ``init`` built it (same hyperparameters, dtypes and shardings)."""
+
+
+class ExportedState(NamedTuple):
+    """A multi-task state's arrays for analysis and the hyperparameters that produced them."""
+
+    arrays: Any  # leaves [K, ...]
+    hyperparams: dict[str, jax.Array]
+
+
+def hyperparameter_arrays(**values: int | float) -> dict[str, jax.Array]:
+    """{name: scalar array} of a transform's numeric hyperparameters: an int as int32, a float as
+    float32 (callers pass ``float(x)`` for a real-valued one, so a gin ``tau = 2`` is stored as 2.0).
+
+    Only numbers are kept, as `optax.inject_hyperparams` keeps only numbers in its state: strings,
+    flags and dtypes are fixed structure, not values a state holds.
+    """
+    return {name: jnp.asarray(value, jnp.int32 if isinstance(value, int) else jnp.float32)
+            for name, value in values.items()}
 
 
 def _is_multitask_state(x: Any) -> bool:
-    return isinstance(x, _MULTITASK_STATES)
+    return isinstance(x, MultitaskState)
 
 
-def reset_taco(opt_state: Any) -> Any:
-    """Returns ``opt_state`` with every TacoState re-initialised (zero EMA, step 0).
-
-    Works on a bare TacoState or any optax chain state holding one; ANCE episodes call it so
-    each episode gets its own burn-in. Dtypes and shardings of the arrays are kept.
-    """
-    def reset(x):
-        if not isinstance(x, TacoState):
-            return x
-        return x._replace(step=jnp.zeros_like(x.step),
-                          ema=jax.tree_util.tree_map(jnp.zeros_like, x.ema),
-                          active=jnp.zeros_like(x.active))
-    return jax.tree_util.tree_map(reset, opt_state, is_leaf=_is_multitask_state)
-
-
-def find_taco_state(opt_state: Any) -> TacoState | None:
-    """The (first) TacoState inside an optimiser state, or None."""
-    for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_multitask_state):
-        if isinstance(x, TacoState):
-            return x
-    return None
+def multitask_states(opt_state: Any) -> list[MultitaskState]:
+    """Every `MultitaskState` inside an optimiser state (a bare one, a chain, a partition)."""
+    return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_multitask_state) if _is_multitask_state(x)]
 
 
 def multitask_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """Cheap scalars for per-step logging from whichever multi-task state ``opt_state`` holds.
-
-    TACO: ``taco/active`` (step >= burn-in at the last update) and ``taco/step``; the weight
-    statistics cost a pass over the state and come from :func:`taco_metrics`. CGD, GradNorm and
-    uncertainty weighting report their per-task weights (``sigma`` for the latter).
-    """
-    metrics: dict[str, jax.Array] = {}
-    for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_multitask_state):
-        if isinstance(x, TacoState):
-            metrics["taco/active"] = x.active
-            metrics["taco/step"] = x.step
-            continue
-        if isinstance(x, (CGDState, GradNormState)):
-            vector, name = x.weights, f"{type(x).__name__.removesuffix('State').lower()}/weight"
-        elif isinstance(x, UncertaintyState):
-            vector, name = x.sigma, "uncertainty/sigma"
-        else:
-            continue
-        metrics.update({f"{name}/{k}": vector[k] for k in range(vector.shape[0])})
-    return metrics
+    """The per-step scalars of whichever multi-task states ``opt_state`` holds."""
+    return {name: value for state in multitask_states(opt_state) for name, value in state.metrics().items()}
 
 
-def taco_weight_statistics(state: TacoState) -> dict[str, jax.Array]:
-    """Logging statistics of the weights W = softmax_k(ema / tau) the last update used.
-
-    ``mean_entropy`` (mean over parameters of the per-parameter task entropy, natural log; log K
-    for uniform weights) and ``task_weight_mean`` [K] (each task's mean weight). They cost a pass
-    over the K x P state, so the trainer computes them at logging steps, not inside the update.
-    """
-    k = jax.tree_util.tree_leaves(state.ema)[0].shape[0]
-    total, entropy, weight_mean = 0, 0.0, 0.0
-    for e in jax.tree_util.tree_leaves(state.ema):
-        w, log_w = softmax_tasks(e.astype(jnp.float32) / state.tau)
-        total += e[0].size
-        entropy += -jnp.sum(w * log_w)
-        weight_mean += jnp.sum(w.reshape(k, -1), axis=1)
-    return {"mean_entropy": entropy / total, "task_weight_mean": weight_mean / total}
+def multitask_statistics(opt_state: Any) -> dict[str, jax.Array]:
+    """The logging-step scalars (a pass over the state each) of whichever multi-task states it holds."""
+    return {name: value for state in multitask_states(opt_state) for name, value in state.statistics().items()}
 
 
-def taco_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """TACO scalars for logging steps; empty when ``opt_state`` holds no TacoState.
+def exported_state(opt_state: Any) -> ExportedState | None:
+    """The arrays and hyperparameters of the multi-task state that exports some, or None."""
+    found = [ExportedState(arrays, state.hyperparams) for state in multitask_states(opt_state)
+             if (arrays := state.exported()) is not None]
+    if len(found) > 1:
+        raise ValueError(f"{len(found)} multi-task states export arrays; a chain holds one multi-task transform")
+    return found[0] if found else None
 
-    ``taco/active``, ``taco/step``, ``taco/mean_entropy`` (mean per-parameter task entropy of the
-    weights the last update used, natural log) and ``taco/weight_mean/{k}`` (each task's mean
-    weight). One pass over the K x P state: call it every logging step, not every step.
-    """
-    state = find_taco_state(opt_state)
-    if state is None:
-        return {}
-    stats = taco_weight_statistics(state)
-    k = stats["task_weight_mean"].shape[0]
-    return {"taco/active": state.active, "taco/step": state.step,
-            "taco/mean_entropy": stats["mean_entropy"],
-            **{f"taco/weight_mean/{i}": stats["task_weight_mean"][i] for i in range(k)}}
+
+def reset_multitask(opt_state: Any) -> Any:
+    """``opt_state`` with every multi-task state started over (e.g. each TACO EMA zeroed), the
+    rest untouched: a new episode's burn-in without a new optimiser."""
+    return jax.tree_util.tree_map(lambda x: x.reset() if _is_multitask_state(x) else x, opt_state,
+                                  is_leaf=_is_multitask_state)

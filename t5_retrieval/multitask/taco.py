@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, NamedTuple
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,30 +30,65 @@ import optax
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.multitask.bf16 import stochastic_round_bfloat16
 from t5_retrieval.multitask.median import MEDIAN_OVER, taco_global_median
-from t5_retrieval.multitask.task_axis import num_tasks as task_count, sum_tasks
+from t5_retrieval.multitask.state import hyperparameter_arrays
+from t5_retrieval.multitask.task_axis import num_tasks as task_count, softmax_tasks, sum_tasks
 
 MEDIAN_EPS = 1e-12  # added to the global median before dividing (reference value)
+DEFAULT_TAU = 2.0  # the paper's softmax temperature, `taco`'s default
 
 
 class TacoState(NamedTuple):
     """TACO state. ``ema`` is K x (params): leaves [K, *param.shape], a leading 'tasks' axis.
 
-    ``tau`` is kept so that the weights can be recomputed exactly from the state alone (for
-    logging with `taco_weight_statistics` and for the analysis) without the update paying for
-    statistics every step.
+    ``hyperparams`` holds the numeric hyperparameters the update ran with (``beta``,
+    ``burn_in_steps``, ``median_samples``, ``median_seed``, ``tau``): with ``tau`` the weights can
+    be recomputed exactly from the state alone (for logging with `statistics` and for the
+    analysis) without the update paying for statistics every step.
     """
 
     step: jax.Array  # int32 []: updates since the last reset
     ema: Any  # leaves [K, *param.shape] in the configured state dtype
     active: jax.Array  # bool []: whether the last step used the softmax weights (step >= burn-in)
-    tau: jax.Array  # f32 []: the softmax temperature over tasks
+    hyperparams: dict[str, jax.Array]  # scalars: beta, burn_in_steps, median_samples, median_seed, tau
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """``taco/active`` (whether the last update used the weights) and ``taco/step``."""
+        return {"taco/active": self.active, "taco/step": self.step}
+
+    def statistics(self) -> dict[str, jax.Array]:
+        """Statistics of the weights W = softmax_k(ema / tau) the last update used.
+
+        ``taco/mean_entropy`` (mean over parameters of the per-parameter task entropy, natural log;
+        log K for uniform weights) and ``taco/weight_mean/{k}`` (each task's mean weight). They cost
+        a pass over the K x P state, so the trainer computes them at logging steps, not in the update.
+        """
+        k = jax.tree_util.tree_leaves(self.ema)[0].shape[0]
+        total, entropy, weight_mean = 0, 0.0, 0.0
+        for e in jax.tree_util.tree_leaves(self.ema):
+            w, log_w = softmax_tasks(e.astype(jnp.float32) / self.hyperparams["tau"])
+            total += e[0].size
+            entropy += -jnp.sum(w * log_w)
+            weight_mean += jnp.sum(w.reshape(k, -1), axis=1)
+        weight_mean = weight_mean / total
+        return {"taco/mean_entropy": entropy / total, **{f"taco/weight_mean/{i}": weight_mean[i] for i in range(k)}}
+
+    def exported(self) -> Any:
+        """The EMA of normalised sensitivities, which `t5r analyze` turns into Fig. 1-2 of the paper."""
+        return self.ema
+
+    def reset(self) -> TacoState:
+        """Zero EMA, step 0 (a new burn-in), dtypes and shardings kept."""
+        return self._replace(step=jnp.zeros_like(self.step), ema=jax.tree_util.tree_map(jnp.zeros_like, self.ema),
+                             active=jnp.zeros_like(self.active))
 
 
+@gin.register(module="multitask")
 def taco(
     num_tasks: int,
-    burn_in_steps: int,
+    total_steps: int,
+    burn_in_fraction: float = 0.1,
     beta: float = 0.999,
-    tau: float = 2.0,
+    tau: float = DEFAULT_TAU,
     median: str = "exact",
     median_samples: int = 1 << 18,
     median_seed: int = 0,
@@ -73,8 +109,10 @@ def taco(
 
     Args:
       num_tasks: K, the size of the leading task axis of the gradients.
-      burn_in_steps: steps that use the plain sum while the EMA warms up (the reference uses
-        10% of the episode's steps). The EMA is updated during burn-in too.
+      total_steps: the run's (or ANCE episode's) optimiser steps, which the burn-in is a fraction of.
+      burn_in_fraction: burn_in_steps = round(burn_in_fraction * total_steps) steps use the plain
+        sum while the EMA warms up (the reference uses 10% of the episode's steps). The EMA is
+        updated during burn-in too.
       beta: EMA decay of the normalised sensitivities.
       tau: softmax temperature over tasks.
       median: ``"exact"`` (radix select over all K x P values) or ``"approx"`` (lower median of
@@ -93,17 +131,22 @@ def taco(
         with beta 0.999 stalls at a quarter of its value. Maths runs in float32.
 
     A step with non-finite gradients is not this transform's concern: the train step discards
-    the whole optimiser state of such a step, so ``step`` counts applied updates only.
+    the whole optimiser state of such a step, so ``step`` counts applied updates only. The update
+    computes with the Python values above; the state records the numeric ones (``hyperparams``).
     """
-    _check_arguments(num_tasks, beta, tau, median, median_over, state_dtype)
+    _check_arguments(num_tasks, total_steps, burn_in_fraction, beta, tau, median, median_over, state_dtype)
+    burn_in_steps = int(round(burn_in_fraction * total_steps))
     burn_in_scale, active_scale = _output_scales(num_tasks, keep_naive_scale)
     write_ema = _ema_writer(state_dtype)
+
+    def recorded() -> dict[str, jax.Array]:
+        return hyperparameter_arrays(beta=float(beta), burn_in_steps=burn_in_steps, median_samples=median_samples,
+                                     median_seed=median_seed, tau=float(tau))
 
     def init_fn(params: Any) -> TacoState:
         ema = jax.tree_util.tree_map(
             lambda p: jnp.zeros((num_tasks,) + jnp.shape(p), state_dtype), params)
-        return TacoState(step=jnp.zeros([], jnp.int32), ema=ema, active=jnp.zeros([], bool),
-                         tau=jnp.asarray(tau, jnp.float32))
+        return TacoState(step=jnp.zeros([], jnp.int32), ema=ema, active=jnp.zeros([], bool), hyperparams=recorded())
 
     def update_fn(updates: Any, state: TacoState, params: Any = None) -> tuple[Any, TacoState]:
         if params is None:
@@ -129,7 +172,7 @@ def taco(
             combined.append(jnp.where(active, weighted_sum * active_scale, plain_sum).astype(g.dtype))
             new_ema.append(write_ema(ema, state.step, leaf))
         return treedef.unflatten(combined), TacoState(
-            step=state.step + 1, ema=treedef.unflatten(new_ema), active=active, tau=state.tau)
+            step=state.step + 1, ema=treedef.unflatten(new_ema), active=active, hyperparams=recorded())
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -154,10 +197,14 @@ def _taco_leaf(g: jax.Array, theta: jax.Array, ema: jax.Array, inv_median: jax.A
     return new_ema, numerator / functools.reduce(jnp.add, e)
 
 
-def _check_arguments(num_tasks: int, beta: float, tau: float, median: str, median_over: str,
-                     state_dtype: Any) -> None:
+def _check_arguments(num_tasks: int, total_steps: int, burn_in_fraction: float, beta: float, tau: float,
+                     median: str, median_over: str, state_dtype: Any) -> None:
     if num_tasks < 1:
         raise ConfigError(f"taco: num_tasks must be >= 1, got {num_tasks}")
+    if total_steps < 1:
+        raise ConfigError(f"taco: total_steps must be >= 1, got {total_steps}")
+    if not 0.0 <= burn_in_fraction <= 1.0:
+        raise ConfigError(f"taco: burn_in_fraction must be in [0, 1], got {burn_in_fraction}")
     if not 0.0 <= beta < 1.0:
         raise ConfigError(f"taco: beta must be in [0, 1), got {beta}")
     if tau <= 0:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import gin
 import jax
 import jax.numpy as jnp
 import optax
 
+from t5_retrieval.multitask.state import hyperparameter_arrays
 from t5_retrieval.multitask.task_axis import (
     num_tasks as task_count, task_losses as checked_losses, weighted_sum,
 )
@@ -24,6 +26,21 @@ from t5_retrieval.multitask.task_axis import (
 
 class UncertaintyState(NamedTuple):
     sigma: jax.Array  # f32 [K], learned per-task sigma
+    hyperparams: dict[str, jax.Array]  # scalars: init_sigma, learning_rate
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """``uncertainty/sigma/{k}``: each task's (objective's) sigma_k."""
+        return {f"uncertainty/sigma/{k}": self.sigma[k] for k in range(self.sigma.shape[0])}
+
+    def statistics(self) -> dict[str, jax.Array]:
+        return {}
+
+    def exported(self) -> None:
+        return None
+
+    def reset(self) -> UncertaintyState:
+        """Every sigma_k back at init_sigma."""
+        return self._replace(sigma=jnp.full_like(self.sigma, self.hyperparams["init_sigma"]))
 
 
 def uncertainty_total_loss(losses: jax.Array, sigma: jax.Array) -> jax.Array:
@@ -31,7 +48,8 @@ def uncertainty_total_loss(losses: jax.Array, sigma: jax.Array) -> jax.Array:
     return jnp.sum(losses / (2.0 * sigma**2) + jnp.log1p(sigma**2))
 
 
-def uncertainty_weighting(num_tasks: int, learning_rate: float = 0.01, init_sigma: float = 1.0
+@gin.register(module="multitask")
+def uncertainty_weighting(num_tasks: int, total_steps: int, learning_rate: float = 0.01, init_sigma: float = 1.0
                           ) -> optax.GradientTransformationExtraArgs:
     """Uncertainty weighting (Kendall et al., CVPR 2018; GDMTL form): sum_k g_k / (2 sigma_k^2).
 
@@ -41,13 +59,18 @@ def uncertainty_weighting(num_tasks: int, learning_rate: float = 0.01, init_sigm
 
     Args:
       num_tasks: K (GDMTL: 2, retrieval and query generation).
+      total_steps: the run's length, which uncertainty weighting does not depend on.
       learning_rate: SGD step size on sigma.
       init_sigma: every sigma_k's starting value.
     """
+    del total_steps
+
+    def recorded() -> dict[str, jax.Array]:
+        return hyperparameter_arrays(init_sigma=float(init_sigma), learning_rate=float(learning_rate))
 
     def init_fn(params: Any) -> UncertaintyState:
         del params
-        return UncertaintyState(sigma=jnp.full([num_tasks], init_sigma, jnp.float32))
+        return UncertaintyState(sigma=jnp.full([num_tasks], init_sigma, jnp.float32), hyperparams=recorded())
 
     def update_fn(updates: Any, state: UncertaintyState, params: Any = None, *, task_losses: Any = None,
                   **extra_args: Any) -> tuple[Any, UncertaintyState]:
@@ -55,7 +78,7 @@ def uncertainty_weighting(num_tasks: int, learning_rate: float = 0.01, init_sigm
         losses = checked_losses(task_losses, task_count(updates), "uncertainty_weighting")
         sigma = state.sigma
         d_sigma = -losses / sigma**3 + 2.0 * sigma / (1.0 + sigma**2)
-        new_state = UncertaintyState(sigma=sigma - learning_rate * d_sigma)
+        new_state = UncertaintyState(sigma=sigma - learning_rate * d_sigma, hyperparams=recorded())
         return weighted_sum(1.0 / (2.0 * sigma**2), updates), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -23,9 +23,8 @@ def sensitivity_analysis(work_dir: str) -> None:
     """TACO paper Fig. 1-2 for the finished rows of PROBE_ROWS: each trained model's task
     sensitivities probed on the same 50 training batches (`t5_retrieval.probe`), plus the final EMA
     of the TACO_ROWS runs (the weights they trained with); figures and analysis.json in `<work_dir>/analysis/<name>`."""
-    from t5_retrieval.multitask.analysis import load_state_npz, write_analysis
+    from t5_retrieval.multitask.analysis import state_file
     from t5_retrieval.stages import is_done, stage
-    from t5_retrieval.train import TACO_STATE_FILE
 
     for name in PROBE_ROWS:
         model_dir = os.path.join(work_dir, name, "model")
@@ -33,11 +32,18 @@ def sensitivity_analysis(work_dir: str) -> None:
             out = os.path.join(work_dir, "analysis", name)
             stage(out, f"sensitivity probe {name}", lambda: probe_model(model_dir, out))
     for name in TACO_ROWS:
-        taco_state = os.path.join(work_dir, name, "model", TACO_STATE_FILE)
-        if os.path.exists(taco_state):
+        saved = state_file(os.path.join(work_dir, name, "model"))
+        if saved is not None:
             out = os.path.join(work_dir, "analysis", f"{name}_training")
-            stage(out, f"{name} training state analysis",
-                  lambda: analysis_numbers(write_analysis(*load_state_npz(taco_state), tau=2.0, out_dir=out)))
+            stage(out, f"{name} training state analysis", lambda: analyse_saved_state(saved, out))
+
+
+def analyse_saved_state(path: str, out_dir: str) -> dict[str, Any]:
+    """The analysis of a state file, with the tau it was trained with (`saved_tau`)."""
+    from t5_retrieval.multitask.analysis import load_state_npz, saved_tau, write_analysis
+
+    saved = load_state_npz(path)
+    return analysis_numbers(write_analysis(saved.arrays, saved.task_names, saved_tau(path, saved), out_dir=out_dir))
 
 
 def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
@@ -48,7 +54,7 @@ def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
     import t5_retrieval.tasks  # noqa: F401  (registers the mixtures the rows train on)
     from t5_retrieval.data.batches import make_train_iterator
     from t5_retrieval.inference import load_dual_encoder
-    from t5_retrieval.multitask.analysis import save_state_npz, write_analysis
+    from t5_retrieval.multitask.analysis import save_state_npz
     from t5_retrieval.probe import probe_sensitivities
     from t5_retrieval.stages import DONE
 
@@ -65,10 +71,12 @@ def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
     finally:
         gin.clear_config()
     encoder = load_dual_encoder(model_dir)
-    ema = probe_sensitivities(encoder.model, encoder.params, batches, batches.task_names, PROBE_BATCHES, PROBE_BETA,
-                              encoder.config["dual_encoder"]["logit_scale"], sharding.make_mesh(), frozen=frozen)
-    save_state_npz(ema, batches.task_names, os.path.join(out_dir, "probe_state.npz"))
-    return analysis_numbers(write_analysis(ema, batches.task_names, tau=2.0, out_dir=out_dir))
+    probed = probe_sensitivities(encoder.model, encoder.params, batches, batches.task_names, PROBE_BATCHES,
+                                 PROBE_BETA, encoder.config["dual_encoder"]["logit_scale"], sharding.make_mesh(),
+                                 frozen=frozen)
+    path = os.path.join(out_dir, "probe_state.npz")
+    save_state_npz(probed.arrays, batches.task_names, path, probed.hyperparams)
+    return analyse_saved_state(path, out_dir)
 
 
 def analysis_numbers(summary: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ PER_TASK_LAYOUTS = ("data_parallel", "fsdp_tensor_parallel")
 # SGD with lr 1: the step's parameter change is exactly minus the gradient, so comparing parameters
 # after one step compares gradients (Adam's first step would be ~sign(g), hiding differences).
 OPTIMIZER = optax.sgd(1.0, momentum=0.9)
-PER_TASK_OPTIMIZER = optax.chain(multitask.naive_sum(), OPTIMIZER)
+PER_TASK_OPTIMIZER = optax.chain(multitask.naive_sum(num_tasks=len(TASKS), total_steps=1), OPTIMIZER)
 
 
 def spec(x) -> list:

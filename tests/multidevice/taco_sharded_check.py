@@ -35,7 +35,7 @@ def main() -> int:
     grad_sh = {n: NamedSharding(mesh, P(None, *spec)) for n, spec in SPECS.items()}
     result = {}
     for median in ("exact", "approx"):
-        tx = taco(K, burn_in_steps=1, beta=0.5, median=median, median_samples=64,
+        tx = taco(K, total_steps=10, burn_in_fraction=0.1, beta=0.5, median=median, median_samples=64,
                   state_dtype=jnp.bfloat16)
         state_sh = sharding.opt_state_shardings(tx, params, param_sh, mesh, sharding.logical_axis_rules())
         sharded_params = jax.device_put(params, param_sh)
