@@ -32,8 +32,15 @@ class ConfigError(UserError, ValueError):
     ValueError, for callers of the library functions that raise it."""
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def is_disk_full(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    """ENOSPC or EDQUOT; also read from the message, since gin's re-raised copy of an exception that
+    passed through a configurable keeps the text but not `errno`."""
+    if not isinstance(error, OSError):
+        return False
+    return error.errno in _FULL or any(f"[Errno {code}]" in str(error) for code in _FULL)
 
 
 class DiskFullError(UserError):

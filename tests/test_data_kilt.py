@@ -176,8 +176,3 @@ def test_an_empty_task_file_is_an_error_not_zero_examples(tmp_path, store):
     with pytest.raises(DataError, match=r"t-dev.jsonl: no examples \(the file is empty\)"):
         read_examples(_write(tmp_path, [], "t-dev.jsonl"))
 
-
-def test_a_file_whose_every_example_is_dropped_by_min_bleu_is_an_error(tmp_path, store):
-    rows = [{"id": "a", "input": "q", "output": [{"provenance": [{"wikipedia_id": "2", "bleu_score": 0.1}]}]}]
-    with pytest.raises(DataError, match=r"none of its 1 examples is kept: every evidence set is below min_bleu=0.5"):
-        _convert(_write(tmp_path, rows), store, min_bleu=0.5)

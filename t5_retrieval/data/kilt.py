@@ -157,9 +157,6 @@ def convert_task_file(path: str, task: str, store: PassageStore, best_passage: B
                                 positive_passages=tuple(positives), answers=tuple(answers)))
     if not stats.read:
         raise DataError(f"{path}: no examples (the file is empty); a task file holds one json object per line")
-    if not examples:
-        raise DataError(f"{path}: none of its {stats.read} examples is kept: every evidence set is below "
-                        f"min_bleu={min_bleu}; lower --min_bleu")
     if max_examples is not None and len(examples) > max_examples:
         keep = np.sort(np.random.default_rng(seed).choice(len(examples), max_examples, replace=False))
         examples = [examples[i] for i in keep]

@@ -161,7 +161,9 @@ def read_examples(path: str | os.PathLike[str]) -> list[Example]:
         check_unique_id(path, line_no, example.id, line_of_id)
         examples.append(example)
     if not examples:
-        raise DataError(f"{path}: no examples (the file is empty); rerun `t5r data tasks` for this task")
+        stats = str(path).removesuffix(".jsonl") + ".stats.json"
+        raise DataError(f"{path}: no examples" + (f"; `t5r data tasks` kept none of its input ({stats} says why)"
+                                                  if os.path.exists(stats) else " (the file is empty)"))
     return examples
 
 
