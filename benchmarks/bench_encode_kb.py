@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from t5_retrieval.data.kb import PassageStore, build_kb  # noqa: E402
+from t5_retrieval.data.stores.kb import PassageStore, build_kb  # noqa: E402
 from t5_retrieval.data.text import format_passage  # noqa: E402
 from t5_retrieval.inference import load_encoder  # noqa: E402
 from t5_retrieval.models.pretrained import minilm_l6_dir  # noqa: E402

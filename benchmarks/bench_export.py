@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     import tensorflow as tf
 
     from t5_retrieval.data import layout
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.records import read_examples
     from t5_retrieval.export.savedmodel import export_savedmodel
     from t5_retrieval.retrieval.evaluate import retrieve

@@ -64,10 +64,10 @@ def main() -> int:
     import seqio
 
     import tasks  # noqa: F401  (registers the demo tasks)
-    from t5_retrieval.data.batches import make_train_iterator
-    from t5_retrieval.data.demo import TASKS, write_demo
-    from t5_retrieval.data.kb import PassageStore, passage_text
-    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
+    from t5_retrieval.data.batching.batches import make_train_iterator
+    from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
+    from t5_retrieval.data.stores.kb import PassageStore, passage_text
+    from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
 
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)

@@ -58,12 +58,12 @@ def main() -> None:
 
     import t5_retrieval.tasks  # noqa: F401
     from bench_input_pipeline import measure_iterator
-    from t5_retrieval.data import retrieval_tasks
-    from t5_retrieval.data.batches import make_train_iterator
-    from t5_retrieval.data.demo import TASKS, write_demo
-    from t5_retrieval.data.materialize import materialize
-    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
-    from t5_retrieval.data.vocab import train_vocabulary
+    from t5_retrieval.data.tasks import retrieval_tasks
+    from t5_retrieval.data.batching.batches import make_train_iterator
+    from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
+    from t5_retrieval.data.tasks.materialize import materialize
+    from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
+    from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 
     tmp = tempfile.mkdtemp(prefix="bench_seqio_")
     try:

@@ -33,9 +33,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 STALLED_CLIENTS = 20  # clients searching while the stalled connections are open
 
-from t5_retrieval.data.kb import write_passage_store  # noqa: E402
+from t5_retrieval.data.stores.kb import write_passage_store  # noqa: E402
 from t5_retrieval.data.records import Passage  # noqa: E402
-from t5_retrieval.data import embedding_store
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.retrieval import index  # noqa: E402
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder  # noqa: E402
 

@@ -85,7 +85,7 @@ def hf_t5_tokenizer(spm_model: str, tmp: str):
 def fixed_rows(encode: Callable[[str], list[int]], texts: list[str], length: int, start: tuple[int, ...],
                end: int) -> np.ndarray:
     """The former row assembly: one text at a time (none of these passages holds a literal `</s>`)."""
-    from t5_retrieval.data.tokenize import TokenConventions, to_fixed_length
+    from t5_retrieval.data.tokenizers.tokenize import TokenConventions, to_fixed_length
 
     conventions = TokenConventions(start_ids=start, end_id=end, separator_id=end)
     return np.stack([to_fixed_length(encode(text), length, conventions) for text in texts])
@@ -124,8 +124,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from t5_retrieval.data.text import format_passage
-    from t5_retrieval.data.tokenize import tokenize
-    from t5_retrieval.data.wordpiece import WordPieceVocabulary
+    from t5_retrieval.data.tokenizers.tokenize import tokenize
+    from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary
     from t5_retrieval.models.pretrained import minilm_l6_dir
     from wordpiece_reference import encoder
 

@@ -36,7 +36,7 @@ import transformers  # noqa: E402
 
 from bench_encode import (hf_embed, hf_t5, ours_from_hf, t5_config, torch_info, torch_time_breakdown,  # noqa: E402
                           xla_time_breakdown)
-from t5_retrieval.data.random_batches import RandomBatches  # noqa: E402
+from t5_retrieval.data.batching.random_batches import RandomBatches  # noqa: E402
 from t5_retrieval.optim import make_optimizer  # noqa: E402
 from t5_retrieval.train_step import TrainState, make_train_step  # noqa: E402
 

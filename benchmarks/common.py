@@ -114,6 +114,6 @@ def write_results(name: str, result: dict[str, Any], summary: str, out: str | No
 def demo_slice() -> str:
     """The shipped real-data slice (t5_retrieval/demo_data), unpacked once under benchmarks/results;
     its KILT-format directory. The default input of the benchmarks that read real passages."""
-    from t5_retrieval.data.kilt_slice import SHIPPED, extract
+    from t5_retrieval.data.kilt.demo_slice import SHIPPED, extract
 
     return extract(SHIPPED, os.path.join(RESULTS_DIR, "data"))

@@ -23,7 +23,7 @@ import numpy as np
 from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.records import Passage, write_json_atomic
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage, format_query
-from t5_retrieval.data.tokenize import load_vocabulary, tokenize, vocabulary_digest
+from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, tokenize, vocabulary_digest
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.build import build_model

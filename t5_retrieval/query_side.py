@@ -41,13 +41,13 @@ import optax
 from tqdm import tqdm
 
 from t5_retrieval import checkpoint
-from t5_retrieval.data.answers import AnswerTexts, recall_at_ks
-from t5_retrieval.data.kb import PassageStore
-from t5_retrieval.data.qa_open import QATask, read_qa_task
+from t5_retrieval.data.kilt.answers import AnswerTexts, recall_at_ks
+from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.data.kilt.qa_open import QATask, read_qa_task
 from t5_retrieval.data.records import DataError, write_json_atomic
 from t5_retrieval.data.text import format_query
-from t5_retrieval.data.tokenize import tokenize
-from t5_retrieval.data import embedding_store
+from t5_retrieval.data.tokenizers.tokenize import tokenize
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.inference import bucketed_width, load_dual_encoder, token_lengths, write_base_record
 from t5_retrieval.retrieval.index import Index, IndexMismatchError, load_index

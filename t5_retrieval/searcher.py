@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from t5_retrieval.data.kb import PassageStore
+from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import Encoder, model_task_name
 from t5_retrieval.retrieval.evaluate import retrieve

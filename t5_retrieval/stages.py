@@ -89,9 +89,11 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
     `index_dir`: score against this existing index instead (a query-side model searches its base's
     index, which `Index.check` verifies through the fingerprint); nothing is encoded then. The index's
     backend is gin's `build_index.backend` (ScaNN by default)."""
-    from t5_retrieval.data import embedding_store, layout, task_names
-    from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.retrieval_tasks import split_examples
+    from t5_retrieval.data.stores import embedding_store
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.tasks import task_names
+    from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.data.tasks.retrieval_tasks import split_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.encoder import recorded_tasks
     from t5_retrieval.retrieval.evaluate import evaluate, write_results
@@ -140,10 +142,11 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
     `model_dir`'s model from its index (checked to be that model's, over this KB): its top-`depth`
     minus gold pages and, for the datasets in `answer_checkable` (where an answer string means
     relevance: QA, slot filling), minus answer-holding passages, MT-DPR's confounders."""
-    from t5_retrieval.data import layout, task_names
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.tasks import task_names
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.records import write_negatives
-    from t5_retrieval.data.retrieval_tasks import split_examples
+    from t5_retrieval.data.tasks.retrieval_tasks import split_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.encoder import recorded_tasks
     from t5_retrieval.retrieval.index import load_index

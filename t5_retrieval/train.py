@@ -28,7 +28,7 @@ from tqdm import tqdm
 import t5_retrieval.tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
 from t5_retrieval import checkpoint, gin_utils, sharding
 from t5_retrieval.errors import ConfigError, UserError
-from t5_retrieval.data import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
+from t5_retrieval.data.batching import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
 from t5_retrieval.data.records import write_text_atomic
 from t5_retrieval.inference import load_encoder, write_base_record
 from t5_retrieval.models.build import build_model, init_params, initial_params, model_config, upgraded_config
@@ -62,7 +62,7 @@ def _count(params: Any) -> int:
 
 
 class BatchIterator(Protocol):
-    """What the trainer needs from the data pipeline (see t5_retrieval.data.batches)."""
+    """What the trainer needs from the data pipeline (see t5_retrieval.data.batching.batches)."""
 
     task_names: list[str]
     features: dict[str, Any]  # vocabulary, lengths, task prefixes: recorded for inference

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5_retrieval.data.batches import Batch
+from t5_retrieval.data.batching.batches import Batch
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.losses import in_batch_softmax_loss, positive_rows, token_cross_entropy
 

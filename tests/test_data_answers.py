@@ -1,6 +1,6 @@
 """Answer matching (data.answers): the DPR normalisation used by KILT answer recall and confounders."""
 
-from t5_retrieval.data import answers
+from t5_retrieval.data.kilt import answers
 
 
 def test_has_answer_matches_normalised_token_sequences():

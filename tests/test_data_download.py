@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from t5_retrieval.data.download import download_kilt
+from t5_retrieval.data.kilt.download import download_kilt
 
 BODY = bytes(range(256)) * 400
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import SHARED_DATA
 from t5_retrieval.commands import data as data_command
-from t5_retrieval.data import kilt_slice
+from t5_retrieval.data.kilt import demo_slice as kilt_slice
 
 
 def test_rebuilding_the_slice_from_mini_kilt_gives_the_committed_bytes(tmp_path):
@@ -42,7 +42,7 @@ def bm25_demo(tmp_path_factory):
 
 def test_every_gold_page_of_the_slice_is_in_its_kb(bm25_demo):
     from t5_retrieval.data import layout
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.records import read_examples
 
     data_dir, _ = bm25_demo

@@ -72,7 +72,7 @@ def exported(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def python_path(exported):
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.retrieval.index import load_index
 
     run = exported[0]
@@ -184,7 +184,7 @@ def test_query_preprocessing_ops_tokenize_like_the_python_path(exported):
     import tensorflow_text as tf_text
 
     from t5_retrieval.data.text import format_query
-    from t5_retrieval.data.tokenize import tokenize
+    from t5_retrieval.data.tokenizers.tokenize import tokenize
     from t5_retrieval.export import preprocess
 
     run = exported[0]
@@ -222,7 +222,7 @@ def test_tf_scann_op_loads_our_serialized_index_and_finds_the_same_neighbours(mo
 def test_models_with_per_task_query_towers_encode_each_row_with_its_tasks_tower(exported, tmp_path):
     import tensorflow as tf
 
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.export.savedmodel import RetrievalModule
     from t5_retrieval.retrieval.index import load_index
 
@@ -242,9 +242,9 @@ def test_models_with_per_task_query_towers_encode_each_row_with_its_tasks_tower(
 def test_a_separate_query_encoder_embeds_queries_in_the_export(exported, tmp_path):
     import tensorflow as tf
 
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.text import format_query
-    from t5_retrieval.data.tokenize import tokenize
+    from t5_retrieval.data.tokenizers.tokenize import tokenize
     from t5_retrieval.export.savedmodel import RetrievalModule
     from t5_retrieval.retrieval.index import load_index
 

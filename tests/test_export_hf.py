@@ -22,9 +22,9 @@ from safetensors.numpy import load_file
 from conftest import prepare_small_demo
 from t5_retrieval import checkpoint, gin_utils
 from t5_retrieval.cli import main as t5r
-from t5_retrieval.data.kb import PassageStore
+from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.text import format_passage, format_query
-from t5_retrieval.data.tokenize import tokenize
+from t5_retrieval.data.tokenizers.tokenize import tokenize
 from t5_retrieval.export import hf
 from t5_retrieval.inference import QUERY_SIDE_FILE, load_encoder
 from t5_retrieval.models import hf_bert_import, hf_import
@@ -63,7 +63,7 @@ def data_dir(tmp_path_factory):
 def t5_run(data_dir, tmp_path_factory):
     """A T5 ST5-EncDec model trained by `t5r train` (prefixed tasks) and its `t5r export-hf` directory."""
     from t5_retrieval.data import layout
-    from t5_retrieval.data.vocab import train_vocabulary
+    from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 
     root = tmp_path_factory.mktemp("t5_run")
     vocabulary = train_vocabulary(layout.kb_dir(data_dir), str(root / "spm"), vocab_size=400)

@@ -12,13 +12,13 @@ import pytest
 
 from t5_retrieval import gin_utils
 from t5_retrieval.data import layout
-from t5_retrieval.data.batches import make_train_iterator, passage_table
-from t5_retrieval.data.kb import PassageStore
-from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.data.batching.batches import make_train_iterator, passage_table
+from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.data.records import DataError
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
-from t5_retrieval.data import embedding_store
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.inference import QuerySideEncoder, load_encoder
 from t5_retrieval.retrieval.index import load_index
 from t5_retrieval.stages import index_and_evaluate

@@ -9,13 +9,13 @@ import pytest
 
 from t5_retrieval import cli
 from t5_retrieval.data import layout
-from t5_retrieval.data.bm25 import BM25Index
-from t5_retrieval.data.demo import write_demo
-from t5_retrieval.data.kb import PassageStore
-from t5_retrieval.data.prepare import prepare_kb, prepare_tasks
+from t5_retrieval.data.stores.bm25 import BM25Index
+from t5_retrieval.data.kilt.synthetic import write_demo
+from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_tasks
 from t5_retrieval.data.records import read_jsonl
 from t5_retrieval.fusion import experts, fuse, muf
-from t5_retrieval.data import embedding_store
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.retrieval import evaluate, index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
@@ -126,7 +126,7 @@ def test_bm25_hybrid_at_weight_one_is_the_bm25_ranking(demo):
     config = fuse.FuseConfig(depth=20, ks=(1, 5, 20), hybrid_weight=1.0)
     result = fuse.fuse_and_evaluate([expert], train, dev, store,
                                     muf.EnsembleConfig(num_epochs=1, hidden_dim=8, top_l=8), config, bm25=bm25)
-    from t5_retrieval.data.negatives import bm25_query
+    from t5_retrieval.data.kilt.negatives import bm25_query
     from t5_retrieval.retrieval import metrics
     for example, row in zip(dev["trex"], result.results["hybrid"].predictions["trex"]):
         (top,), (scores,) = bm25.search([bm25_query(example.query)], 20)

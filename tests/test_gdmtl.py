@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from t5_retrieval import multitask
-from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.losses import token_cross_entropy
 from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
 from t5_retrieval.models.t5 import T5Config

@@ -21,7 +21,7 @@ def test_run_file_parses_and_its_mixture_and_model_exist(run_file, clean_gin):
     for module in MODULES:
         importlib.import_module(module)
     import t5_retrieval.tasks  # noqa: F401  (registers the mixtures)
-    from t5_retrieval.data import retrieval_tasks
+    from t5_retrieval.data.tasks import retrieval_tasks
     from t5_retrieval.models.build import model_config
 
     bindings = COMMAND_LINE + (["MIXTURE_OR_TASK_NAME = 'kilt_nq'"] if run_file == "single_task.gin" else [])
@@ -38,7 +38,7 @@ def test_run_file_parses_and_its_mixture_and_model_exist(run_file, clean_gin):
 
 def test_leave_one_out_mixtures_hold_every_task_but_one():
     import t5_retrieval.tasks  # noqa: F401
-    from t5_retrieval.data.retrieval_tasks import resolve
+    from t5_retrieval.data.tasks.retrieval_tasks import resolve
 
     full = [t.name for t, _ in resolve("kilt_noprefix")]
     for held_out in ("fever", "nq", "wow"):

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 
 from t5_retrieval import checkpoint, sharding
-from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.inference import DualEncoderInference
 from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
 from t5_retrieval.models.t5 import T5Config
@@ -65,7 +65,7 @@ def _model_dir(tmp_path, features):
 def test_a_vocabulary_changed_since_training_is_refused_naming_both_digests(tmp_path):
     import pytest
 
-    from t5_retrieval.data.tokenize import vocabulary_digest
+    from t5_retrieval.data.tokenizers.tokenize import vocabulary_digest
     from t5_retrieval.inference import load_encoder
 
     vocab = _wordpiece(tmp_path / "vocab.txt", ["paris", "berlin"])

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from t5_retrieval.data.kb import PassageStore, build_kb
-from t5_retrieval.data.kilt import convert_task_file
-from t5_retrieval.data.prepare import _LazyBM25, prepare_tasks
+from t5_retrieval.data.stores.kb import PassageStore, build_kb
+from t5_retrieval.data.kilt.examples import convert_task_file
+from t5_retrieval.data.kilt.prepare import _LazyBM25, prepare_tasks
 from t5_retrieval.data.records import read_examples
 from t5_retrieval.retrieval.evaluate import RankingScorer
 

@@ -36,7 +36,7 @@ LAYER_OF = {component: i for i, layer in enumerate(LAYERS) for component in laye
 
 
 def component_of(module: str) -> str | None:
-    """'t5_retrieval.data.kb' -> 'data'; third-party modules -> None."""
+    """'t5_retrieval.data.stores.kb' -> 'data'; third-party modules -> None."""
     parts = module.split(".")
     if parts[0] != "t5_retrieval":
         return None
@@ -105,7 +105,7 @@ def test_the_check_sees_imports_inside_functions(tmp_path, monkeypatch):
         "t5_retrieval/data/sneaky.py:2: data (layer 2) imports t5_retrieval.train.train (train, layer 9)"]
 
 
-@pytest.mark.parametrize("module,component", [("t5_retrieval.data.kb", "data"), ("t5_retrieval.tasks.kilt", "tasks"),
+@pytest.mark.parametrize("module,component", [("t5_retrieval.data.stores.kb", "data"), ("t5_retrieval.tasks.kilt", "tasks"),
                                               ("t5_retrieval", "__init__"), ("numpy", None)])
 def test_component_of(module, component):
     assert component_of(module) == component

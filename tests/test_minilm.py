@@ -138,7 +138,7 @@ def test_gold_page_passage_outranks_a_random_page_on_mini_kilt_dev(encoder):
 @pytest.mark.parametrize("run_file", ["mt_dpr.gin", "mt_dpr_task_markers.gin", "leave_one_out.gin"])
 def test_mt_dpr_run_files_with_the_minilm_model_file_configure_a_bert(run_file, clean_gin):
     import t5_retrieval.tasks  # noqa: F401  (registers the mixtures)
-    from t5_retrieval.data import retrieval_tasks
+    from t5_retrieval.data.tasks import retrieval_tasks
 
     gin_utils.parse_gin(["models/minilm_l6.gin", f"runs/{run_file}"],
                         ["DATA_DIR = '/data'", "TRAIN_STEPS = 10", "BertDualEncoderConfig.separate_query_encoder = True"])

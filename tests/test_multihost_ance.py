@@ -42,7 +42,7 @@ def job(tmp_path_factory):
 
 
 def test_both_processes_encode_their_own_shards_of_the_kb(job):
-    from t5_retrieval.data import embedding_store
+    from t5_retrieval.data.stores import embedding_store
 
     for stage in ("warmup", "episode_1"):
         emb_dir = os.path.join(job["work_dir"], stage, "embeddings")
@@ -67,7 +67,8 @@ def test_only_process_0_indexes_mines_and_evaluates(job):
 
 def test_every_stage_equals_one_process_computing_it_from_the_same_models(job, tmp_path):
     """Re-runs encode, index, mine and eval in this one process from the job's trained models."""
-    from t5_retrieval.data import embedding_store, layout
+    from t5_retrieval.data.stores import embedding_store
+    from t5_retrieval.data import layout
     from t5_retrieval.data.records import read_negatives
     from t5_retrieval.stages import index_and_evaluate, mine_stage
 

@@ -33,8 +33,8 @@ def shard_files(directory: str) -> dict[str, tuple[int, int]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from t5_retrieval.data import layout
-    from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data import embedding_store
+    from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.data.stores import embedding_store
 
     root = tmp_path_factory.mktemp("multihost_encode")
     tiny = build_tiny_run(str(root))  # a model dir, its KB and a single-process encode of that KB
@@ -55,7 +55,7 @@ def runs(tmp_path_factory):
 
 
 def test_each_process_writes_only_its_own_contiguous_range_of_shards(runs):
-    from t5_retrieval.data import embedding_store
+    from t5_retrieval.data.stores import embedding_store
 
     num_shards = runs["manifest"].num_shards
     assert num_shards == -(-len(runs["store"].ids()) // SHARD_SIZE) and num_shards >= 4, runs["manifest"]
@@ -69,7 +69,7 @@ def test_each_process_writes_only_its_own_contiguous_range_of_shards(runs):
 
 
 def test_two_process_embeddings_equal_a_single_process_encode(runs):
-    from t5_retrieval.data import embedding_store
+    from t5_retrieval.data.stores import embedding_store
 
     reference = embedding_store.load_matrix(runs["reference_dir"])
     assert embedding_store.read_ids(runs["emb_dir"]) == embedding_store.read_ids(runs["reference_dir"]) == runs["store"].ids()
@@ -78,7 +78,7 @@ def test_two_process_embeddings_equal_a_single_process_encode(runs):
 
 
 def test_manifest_is_complete_and_the_index_builder_accepts_it(runs):
-    from t5_retrieval.data import embedding_store
+    from t5_retrieval.data.stores import embedding_store
     from t5_retrieval.retrieval import index, scann_index
 
     manifest = embedding_store.check_complete(runs["emb_dir"])
@@ -100,7 +100,7 @@ def test_manifest_is_complete_and_the_index_builder_accepts_it(runs):
 
 
 def test_rerun_after_losing_one_shard_of_process_1_recomputes_only_that_shard(runs):
-    from t5_retrieval.data import embedding_store
+    from t5_retrieval.data.stores import embedding_store
 
     manifest, lost = runs["manifest"], runs["lost"]
     zero, one = runs["resumed"]

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from t5_retrieval import gin_utils, sharding
-from t5_retrieval.data.batches import make_train_iterator
+from t5_retrieval.data.batching.batches import make_train_iterator
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.multitask.analysis import STATE_FILE, load_state_npz
 from t5_retrieval.probe import probe_sensitivities

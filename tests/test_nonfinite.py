@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from t5_retrieval import checkpoint, gin_utils, multitask
-from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.optim import make_optimizer

@@ -11,12 +11,12 @@ import pytest
 from conftest import SHARED_DATA
 from t5_retrieval import query_side
 from t5_retrieval.data import layout
-from t5_retrieval.data.kb import PassageStore
-from t5_retrieval.data.answers import AnswerMatcher, AnswerTexts
-from t5_retrieval.data.qa_open import QATask, read_qa_task
+from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.data.kilt.answers import AnswerMatcher, AnswerTexts
+from t5_retrieval.data.kilt.qa_open import QATask, read_qa_task
 from t5_retrieval.data.records import DataError, Example, read_examples
 from t5_retrieval.inference import QuerySideEncoder, load_encoder, token_lengths
-from t5_retrieval.data import embedding_store
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.commands import query_side as query_side_command
 from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
 from t5_retrieval.retrieval.encoder import model_task_name

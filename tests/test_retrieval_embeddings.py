@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from t5_retrieval.data.records import Passage
-from t5_retrieval.data import embedding_store
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder
 
 

@@ -14,12 +14,12 @@ import urllib.request
 import pytest
 
 from t5_retrieval.data.records import Passage
-from t5_retrieval.data import embedding_store
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval import cli
 from t5_retrieval.commands import serve as serve_command
 from t5_retrieval.retrieval import index, scann_index, serve
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
-from t5_retrieval.data.passages import PassageTable
+from t5_retrieval.data.stores.passages import PassageTable
 
 KB = [
     Passage("paris_0", "paris", "Paris", "Paris is the capital and largest city of France."),
@@ -304,7 +304,7 @@ def test_tasks_the_model_does_not_know_are_refused_at_start(kb_index):
 
 @pytest.fixture(scope="module")
 def cli_dirs(tmp_path_factory) -> tuple[str, str]:
-    from t5_retrieval.data.kb import write_passage_store
+    from t5_retrieval.data.stores.kb import write_passage_store
 
     root = tmp_path_factory.mktemp("cli")
     kb_dir, emb_dir, idx_dir = (str(root / d) for d in ("kb", "emb", "idx"))

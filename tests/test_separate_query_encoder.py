@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.losses import in_batch_softmax_loss
 from t5_retrieval.models.bert import BertConfig
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder, BertDualEncoderConfig

@@ -68,9 +68,9 @@ STEPS, CHECKPOINT_EVERY, BATCH = 4, 2, 8
 def user_setup(tmp_path_factory):
     """Demo data (KB, examples, BM25 negatives), a vocabulary, and the user's rows written from the
     demo's fever and nq examples in the user's own format."""
-    from t5_retrieval.data.demo import write_demo
-    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
-    from t5_retrieval.data.vocab import train_vocabulary
+    from t5_retrieval.data.kilt.synthetic import write_demo
+    from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
+    from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 
     root = tmp_path_factory.mktemp("seqio_path")
     raw, data_dir, rows, module_dir = (str(root / d) for d in ("raw", "data", "rows", "module"))
@@ -124,7 +124,7 @@ def losses(model_dir: str) -> dict[int, float]:
 
 
 def iterator_from(config_gin: str):
-    from t5_retrieval.data.batches import make_train_iterator
+    from t5_retrieval.data.batching.batches import make_train_iterator
 
     gin.clear_config()
     try:
@@ -135,7 +135,7 @@ def iterator_from(config_gin: str):
 
 
 def decoded_queries(it, batch, vocabulary) -> dict[str, list[str]]:
-    from t5_retrieval.data.tokenize import load_vocabulary
+    from t5_retrieval.data.tokenizers.tokenize import load_vocabulary
 
     vocab = load_vocabulary(vocabulary)
     return {task: [vocab.decode([int(t) for t in row if t > 1]) for row in sub["query_tokens"]]
@@ -202,8 +202,8 @@ def test_a_user_mixture_trains_through_t5r_with_its_rates_rewrite_resume_and_con
 
 
 def test_a_changed_preprocessor_makes_a_new_cache_and_new_batches(user_setup, monkeypatch):
-    from t5_retrieval.data import retrieval_tasks
-    from t5_retrieval.data.materialize import cache_path
+    from t5_retrieval.data.tasks import retrieval_tasks
+    from t5_retrieval.data.tasks.materialize import cache_path
 
     monkeypatch.syspath_prepend(user_setup["module_dir"])
     cache_dir = os.path.join(user_setup["data_dir"], "cache", "tasks")
@@ -219,7 +219,7 @@ def test_a_changed_preprocessor_makes_a_new_cache_and_new_batches(user_setup, mo
     assert one == same, "the same Task code must find the same cache"
     assert one != other, "a changed preprocessor must not read the old cache"
 
-    from t5_retrieval.data.batches import make_train_iterator
+    from t5_retrieval.data.batching.batches import make_train_iterator
 
     it = make_train_iterator("user_fever", user_setup["data_dir"], None, user_setup["vocabulary"], 24, 32, 1,
                              per_device_batch=4)
@@ -231,7 +231,7 @@ def test_a_changed_preprocessor_makes_a_new_cache_and_new_batches(user_setup, mo
 def test_a_user_task_whose_query_is_not_tokenised_is_refused_naming_it(user_setup, tmp_path):
     import seqio
 
-    from t5_retrieval.data.batches import make_train_iterator
+    from t5_retrieval.data.batching.batches import make_train_iterator
     from t5_retrieval.data.records import DataError
 
     def rows(split, shuffle_files, seed=None):
@@ -263,7 +263,7 @@ def test_a_command_line_binding_the_run_never_reads_is_an_error(user_setup, monk
 def test_a_seqio_mixture_names_the_model_tasks_it_holds_in_every_command(user_setup, monkeypatch, capsys):
     import argparse
 
-    from t5_retrieval.data.task_names import UnknownTaskError, expand
+    from t5_retrieval.data.tasks.task_names import UnknownTaskError, expand
 
     monkeypatch.syspath_prepend(user_setup["module_dir"])
     write_user_module(user_setup, "REWRITTEN")
@@ -290,8 +290,8 @@ def test_mixture_rates_are_the_mixtures_own_numbers_functions_and_temperatures()
 
     import seqio
 
-    from t5_retrieval.data.mixing import sizes_from_rates
-    from t5_retrieval.data.retrieval_tasks import resolve
+    from t5_retrieval.data.tasks.mixing import sizes_from_rates
+    from t5_retrieval.data.tasks.retrieval_tasks import resolve
 
     names = ["rates_t2", "rates_nested"]
     try:
@@ -316,7 +316,7 @@ def test_mixture_rates_are_the_mixtures_own_numbers_functions_and_temperatures()
 def test_the_documented_user_module_registers_its_task_and_mixture():
     import seqio
 
-    from t5_retrieval.data.retrieval_tasks import describe, resolve
+    from t5_retrieval.data.tasks.retrieval_tasks import describe, resolve
 
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data.md")) as f:
         section = f.read().split("### Your own Tasks and Mixtures", 1)[1]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from t5_retrieval.data import task_names
-from t5_retrieval.data.task_names import UnknownTaskError
+from t5_retrieval.data.tasks import task_names
+from t5_retrieval.data.tasks.task_names import UnknownTaskError
 
 TASKS = {"demo_fever": {"dataset": "fever", "prefix": "fever", "index": 0},
          "demo_nq": {"dataset": "nq", "prefix": "nq", "index": 1}}
@@ -93,10 +93,10 @@ def test_registered_tasks_reads_datasets_from_the_registry_and_expands_mixtures(
 def test_the_registry_module_does_not_import_the_resolver():
     from test_layers import imported_modules
 
-    from t5_retrieval.data import retrieval_tasks
+    from t5_retrieval.data.tasks import retrieval_tasks
 
     imports = [module for _, module in imported_modules(retrieval_tasks.__file__)]
-    assert not [m for m in imports if m.startswith("t5_retrieval.data.task_names")], \
+    assert not [m for m in imports if m.startswith("t5_retrieval.data.tasks.task_names")], \
         "retrieval_tasks -> task_names -> retrieval_tasks would be an import cycle: only the resolver imports the other"
 
 

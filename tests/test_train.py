@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from t5_retrieval import checkpoint, gin_utils
-from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.errors import UserError
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.train import train

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from t5_retrieval.data.random_batches import RandomBatches
+from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.train_step import per_task_gradients, summed_gradient, task_groups, task_loss_fn

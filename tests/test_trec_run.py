@@ -2,7 +2,7 @@
 
 import pytest
 
-from t5_retrieval.data.passages import PassageTable
+from t5_retrieval.data.stores.passages import PassageTable
 from t5_retrieval.data.records import Example, Passage
 from t5_retrieval.retrieval.evaluate import Ranking, RankingScorer, trec_run, write_results
 

@@ -5,8 +5,8 @@ import os
 
 from t5_retrieval import cli
 from t5_retrieval.data import layout
-from t5_retrieval.data.tokenize import vocabulary_digest
-from t5_retrieval.data.vocab import train_vocabulary
+from t5_retrieval.data.tokenizers.tokenize import vocabulary_digest
+from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 from tests.tiny_model import build_tiny_run
 
 

@@ -9,10 +9,10 @@ import pytest
 import seqio
 
 from conftest import SHARED_DATA
-from t5_retrieval.data import retrieval_tasks
+from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.text import format_query
-from t5_retrieval.data.tokenize import encode_text, load_vocabulary, tokenize
-from t5_retrieval.data.wordpiece import WordPieceVocabulary, basic_tokenize
+from t5_retrieval.data.tokenizers.tokenize import encode_text, load_vocabulary, tokenize
+from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary, basic_tokenize
 
 TOKENS = ["[PAD]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "the", "cafe", "un", "##aff", "##able", "##s", ",",
           "!", "who", "is", "?", "a", "b"]

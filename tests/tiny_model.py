@@ -40,7 +40,7 @@ def write_model_dir(model_dir: str, data_dir: str, vocabulary: str, seed: int, e
     import jax
 
     from t5_retrieval import checkpoint, sharding, train  # noqa: F401 (train: runs/base.gin binds its configurables)
-    from t5_retrieval.data.batches import make_train_iterator
+    from t5_retrieval.data.batching.batches import make_train_iterator
     from t5_retrieval.models.build import build_model, init_params, model_config
 
     gin.clear_config()
@@ -61,12 +61,12 @@ def build_tiny_run(root: str, models: tuple[tuple[int, tuple[str, ...]], ...] = 
     """Demo data -> sentencepiece vocab -> per (seed, extra gin bindings): a model dir, KB embeddings
     and a brute-force index."""
     from t5_retrieval.data import layout
-    from t5_retrieval.data.demo import write_demo
-    from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.prepare import prepare_kb, prepare_negatives, prepare_tasks
-    from t5_retrieval.data.vocab import train_vocabulary
+    from t5_retrieval.data.kilt.synthetic import write_demo
+    from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
+    from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
     from t5_retrieval.inference import load_encoder
-    from t5_retrieval.data import embedding_store
+    from t5_retrieval.data.stores import embedding_store
     from t5_retrieval.retrieval import index, scann_index
 
     raw, data_dir = os.path.join(root, "raw"), os.path.join(root, "data")

@@ -1,4 +1,4 @@
-"""The original pure-Python BERT tokenisation, kept as the oracle for `t5_retrieval.data.wordpiece`.
+"""The original pure-Python BERT tokenisation, kept as the oracle for `t5_retrieval.data.tokenizers.wordpiece`.
 
 A line-by-line transcription of Hugging Face's slow `BertTokenizer` (Devlin et al. 2019): basic
 tokenisation (drop control characters, whitespace to spaces, spaces around CJK ideographs,
@@ -13,7 +13,7 @@ import functools
 import unicodedata
 from collections.abc import Callable
 
-from t5_retrieval.data.wordpiece import CONTINUATION, MAX_CHARS_PER_WORD, SENTINEL, WordPieceVocabulary
+from t5_retrieval.data.tokenizers.wordpiece import CONTINUATION, MAX_CHARS_PER_WORD, SENTINEL, WordPieceVocabulary
 
 
 def _is_control(ch: str) -> bool:

@@ -19,7 +19,7 @@ def _report(obj) -> None:
 
 
 def kb_main(argv: list[str]) -> int:
-    from t5_retrieval.data.prepare import prepare_kb
+    from t5_retrieval.data.kilt.prepare import prepare_kb
 
     p = argparse.ArgumentParser("t5r data kb", description="Knowledge source -> passage store <data_dir>/kb.")
     p.add_argument("--source", required=True,
@@ -37,7 +37,7 @@ def kb_main(argv: list[str]) -> int:
 
 
 def tasks_main(argv: list[str]) -> int:
-    from t5_retrieval.data.prepare import prepare_tasks
+    from t5_retrieval.data.kilt.prepare import prepare_tasks
 
     p = argparse.ArgumentParser("t5r data tasks", description="KILT task files -> <data_dir>/examples.")
     p.add_argument("--input_dir", required=True, help="directory with {task}-{split}-kilt.jsonl files")
@@ -56,7 +56,7 @@ def tasks_main(argv: list[str]) -> int:
 
 
 def negatives_main(argv: list[str]) -> int:
-    from t5_retrieval.data.prepare import prepare_negatives
+    from t5_retrieval.data.kilt.prepare import prepare_negatives
 
     p = argparse.ArgumentParser("t5r data negatives", description="BM25 hard negatives -> <data_dir>/negatives/bm25.")
     p.add_argument("--data_dir", required=True)
@@ -69,7 +69,7 @@ def negatives_main(argv: list[str]) -> int:
 
 
 def demo_main(argv: list[str]) -> int:
-    from t5_retrieval.data.demo import write_demo
+    from t5_retrieval.data.kilt.synthetic import write_demo
 
     p = argparse.ArgumentParser("t5r data demo", description="Write the SYNTHETIC KILT-format demo data.")
     p.add_argument("--out", required=True)
@@ -85,7 +85,7 @@ def demo_main(argv: list[str]) -> int:
 
 
 def download_main(argv: list[str]) -> int:
-    from t5_retrieval.data.download import KILT_BASE_URL, download_kilt
+    from t5_retrieval.data.kilt.download import KILT_BASE_URL, download_kilt
 
     p = argparse.ArgumentParser("t5r data download-kilt", description="Download official KILT files (resumable).")
     p.add_argument("--out", required=True)
@@ -102,7 +102,7 @@ def download_main(argv: list[str]) -> int:
 
 
 def slice_main(argv: list[str]) -> int:
-    from t5_retrieval.data import kilt_slice
+    from t5_retrieval.data.kilt import demo_slice as kilt_slice
 
     p = argparse.ArgumentParser("t5r data slice", description=kilt_slice.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,7 +118,7 @@ def slice_main(argv: list[str]) -> int:
 
 
 def vocab_main(argv: list[str]) -> int:
-    from t5_retrieval.data.vocab import train_vocabulary
+    from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 
     p = argparse.ArgumentParser("t5r vocab train", description="Train a T5-convention sentencepiece model on a KB.")
     p.add_argument("--kb", required=True, help="passage store directory (<data_dir>/kb)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from t5_retrieval.data import embedding_store
+from t5_retrieval.data.stores import embedding_store
 
 
 def _process() -> tuple[int, int]:
@@ -24,7 +24,7 @@ def _process() -> tuple[int, int]:
 def main(argv: list[str]) -> int:
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.errors import check_writable_dir
 
     parser = argparse.ArgumentParser(prog="t5r encode", description=__doc__.splitlines()[0])

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(parser, argv, reads=TASK_MODULE)
     logs.setup()
 
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.export.savedmodel import export_savedmodel
     from t5_retrieval.inference import DualEncoderInference, load_encoder
 

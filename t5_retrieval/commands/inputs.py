@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from t5_retrieval.errors import UserError
-from t5_retrieval.data import layout, task_names
+from t5_retrieval.data import layout
+from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.records import DataError, Example
-from t5_retrieval.data.retrieval_tasks import has_split, split_examples
+from t5_retrieval.data.tasks.retrieval_tasks import has_split, split_examples
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import (Encoder, HashedBagOfWordsEncoder, dataset_of, model_task_name,
                                             recorded_tasks)
@@ -67,7 +68,7 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
 
     Raises DataError or IndexMismatchError naming the file or field at fault.
     """
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.stores.kb import PassageStore
 
     store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
     index = load_index(args.index_dir)

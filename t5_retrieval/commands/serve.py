@@ -53,7 +53,7 @@ def _check_listenable(host: str, port: int, auth_token: str | None) -> None:
 
 def main(argv: list[str]) -> int:
     """`t5r serve`: HTTP search over an index with a query encoder."""
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.stores.kb import PassageStore
 
     parser = argparse.ArgumentParser(prog="t5r serve", description=__doc__.splitlines()[0])
     add_encoder_flags(parser)

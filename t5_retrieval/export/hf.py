@@ -36,7 +36,7 @@ from safetensors.numpy import save_file
 
 from t5_retrieval import checkpoint
 from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
-from t5_retrieval.data.tokenize import is_wordpiece_path
+from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path
 from t5_retrieval.inference import DualEncoderInference, is_query_side_dir, load_dual_encoder
 from t5_retrieval.models import hf_bert_import, hf_import
 from t5_retrieval.models.bert import BertConfig
@@ -141,7 +141,7 @@ def write_t5_tokenizer(directory: str, vocabulary: str, max_length: int) -> None
 
 def write_bert_tokenizer(directory: str, vocabulary: str, max_length: int) -> None:
     """vocab.txt and the BertTokenizer settings our WordPiece tokenisation uses (lower-casing as recorded)."""
-    from t5_retrieval.data.wordpiece import WordPieceVocabulary
+    from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary
 
     vocab = WordPieceVocabulary.from_path(vocabulary)
     shutil.copyfile(vocab.vocab_file, os.path.join(directory, "vocab.txt"))

@@ -38,12 +38,13 @@ import numpy as np
 import tensorflow as tf
 
 from t5_retrieval import checkpoint
-from t5_retrieval.data.kb import PassageStore
+from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.records import DataError
 from t5_retrieval.export import preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
 from t5_retrieval.inference import DualEncoderInference
-from t5_retrieval.data import embedding_store, task_names
+from t5_retrieval.data.stores import embedding_store
+from t5_retrieval.data.tasks import task_names
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.retrieval.index import INDEX_JSON, load_index
 from t5_retrieval.retrieval.scann_index import SCANN_DIR, ScannIndex

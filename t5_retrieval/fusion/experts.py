@@ -18,10 +18,10 @@ from t5_retrieval.data.records import DataError, Example
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.fusion import muf
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.data.task_names import UnknownTaskError
+from t5_retrieval.data.tasks.task_names import UnknownTaskError
 from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder, model_task_name
 from t5_retrieval.retrieval.index import Index, load_index
-from t5_retrieval.data.passages import PassageLookup
+from t5_retrieval.data.stores.passages import PassageLookup
 
 LEXICAL = "lexical:"  # checkpoint spec for the hashed bag-of-words baseline: "lexical:<dim>"
 
@@ -131,7 +131,7 @@ Vectors = PassageVectors | StoredPassageVectors
 def passage_vectors(expert: Expert, passages: PassageLookup) -> Vectors:
     """The stored embeddings behind the expert's index when they are still there (and are the
     index's: same fingerprint and ids), else the expert's encoder on demand."""
-    from t5_retrieval.data import embedding_store
+    from t5_retrieval.data.stores import embedding_store
 
     directory = expert.index.embeddings_dir
     if directory and os.path.exists(os.path.join(directory, embedding_store.MANIFEST)):

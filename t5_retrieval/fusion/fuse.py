@@ -7,7 +7,7 @@ score (DPR-MUF; also the usual dense + sparse hybrid rule, Ma et al. 2021):
   (`muf`: 1 - MI / log E of its MLP ensemble) and s_x its raw retrieval score.
 * **uniform**: the same sum with every c_x = 1 (what the confidence adds is the difference).
 * **hybrid**: (1 - w) * dense(p) + w * bm25(p) over the union of the fused dense list and the BM25
-  list (`data/bm25.py`), w = `FuseConfig.hybrid_weight` (DPR's bm25 + lambda * dense with
+  list (`data/stores/bm25.py`), w = `FuseConfig.hybrid_weight` (DPR's bm25 + lambda * dense with
   lambda = 1.1 is w = 1 / 2.1 up to scale).
 * **own_expert**: for a task that has an expert, that expert alone (the single-task reference).
 
@@ -35,7 +35,7 @@ from t5_retrieval.errors import ConfigError
 from t5_retrieval.fusion import experts as experts_lib
 from t5_retrieval.fusion import muf
 from t5_retrieval.retrieval.evaluate import EvalResult, RankingScorer
-from t5_retrieval.data.passages import PassageLookup
+from t5_retrieval.data.stores.passages import PassageLookup
 
 Ranking = tuple[list[str], np.ndarray]  # passage ids and scores, best first
 
@@ -112,7 +112,7 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
         raise ValueError("FuseConfig.hybrid_weight is set but no BM25 index was given")
     if config.depth < 1:
         raise ConfigError(f"FuseConfig.depth must be >= 1, got {config.depth}")
-    from t5_retrieval.data.negatives import bm25_query
+    from t5_retrieval.data.kilt.negatives import bm25_query
 
     vectors = {x.task: experts_lib.passage_vectors(x, passages) for x in experts}
     ensembles = {}
@@ -196,7 +196,7 @@ def fuse_experts(expert_specs: Sequence[str], data_dir: str, output_dir: str, kb
     The KB, the experts and every example file are opened and checked before any ensemble trains.
     """
     from t5_retrieval.data import layout
-    from t5_retrieval.data.kb import PassageStore
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.retrieval.encoder import dataset_of
     from t5_retrieval.retrieval.evaluate import load_task_examples
 
@@ -218,7 +218,7 @@ def fuse_experts(expert_specs: Sequence[str], data_dir: str, output_dir: str, kb
     calibration = eval_examples if calibration_split == split else examples(calibration_split, eval_tasks)
     bm25 = None
     if config.hybrid_weight is not None:
-        from t5_retrieval.data.bm25 import BM25Index
+        from t5_retrieval.data.stores.bm25 import BM25Index
         bm25 = BM25Index(store)
     result = fuse_and_evaluate(experts, train_examples, eval_examples, store, muf.EnsembleConfig(), config,
                                calibration, bm25)

@@ -56,7 +56,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from t5_retrieval.data.kilt_slice import SHIPPED, extract
+from t5_retrieval.data.kilt.demo_slice import SHIPPED, extract
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.results.analysis import analysis_table, sensitivity_analysis
 from t5_retrieval.results.common import prepare_data

@@ -52,7 +52,7 @@ def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
 
     from t5_retrieval import gin_utils, sharding
     import t5_retrieval.tasks  # noqa: F401  (registers the mixtures the rows train on)
-    from t5_retrieval.data.batches import make_train_iterator
+    from t5_retrieval.data.batching.batches import make_train_iterator
     from t5_retrieval.inference import load_dual_encoder
     from t5_retrieval.multitask.analysis import save_state_npz
     from t5_retrieval.probe import probe_sensitivities

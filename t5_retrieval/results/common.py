@@ -14,7 +14,7 @@ TASKS = ("fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking"
 
 def prepare_data(raw_dir: str, data_dir: str) -> None:
     """KB from the paragraph passages, examples of every task, BM25 negatives (each step resumable)."""
-    from t5_retrieval.data.prepare import prepare_missing
+    from t5_retrieval.data.kilt.prepare import prepare_missing
 
     prepare_missing(os.path.join(raw_dir, "kb", "passages.jsonl"), raw_dir, data_dir, TASKS)
 
@@ -26,7 +26,7 @@ def dataset_name(names: Iterable[str], dataset: str) -> str:
 
     Raises UnknownTaskError (a KeyError) when none of them, or several, read it."""
     import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, whose datasets the names are resolved by)
-    from t5_retrieval.data import task_names
+    from t5_retrieval.data.tasks import task_names
 
     return task_names.resolve(task_names.registered_tasks(names), dataset)
 

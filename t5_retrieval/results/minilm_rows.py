@@ -17,9 +17,9 @@ def bm25_row(row_dir: str, data_dir: str) -> None:
     """BM25's top-100 passages per dev query, scored like `t5r eval`."""
     from t5_retrieval.stages import stage
     from t5_retrieval.data import layout
-    from t5_retrieval.data.bm25 import BM25Index
-    from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.negatives import bm25_query
+    from t5_retrieval.data.stores.bm25 import BM25Index
+    from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.data.kilt.negatives import bm25_query
     from t5_retrieval.data.records import read_examples
     from t5_retrieval.retrieval.evaluate import RankingScorer, write_results
 

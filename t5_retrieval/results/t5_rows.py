@@ -49,6 +49,6 @@ def t5_scratch_row(run_file: str) -> Callable[..., None]:
 
 def train_t5_vocabulary(data_dir: str, vocab_dir: str) -> dict[str, Any]:
     from t5_retrieval.data import layout
-    from t5_retrieval.data.vocab import train_vocabulary
+    from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 
     return {"model": train_vocabulary(layout.kb_dir(data_dir), os.path.join(vocab_dir, "spm"), T5_VOCAB_SIZE)}

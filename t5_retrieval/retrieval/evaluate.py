@@ -21,13 +21,13 @@ from typing import Any
 import gin
 import numpy as np
 
-from t5_retrieval.data import answers
+from t5_retrieval.data.kilt import answers
 from t5_retrieval.data.records import DataError, Example, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval import metrics
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.index import Index
-from t5_retrieval.data.passages import PassageLookup
+from t5_retrieval.data.stores.passages import PassageLookup
 
 
 def retrieve(encoder: Encoder, index: Index, queries: Sequence[str], k: int, *, task: str,

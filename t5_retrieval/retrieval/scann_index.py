@@ -22,7 +22,7 @@ from typing import Any
 import gin
 import numpy as np
 
-from t5_retrieval.data import embedding_store
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval.stored_index import IndexMismatchError, StoredIndex, read_complete_store
 

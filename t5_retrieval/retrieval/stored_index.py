@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from t5_retrieval import checksums
-from t5_retrieval.data import embedding_store
-from t5_retrieval.data.passages import ids_digest
+from t5_retrieval.data.stores import embedding_store
+from t5_retrieval.data.stores.passages import ids_digest
 from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full
 from t5_retrieval.retrieval.encoder import Encoder

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from t5_retrieval.data.retrieval_tasks import (TASK_TYPES, add_retrieval_task, add_temperature_mixture,
+from t5_retrieval.data.tasks.retrieval_tasks import (TASK_TYPES, add_retrieval_task, add_temperature_mixture,
                                                kilt_examples_source)
 
 

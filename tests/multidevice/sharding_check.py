@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from t5_retrieval import multitask, sharding  # noqa: E402
-from t5_retrieval.data.random_batches import RandomBatches  # noqa: E402
+from t5_retrieval.data.batching.random_batches import RandomBatches  # noqa: E402
 from t5_retrieval.models.dual_encoder import DualEncoder  # noqa: E402
 from t5_retrieval.models.t5 import T5Config  # noqa: E402
 from t5_retrieval.models.build import init_params  # noqa: E402

@@ -31,7 +31,7 @@ import gin
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import read_examples
 from t5_retrieval.data.text import format_query
-from t5_retrieval.data.tokenize import conventions_of, load_vocabulary, vocabulary_digest
+from t5_retrieval.data.tokenizers.tokenize import conventions_of, load_vocabulary, vocabulary_digest
 from t5_retrieval.errors import ConfigError, UserError
 
 TEMPERATURE = 4.0
@@ -49,7 +49,7 @@ def set_data_dir(data_dir: str) -> None:
 
 def get_data_dir() -> str:
     if not _DATA_DIR[0]:
-        raise ConfigError("no data directory: call t5_retrieval.data.retrieval_tasks.set_data_dir(...) "
+        raise ConfigError("no data directory: call t5_retrieval.data.tasks.retrieval_tasks.set_data_dir(...) "
                           "(gin: set_data_dir.data_dir) or set T5R_DATA_DIR")
     return _DATA_DIR[0]
 

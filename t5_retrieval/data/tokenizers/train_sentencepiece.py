@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import sentencepiece as spm
 
-from t5_retrieval.data.kb import PassageStore, passage_text
+from t5_retrieval.data.stores.kb import PassageStore, passage_text
 from t5_retrieval.errors import ConfigError, check_writable_dir
 
 

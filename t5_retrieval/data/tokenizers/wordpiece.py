@@ -5,7 +5,7 @@ id for id: basic tokenisation (drop control characters, whitespace to spaces, sp
 ideographs, optionally lower-case and strip accents, split on whitespace and punctuation), then
 greedy longest-match-first WordPiece per word (`##` marks a continuation; a word that cannot be
 spelled, or is longer than 100 characters, is one [UNK]). Special tokens ([CLS] text [SEP],
-padding 0) are not added here: `token_conventions` tells `t5_retrieval.data.tokenize` which they
+padding 0) are not added here: `token_conventions` tells `t5_retrieval.data.tokenizers.tokenize` which they
 are. The T5 sentinel `<extra_id_N>` of the TACO task prefixes becomes BERT's reserved token
 `[unusedN]` (one learnable marker instead of seven word pieces).
 
@@ -36,7 +36,7 @@ import tensorflow as tf
 import tokenizers
 
 from t5_retrieval.data.records import DataError
-from t5_retrieval.data.tokenize import PAD_ID, TokenConventions
+from t5_retrieval.data.tokenizers.tokenize import PAD_ID, TokenConventions
 
 MAX_CHARS_PER_WORD = 100
 CONTINUATION = "##"

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from t5_retrieval.data.answers import AnswerMatcher
-from t5_retrieval.data.kilt import kilt_file
+from t5_retrieval.data.kilt.answers import AnswerMatcher
+from t5_retrieval.data.kilt.examples import kilt_file
 from t5_retrieval.data.records import DataError, Example, check_unique_id, read_jsonl, require
 from t5_retrieval.data.text import normalize_query
 

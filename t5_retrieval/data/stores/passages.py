@@ -1,6 +1,6 @@
 """The view of the knowledge base that retrieval needs: passages in id order and id lookups.
 
-`t5_retrieval.data.kb.PassageStore` satisfies `PassageLookup`; `PassageTable` is the same thing
+`t5_retrieval.data.stores.kb.PassageStore` satisfies `PassageLookup`; `PassageTable` is the same thing
 over any list of `Passage` records, for tests and for callers that already hold the passages.
 """
 

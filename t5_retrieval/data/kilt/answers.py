@@ -5,7 +5,7 @@ Two normalisations, each the convention of the data it scores:
 * `dpr_answer_tokens` (DPR's `has_answer`): lower-cased, accents stripped, ASCII punctuation to
   spaces. Used for KILT answer-in-passage recall@k (`t5r eval`) and MT-DPR's answer-checked
   confounders (`t5r mine` with `exclude_answers`), over the passage text.
-* `qa_open_answer_tokens` (the answer-only QA files, `data/qa_open.py`): additionally every Unicode
+* `qa_open_answer_tokens` (the answer-only QA files, `data/kilt/qa_open.py`): additionally every Unicode
   punctuation character splits and the articles a/an/the are dropped. Matched over "title text"
   by `AnswerMatcher`, or by regular expression for CuratedTREC.
 
@@ -22,7 +22,7 @@ import string
 import unicodedata
 from collections.abc import Iterable, Sequence
 
-from t5_retrieval.data.passages import PassageLookup
+from t5_retrieval.data.stores.passages import PassageLookup
 
 _PUNCT_TO_SPACE = str.maketrans({c: " " for c in string.punctuation})
 _ARTICLES = frozenset(("a", "an", "the"))

@@ -13,10 +13,10 @@ from typing import Any
 import gin
 
 from t5_retrieval.data import layout
-from t5_retrieval.data.bm25 import BM25Index
-from t5_retrieval.data.kb import PassageStore, build_kb
-from t5_retrieval.data.kilt import ConversionStats, convert_task_file, kilt_file
-from t5_retrieval.data.negatives import bm25_query, mine_bm25_negatives
+from t5_retrieval.data.stores.bm25 import BM25Index
+from t5_retrieval.data.stores.kb import PassageStore, build_kb
+from t5_retrieval.data.kilt.examples import ConversionStats, convert_task_file, kilt_file
+from t5_retrieval.data.kilt.negatives import bm25_query, mine_bm25_negatives
 from t5_retrieval.data.records import read_examples, write_jsonl_atomic, write_negatives
 from t5_retrieval.errors import ConfigError
 

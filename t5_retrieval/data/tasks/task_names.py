@@ -24,8 +24,8 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from t5_retrieval.data import retrieval_tasks
-from t5_retrieval.data.retrieval_tasks import UnknownTaskError
+from t5_retrieval.data.tasks import retrieval_tasks
+from t5_retrieval.data.tasks.retrieval_tasks import UnknownTaskError
 
 Tasks = Mapping[str, Mapping[str, Any]]  # a model's features["tasks"]: name -> {"dataset", "prefix", ...}
 

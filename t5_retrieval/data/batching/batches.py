@@ -26,13 +26,13 @@ from numpy.typing import ArrayLike
 
 from t5_retrieval import gin_utils
 from t5_retrieval.data import layout
-from t5_retrieval.data.kb import PassageStore, passage_text
-from t5_retrieval.data.materialize import TaskExamples
-from t5_retrieval.data.mixing import sizes_from_rates
+from t5_retrieval.data.stores.kb import PassageStore, passage_text
+from t5_retrieval.data.tasks.materialize import TaskExamples
+from t5_retrieval.data.tasks.mixing import sizes_from_rates
 from t5_retrieval.data.records import DataError, read_negatives
-from t5_retrieval.data.retrieval_tasks import TaskInfo
+from t5_retrieval.data.tasks.retrieval_tasks import TaskInfo
 from t5_retrieval.data.text import PASSAGE_TEMPLATE
-from t5_retrieval.data.tokenize import (TokenConventions, Vocabulary, conventions_of, encode_text, load_vocabulary,
+from t5_retrieval.data.tokenizers.tokenize import (TokenConventions, Vocabulary, conventions_of, encode_text, load_vocabulary,
                                         vocabulary_digest)
 from t5_retrieval.errors import ConfigError
 
@@ -259,8 +259,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     training over a fixed index; `train` then requires `init_from` to be the model that wrote
     them). Its fingerprint is recorded in the features.
     """
-    from t5_retrieval.data import retrieval_tasks
-    from t5_retrieval.data.materialize import materialize
+    from t5_retrieval.data.tasks import retrieval_tasks
+    from t5_retrieval.data.tasks.materialize import materialize
 
     gin_utils.import_modules(task_module)
     if not 0 <= host_index < host_count:
@@ -313,7 +313,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
 
 def _check_vocabulary(task: Any, vocab: Vocabulary) -> None:
     """A Task must tokenise with the model's vocabulary: token ids mean nothing in another."""
-    from t5_retrieval.data.retrieval_tasks import vocabulary_identity
+    from t5_retrieval.data.tasks.retrieval_tasks import vocabulary_identity
 
     if "query" not in task.output_features:
         raise DataError(f"seqio Task {task.name!r} has no \"query\" output feature (it has "
@@ -328,7 +328,7 @@ def _check_vocabulary(task: Any, vocab: Vocabulary) -> None:
 
 def passage_table(directory: str, store: PassageStore) -> tuple[np.ndarray, dict[str, str]]:
     """The stored embeddings of every KB passage in store order, and {directory, fingerprint}."""
-    from t5_retrieval.data import embedding_store
+    from t5_retrieval.data.stores import embedding_store
 
     manifest = embedding_store.read_manifest(directory)
     ids = embedding_store.read_ids(directory)

@@ -2,7 +2,7 @@
 
 Each positive passage starts with its query's tokens, so the task is learnable (a loss that falls
 shows the whole step works) without any tokenizer or files. Not a data set: real training uses
-`t5_retrieval.data.batches`.
+`t5_retrieval.data.batching.batches`.
 
 Host sharding: every host draws the same global batch and keeps its own rows (host h of H takes
 the h-th of H equal slices of each task's queries and of their passages), so the global batch,

@@ -123,7 +123,7 @@ def load_vocabulary(path: str) -> Any:
     """The vocabulary a recorded path names: a WordPiece `vocab.txt` (or its directory), else a
     sentencepiece model with T5's 100 extra ids."""
     if is_wordpiece_path(path):
-        from t5_retrieval.data.wordpiece import WordPieceVocabulary
+        from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary
 
         return WordPieceVocabulary.from_path(path)
     import seqio
@@ -139,7 +139,7 @@ def vocabulary_digest(path: str) -> str:
     """
     digest = hashlib.sha256()
     if is_wordpiece_path(path):
-        from t5_retrieval.data.wordpiece import WordPieceVocabulary
+        from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary
 
         vocab = WordPieceVocabulary.from_path(path)
         digest.update(f"wordpiece lower_case={vocab.lower_case}\n".encode())

@@ -27,7 +27,7 @@ import gin
 import numpy as np
 
 from t5_retrieval import checksums
-from t5_retrieval.data.passages import ids_digest
+from t5_retrieval.data.stores.passages import ids_digest
 from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
 from t5_retrieval.errors import ConfigError, UserError, disk_full, remove_stale_temporaries, temp_path
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from t5_retrieval.data.records import DataError
-from t5_retrieval.data.retrieval_tasks import vocabulary_identity
+from t5_retrieval.data.tasks.retrieval_tasks import vocabulary_identity
 from t5_retrieval.errors import disk_full, is_disk_full, remove_stale_temporaries, temp_path
 
 FORMAT_VERSION = 1

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from t5_retrieval.data.kb import PassageStore
+from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.records import DataError, Example, check_unique_id, read_jsonl, require
 from t5_retrieval.data.text import normalize_query
 

@@ -15,7 +15,7 @@ import gin
 import numpy as np
 from bm25s.stopwords import STOPWORDS_EN
 
-from t5_retrieval.data.kb import PassageStore
+from t5_retrieval.data.stores.kb import PassageStore
 
 _TOKEN = re.compile(r"\w+")
 _STOP = frozenset(STOPWORDS_EN)
