@@ -85,7 +85,8 @@ def hf_t5_tokenizer(spm_model: str, tmp: str):
 def fixed_rows(encode: Callable[[str], list[int]], texts: list[str], length: int, start: tuple[int, ...],
                end: int) -> np.ndarray:
     """The former row assembly: one text at a time (none of these passages holds a literal `</s>`)."""
-    from t5_retrieval.data.tokenizers.tokenize import TokenConventions, to_fixed_length
+    from t5_retrieval.data.tokenizers.conventions import TokenConventions
+    from t5_retrieval.data.tokenizers.tokenize import to_fixed_length
 
     conventions = TokenConventions(start_ids=start, end_id=end, separator_id=end)
     return np.stack([to_fixed_length(encode(text), length, conventions) for text in texts])

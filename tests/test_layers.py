@@ -83,6 +83,63 @@ def upward_imports() -> list[str]:
     return problems
 
 
+def module_of(target: str, modules: set[str]) -> str | None:
+    """The library module an import names: 'p.m.Class' -> 'p.m' (the longest known prefix)."""
+    parts = target.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
+
+
+def import_cycles() -> list[list[str]]:
+    """Cycles among the modules of one component (e.g. `data.tasks.retrieval_tasks` <-> `data.tasks.task_names`).
+
+    Imports across components are ordered by the layers; inside a component nothing orders them, so
+    this is where a cycle hides. A package importing its own submodules (`__init__` re-exports) is not
+    counted: Python runs the package first, so that edge cannot make a cycle at import time."""
+    files = source_files()
+    modules = {module for _, module in files}
+    graph: dict[str, set[str]] = {module: set() for module in modules}
+    for path, module in files:
+        for _, target in imported_modules(path):
+            other = module_of(target, modules)
+            if other and other != module and component_of(other) == component_of(module) \
+                    and not other.startswith(module + "."):
+                graph[module].add(other)
+    cycles, done, stack = [], set(), []
+
+    def visit(node: str) -> None:
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt in stack:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt)
+        stack.pop()
+        done.add(node)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle_inside_a_component():
+    cycles = import_cycles()
+    assert not cycles, "import cycles (break them by moving the shared piece into a module both import):\n" + \
+        "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
+    package = tmp_path / "t5_retrieval" / "data"
+    package.mkdir(parents=True)
+    (package / "a.py").write_text("from t5_retrieval.data.b import f\n")
+    (package / "b.py").write_text("def f():\n    from t5_retrieval.data import a\n    return a\n")
+    monkeypatch.setattr(__import__(__name__), "REPO", str(tmp_path))
+    assert import_cycles() == [["t5_retrieval.data.a", "t5_retrieval.data.b", "t5_retrieval.data.a"]]
+
+
 def test_every_component_has_a_layer():
     components = {component_of(module) for _, module in source_files()}
     missing = sorted(components - set(LAYER_OF))

@@ -21,7 +21,8 @@ import seqio
 
 from conftest import SHARED_DATA
 from t5_retrieval.data.text import PASSAGE_TEMPLATES, T5_EOS_TEXT, format_passage, format_query
-from t5_retrieval.data.tokenizers.tokenize import TokenConventions, conventions_of, encode_batch, tokenize
+from t5_retrieval.data.tokenizers.conventions import TokenConventions, conventions_of
+from t5_retrieval.data.tokenizers.tokenize import encode_batch, tokenize
 from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary
 from wordpiece_reference import encoder
 

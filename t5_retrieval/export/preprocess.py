@@ -24,7 +24,7 @@ import re
 import tensorflow as tf
 
 from t5_retrieval.data.text import EXTRA_ID_1, KILT_SEP, T5_EOS_TEXT
-from t5_retrieval.data.tokenizers.tokenize import EOS_ID, PAD_ID
+from t5_retrieval.data.tokenizers.conventions import EOS_ID, PAD_ID
 
 
 @functools.cache

@@ -32,8 +32,8 @@ from t5_retrieval.data.tasks.mixing import sizes_from_rates
 from t5_retrieval.data.records import DataError, read_negatives
 from t5_retrieval.data.tasks.retrieval_tasks import TaskInfo
 from t5_retrieval.data.text import PASSAGE_TEMPLATE
-from t5_retrieval.data.tokenizers.tokenize import (TokenConventions, Vocabulary, conventions_of, encode_text, load_vocabulary,
-                                        vocabulary_digest)
+from t5_retrieval.data.tokenizers.conventions import TokenConventions, conventions_of
+from t5_retrieval.data.tokenizers.tokenize import Vocabulary, encode_text, load_vocabulary, vocabulary_digest
 from t5_retrieval.errors import ConfigError
 
 # {task: {feature: rows}}: numpy arrays on the host, jax.Arrays (global, sharded) inside the step.

@@ -31,7 +31,8 @@ import gin
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import read_examples
 from t5_retrieval.data.text import format_query
-from t5_retrieval.data.tokenizers.tokenize import conventions_of, load_vocabulary, vocabulary_digest
+from t5_retrieval.data.tokenizers.conventions import conventions_of
+from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, vocabulary_digest
 from t5_retrieval.errors import ConfigError, UserError
 
 TEMPERATURE = 4.0

@@ -14,7 +14,6 @@ A batch of texts is tokenised in one native call: sentencepiece's C++ batch enco
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 from collections.abc import Sequence
@@ -23,22 +22,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from t5_retrieval.data.text import T5_EOS_TEXT
+from t5_retrieval.data.tokenizers.conventions import T5_CONVENTIONS, TokenConventions, conventions_of
 from t5_retrieval.errors import ConfigError
-
-PAD_ID = 0
-EOS_ID = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenConventions:
-    """The special tokens a model expects around and inside a text (padding is always 0)."""
-
-    start_ids: tuple[int, ...] = ()  # before the text: () for T5, ([CLS],) for BERT
-    end_id: int = EOS_ID  # after the (truncated) text: EOS for T5, [SEP] for BERT
-    separator_id: int = EOS_ID  # what a literal `</s>` inside the text becomes
-
-
-T5_CONVENTIONS = TokenConventions()
 
 
 class Vocabulary(Protocol):
@@ -46,10 +31,6 @@ class Vocabulary(Protocol):
     sentencepiece processor is `tokenizer`) or a WordPieceVocabulary (`encode_batch`)."""
 
     def encode(self, s: str) -> Sequence[int]: ...
-
-
-def conventions_of(vocab: Vocabulary) -> TokenConventions:
-    return getattr(vocab, "token_conventions", T5_CONVENTIONS)
 
 
 def _encode_strings(vocab: Vocabulary, strings: list[str]) -> list[list[int]]:

@@ -36,7 +36,7 @@ import tensorflow as tf
 import tokenizers
 
 from t5_retrieval.data.records import DataError
-from t5_retrieval.data.tokenizers.tokenize import PAD_ID, TokenConventions
+from t5_retrieval.data.tokenizers.conventions import PAD_ID, TokenConventions
 
 MAX_CHARS_PER_WORD = 100
 CONTINUATION = "##"
