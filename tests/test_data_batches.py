@@ -136,8 +136,10 @@ def test_mixtures_and_unknown_names(data_dir, vocab):
     assert [t.name for t, _ in retrieval_tasks.resolve("mini_kilt")][4] == "mini_kilt_entityquestions", \
         "a Mixture's Tasks in the order it declares them (seqio sorts them by name)"
     assert described("mini_kilt_entityquestions") == retrieval_tasks.TaskInfo(
-        "mini_kilt_entityquestions", "entityquestions", "ZSRE")
-    assert described("mini_kilt_entity_linking_typed").prefix == "EL"
+        "mini_kilt_entityquestions", "entityquestions", "ZSRE", 17, "beginning")
+    assert described("mini_kilt_entity_linking_typed") == retrieval_tasks.TaskInfo(
+        "mini_kilt_entity_linking_typed", "entity_linking", "EL", 109, "mention"), "every variant reads the same"
+    assert described("kilt_wow").query_len == 256, "KILT's Tasks read TACO's Table 5 lengths"
     assert described("kilt_nq_noprefix").prefix is None
     assert seqio.get_mixture_or_task("kilt").get_rate(seqio.get_mixture_or_task("kilt_trex")) == pytest.approx(
         2_284_168 ** 0.25)
