@@ -203,3 +203,18 @@ def test_the_zero_shot_row_reads_every_task_at_the_trained_rows_length_and_trunc
             assert (spec["query_len"], spec["truncation"]) == (info.query_len, info.truncation), dataset
     assert zero_shot["entity_linking"]["truncation"] == MENTION_WINDOW
     assert not any(b.startswith("QUERY_LEN") for b in TRAIN_BINDINGS), "trained rows read the Tasks' own lengths"
+
+
+def test_the_task_cache_key_changes_with_the_query_length_and_the_truncation(slice_data):
+    from t5_retrieval.data.materialize import fingerprint
+
+    keys = {}
+    try:
+        for length, truncation in ((109, MENTION_WINDOW), (109, KEEP_BEGINNING), (64, MENTION_WINDOW)):
+            task = retrieval_tasks.add_retrieval_task("test_cache_key_el", retrieval_tasks.kilt_examples_source(
+                "entity_linking"), query_len=length, truncation=truncation)
+            keys[length, truncation] = fingerprint(task, "train")
+        keys["read at 32"] = fingerprint(task, "train", 32)
+    finally:
+        seqio.TaskRegistry.remove("test_cache_key_el")
+    assert len(set(keys.values())) == len(keys), keys
