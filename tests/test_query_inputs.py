@@ -14,7 +14,7 @@ from t5_retrieval.data import layout, retrieval_tasks
 from t5_retrieval.data.kilt_slice import SHIPPED, extract
 from t5_retrieval.data.materialize import materialize
 from t5_retrieval.data.query_inputs import (KEEP_BEGINNING, MENTION_WINDOW, QueryInput, mention_window, query_ids,
-                                            query_tokens, split_mention)
+                                            query_tokens, recorded_query_input, split_mention)
 from t5_retrieval.data.records import read_examples
 from t5_retrieval.data.text import END_ENT, START_ENT, format_query, normalize_query
 from t5_retrieval.data.tokenize import encode_batch, load_vocabulary, tokenize
@@ -218,3 +218,14 @@ def test_the_task_cache_key_changes_with_the_query_length_and_the_truncation(sli
     finally:
         seqio.TaskRegistry.remove("test_cache_key_el")
     assert len(set(keys.values())) == len(keys), keys
+
+
+def test_a_model_trained_before_per_task_lengths_reads_every_task_at_its_one_length_cut_at_the_end():
+    from t5_retrieval.models.build import upgraded_config
+
+    old = {"query_len": 64, "passage_len": 256,
+           "tasks": {"mini_kilt_entity_linking": {"dataset": "entity_linking", "prefix": "AIDA", "index": 0}}}
+    assert recorded_query_input(old, "mini_kilt_entity_linking") == QueryInput("AIDA", 64, KEEP_BEGINNING)
+    upgraded = upgraded_config({"features": old}, {"features": {}})["features"]["tasks"]["mini_kilt_entity_linking"]
+    assert (upgraded["query_len"], upgraded["truncation"]) == (64, KEEP_BEGINNING), \
+        "resuming an old run compares the inputs it was trained on"
