@@ -226,6 +226,7 @@ def test_a_model_trained_before_per_task_lengths_reads_every_task_at_its_one_len
     old = {"query_len": 64, "passage_len": 256,
            "tasks": {"mini_kilt_entity_linking": {"dataset": "entity_linking", "prefix": "AIDA", "index": 0}}}
     assert recorded_query_input(old, "mini_kilt_entity_linking") == QueryInput("AIDA", 64, KEEP_BEGINNING)
-    upgraded = upgraded_config({"features": old}, {"features": {}})["features"]["tasks"]["mini_kilt_entity_linking"]
+    now = {"features": {"tasks": {"mini_kilt_entity_linking": {"query_len": 109, "truncation": MENTION_WINDOW}}}}
+    upgraded = upgraded_config({"features": old}, now)["features"]["tasks"]["mini_kilt_entity_linking"]
     assert (upgraded["query_len"], upgraded["truncation"]) == (64, KEEP_BEGINNING), \
         "resuming an old run compares the inputs it was trained on"
