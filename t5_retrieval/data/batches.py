@@ -29,9 +29,10 @@ from t5_retrieval.data import layout
 from t5_retrieval.data.kb import PassageStore, passage_text
 from t5_retrieval.data.materialize import TaskExamples
 from t5_retrieval.data.mixing import sizes_from_rates
+from t5_retrieval.data.query_inputs import QueryInput, query_ids
 from t5_retrieval.data.records import DataError, read_negatives
 from t5_retrieval.data.retrieval_tasks import DEFAULT_QUERY_LEN, TaskInfo
-from t5_retrieval.data.text import PASSAGE_TEMPLATE
+from t5_retrieval.data.text import END_ENT, PASSAGE_TEMPLATE, START_ENT
 from t5_retrieval.data.tokenize import (TokenConventions, Vocabulary, conventions_of, encode_text, load_vocabulary,
                                         vocabulary_digest)
 from t5_retrieval.errors import UserError
@@ -232,8 +233,7 @@ def _subset(examples: TaskExamples, keep: Sequence[int]) -> TaskExamples:
 @gin.configurable
 def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: str, negatives: str | None,
                         vocabulary: Vocabulary | str, query_len: int | Mapping[str, int] | None, passage_len: int,
-                        num_negatives: int,
-                        per_device_batch: int, local_data_devices: int = 1, host_index: int = 0,
+                        num_negatives: int, per_device_batch: int, local_data_devices: int = 1, host_index: int = 0,
                         host_count: int = 1, seed: int = 0, split: str = "train",
                         max_examples_per_task: int | None = None, passage_template: str = PASSAGE_TEMPLATE,
                         passage_embeddings: str | None = None, cache_dir: str | None = None,
@@ -340,9 +340,6 @@ def task_query_lens(infos: Sequence[TaskInfo], query_len: int | Mapping[str, int
 def _check_query_input(info: TaskInfo, length: int, vocab: Vocabulary) -> None:
     """A length too short for a Task's special tokens, prefix and entity markers fails here, naming
     the Task, rather than inside its seqio pipeline."""
-    from t5_retrieval.data.query_inputs import QueryInput, query_ids
-    from t5_retrieval.data.text import END_ENT, START_ENT
-
     try:
         query_ids(vocab, [f"{START_ENT} {END_ENT}"], QueryInput(info.prefix, length, info.truncation))
     except ValueError as e:
