@@ -126,7 +126,7 @@ def fingerprint(task: Any, split: str, query_len: int | None = None) -> str:
         "preprocessors": describe(list(task.preprocessors)),
         "vocabulary": vocabulary_identity(task.output_features["query"].vocabulary),
     }
-    if query_len is not None:  # kept out when unset, so that caches of Tasks read at their own length stay valid
+    if query_len is not None:  # the caller's sequence_length["query"]
         description["query_len"] = query_len
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
 
