@@ -56,9 +56,9 @@ def ance(work_dir: str,
         raise ConfigError(f"ance.num_episodes must be >= 0, got {num_episodes}")
     if mine_depth < 1:
         raise ConfigError(f"ance.mine_depth must be >= 1, got {mine_depth}")
-    outside = [e for e in taco_episodes if not 1 <= e <= num_episodes]
+    outside = [e for e in multitask_episodes if not 1 <= e <= num_episodes]
     if outside:
-        raise ConfigError(f"ance.taco_episodes: {outside} not among the episodes 1..{num_episodes}")
+        raise ConfigError(f"ance.multitask_episodes: {outside} not among the episodes 1..{num_episodes}")
     stages = ["warmup"] + [f"episode_{e}" for e in range(1, num_episodes + 1)]
     for number, name in enumerate(stages):
         stage_dir = os.path.join(work_dir, name)

@@ -2,8 +2,8 @@
 
 Every command that embeds text (encode, eval, mine, serve, export, fuse, query-side) opens its
 model with `load_encoder`, so every stage formats queries
-(task prefix, `[SEP]` -> `</s>`), tokenizes and pads exactly as training did: the features recorded
-with the checkpoint say how. Batches are sharded over the mesh's data axis; the last partial batch
+(task prefix, `[SEP]` -> `</s>`), tokenizes, cuts them to their task's length and pads exactly as
+training did (`data.query_inputs`): the features recorded with the checkpoint say how. Batches are sharded over the mesh's data axis; the last partial batch
 is padded so one compiled shape serves the whole corpus.
 """
 
@@ -22,7 +22,8 @@ import numpy as np
 
 from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.records import Passage, write_json_atomic
-from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage, format_query
+from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens, recorded_query_input
+from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, tokenize, vocabulary_digest
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
@@ -113,16 +114,18 @@ class DualEncoderInference:
     def prefix_of(self, task: str) -> str | None:
         return self.features["tasks"][self.task_name(task)]["prefix"]
 
+    def query_input(self, task: str) -> QueryInput:
+        """How `task`'s queries become token ids: its prefix, length and truncation, as trained."""
+        return recorded_query_input(self.features, self.task_name(task))
+
     def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
         task = self.task_name(task)
-        prefix = self.prefix_of(task)
         for i, text in enumerate(texts):
             if not text or not text.strip():
                 raise ValueError(f"query {i} is empty")
-        strings = [format_query(t, prefix) for t in texts]
         config = self.model.config
         tower = config.query_tower(self.training_task_order.index(task) if config.query_towers else 0)
-        return self.encode_tokens(tokenize(self.vocabulary, strings, self.features["query_len"]), tower)
+        return self.encode_tokens(query_tokens(self.vocabulary, texts, self.query_input(task)), tower)
 
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
         template = self.features.get("passage_template", PASSAGE_TEMPLATE)

@@ -42,11 +42,10 @@ from tqdm import tqdm
 
 from t5_retrieval import checkpoint
 from t5_retrieval.data.kilt.answers import AnswerTexts, recall_at_ks
-from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.kilt.qa_open import QATask, read_qa_task
 from t5_retrieval.data.records import DataError, write_json_atomic
-from t5_retrieval.data.text import format_query
-from t5_retrieval.data.tokenizers.tokenize import tokenize
+from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.data.tokenizers.query_inputs import query_tokens
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.inference import bucketed_width, load_dual_encoder, token_lengths, write_base_record
@@ -84,7 +83,7 @@ def query_side_loss(queries: jax.Array, candidates: jax.Array, positive: jax.Arr
 class Candidates:
     """One round's training set: token ids, candidate rows of the index and which hold an answer."""
 
-    tokens: np.ndarray  # int32 [n, query_len]
+    tokens: np.ndarray  # int32 [n, the query length of as_task]
     rows: np.ndarray  # int64 [n, k]
     positive: np.ndarray  # bool [n, k]
     skipped: int  # questions with no answer-holding passage among their candidates
@@ -111,9 +110,7 @@ def retrieve_candidates(encoder: Any, index: Index, answer_texts: AnswerTexts, t
             keep.append(i)
             all_rows.append(row)
             labels.append(hit)
-    prefix = encoder.prefix_of(as_task)
-    tokens = tokenize(encoder.vocabulary, [format_query(texts[i], prefix) for i in keep],
-                      encoder.features["query_len"])
+    tokens = query_tokens(encoder.vocabulary, [texts[i] for i in keep], encoder.query_input(as_task))
     return Candidates(tokens, np.asarray(all_rows, np.int64).reshape(-1, top_k),
                       np.asarray(labels, bool).reshape(-1, top_k), len(texts) - len(keep))
 

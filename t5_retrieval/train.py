@@ -35,7 +35,7 @@ from t5_retrieval.models.build import build_model, init_params, initial_params, 
 from t5_retrieval.multitask import exported_state, multitask_metrics, multitask_statistics
 from t5_retrieval.multitask.analysis import STATE_FILE, save_state_npz
 from t5_retrieval.optim import make_optimizer
-from t5_retrieval.train_step import TrainState, make_train_step
+from t5_retrieval.train_step import TrainState, make_train_step, query_shape_groups, task_groups
 
 log = logging.getLogger(__name__)
 # The host dispatches each step while the device runs the one before, then waits for that one: it
@@ -225,6 +225,7 @@ def train(model_dir: str,
         write_text_atomic(os.path.join(model_dir, OPERATIVE_CONFIG), gin.operative_config_str())
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         first = next(data)
+        log_query_passes(model, first, task_names, per_task=multitask is not None)
         batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, np.ndim(x)), first)
         jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
@@ -234,6 +235,22 @@ def train(model_dir: str,
              int(state.skipped_steps))
     export_multitask_state(state.opt_state, task_names, model_dir)
     return state
+
+
+def log_query_passes(model: nn.Module, batch: dict[str, dict[str, np.ndarray]], task_names: list[str],
+                     per_task: bool) -> None:
+    """Logs each task's query length and the query passes the step compiles, one per sub-batch shape
+    (per-task gradients: one `lax.scan` body per group of same-shaped tasks; naive: one model call
+    per query length, or per task with per-task towers)."""
+    if per_task:
+        groups = [[task_names[k] for k in group] for group in task_groups(model, batch, task_names)]
+    elif model.config.query_towers:
+        groups = [[name] for name in task_names]
+    else:
+        groups = query_shape_groups(batch, task_names)
+    log.info("query lengths: %s; the step compiles %d query pass(es), one per shape: %s",
+             ", ".join(f"{name} {batch[name]['query_tokens'].shape[1]}" for name in task_names), len(groups),
+             "; ".join("[" + ", ".join(group) + "]" for group in groups))
 
 
 def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, str], config: dict[str, Any]) -> None:
@@ -374,9 +391,10 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
     last_time, last_step = time.time(), start
     log_only_metrics = jax.jit(multitask_statistics)  # a pass over the multi-task state: logging steps only
     preemption = PreemptionNotice()
+    metrics = None
     try:
         for step in range(start + 1, num_steps + 1):
-            previous = metrics if step > start + 1 else None
+            previous = metrics
             state, metrics = step_fn(state, sharding.global_batch(mesh, batch))
             if previous is not None:  # the device runs this step while the host prepares the next
                 jax.block_until_ready(previous)

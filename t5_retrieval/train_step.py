@@ -6,8 +6,9 @@ from another task).
 
 Two ways to get gradients, same losses:
 - naive multi-task (no multi-task transform): all tasks' queries go through the model in one call
-  and all passages in another, the task losses are summed, and one backward pass gives the
-  gradient of the sum. Few large matmuls instead of 2K small ones.
+  per query length (tasks read their queries at their own lengths: `query_shape_groups`) and all
+  passages in another, the task losses are summed, and one backward pass gives the gradient of
+  the sum. Few large matmuls instead of 2K small ones.
 - per-task gradients (TACO, PCGrad, ...): tasks are processed one after another, so that only one
   task's activations are alive at a time: tasks with sub-batches of one shape by a `lax.scan` (one
   compiled backward pass for all of them), such groups chained by `optimization_barrier` (the
@@ -17,6 +18,7 @@ Two ways to get gradients, same losses:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -95,6 +97,15 @@ def task_groups(model: nn.Module, batch: Batch, task_names: Sequence[str]) -> li
     return list(groups.values())
 
 
+def query_shape_groups(batch: Batch, task_names: Sequence[str]) -> list[list[str]]:
+    """Tasks whose query sub-batches have one length (each task reads its queries at its own), in
+    task order: the naive step encodes each group's queries in one model call."""
+    groups: dict[int, list[str]] = {}
+    for name in task_names:
+        groups.setdefault(batch[name]["query_tokens"].shape[1], []).append(name)
+    return list(groups.values())
+
+
 def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_names: Sequence[str],
                        rng: jax.Array, groups: Sequence[Sequence[int]] | None = None
                        ) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
@@ -158,10 +169,16 @@ def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_
                 model.apply({"params": params}, batch[t]["query_tokens"], deterministic=False,
                             rngs={"dropout": jax.random.fold_in(query_rng, k)}, tower=k)
                 for k, t in enumerate(task_names)])
-        else:
-            queries = jnp.concatenate([batch[t]["query_tokens"] for t in task_names])
-            query_emb = model.apply({"params": params}, queries, deterministic=False, rngs={"dropout": query_rng},
-                                    tower=query_tower(model, 0))
+        else:  # one call per query length, the embeddings put back in task order
+            by_task = {}
+            for g, names in enumerate(query_shape_groups(batch, task_names)):
+                queries = jnp.concatenate([batch[t]["query_tokens"] for t in names])
+                embedded = model.apply({"params": params}, queries, deterministic=False,
+                                       rngs={"dropout": jax.random.fold_in(query_rng, g) if g else query_rng},
+                                       tower=query_tower(model, 0))
+                rows = [batch[t]["query_tokens"].shape[0] for t in names]
+                by_task.update(zip(names, jnp.split(embedded, list(itertools.accumulate(rows))[:-1])))
+            query_emb = jnp.concatenate([by_task[t] for t in task_names])
         passage_emb = passage_embeddings(model, params, passages, passage_rng, stop_passage_gradient)
         losses, metrics = [], {}
         q_start = p_start = 0

@@ -137,13 +137,35 @@ def test_mixtures_and_unknown_names(data_dir, vocab):
     assert [t.name for t, _ in retrieval_tasks.resolve("mini_kilt")][4] == "mini_kilt_entityquestions", \
         "a Mixture's Tasks in the order it declares them (seqio sorts them by name)"
     assert described("mini_kilt_entityquestions") == retrieval_tasks.TaskInfo(
-        "mini_kilt_entityquestions", "entityquestions", "ZSRE")
-    assert described("mini_kilt_entity_linking_typed").prefix == "EL"
+        "mini_kilt_entityquestions", "entityquestions", "ZSRE", 17, "beginning")
+    assert described("mini_kilt_entity_linking_typed") == retrieval_tasks.TaskInfo(
+        "mini_kilt_entity_linking_typed", "entity_linking", "EL", 109, "mention"), "every variant reads the same"
+    assert described("kilt_wow").query_len == 256, "KILT's Tasks read TACO's Table 5 lengths"
     assert described("kilt_nq_noprefix").prefix is None
     assert seqio.get_mixture_or_task("kilt").get_rate(seqio.get_mixture_or_task("kilt_trex")) == pytest.approx(
         2_284_168 ** 0.25)
     with pytest.raises(KeyError, match="unknown seqio Task or Mixture 'demo_nope' .did you mean demo_"):
         _iterator(data_dir, vocab, names=("demo_nope",))
+
+
+def test_each_task_reads_its_own_query_length_unless_query_len_sets_it(data_dir, vocab):
+    from t5_retrieval.errors import UserError
+
+    def widths(query_len):
+        it = _iterator(data_dir, vocab, names=("demo_trex", "demo_wow"), query_len=query_len)
+        batch = next(it)
+        assert {t: spec["query_len"] for t, spec in it.features["tasks"].items()} == \
+            {t: sub["query_tokens"].shape[1] for t, sub in batch.items()}, "the features record what was read"
+        return [batch[t]["query_tokens"].shape[1] for t in ("demo_trex", "demo_wow")]
+
+    assert widths(None) == [32, 256], "TACO's Table 5: slot filling 32, dialogue 256"
+    assert widths(20) == [20, 20]
+    assert widths({"wow": 40}) == [32, 40], "a dict sets the named tasks (by dataset or name) only"
+    assert widths({"demo_trex": 12}) == [12, 256]
+    with pytest.raises(UserError, match=r"QUERY_LEN names \['nq'\], which are not among this run's tasks"):
+        widths({"nq": 40})
+    with pytest.raises(UserError, match="task demo_aidayago2: query length 7: .* cannot hold the entity markers"):
+        _iterator(data_dir, vocab, names=("demo_aidayago2",), query_len=7)  # 6 ids before EOS: 3 of prefix, 4 of markers
 
 
 def test_few_shot_subset_is_fixed_across_seeds_and_split_between_hosts(data_dir, vocab):

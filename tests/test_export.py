@@ -18,6 +18,7 @@ CLIENT = os.path.join(REPO, "tests", "export", "query_savedmodel.py")
 K = 5
 TOWERS = ("DualEncoderConfig.query_towers = 2",)
 SEPARATE = ("DualEncoderConfig.separate_query_encoder = True",)
+OWN_LENGTHS = ("QUERY_LEN = {'demo_fever': 16, 'demo_trex': 12}",)  # each task at its own length
 # Edge cases of the query normalisation: Unicode whitespace (RE2's \s would miss it), [SEP] and a
 # literal </s> (EOS between segments), a query longer than the trained length (truncation keeps EOS).
 TRICKY = ["  Paris\u00a0is\u2003the\ncapital [SEP] country ", "x</s>", "[SEP][SEP] y", "word " * 40]
@@ -40,12 +41,12 @@ def _run_client(savedmodel: str, requests: list[dict], tmp_dir: str) -> list[dic
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """One tiny run, one export of model 0, one client process.
+    """One tiny run, one export of model 0 (its tasks at lengths of their own), one client process.
 
     Model 1 (another seed, per-task query towers) and its index serve the mismatch and towers tests,
     model 2 (one separate query encoder) the separate-tower test."""
     root = tmp_path_factory.mktemp("export")
-    run = build_tiny_run(str(root), models=((0, ()), (1, TOWERS), (2, SEPARATE)))
+    run = build_tiny_run(str(root), models=((0, OWN_LENGTHS), (1, TOWERS), (2, SEPARATE)))
     savedmodel = str(root / "serving" / "t5r" / "1")
     kb_dir = layout.kb_dir(run.data_dir)
     assert cli.main(["export", "--checkpoint_dir", run.model_dirs[0], "--index_dir", run.index_dirs[0],
@@ -144,6 +145,7 @@ def test_export_records_fingerprint_index_manifest_and_vocabulary(exported, pyth
         manifest = json.load(f)
     assert record["fingerprint"] == encoder.fingerprint == manifest["fingerprint"]
     assert record["index"] == manifest and record["tasks"] == {f"demo_{t}": t.upper() for t in TASKS}, record
+    assert (record["query_lens"], record["query_len"]) == ({"demo_fever": 16, "demo_trex": 12}, 16), record
     with open(os.path.join(assets, "index.json")) as f:
         assert json.load(f) == manifest
     with open(os.path.join(assets, os.path.basename(run.vocabulary)), "rb") as a, open(run.vocabulary, "rb") as b:
@@ -183,8 +185,8 @@ def test_query_preprocessing_ops_tokenize_like_the_python_path(exported):
     import tensorflow as tf
     import tensorflow_text as tf_text
 
+    from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens
     from t5_retrieval.data.text import format_query
-    from t5_retrieval.data.tokenizers.tokenize import tokenize
     from t5_retrieval.export import preprocess
 
     run = exported[0]
@@ -194,9 +196,46 @@ def test_query_preprocessing_ops_tokenize_like_the_python_path(exported):
     for prefix in ("FEVER", None):
         strings = tf.strings.join([preprocess.prefix_strings([prefix])[0], preprocess.normalize_queries(texts)])
         assert [s.decode() for s in strings.numpy()] == [format_query(t, prefix) for t in texts]
-        got = preprocess.tokenize_fixed(tokenizer, strings, 16).numpy()
-        np.testing.assert_array_equal(got, tokenize(vocab, [format_query(t, prefix) for t in texts], 16),
+        got = preprocess.tokenize_queries(tokenizer, tf.constant(preprocess.prefix_strings([prefix]) * len(texts)),
+                                          preprocess.normalize_queries(texts), tf.fill([len(texts)], 16),
+                                          tf.zeros([len(texts)], tf.bool), 16).numpy()
+        np.testing.assert_array_equal(got, query_tokens(vocab, texts, QueryInput(prefix, 16)),
                                       err_msg=f"token ids differ (prefix {prefix})")
+
+
+def test_query_preprocessing_ops_cut_each_task_at_its_length_and_entity_linking_around_its_mention():
+    """Rows of one batch with their own tasks' lengths and truncations, against `query_tokens`."""
+    import seqio
+    import tensorflow as tf
+    import tensorflow_text as tf_text
+
+    from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING, MENTION_WINDOW, QueryInput, query_tokens
+    from t5_retrieval.export import preprocess
+
+    spm = os.path.join(os.path.dirname(seqio.__file__), "test_data", "sentencepiece", "sentencepiece.model")
+    vocab = seqio.SentencePieceVocabulary(spm, extra_ids=100)
+    tokenizer = tf_text.SentencepieceTokenizer(model=vocab.sp_model)
+    context = "the quick brown fox jumps over the lazy dog and runs far away " * 4
+    texts = [f"{context} [START_ENT] Paris [END_ENT] {context}",           # centred
+             f"[START_ENT] Paris   Hilton [END_ENT] {context}",              # no left context: right gets the rest
+             f"{context}{context} [START_ENT] Paris [END_ENT] .",            # little right context
+             f"a [START_ENT] {context} [END_ENT] b",                         # the mention alone exceeds the budget
+             f"{context} [START_ENT] x [SEP] y [END_ENT] z</s>w",            # separators inside
+             f"{context} [END_ENT] no start marker before [START_ENT]",      # markers out of order: the beginning
+             "short [START_ENT] one [END_ENT] two",                          # fits whole
+             context]                                                        # no markers: the beginning
+    rows = [(prefix, length, truncation) for prefix in ("AIDA", None) for length in (30, 61)
+            for truncation in (MENTION_WINDOW, KEEP_BEGINNING)]
+    width = 64
+    batch = [(text, *row) for row in rows for text in texts]
+    got = preprocess.tokenize_queries(
+        tokenizer, tf.constant(preprocess.prefix_strings([p for _, p, _, _ in batch])),
+        preprocess.normalize_queries([t for t, *_ in batch]), tf.constant([n for _, _, n, _ in batch]),
+        tf.constant([c == MENTION_WINDOW for *_, c in batch]), width).numpy()
+    for i, (text, prefix, length, truncation) in enumerate(batch):
+        want = np.zeros(width, np.int32)
+        want[:length] = query_tokens(vocab, [text], QueryInput(prefix, length, truncation))[0]
+        np.testing.assert_array_equal(got[i], want, err_msg=f"{prefix} {length} {truncation}: {text[:60]!r}")
 
 
 @pytest.mark.parametrize("mode", ["brute_force", "tree_ah"])

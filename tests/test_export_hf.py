@@ -312,3 +312,31 @@ def test_st5_enc_mean_pooled_l2_normalised_t5_exports_with_a_model_card_that_emb
     diff = np.abs(scope["embedding"].numpy() - encoder.encode_passages(passages)).max()
     print(f"T5 ST5-Enc + L2 passages (model card code): max abs difference {diff:.2e}")
     assert diff < ATOL, f"ST5-Enc passage embeddings: model card code vs t5r differ by {diff}"
+
+
+def test_the_model_cards_entity_linking_code_gives_t5rs_mention_window(tmp_path):
+    """The card's `mention_window_ids`, run with transformers' tokenizer of MiniLM on the demo slice's
+    entity-linking queries, gives the ids t5r reads."""
+    from t5_retrieval.data.kilt.demo_slice import SHIPPED, extract
+    from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_ids
+    from t5_retrieval.data.text import normalize_query
+    from t5_retrieval.data.tokenizers.tokenize import encode_batch, load_vocabulary
+    from t5_retrieval.models.pretrained import minilm_l6_dir
+
+    record = {"family": "bert", "fingerprint": "f", "dim": 384, "pooling": "mean", "l2_normalize": True,
+              "query_len": 109, "passage_len": 256, "passage_template": "{title}: {text}", "query_encoder": None,
+              "tasks": {"entity_linking": {"prefix": "AIDA", "query_prefix": "AIDA [unused1] ", "query_len": 109,
+                                           "truncation": "mention"}}}
+    card = hf.model_card(record)
+    assert "| `entity_linking` | `AIDA [unused1] ` | 109 | mention |" in card, card
+    scope = {}
+    exec(card.split("```python\n")[2].split("```")[0], scope)  # the card's second code block
+    with open(os.path.join(extract(SHIPPED, str(tmp_path)), "entity_linking-dev-kilt.jsonl")) as f:
+        queries = [normalize_query(json.loads(line)["input"]) for line in f]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_l6_dir())
+    vocab = load_vocabulary(minilm_l6_dir())
+    prefix_ids = encode_batch(vocab, ["AIDA <extra_id_1>"])[0]
+    for length in (64, 109):
+        want = [ids + [vocab.sep_id] for ids in query_ids(vocab, queries, QueryInput("AIDA", length, "mention"))]
+        got = [scope["mention_window_ids"](tokenizer, prefix_ids, q, length) for q in queries]
+        assert got == want, f"length {length}: the card's window differs from t5r's"

@@ -151,8 +151,9 @@ def test_a_user_mixture_trains_through_t5r_with_its_rates_rewrite_resume_and_con
     assert t5r(train_argv(user_setup, model_dir)) == 0
 
     tasks = checkpoint.read_config(model_dir)["features"]["tasks"]
-    assert tasks == {"user_fever": {"dataset": "user_fever", "prefix": None, "index": 0},
-                     "user_nq": {"dataset": "user_nq", "prefix": None, "index": 1}}, \
+    read_as = {"query_len": 24, "truncation": "beginning"}  # --gin.QUERY_LEN=24 for every task
+    assert tasks == {"user_fever": {"dataset": "user_fever", "prefix": None, "index": 0, **read_as},
+                     "user_nq": {"dataset": "user_nq", "prefix": None, "index": 1, **read_as}}, \
         "the Mixture's Tasks, in the order the user declared them"
     config_gin = os.path.join(model_dir, "config.gin")
     assert "user_mix" in open(config_gin).read() and MODULE_NAME in open(config_gin).read()
@@ -213,11 +214,13 @@ def test_a_changed_preprocessor_makes_a_new_cache_and_new_batches(user_setup, mo
         write_user_module(user_setup, word)
         gin_utils.import_modules(MODULE_NAME)
         task = retrieval_tasks.resolve("user_fever")[0][0]
-        return cache_path(task, "train", cache_dir)
+        return cache_path(task, "train", cache_dir, 24)
 
     one, same, other = cached_file("ONE"), cached_file("ONE"), cached_file("OTHER")
     assert one == same, "the same Task code must find the same cache"
     assert one != other, "a changed preprocessor must not read the old cache"
+    task = retrieval_tasks.resolve("user_fever")[0][0]
+    assert cache_path(task, "train", cache_dir, 32) != other, "queries read at another length are another cache"
 
     from t5_retrieval.data.batching.batches import make_train_iterator
 

@@ -8,7 +8,8 @@ import pytest
 from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
-from t5_retrieval.train_step import per_task_gradients, summed_gradient, task_groups, task_loss_fn
+from t5_retrieval.train_step import (per_task_gradients, query_shape_groups, summed_gradient, task_groups,
+                                     task_loss_fn)
 
 CFG = T5Config(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_encoder_layers=1,
                num_decoder_layers=1, dropout_rate=0.0)
@@ -110,3 +111,32 @@ def test_groups_must_cover_every_task_once():
     params = model.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"]
     with pytest.raises(ValueError, match="each of the 3 task indices once"):
         per_task_gradients(task_loss_fn(model, 1.0), params, batch, TASKS, jax.random.PRNGKey(1), [[0, 1], [1]])
+
+
+def _with_query_width(batch, task: str, width: int):
+    """`batch` with `task`'s queries padded with 0 to `width` tokens (padding is masked)."""
+    queries = batch[task]["query_tokens"]
+    padded = np.zeros((queries.shape[0], width), queries.dtype)
+    padded[:, :queries.shape[1]] = queries
+    return {**batch, task: {**batch[task], "query_tokens": padded}}
+
+
+def test_tasks_at_their_own_query_lengths_train_as_if_every_query_had_one_length():
+    model = DualEncoder(CFG)
+    batch = _tiny_batch(TASKS, 6)  # every task's queries are 6 tokens
+    own_lengths = _with_query_width(_with_query_width(batch, "a", 9), "c", 12)  # 9, 6, 12
+    one_length = {t: _with_query_width(batch, t, 12)[t] for t in TASKS}
+    assert query_shape_groups(own_lengths, TASKS) == [["a"], ["b"], ["c"]]
+    assert query_shape_groups(one_length, TASKS) == [TASKS], "one model call for the queries of one length"
+    params = model.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"]
+    rng = jax.random.PRNGKey(1)
+    loss_fn = task_loss_fn(model, 1.0)
+    for name, step in (("naive", lambda p, b: summed_gradient(model, 1.0, p, b, TASKS, rng)),
+                       ("per-task", lambda p, b: per_task_gradients(loss_fn, p, b, TASKS, rng))):
+        want, got = jax.jit(step)(params, one_length), jax.jit(step)(params, own_lengths)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5,
+                                   err_msg=f"{name}: task losses depend on how far queries are padded")
+        for g, w in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{name}: gradients depend on how far queries are padded")
+    assert task_groups(model, own_lengths, TASKS) == [[0], [1], [2]], "one scan body per query shape"

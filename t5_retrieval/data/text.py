@@ -15,6 +15,9 @@ from t5_retrieval.errors import ConfigError
 KILT_SEP = "[SEP]"
 T5_EOS_TEXT = "</s>"
 EXTRA_ID_1 = "<extra_id_1>"
+# KILT's entity-linking inputs mark the mention to link: "... [START_ENT] mention [END_ENT] ...".
+START_ENT = "[START_ENT]"
+END_ENT = "[END_ENT]"
 
 _WHITESPACE = re.compile(r"\s+")
 

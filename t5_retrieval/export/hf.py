@@ -35,6 +35,7 @@ from flax import traverse_util
 from safetensors.numpy import save_file
 
 from t5_retrieval import checkpoint
+from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW, recorded_query_input
 from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path
 from t5_retrieval.inference import DualEncoderInference, is_query_side_dir, load_dual_encoder
@@ -192,13 +193,16 @@ def retrieval_record(encoder: DualEncoderInference, family: str) -> dict[str, An
     """What turns text into model inputs and the model's output into an embedding (t5r_retrieval.json)."""
     features, dual = encoder.features, encoder.config["dual_encoder"]
     sentinel = BERT_SENTINEL if family == "bert" else EXTRA_ID_1
-    tasks = {name: {"prefix": spec["prefix"],
-                    "query_prefix": query_prefix(spec["prefix"]).replace(EXTRA_ID_1, sentinel) + " "
-                    if spec["prefix"] else ""}
-             for name, spec in sorted(features.get("tasks", {}).items())}
+    queries = {name: recorded_query_input(features, name) for name in sorted(features.get("tasks", {}))}
+    tasks = {name: {"prefix": q.prefix,
+                    "query_prefix": query_prefix(q.prefix).replace(EXTRA_ID_1, sentinel) + " " if q.prefix else "",
+                    "query_len": q.length, "truncation": q.truncation}
+             for name, q in queries.items()}
     return {"format": FORMAT, "family": family, "fingerprint": encoder.fingerprint, "dim": encoder.dim,
             "pooling": dual["pooling"], "l2_normalize": dual["l2_normalize"],
-            "query_len": features["query_len"], "passage_len": features["passage_len"],
+            # The longest task's query length (the query encoder's max_length); each task's is in "tasks".
+            "query_len": max((q.length for q in queries.values()), default=features["query_len"]),
+            "passage_len": features["passage_len"],
             "passage_template": features.get("passage_template", PASSAGE_TEMPLATE), "tasks": tasks,
             "query_encoder": QUERY_ENCODER_DIR if dual.get("separate_query_encoder") else None}
 
@@ -272,7 +276,8 @@ embedding = (states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)  # mea
 
 def model_card(record: dict[str, Any]) -> str:
     """README.md: how to get `t5r`'s embeddings from this directory with transformers alone."""
-    tasks = "\n".join(f"| `{name}` | `{spec['query_prefix'] or '(none)'}` |" for name, spec in record["tasks"].items())
+    tasks = "\n".join(f"| `{name}` | `{spec['query_prefix'] or '(none)'}` | {spec['query_len']} | {spec['truncation']} |"
+                      for name, spec in record["tasks"].items())
     normalise = "\nembedding = torch.nn.functional.normalize(embedding, dim=-1)" if record["l2_normalize"] else ""
     if record["family"] == "bert":
         load = "model = transformers.AutoModel.from_pretrained(d).eval()"
@@ -304,13 +309,15 @@ t5r config it was exported from.
 ## Inputs
 
 - Query of task T: `query_prefix(T) + query`, whitespace runs collapsed to one space, KILT's `[SEP]`
-  written as `{'[SEP]' if record['family'] == 'bert' else '</s>'}`; at most {record['query_len']} tokens.
+  written as `{'[SEP]' if record['family'] == 'bert' else '</s>'}`; at most T's query length in tokens
+  (table below, special tokens included). Truncation `beginning` keeps a long query's first tokens;
+  `mention` (entity linking) keeps a window around `[START_ENT] ... [END_ENT]` (below).
 - Passage: `{record['passage_template']}`; at most {record['passage_len']} tokens.
 - Token ids as the tokenizer here writes them ({special}), truncated to the length, padding id 0
   masked.
 {sentinel}
-| task | query prefix |
-|---|---|
+| task | query prefix | query length | truncation |
+|---|---|---|---|
 {tasks}
 
 ## Embedding with transformers
@@ -320,7 +327,7 @@ import torch, transformers
 d = "path/to/this/directory"
 tokenizer = transformers.AutoTokenizer.from_pretrained(d)
 {load}
-max_length = {record['passage_len']}  # passages; {record['query_len']} for queries
+max_length = {record['passage_len']}  # passages; for queries, their task's query length (table above)
 batch = tokenizer(texts, max_length=max_length, truncation=True, padding=True, return_tensors="pt")
 ids, mask = batch["input_ids"], batch["attention_mask"]
 with torch.no_grad():
@@ -328,6 +335,43 @@ with torch.no_grad():
 ```
 
 Relevance is the dot product of a query and a passage embedding ({record['dim']} dimensions).
+{mention_section(record)}"""
+
+
+MENTION_WINDOW_CODE = '''def mention_window_ids(tokenizer, prefix_ids, query, length):
+    """t5r's ids for a query of a task whose truncation is "mention" (whitespace normalised as above):
+    the prefix, the mention with both markers, and as much context on each side as fits, half each
+    (a side too short for its half leaves the rest to the other)."""
+    encode = lambda text: tokenizer(text.strip(), add_special_tokens=False)["input_ids"]
+    a = query.index("[START_ENT]")
+    b = query.index("[END_ENT]", a)
+    left, mention, right = encode(query[:a]), encode(query[a + len("[START_ENT]"):b]), encode(query[b + len("[END_ENT]"):])
+    start, end = encode("[START_ENT]"), encode("[END_ENT]")
+    first, last = {special}
+    budget = length - len(first) - len(last) - len(prefix_ids) - len(start) - len(end)
+    mention = mention[:budget]
+    rest = budget - len(mention)
+    kept = min(len(left), max(rest // 2, rest - len(right)))
+    return first + prefix_ids + left[len(left) - kept:] + start + mention + end + right[:rest - kept] + last'''
+# The special ids around a query, as each family's tokenizer adds them.
+SPECIAL_IDS = {"bert": "[tokenizer.cls_token_id], [tokenizer.sep_token_id]", "t5": "[], [tokenizer.eos_token_id]"}
+
+
+def mention_section(record: dict[str, Any]) -> str:
+    """The model card's code for the entity-linking window, when a task reads its queries that way."""
+    tasks = [name for name, spec in record["tasks"].items() if spec["truncation"] == MENTION_WINDOW]
+    if not tasks:
+        return ""
+    return f"""
+## Entity-linking queries
+
+Queries of {", ".join(f"`{t}`" for t in tasks)} are cut to a window around the mention, not at
+their end. Their ids (`prefix_ids`: the task prefix's ids, `[]` for none; a query without both
+markers is cut at its end instead):
+
+```python
+{MENTION_WINDOW_CODE.format(special=SPECIAL_IDS[record["family"]])}
+```
 """
 
 

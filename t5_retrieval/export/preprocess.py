@@ -1,15 +1,21 @@
 """The query side of `inference.DualEncoderInference.encode_queries`, as TensorFlow ops.
 
 A served SavedModel gets raw query strings, so it must turn them into token ids exactly as the
-Python path does (`data.text.format_query`, then `data.tokenize.tokenize`):
+Python path does (`data.query_inputs.query_ids`), each query by its own task's prefix, length and
+truncation:
 
   1. `[SEP]` -> `</s>`; every run of whitespace -> one space; leading/trailing space removed.
      "Whitespace" is Python's (`str.isspace`, what `re`'s `\\s` and `str.strip` use), spelled
      out as an explicit RE2 class: RE2's own `\\s` is ASCII-only.
-  2. the task prefix: `"{NAME} <extra_id_1> {query}"` (or the bare query for a no-prefix task).
-  3. each `</s>`-separated segment is tokenized by sentencepiece and the segments are joined with
+  2. each `</s>`-separated segment is tokenized by sentencepiece and the segments are joined with
      the EOS id (the T5 tokenizer's treatment of a literal `</s>`).
-  4. truncated to `length - 1` ids, EOS appended, padded with 0 to `length`.
+  3. "beginning": `"{NAME} <extra_id_1> {query}"` (or the bare query for a no-prefix task)
+     tokenized, cut to `length - 1` ids. "mention" (entity linking): the prefix, then the window
+     of `query_inputs.mention_window` around `[START_ENT] mention [END_ENT]`, the prefix, context,
+     markers and mention tokenized as separate segments (a query without both markers is cut as
+     "beginning").
+  4. EOS appended, padded with 0 to the longest task's length (padding is masked, so a shorter
+     task's embedding is that of its own length).
 
 The tokenizer must be built from the same serialized sentencepiece model as the Python
 vocabulary: `seqio.SentencePieceVocabulary(...).sp_model`, i.e. the `.model` file with seqio's
@@ -23,7 +29,7 @@ import re
 
 import tensorflow as tf
 
-from t5_retrieval.data.text import EXTRA_ID_1, KILT_SEP, T5_EOS_TEXT
+from t5_retrieval.data.text import END_ENT, EXTRA_ID_1, KILT_SEP, START_ENT, T5_EOS_TEXT
 from t5_retrieval.data.tokenizers.conventions import EOS_ID, PAD_ID
 
 
@@ -46,19 +52,66 @@ def prefix_strings(prefix_names: list[str | None]) -> list[str]:
     return [f"{name} {EXTRA_ID_1} " if name else "" for name in prefix_names]
 
 
-def tokenize_fixed(tokenizer, texts: tf.Tensor, length: int) -> tf.Tensor:
-    """int32[batch, length]: `data.tokenize.tokenize` over formatted query strings."""
-    if length < 2:
-        raise ValueError(f"sequence length must be >= 2 (a token and EOS), got {length}")
+def encode(tokenizer, texts: tf.Tensor) -> tf.RaggedTensor:
+    """int32[batch, (ids)]: `data.tokenize.encode_batch` (no end id) over a string vector."""
     segments = tf.strings.split(texts, sep=T5_EOS_TEXT)                        # [batch, (segments)]
     ids = tf.cast(tokenizer.tokenize(segments.flat_values), tf.int32)          # [segments, (ids)]
-    # EOS after every segment: the separators' EOS ids, plus the final EOS of the Python path.
-    eos = tf.fill([ids.nrows(), 1], EOS_ID)
-    ids = segments.with_flat_values(tf.concat([ids, eos], axis=1)).merge_dims(1, 2)  # [batch, (ids)]
-    # Too long: keep length - 1 ids and end with EOS (the Python path truncates before appending it).
-    dense = ids[:, :length].to_tensor(default_value=PAD_ID, shape=[None, length])
-    last = tf.where(ids.row_lengths() > length, EOS_ID, dense[:, -1])
-    return tf.concat([dense[:, :-1], last[:, None]], axis=1)
+    ids = tf.concat([ids, tf.fill([ids.nrows(), 1], EOS_ID)], axis=1)          # EOS after every segment
+    joined = segments.with_flat_values(ids).merge_dims(1, 2)                   # [batch, (ids)]
+    return row_slices(joined, tf.zeros_like(joined.row_lengths()), joined.row_lengths() - 1)  # not the last
 
 
-__all__ = ["normalize_queries", "prefix_strings", "tokenize_fixed", "whitespace_class"]
+def row_slices(ids: tf.RaggedTensor, begin: tf.Tensor, end: tf.Tensor) -> tf.RaggedTensor:
+    """Row r of `ids` cut to `[begin[r], end[r])` (bounds within the row)."""
+    positions = tf.ragged.range(begin, end)
+    flat = positions.values + tf.repeat(ids.row_starts(), positions.row_lengths())
+    return tf.RaggedTensor.from_row_lengths(tf.gather(ids.values, flat), positions.row_lengths())
+
+
+def _mention_parts(texts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(has both markers, left context, mention, right context): `query_inputs.split_mention`."""
+    start, end = re.escape(START_ENT), re.escape(END_ENT)
+    has = tf.strings.regex_full_match(texts, f"(?s).*{start}.*{end}.*")
+    left = tf.strings.regex_replace(texts, f"(?s)^(.*?){start}.*$", r"\1")
+    mention = tf.strings.regex_replace(texts, f"(?s)^.*?{start}(.*?){end}.*$", r"\1")
+    right = tf.strings.regex_replace(texts, f"(?s)^.*?{start}.*?{end}(.*)$", r"\1")
+    return has, left, mention, right
+
+
+def _mention_windows(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, budgets: tf.Tensor) -> tf.RaggedTensor:
+    """Prefix + `query_inputs.mention_window` of each text (which must hold both markers) in
+    `budgets` ids (int64[batch], the prefix included)."""
+    _, left, mention, right = _mention_parts(texts)
+    prefix, left, mention, right = (encode(tokenizer, s) for s in (prefixes, left, mention, right))
+    batch = tf.shape(texts, out_type=tf.int64)[:1]
+    start_marker, end_marker = (tf.RaggedTensor.from_tensor(tf.tile(encode(tokenizer, tf.constant([m])).to_tensor(), [batch[0], 1]))
+                                for m in (START_ENT, END_ENT))
+    markers = start_marker.row_lengths() + end_marker.row_lengths()
+    budget = budgets - prefix.row_lengths()
+    mention_kept = tf.minimum(mention.row_lengths(), tf.maximum(budget - markers, 0))
+    rest = tf.maximum(budget - markers - mention_kept, 0)
+    left_kept = tf.minimum(left.row_lengths(), tf.maximum(rest // 2, rest - right.row_lengths()))
+    right_kept = tf.minimum(right.row_lengths(), rest - left_kept)
+    zeros = tf.zeros_like(left_kept)
+    return tf.concat([prefix, row_slices(left, left.row_lengths() - left_kept, left.row_lengths()), start_marker,
+                      row_slices(mention, zeros, mention_kept), end_marker, row_slices(right, zeros, right_kept)],
+                     axis=1)
+
+
+def tokenize_queries(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, lengths: tf.Tensor, mention: tf.Tensor,
+                     width: int) -> tf.Tensor:
+    """int32[batch, width]: `data.query_inputs.query_tokens` of each normalised query `texts[r]` with
+    its task's prefix text (`prefix_strings`), length `lengths[r]` (<= width) and truncation
+    (`mention[r]`: the mention window), padded to `width`."""
+    budgets = tf.cast(lengths, tf.int64) - 1
+    whole = encode(tokenizer, tf.strings.join([prefixes, texts]))
+    beginning = row_slices(whole, tf.zeros_like(budgets), tf.minimum(whole.row_lengths(), budgets))
+    windowed = _mention_windows(tokenizer, prefixes, texts, budgets)
+    use_window = tf.logical_and(mention, _mention_parts(texts)[0])
+    rows = tf.range(tf.shape(texts, out_type=tf.int64)[0])
+    ids = tf.gather(tf.concat([beginning, windowed], axis=0), tf.where(use_window, rows + tf.size(rows, out_type=tf.int64), rows))
+    ids = tf.concat([ids, tf.fill([ids.nrows(), 1], EOS_ID)], axis=1)
+    return ids.to_tensor(default_value=PAD_ID, shape=[None, width])
+
+
+__all__ = ["encode", "normalize_queries", "prefix_strings", "row_slices", "tokenize_queries", "whitespace_class"]

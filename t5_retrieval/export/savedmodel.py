@@ -4,17 +4,18 @@
                                                             scores: float32[n, k]
     encode(query: string[n], task: string[n]) -> embeddings: float32[n, dim]
 
-- Preprocessing is `export.preprocess` (TF ops, bit-identical token ids to the Python path).
+- Preprocessing is `export.preprocess` (TF ops, bit-identical token ids to the Python path, each
+  query at its task's length and truncation).
 - The encoder is the Flax model converted with `jax.experimental.jax2tf` (native serialization:
   the StableHLO module runs in TF's `XlaCallModule` op, lowered for CPU; the batch dimension is
-  shape-polymorphic, the length fixed to the trained query length). Weights are SavedModel
+  shape-polymorphic, the length fixed to the longest task's query length). Weights are SavedModel
   variables. Models with per-task query towers run every tower and keep each row's own.
 - The searcher is the index's own serialized ScaNN searcher, loaded by ScaNN's TF ops
   (`export.scann_tf`); passage ids, page ids and titles come from row-keyed lookup tables
   initialised from asset files. An index of another backend (`t5r index --backend=exact`) is
   refused: the graph holds ScaNN's searcher, not the index's Python code.
-- Provenance travels as assets: `t5r_export.json` (model fingerprint, tasks and prefixes, query
-  length, the index manifest), the index's `index.json`, the model's `model_config.json` and the
+- Provenance travels as assets: `t5r_export.json` (model fingerprint, tasks with their prefixes,
+  query lengths and truncations, the index manifest), the index's `index.json`, the model's `model_config.json` and the
   sentencepiece `.model` file. `export_savedmodel` refuses a model and an index that do not belong
   together (different fingerprint or dimension) and an index whose passage ids are not the KB's.
 
@@ -42,6 +43,7 @@ from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.records import DataError
 from t5_retrieval.export import preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
+from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW, recorded_query_input
 from t5_retrieval.inference import DualEncoderInference
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.tasks import task_names
@@ -106,8 +108,11 @@ class RetrievalModule(tf.Module):
         features = encoder.features
         # The query tower of a task is its position here, as in `DualEncoderInference.encode_queries`.
         self._task_names = encoder.training_task_order
-        prefixes = preprocess.prefix_strings([features["tasks"][t]["prefix"] for t in self._task_names])
-        self._query_len = int(features["query_len"])
+        queries = [recorded_query_input(features, t) for t in self._task_names]
+        prefixes = preprocess.prefix_strings([q.prefix for q in queries])
+        self._query_lens = tf.constant([q.length for q in queries], tf.int32)
+        self._mention = tf.constant([q.truncation == MENTION_WINDOW for q in queries])
+        self._query_len = max(q.length for q in queries)
         self._num_passages = len(index)
         self._reorder = index.config.reorder_num_neighbors if index.config.reorders else -1
         names, positions = task_lookup(features["tasks"], self._task_names)
@@ -138,7 +143,7 @@ class RetrievalModule(tf.Module):
                        "vocabulary": tf.saved_model.Asset(features["vocabulary"])}
 
     def _tokens(self, query: tf.Tensor, task: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """(token ids int32[n, query_len], task indices int32[n]) with the graph's input checks."""
+        """(token ids int32[n, longest query_len], task indices int32[n]) with the graph's input checks."""
         task_ids = self._task_table.lookup(task)
         unknown = task_ids < 0
         text = preprocess.normalize_queries(query)
@@ -153,8 +158,10 @@ class RetrievalModule(tf.Module):
                                 summarize=10),
         ]
         with tf.control_dependencies(checks):
-            strings = tf.strings.join([tf.gather(self._prefixes, task_ids), text])
-            return preprocess.tokenize_fixed(self._tokenizer, strings, self._query_len), tf.identity(task_ids)
+            tokens = preprocess.tokenize_queries(self._tokenizer, tf.gather(self._prefixes, task_ids), text,
+                                                 tf.gather(self._query_lens, task_ids),
+                                                 tf.gather(self._mention, task_ids), self._query_len)
+            return tokens, tf.identity(task_ids)
 
     def _embeddings(self, query: tf.Tensor, task: tf.Tensor) -> tf.Tensor:
         tokens, task_ids = self._tokens(query, task)
@@ -203,9 +210,12 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
     index.check(encoder, store.ids())
     with open(os.path.join(index_dir, INDEX_JSON), encoding="utf-8") as f:
         index_manifest = json.load(f)
+    queries = {t: recorded_query_input(encoder.features, t) for t in encoder.features["tasks"]}
     record = {"format": FORMAT, "fingerprint": encoder.fingerprint, "dim": encoder.dim,
-              "query_len": encoder.features["query_len"],
-              "tasks": {t: spec["prefix"] for t, spec in encoder.features["tasks"].items()},
+              "query_len": max(q.length for q in queries.values()),
+              "tasks": {t: q.prefix for t, q in queries.items()},
+              "query_lens": {t: q.length for t, q in queries.items()},
+              "truncations": {t: q.truncation for t, q in queries.items()},
               "vocabulary_file": os.path.basename(encoder.features["vocabulary"]),
               "encoder": {"converter": "jax2tf", "serialization": "native (StableHLO in XlaCallModule)",
                           "platforms": ["cpu"], "polymorphic_batch": True},

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from t5_retrieval import checkpoint, sharding
+from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING
 from t5_retrieval.data.text import PASSAGE_TEMPLATE
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.models import pretrained  # noqa: F401 (gin: @minilm_l6_dir)
@@ -60,8 +61,10 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
     """A config stored by an earlier version as this version writes it, so that its run resumes.
 
     Architecture fields added since take their dataclass defaults (the same model), the passage
-    template its only former value, the vocabulary digest the current one, and the tasks' step
-    order (`index`, once implied by the mixture) the current run's.
+    template its only former value, the vocabulary digest the current one, the tasks' step
+    order (`index`, once implied by the mixture) the current run's, and (when the current run
+    records them) each task's query length and truncation what every task had before tasks stated
+    their own: the one `query_len`, cut at the end.
     """
     out = dict(stored)
     for key, cls in ARCHITECTURE.get(stored.get("family", "t5"), {}).items():
@@ -76,6 +79,9 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
         order = current.get("features", {}).get("tasks", {})
         features["tasks"] = {name: {"index": order[name]["index"], **spec} if name in order and "index" not in spec
                              else spec for name, spec in features.get("tasks", {}).items()}
+        if "query_len" in features and any("query_len" in spec for spec in order.values()):
+            features["tasks"] = {name: {"query_len": features["query_len"], "truncation": KEEP_BEGINNING, **spec}
+                                 for name, spec in features["tasks"].items()}
         out["features"] = features
     return out
 

@@ -16,8 +16,10 @@ and prints the tables of the records already there:
 Rows:
 - ``bm25``: BM25 (k1 0.9, b 0.4) over "title text", passages max-pooled to pages.
 - ``minilm_zeroshot``: the installed all-MiniLM-L6-v2, no training: mean pooling + L2 norm,
-  passages "{title}: {text}" truncated to 256 tokens, queries to 128, exact search (the setting of
-  mini-KILT's `minilm_zeroshot_reference_dev.json`).
+  passages "{title}: {text}" truncated to 256 tokens, exact search (the setting of mini-KILT's
+  `minilm_zeroshot_reference_dev.json`); queries at the mini-KILT Tasks' own lengths, entity
+  linking in a window around its mention, as every trained row reads them (the reference read all
+  at 128 from their start).
 - trained rows (``naive_noprefix``, ``naive_prefix``, ``naive_typed``, ``taco``, ``taco_typed``,
   ``pcgrad``, ``cgd``, ``gradnorm``, ``mt_dpr_confounders``, ``task_specific``): the paper's run file
   on mini-KILT, from MiniLM, with the shared settings of TRAIN_BINDINGS. Only the query side trains:

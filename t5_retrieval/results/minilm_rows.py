@@ -64,9 +64,9 @@ def write_minilm_model_dir(model_dir: str) -> dict[str, Any]:
         config = model_config()
     finally:
         gin.clear_config()
-    config["features"] = {"vocabulary": minilm_l6_dir(), "query_len": 128, "passage_len": 256,
-                          "passage_template": "{title}: {text}",
-                          "tasks": {t: {"dataset": t, "prefix": None, "index": i} for i, t in enumerate(TASKS)}}
+    tasks = zero_shot_tasks()
+    config["features"] = {"vocabulary": minilm_l6_dir(), "query_len": max(t["query_len"] for t in tasks.values()),
+                          "passage_len": 256, "passage_template": "{title}: {text}", "tasks": tasks}
     model = build_model(config)
     params, _ = init_params(model, jax.random.PRNGKey(0), sharding.make_mesh(), sharding.logical_axis_rules())
     params = initial_params(minilm_l6_dir(), params, config)
@@ -75,13 +75,25 @@ def write_minilm_model_dir(model_dir: str) -> dict[str, Any]:
     return {"init_from": minilm_l6_dir()}
 
 
+def zero_shot_tasks() -> dict[str, dict[str, Any]]:
+    """The six tasks as the zero-shot model reads them: no prefix, and each at the query length and
+    truncation of its mini-KILT Task, so that this row and every trained row read the same inputs."""
+    import seqio
+
+    import t5_retrieval.tasks  # noqa: F401  (registers the mini-KILT Tasks)
+    from t5_retrieval.data.tasks.retrieval_tasks import describe
+
+    infos = [describe(seqio.get_mixture_or_task(f"mini_kilt_{t}_noprefix")) for t in TASKS]
+    return {t: {"dataset": t, "prefix": None, "index": i, "query_len": info.query_len, "truncation": info.truncation}
+            for i, (t, info) in enumerate(zip(TASKS, infos))}
+
+
 # Every trained row fine-tunes MiniLM's query side over the zero-shot row's passage embeddings (the
 # passage encoder stays MiniLM, so every row searches the zero-shot index): on this CPU a step then
 # costs the queries' forward/backward only, and the KB is encoded once for all rows.
 TRAIN_BINDINGS = (
     "LEARNING_RATE = 2e-5",
     "PER_DEVICE_BATCH = 32",
-    "QUERY_LEN = 64",
     "NUM_NEGATIVES = 2",
     "TRAIN_STEPS = 200",
     "train.checkpoint_every = 50",

@@ -3,7 +3,8 @@
 Variants (TACO ablations): `{family}_{dataset}` with the dataset prefix ("FEVER <extra_id_1> ..."),
 `..._noprefix`, and `..._typed` with one of 5 task-type markers (QA, FC, SF, EL, DIAL). Each variant
 is a Mixture of all datasets (`{family}{variant}`) and, for MT-DPR's leave-one-out zero-shot runs,
-of all but one (`{family}{variant}_without_{dataset}`).
+of all but one (`{family}{variant}_without_{dataset}`). The three variants of a dataset read its
+queries at the same length, cut the same way.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING
 from t5_retrieval.data.tasks.retrieval_tasks import (TASK_TYPES, add_retrieval_task, add_temperature_mixture,
                                                kilt_examples_source)
+
+# TACO's maximum query lengths (its Table 5, T5 tokens) by task type.
+PAPER_QUERY_LEN = {"QA": 32, "SF": 32, "FC": 64, "EL": 128, "DIAL": 256}
 
 
 class Dataset(NamedTuple):
@@ -21,6 +26,8 @@ class Dataset(NamedTuple):
     task_type: str   # one of TASK_TYPES
     num_train: int
     num_dev: int
+    query_len: int   # token ids per query, special tokens included
+    truncation: str = KEEP_BEGINNING  # "mention" for entity linking (query_inputs.py)
 
 
 def register_family(family: str, datasets: Sequence[Dataset]) -> None:
@@ -30,7 +37,8 @@ def register_family(family: str, datasets: Sequence[Dataset]) -> None:
         for d in datasets:
             assert d.task_type in TASK_TYPES, d
             name = f"{family}_{d.dataset}{suffix}"
-            add_retrieval_task(name, kilt_examples_source(d.dataset, d.num_train, d.num_dev), prefix=prefix_of(d))
+            add_retrieval_task(name, kilt_examples_source(d.dataset, d.num_train, d.num_dev), prefix=prefix_of(d),
+                               query_len=d.query_len, truncation=d.truncation)
             names.append(name)
         add_temperature_mixture(f"{family}{suffix}", names)
         for d, held_out in zip(datasets, names):

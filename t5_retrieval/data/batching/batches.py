@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gin
@@ -29,12 +29,13 @@ from t5_retrieval.data import layout
 from t5_retrieval.data.stores.kb import PassageStore, passage_text
 from t5_retrieval.data.tasks.materialize import TaskExamples
 from t5_retrieval.data.tasks.mixing import sizes_from_rates
+from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_ids
 from t5_retrieval.data.records import DataError, read_negatives
-from t5_retrieval.data.tasks.retrieval_tasks import TaskInfo
-from t5_retrieval.data.text import PASSAGE_TEMPLATE
+from t5_retrieval.data.tasks.retrieval_tasks import DEFAULT_QUERY_LEN, TaskInfo
+from t5_retrieval.data.text import END_ENT, PASSAGE_TEMPLATE, START_ENT
 from t5_retrieval.data.tokenizers.conventions import TokenConventions, conventions_of
 from t5_retrieval.data.tokenizers.tokenize import Vocabulary, encode_text, load_vocabulary, vocabulary_digest
-from t5_retrieval.errors import ConfigError
+from t5_retrieval.errors import ConfigError, UserError
 
 # {task: {feature: rows}}: numpy arrays on the host, jax.Arrays (global, sharded) inside the step.
 Batch = dict[str, dict[str, ArrayLike]]
@@ -45,7 +46,7 @@ FEW_SHOT_SEED = 128  # fixes the few-shot subset, independent of the run seed an
 @dataclasses.dataclass
 class _TaskData:
     name: str
-    query_tokens: np.ndarray      # int32[n, query_len]
+    query_tokens: np.ndarray      # int32[n, the task's query length]
     positives: np.ndarray         # int64[n] store indices
     negatives: np.ndarray         # int64[n, N] store indices, -1 = missing (filled at random)
     gold_pages: list[frozenset[str]]
@@ -178,8 +179,9 @@ def _load_vocabulary(vocabulary: Vocabulary | str) -> Vocabulary:
 
 
 def _fit(tokens: np.ndarray, length: int) -> np.ndarray:
-    """A Task's query (start ids, text, end id) cut to `length` keeping its start and end ids, as
-    `tokenize.tokenize` cuts a text; padded with 0."""
+    """A Task's query (start ids, text, end id) padded with 0 to `length`. A helper Task's queries
+    already fit (its preprocessor cut them); a Task of one's own is cut keeping its start and end
+    ids, as `tokenize.tokenize` cuts a text."""
     row = np.concatenate([tokens[:-1][: length - 1], tokens[-1:]])
     out = np.zeros(length, np.int32)
     out[: len(row)] = row
@@ -230,8 +232,8 @@ def _subset(examples: TaskExamples, keep: Sequence[int]) -> TaskExamples:
 
 @gin.configurable
 def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: str, negatives: str | None,
-                        vocabulary: Vocabulary | str, query_len: int, passage_len: int, num_negatives: int,
-                        per_device_batch: int, local_data_devices: int = 1, host_index: int = 0,
+                        vocabulary: Vocabulary | str, query_len: int | Mapping[str, int] | None, passage_len: int,
+                        num_negatives: int, per_device_batch: int, local_data_devices: int = 1, host_index: int = 0,
                         host_count: int = 1, seed: int = 0, split: str = "train",
                         max_examples_per_task: int | None = None, passage_template: str = PASSAGE_TEMPLATE,
                         passage_embeddings: str | None = None, cache_dir: str | None = None,
@@ -243,6 +245,12 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     `local_data_devices`. Each Task's `split` is read once through seqio and cached under
     `cache_dir` (default `<data_dir>/cache/tasks`; `materialize.py`); `task_module` (t5x's
     MIXTURE_OR_TASK_MODULE) names modules to import first, which register the user's Tasks.
+
+    Query lengths (gin `QUERY_LEN`): None reads every Task's queries at its own length (the Task
+    cuts them, entity linking around the mention: `query_inputs.py`); a number reads every Task's
+    at that length; a mapping `{task or dataset: length}` sets the named Tasks' and leaves the
+    others theirs. Each Task's sub-batch is padded to its own length; a Task that states none reads
+    DEFAULT_QUERY_LEN. The lengths and truncations are recorded per task in the features.
 
     Negatives: `negatives` is a directory of `{dataset}-{split}.jsonl` negatives files (default
     `<data_dir>/negatives/bm25`); where it has no file for a Task, the Task's own "negatives" feature
@@ -271,13 +279,15 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     tasks_and_rates = retrieval_tasks.resolve(mixture_or_task_names)
     infos = [retrieval_tasks.describe(task) for task, _ in tasks_and_rates]
     sizes = sizes_from_rates([rate for _, rate in tasks_and_rates], per_device_batch)
+    lengths = task_query_lens(infos, query_len)
     store = PassageStore.open(layout.kb_dir(data_dir))
     negatives_dir = negatives or layout.negatives_dir(data_dir, "bm25")
     cache = os.path.join(data_dir, "cache", "tasks") if cache_dir is None else cache_dir
     task_data = []
-    for (task, _), info, size in zip(tasks_and_rates, infos, sizes):
+    for (task, _), info, size, length in zip(tasks_and_rates, infos, sizes, lengths):
         _check_vocabulary(task, vocab)
-        examples = materialize(task, split, cache or None)
+        _check_query_input(info, length, vocab)
+        examples = materialize(task, split, cache or None, length)
         if max_examples_per_task is not None and len(examples) > max_examples_per_task:
             keep = np.random.default_rng(FEW_SHOT_SEED).choice(len(examples), max_examples_per_task, replace=False)
             examples = _subset(examples, np.sort(keep))
@@ -290,7 +300,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
         else:
             raise DataError(f"{negatives_file}: missing; run `t5r data negatives` (or mining) for {info.dataset}, "
                             f"or give Task {info.name} a \"negatives\" feature")
-        data = _task_data(info, examples, task_negatives, store, conventions_of(vocab), query_len,
+        data = _task_data(info, examples, task_negatives, store, conventions_of(vocab), length,
                           num_negatives, size * local_data_devices, source)
         if data.skipped or data.missing_negatives:
             logging.warning("task %s: skipped %d examples without a positive in the KB; %d negative slots "
@@ -299,16 +309,41 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     features = {"vocabulary": os.path.abspath(vocabulary) if isinstance(vocabulary, str) else None,
                 # Its content: loading the model refuses a vocabulary changed since (a path is no identity).
                 "vocabulary_digest": vocabulary_digest(vocabulary) if isinstance(vocabulary, str) else None,
-                "query_len": query_len, "passage_len": passage_len, "passage_template": passage_template,
+                # The longest task's query length; each task's own (and its truncation) is under "tasks".
+                "query_len": max(lengths), "passage_len": passage_len, "passage_template": passage_template,
                 # "index": the task's position in the step (and its query tower), explicit because
                 # the config is stored with sorted keys.
-                "tasks": {info.name: {"dataset": info.dataset, "prefix": info.prefix, "index": i}
-                          for i, info in enumerate(infos)}}
+                "tasks": {info.name: {"dataset": info.dataset, "prefix": info.prefix, "index": i, "query_len": length,
+                                      "truncation": info.truncation}
+                          for i, (info, length) in enumerate(zip(infos, lengths))}}
     table = None
     if passage_embeddings is not None:
         table, features["passage_embeddings"] = passage_table(passage_embeddings, store)
     return TrainIterator(task_data, store, vocab, passage_len, num_negatives, seed, host_index, host_count,
                          features, table)
+
+
+def task_query_lens(infos: Sequence[TaskInfo], query_len: int | Mapping[str, int] | None) -> list[int]:
+    """Each Task's query length: its own, or what `query_len` (gin QUERY_LEN) sets for it (see
+    `make_train_iterator`). A mapping key that names none of the Tasks is an error."""
+    if isinstance(query_len, Mapping):
+        known = {name for info in infos for name in (info.name, info.dataset)}
+        unknown = sorted(set(query_len) - known)
+        if unknown:
+            raise UserError(f"QUERY_LEN names {unknown}, which are not among this run's tasks "
+                            f"({', '.join(info.name for info in infos)}); key it by task name or dataset")
+        return [int(query_len.get(info.name, query_len.get(info.dataset, info.query_len or DEFAULT_QUERY_LEN)))
+                for info in infos]
+    return [int(query_len) if query_len is not None else info.query_len or DEFAULT_QUERY_LEN for info in infos]
+
+
+def _check_query_input(info: TaskInfo, length: int, vocab: Vocabulary) -> None:
+    """A length too short for a Task's special tokens, prefix and entity markers fails here, naming
+    the Task, rather than inside its seqio pipeline."""
+    try:
+        query_ids(vocab, [f"{START_ENT} {END_ENT}"], QueryInput(info.prefix, length, info.truncation))
+    except ValueError as e:
+        raise UserError(f"task {info.name}: query length {length}: {e}") from None
 
 
 def _check_vocabulary(task: Any, vocab: Vocabulary) -> None:

@@ -6,7 +6,8 @@ source and preprocessors once, in order, and kept as arrays; the batcher then in
 
 The cache file is named by a digest of everything that decides its content: the Task's name and
 split, its source (type, functions' code, arguments, and the size and mtime of the files it lists),
-its preprocessors (functions' code, closures, arguments) and its vocabulary's content. Changing any
+its preprocessors (functions' code, closures, arguments: a helper Task's query length and truncation
+among them), the query length the caller sets and its vocabulary's content. Changing any
 of them (a preprocessor's code included) makes a new file; a source whose data changes behind an
 unchanged function is the one case to clear by hand (delete `<cache_dir>/<task>/`).
 """
@@ -114,8 +115,8 @@ def _file_identity(path: str) -> Any:
     return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
 
 
-def fingerprint(task: Any, split: str) -> str:
-    """16 hex digits of the digest of what decides `task`'s examples of `split`."""
+def fingerprint(task: Any, split: str, query_len: int | None = None) -> str:
+    """16 hex digits of the digest of what decides `task`'s examples of `split` (read with `query_len`)."""
     source = task.source
     state = {k: v for k, v in vars(source).items() if k not in ("_caching_permitted",)}
     description = {
@@ -125,6 +126,8 @@ def fingerprint(task: Any, split: str) -> str:
         "preprocessors": describe(list(task.preprocessors)),
         "vocabulary": vocabulary_identity(task.output_features["query"].vocabulary),
     }
+    if query_len is not None:  # the caller's sequence_length["query"]
+        description["query_len"] = query_len
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -144,10 +147,12 @@ def _rows(value: Any) -> list[Any]:
     return list(value)
 
 
-def _read(task: Any, split: str, batch_size: int = 1024) -> TaskExamples:
-    """The Task's examples of `split`, in order. Iterated in ragged batches: tf.data costs a fixed
+def _read(task: Any, split: str, query_len: int | None, batch_size: int = 1024) -> TaskExamples:
+    """The Task's examples of `split`, in order, its queries read at `query_len` (seqio's
+    `sequence_length`; None: the Task's own). Iterated in ragged batches: tf.data costs a fixed
     overhead per element handed to Python, which batching pays once per 1,024 examples."""
-    ds = task.get_dataset(sequence_length=None, split=split, shuffle=False, num_epochs=1, use_cached=False)
+    ds = task.get_dataset(sequence_length=None if query_len is None else {"query": query_len}, split=split,
+                          shuffle=False, num_epochs=1, use_cached=False)
     missing = [f for f in REQUIRED_FEATURES if f not in ds.element_spec]
     if missing:
         raise DataError(f"seqio Task {task.name!r} ({split}): its examples lack {missing} (they have "
@@ -200,23 +205,24 @@ def _load(path: str) -> TaskExamples:
                         [tuple(g) for g in strings["gold_pages"]])
 
 
-def cache_path(task: Any, split: str, cache_dir: str) -> str:
-    return os.path.join(cache_dir, task.name, f"{split}-{fingerprint(task, split)}.npz")
+def cache_path(task: Any, split: str, cache_dir: str, query_len: int | None = None) -> str:
+    return os.path.join(cache_dir, task.name, f"{split}-{fingerprint(task, split, query_len)}.npz")
 
 
-def materialize(task: Any, split: str, cache_dir: str | None) -> TaskExamples:
-    """`task`'s examples of `split` after its preprocessors, from the cache when it holds them.
+def materialize(task: Any, split: str, cache_dir: str | None, query_len: int | None = None) -> TaskExamples:
+    """`task`'s examples of `split` after its preprocessors, from the cache when it holds them;
+    `query_len` replaces the Task's own query length (seqio's `sequence_length["query"]`).
 
     Without a `cache_dir` (or an unwritable one) the examples are read through seqio every time."""
     if cache_dir is None:
-        return _read(task, split)
-    path = cache_path(task, split, cache_dir)
+        return _read(task, split, query_len)
+    path = cache_path(task, split, cache_dir, query_len)
     if os.path.exists(path):
         try:
             return _load(path)
         except (OSError, ValueError, KeyError) as e:
             log.warning("%s: unreadable cache (%s); reading Task %s again", path, e, task.name)
-    examples = _read(task, split)
+    examples = _read(task, split, query_len)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         remove_stale_temporaries(os.path.dirname(path))

@@ -10,10 +10,11 @@ A retrieval Task is any `seqio.Task` whose examples, after its preprocessors, ca
 
 `add_retrieval_task` builds such a Task over any seqio source (jsonl, TFDS, a function) from text
 features: the source and the user's preprocessors produce "id", "query" (text), "positive" and the
-optional features; the helper appends the query prefix, tokenisation and the end id. The KILT,
-mini-KILT and demo Tasks (`t5_retrieval.tasks`) are registered with it over `kilt_examples_source`.
-Nothing is kept beside the seqio registries: a Task's dataset and query prefix are read back from
-its source and preprocessors (`describe`).
+optional features; the helper appends the query prefix, tokenisation and truncation to the Task's
+query length (`query_inputs.py`), and the end id. The KILT, mini-KILT and demo Tasks
+(`t5_retrieval.tasks`) are registered with it over `kilt_examples_source`, each with its own query
+length. Nothing is kept beside the seqio registries: a Task's dataset, query prefix, length and
+truncation are read back from its source and preprocessors (`describe`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from typing import Any
 import gin
 
 from t5_retrieval.data import layout
+from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING, QueryInput, query_ids
 from t5_retrieval.data.records import read_examples
-from t5_retrieval.data.text import format_query
-from t5_retrieval.data.tokenizers.conventions import conventions_of
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, vocabulary_digest
 from t5_retrieval.errors import ConfigError, UserError
 
 TEMPERATURE = 4.0
+# A Task registered without a query length reads this many tokens: the one length every task had
+# before each stated its own.
+DEFAULT_QUERY_LEN = 64
 TASK_TYPES = ("QA", "FC", "SF", "EL", "DIAL")
 _DATA_DIR: list[str] = [os.environ.get("T5R_DATA_DIR", "")]
 _VOCABULARY: list[Any] = [""]
@@ -85,6 +88,8 @@ class TaskInfo:
     name: str
     dataset: str          # file stem of its examples / negatives files; the Task's name if not a KILT source
     prefix: str | None    # the query prefix name the helper adds, or None
+    query_len: int | None = None      # the Task's query length (None: not registered with the helper)
+    truncation: str = KEEP_BEGINNING  # how the helper cuts a query to it (`query_inputs.TRUNCATIONS`)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,59 +221,54 @@ def kilt_examples_source(dataset: str, num_train: int | None = None, num_dev: in
     return _KiltExamplesSource()
 
 
-def format_queries(dataset, prefix: str | None):
-    """Appended preprocessor: query text -> `"{PREFIX} <extra_id_1> {normalised query}"` (text.format_query)."""
-    import tensorflow as tf
-
-    def fn(ex):
-        text = tf.py_function(lambda q: format_query(q.numpy().decode("utf-8"), prefix), [ex["query"]], tf.string)
-        text.set_shape(())
-        return {**ex, "query": text}
-
-    return dataset.map(fn)
-
-
-def tokenize_queries(dataset, output_features):
-    """Appended preprocessor: tokenises "query" in the vocabulary's conventions (`tokenize.py`): each
-    literal `</s>` becomes the separator id (T5: EOS, BERT: [SEP]) and start ids (BERT: [CLS]) go
-    first; the end id is the vocabulary's `eos_id`, appended by `append_eos_after_trim`."""
+def tokenize_queries(dataset, output_features, sequence_length=None, *, prefix: str | None, query_len: int,
+                     truncation: str = KEEP_BEGINNING):
+    """Appended preprocessor: query text -> token ids as the model reads them (`query_inputs.query_ids`):
+    the query prefix, the vocabulary's conventions (a literal `</s>` becomes the separator id, start
+    ids such as BERT's [CLS] go first), cut to the Task's `query_len` by its `truncation`, the end
+    id left for `append_eos_after_trim`. A caller's `sequence_length["query"]` (seqio's way to set a
+    feature's length) replaces `query_len`."""
+    import numpy as np
     import tensorflow as tf
 
     vocab = output_features["query"].vocabulary
-    conventions = conventions_of(vocab)
+    query = QueryInput(prefix, (sequence_length or {}).get("query") or query_len, truncation)
+
+    def ids(text: tf.Tensor) -> np.ndarray:
+        return np.asarray(query_ids(vocab, [text.numpy().decode("utf-8")], query)[0], np.int32)
 
     def fn(ex):
-        segments = tf.strings.split(ex["query"], sep="</s>")
-        ids = tf.cast(vocab.encode_tf(segments), tf.int32)
-        n = tf.shape(segments, out_type=tf.int64)[0]
-        eos_lengths = tf.concat([tf.ones([n - 1], tf.int64), tf.zeros([1], tf.int64)], 0)
-        eos = tf.RaggedTensor.from_row_lengths(tf.fill([n - 1], conventions.separator_id), eos_lengths)
-        query = tf.concat([ids, eos], axis=1).flat_values
-        if conventions.start_ids:
-            query = tf.concat([tf.constant(conventions.start_ids, tf.int32), query], axis=0)
-        return {**ex, "query": query}
+        tokens = tf.py_function(ids, [ex["query"]], tf.int32)
+        tokens.set_shape([None])
+        return {**ex, "query": tokens}
 
     return dataset.map(fn)
 
 
 def add_retrieval_task(name: str, source: Any, *, preprocessors: Sequence[Callable] = (),
-                       prefix: str | None = None, vocabulary: Any = None) -> Any:
-    """Registers (or re-registers) a retrieval Task: `source` -> `preprocessors` -> query prefix ->
-    tokenisation -> end id. Returns the `seqio.Task`.
+                       prefix: str | None = None, vocabulary: Any = None, query_len: int = DEFAULT_QUERY_LEN,
+                       truncation: str = KEEP_BEGINNING) -> Any:
+    """Registers (or re-registers) a retrieval Task: `source` -> `preprocessors` -> query prefix,
+    tokenisation and truncation -> end id. Returns the `seqio.Task`.
 
     `source`: any seqio DataSource; with `preprocessors` (seqio preprocessors, run first, on text)
     it must yield "id", "query" (text), "positive" and optionally "negatives" and "gold_pages".
     `prefix`: a TACO prefix name ("FEVER" -> "FEVER <extra_id_1> query"), None for none.
     `vocabulary`: a seqio Vocabulary; default `run_vocabulary()`, the vocabulary of the model trained.
+    `query_len`: token ids per query, special tokens included (training's `QUERY_LEN` can replace
+    it); `truncation`: "beginning" keeps a long query's start, "mention" a window centred on its
+    `[START_ENT] ... [END_ENT]` (entity linking; `query_inputs.py`).
     """
     import seqio
 
+    QueryInput(prefix, query_len, truncation)  # refuses an unknown truncation now, not at the first read
     if name in seqio.TaskRegistry.names():
         seqio.TaskRegistry.remove(name)
     return seqio.TaskRegistry.add(
         name,
         source=source,
-        preprocessors=[*preprocessors, functools.partial(format_queries, prefix=prefix), tokenize_queries,
+        preprocessors=[*preprocessors, functools.partial(tokenize_queries, prefix=prefix, query_len=query_len,
+                                                         truncation=truncation),
                        seqio.preprocessors.append_eos_after_trim],
         output_features={"query": seqio.Feature(vocabulary or run_vocabulary(), add_eos=True)},
     )
@@ -286,12 +286,14 @@ def add_temperature_mixture(name: str, task_names: Sequence[str], temperature: f
 
 
 def describe(task: Any) -> TaskInfo:
-    """A Task's dataset (its KILT source's, else its name) and the query prefix the helper adds."""
-    prefix = None
-    for p in task.preprocessors:
-        if isinstance(p, functools.partial) and p.func is format_queries:
-            prefix = p.keywords.get("prefix")
-    return TaskInfo(task.name, getattr(task.source, "dataset", task.name), prefix)
+    """A Task's dataset (its KILT source's, else its name), and the query prefix, length and
+    truncation the helper gives it."""
+    helper = _helper_tokenization(task)
+    info = TaskInfo(task.name, getattr(task.source, "dataset", task.name), None)
+    if helper is None:
+        return info
+    return dataclasses.replace(info, prefix=helper.keywords["prefix"], query_len=helper.keywords["query_len"],
+                               truncation=helper.keywords["truncation"])
 
 
 def _declared_order(mixture: Any) -> list[Any]:
@@ -345,9 +347,14 @@ def resolve(names: str | Sequence[str]) -> list[tuple[Any, float]]:
         absl_logger.setLevel(level)
 
 
-def _appended_by_helper(task: Any) -> bool:
-    tail = list(task.preprocessors)[-3:]
-    return len(tail) == 3 and isinstance(tail[0], functools.partial) and tail[0].func is format_queries
+HELPER_STEPS = 2  # what `add_retrieval_task` appends: tokenize_queries, append_eos_after_trim
+
+
+def _helper_tokenization(task: Any) -> functools.partial | None:
+    """The `tokenize_queries` step `add_retrieval_task` appended to `task`, or None (a Task of its own)."""
+    steps = list(task.preprocessors)[-HELPER_STEPS:]
+    first = steps[0] if len(steps) == HELPER_STEPS else None
+    return first if isinstance(first, functools.partial) and first.func is tokenize_queries else None
 
 
 def text_examples(task: Any, split: str) -> list[Any]:
@@ -360,14 +367,14 @@ def text_examples(task: Any, split: str) -> list[Any]:
 
     from t5_retrieval.data.records import DataError, Example
 
-    if not _appended_by_helper(task):
+    if _helper_tokenization(task) is None:
         raise DataError(f"seqio Task {task.name!r}: evaluating it needs its query text, which only a Task "
                         "registered with add_retrieval_task exposes (or give it a KILT examples file)")
     if split not in task.splits:
         raise DataError(f"seqio Task {task.name!r} has no split {split!r} (it has {list(task.splits)}); "
                         "choose one with --split")
     ds = task.source.get_dataset(split=split, shuffle=False)
-    for prep in list(task.preprocessors)[:-3]:
+    for prep in list(task.preprocessors)[:-HELPER_STEPS]:
         ds = seqio.utils.add_kwargs_to_transform(prep, sequence_length=None, output_features=task.output_features)(ds)
 
     def text(value: Any) -> str:
