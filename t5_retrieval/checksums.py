@@ -151,6 +151,8 @@ def verify_file(path: str, what: str, rebuild: str) -> None:
     """Verifies one file against its `<path>.sha256.json` sidecar, or against its directory's record
     when an older artefact was accepted whole (`t5r checksum --accept`). Always hashes: the caller
     reads the whole file next anyway."""
+    if not os.path.exists(path):
+        raise ChecksumError(f"{path}: missing; {rebuild}")
     sidecar = path + SIDECAR_SUFFIX
     if os.path.exists(sidecar):
         _check(path, _read_json(sidecar), sidecar, rebuild)

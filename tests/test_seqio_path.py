@@ -15,6 +15,8 @@ import sys
 import gin
 import pytest
 
+from t5_retrieval.errors import UserError
+
 from t5_retrieval import cli, gin_utils
 from t5_retrieval.commands import gin_flags
 from t5_retrieval.data import layout
@@ -275,10 +277,9 @@ def test_a_seqio_mixture_names_the_model_tasks_it_holds_in_every_command(user_se
     gin_flags.parse_args(argparse.ArgumentParser(), [f"--gin.MIXTURE_OR_TASK_MODULE='{MODULE_NAME}'"])
     gin.clear_config()
     assert MODULE_NAME in sys.modules
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError, match="MIXTURE_OR_TASK_MODULE 'no_such_tasks': cannot import it"):
         gin_flags.parse_args(argparse.ArgumentParser(prog="t5r eval"), ["--gin.MIXTURE_OR_TASK_MODULE='no_such_tasks'"])
     gin.clear_config()
-    assert "MIXTURE_OR_TASK_MODULE 'no_such_tasks': cannot import it" in capsys.readouterr().err
 
     model = {"user_fever": {"dataset": "user_fever", "prefix": None, "index": 0},
              "user_nq": {"dataset": "user_nq", "prefix": None, "index": 1}}

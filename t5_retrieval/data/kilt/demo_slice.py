@@ -23,6 +23,7 @@ import shutil
 import tarfile
 from collections.abc import Iterable
 
+import t5_retrieval
 from t5_retrieval import checksums
 from t5_retrieval.data.records import DataError, read_jsonl
 from t5_retrieval.errors import temp_path
@@ -34,7 +35,7 @@ KB_PAGES = 3000
 SEED = 20261123
 ROOT = "mini_kilt_slice"
 # The committed slice, package data of t5_retrieval (the wheel carries it).
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo_data",
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(t5_retrieval.__file__)), "demo_data",
                        "mini_kilt_slice.tar.gz")
 
 
