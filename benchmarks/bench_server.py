@@ -116,7 +116,7 @@ def stats(latencies: list[float], errors: list[str], wall: float) -> dict:
 
 def open_stalled(host: str, port: int, count: int) -> list[socket.socket]:
     """`count` connections: half send nothing, half the head and part of the body of a POST."""
-    half = b"POST /search HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n{\"task\": "
+    half = b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n{\"task\": "
     stalled = []
     for i in range(count):
         sock = socket.create_connection((host, port), timeout=30)

@@ -9,33 +9,31 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 
 from t5_retrieval import gin_utils, logs
 from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags, expand_task_names
 from t5_retrieval.errors import UserError
 from t5_retrieval.retrieval.encoder import model_task_name, recorded_tasks
-from t5_retrieval.retrieval.index import Index, IndexMismatchError
-from t5_retrieval.retrieval.serve import (TOKEN_ENV, SearchService, ServeLimits, ServerOptions, bind_address,
-                                          make_server)
+from t5_retrieval.retrieval.index import Index
+from t5_retrieval.retrieval.http_app import bearer_token
+from t5_retrieval.retrieval.http_server import TOKEN_ENV, ServerOptions, bind_address, make_server
+from t5_retrieval.retrieval.serve import SearchService, ServeLimits
 
 
 def _auth_token(path: str | None) -> str | None:
     """The token from --auth_token_file, else from $T5R_SERVE_TOKEN, else None (a file or the
-    environment, not a flag value: command lines are visible to every user of the machine)."""
+    environment, not a flag value: command lines are visible to every user of the machine). Both
+    are stripped and checked by the one rule for tokens, `bearer_token`."""
     from_env = os.environ.get(TOKEN_ENV)
     if path is not None and from_env is not None:
         raise ValueError(f"give the token either with --auth_token_file or with {TOKEN_ENV}, not both")
     if path is None:
-        return from_env
+        return None if from_env is None else bearer_token(from_env, TOKEN_ENV)
     try:
         with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as e:
+            return bearer_token(f.read(), f"--auth_token_file {path}")
+    except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--auth_token_file: {e}") from None
-    if not token:
-        raise ValueError(f"--auth_token_file {path} is empty")
-    return token
 
 
 def _check_listenable(host: str, port: int, auth_token: str | None) -> None:
@@ -53,9 +51,7 @@ def _check_listenable(host: str, port: int, auth_token: str | None) -> None:
 
 def main(argv: list[str]) -> int:
     """`t5r serve`: HTTP search over an index with a query encoder."""
-    from t5_retrieval.checkpoint import CheckpointError
     from t5_retrieval.data.kb import PassageStore
-    from t5_retrieval.data.records import DataError
 
     parser = argparse.ArgumentParser(prog="t5r serve", description=__doc__.splitlines()[0])
     add_encoder_flags(parser)
@@ -73,6 +69,13 @@ def main(argv: list[str]) -> int:
                         help="seconds a connection has to deliver a whole request (408 and close after)")
     parser.add_argument("--max_connections", type=int, default=defaults.max_connections,
                         help="open connections; beyond, 503")
+    parser.add_argument("--max_connections_per_client", type=int, default=defaults.max_connections_per_client,
+                        help="open connections from one client address; beyond, 503 (behind a proxy every "
+                             "client has the proxy's address: raise it to --max_connections)")
+    parser.add_argument("--max_body_memory_mb", type=float, default=defaults.max_body_memory_bytes / 2**20,
+                        help="MiB that request bodies being read may hold, all clients together (one client "
+                             "address: the same share of it as of --max_connections); beyond, 503. One body's "
+                             "limit is ServeLimits.max_body_bytes (gin), 413 beyond")
     parser.add_argument("--auth_token_file", default=None,
                         help=f"file holding a bearer token every request must send (or set {TOKEN_ENV}); "
                              f"required unless --host is a loopback address")
@@ -80,6 +83,7 @@ def main(argv: list[str]) -> int:
     logs.setup()
     try:
         options = ServerOptions(args.workers, args.max_queued, args.read_timeout_s, args.max_connections,
+                                args.max_connections_per_client, int(args.max_body_memory_mb * 2**20),
                                 _auth_token(args.auth_token_file))
         _check_listenable(args.host, args.port, options.auth_token)  # before minutes of loading, not after
         store = PassageStore.open(args.kb_dir)
@@ -92,9 +96,10 @@ def main(argv: list[str]) -> int:
             raise ValueError("--tasks is required: this encoder does not list its task names")
         service = SearchService(encoder, index, store, tasks, ServeLimits())
         server = make_server(service, args.host, args.port, options)
-    except (DataError, IndexMismatchError, CheckpointError, ValueError, OSError) as e:
-        print(f"t5r serve: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:  # `t5r` shows a UserError in one line, `t5r --debug serve` its traceback
+        if isinstance(e, UserError):
+            raise
+        raise UserError(str(e)) from e
     host, port = server.server_address[:2]
     print(f"t5r serve: http://{host}:{port}/search ({len(index)} passages, tasks {list(service.tasks)}"
           f"{', bearer token required' if options.auth_token else ''})", flush=True)
