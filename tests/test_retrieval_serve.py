@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -164,6 +165,22 @@ def test_batched_queries_return_one_ranking_each_with_default_k(server):
     assert all(len(r) == 2 for r in reply["results"]), "without k, default_k (2) applies"
 
 
+def test_keep_alive_requests_are_not_held_by_delayed_acks(server):
+    # A reply's head and body are two writes: with Nagle on, each waits for the client's delayed
+    # ACK (40 ms or more on Linux); with it off, a loopback round trip takes well under a millisecond.
+    conn = http.client.HTTPConnection(*address(server), timeout=10)
+    try:
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            times.append(time.perf_counter() - start)
+    finally:
+        conn.close()
+    assert sorted(times)[len(times) // 2] < 0.03, f"median keep-alive round trip {sorted(times)} s"
+
+
 def test_inconsistent_limits_are_refused():
     with pytest.raises(ValueError, match="default_k=10 must be in \\[1, max_k=3\\]"):
         serve.ServeLimits(max_k=3)
@@ -215,7 +232,8 @@ def test_service_refuses_an_index_built_by_another_model(tmp_path):
 
 def test_cli_refuses_to_serve_an_index_of_another_model(cli_dirs, capsys):
     kb_dir, idx_dir = cli_dirs
-    code = cli.main(["serve", "--lexical_baseline_dim", "32", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq"])
+    code = cli.main(["serve", "--lexical_baseline_dim", "32", "--index_dir", idx_dir, "--kb_dir", kb_dir,
+                     "--tasks", "nq"])
     assert code == 2 and "hashed-bow-v2-dim64" in capsys.readouterr().err
 
 
@@ -318,15 +336,20 @@ def test_bodies_beyond_the_body_memory_are_refused_unread_and_their_memory_is_re
 
 
 @pytest.mark.parametrize("request_bytes, status, fragment", [
-    (b"NONSENSE\r\n\r\n", 400, "malformed HTTP request"),
-    (b"GET /health HTTP/1.1\r\n\r\n", 400, "Host"),
-    (b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Length: 12x\r\n\r\n", 400, "Content-Length"),
-    (b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", 400, "Content-Length"),
-    (b"DELETE /nowhere HTTP/1.1\r\nHost: t5r\r\n\r\n", 404, "no such path '/nowhere'"),
-    (b"PUT /search HTTP/1.1\r\nHost: t5r\r\nContent-Length: 0\r\n\r\n", 405, "PUT is not allowed on /search; use POST"),
-    (b"GET /search HTTP/1.1\r\nHost: t5r\r\n\r\n", 405, "use POST"),
-    (search_head(10).replace(b"Content-Length: 10", b"Transfer-Encoding: chunked"), 411, "Content-Length"),
-    (b"GET /health HTTP/1.1\r\nHost: t5r\r\nX-Pad: " + b"a" * (100 << 10) + b"\r\n\r\n", 431, "head over 65536"),
+    pytest.param(b"NONSENSE\r\n\r\n", 400, "malformed HTTP request", id="bad-request-line"),
+    pytest.param(b"GET /health HTTP/1.1\r\n\r\n", 400, "Host", id="no-host"),
+    pytest.param(b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Length: 12x\r\n\r\n", 400, "Content-Length",
+                 id="bad-content-length"),
+    pytest.param(b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", 400,
+                 "Content-Length", id="content-length-of-5000-digits"),
+    pytest.param(b"DELETE /nowhere HTTP/1.1\r\nHost: t5r\r\n\r\n", 404, "no such path '/nowhere'", id="no-such-path"),
+    pytest.param(b"PUT /search HTTP/1.1\r\nHost: t5r\r\nContent-Length: 0\r\n\r\n", 405,
+                 "PUT is not allowed on /search; use POST", id="put"),
+    pytest.param(b"GET /search HTTP/1.1\r\nHost: t5r\r\n\r\n", 405, "use POST", id="get-search"),
+    pytest.param(search_head(10).replace(b"Content-Length: 10", b"Transfer-Encoding: chunked"), 411,
+                 "Content-Length", id="chunked"),
+    pytest.param(b"GET /health HTTP/1.1\r\nHost: t5r\r\nX-Pad: " + b"a" * (100 << 10) + b"\r\n\r\n", 431,
+                 "head over 65536", id="complete-head-of-100-KB"),
 ])
 def test_refusals_by_the_http_layer_have_json_bodies_and_close(server, request_bytes, status, fragment):
     got, headers, reply = exchange(server, request_bytes)
@@ -458,10 +481,15 @@ def test_cli_refuses_an_open_host_without_a_token_and_an_empty_token_file(cli_di
 def test_cli_checks_an_environment_token_by_the_same_rule_as_a_file(cli_dirs, capsys, monkeypatch, token, fragment):
     monkeypatch.setenv(http_server.TOKEN_ENV, token)
     kb_dir, idx_dir = cli_dirs
-    assert cli.main(["serve", "--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--kb_dir", kb_dir,
-                     "--tasks", "nq", "--port", "0"]) == 2
+    codes = []  # main runs in a thread: were the token accepted, it would serve and never return
+    thread = threading.Thread(target=lambda: codes.append(cli.main([
+        "serve", "--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq",
+        "--port", "0"])), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert codes, f"t5r serve started serving with the token {token!r}"
     err = capsys.readouterr().err
-    assert err.startswith(f"t5r serve: error: {http_server.TOKEN_ENV}: ") and fragment in err, err
+    assert codes[0] == 2 and err.startswith(f"t5r serve: error: {http_server.TOKEN_ENV}: ") and fragment in err, err
 
 
 def test_debug_serve_shows_the_traceback_of_a_start_up_error(cli_dirs):
