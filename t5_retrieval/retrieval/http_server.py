@@ -10,7 +10,11 @@ that uvicorn lacks, in a subclass of its h11 protocol:
   reply): 408 and close if part of a request came, a silent close if nothing did. Slow or stalled
   clients hold a socket until then, never a thread;
 - JSON bodies for the errors uvicorn answers itself (a malformed request, 400; a head that h11
-  finds too long before it ends, 431).
+  finds too long before it ends, 431);
+- Nagle off on every connection (asyncio sets it only on sockets it made itself).
+
+The subclass reads H11Protocol's per-request state (`cycle`, `conn`, `flow`), which is why
+pyproject.toml allows only uvicorn's 0.54 series.
 """
 
 from __future__ import annotations
