@@ -1,14 +1,20 @@
-"""Bounded load test of `t5r serve` on loopback: QPS, p50/p99 latency and errors under load and
-with stalled connections open.
+"""Bounded load test of `t5r serve` on loopback: QPS, p50/p99 latency and errors under load, with
+stalled connections open, with one client holding over a thousand sockets, and with many large bodies.
 
 Builds a synthetic passage store, embeds it with the hashed bag-of-words encoder, indexes it, starts
 the real CLI (`python -m t5_retrieval.cli serve --port 0`) as a subprocess, and drives it with 1, 20
-and 100 keep-alive HTTP clients (`--clients`), each level until `--requests` requests are done or
-`--max_seconds` pass. Then it opens `--stalled` connections that send nothing or half a request and,
-while they are open, runs 20 clients again; it counts the server's threads meanwhile (a thread per
-connection would show here). A `GET /health` round trip is the reference for the search overhead.
+and 100 keep-alive HTTP clients (`--clients`, from 127.0.0.1), each level until `--requests` requests
+are done or `--max_seconds` pass. Then, each time while 20 clients search from 127.0.0.1:
+- `--stalled` connections that send nothing or half a request, from several loopback addresses
+  (100 each); the server's threads are counted meanwhile (a thread per connection would show here);
+- `--hog_sockets` idle connections from one other address, 127.0.0.2: the server keeps its
+  per-address share and refuses the rest (503), and the other clients must see no error.
+Last, twice, `--large_bodies` searches with 1 MiB bodies from 8 addresses, all at once, sampling
+the server's resident memory before, at its peak and after. A `GET /health` round trip is the reference for the
+search overhead.
 
-    .venv/bin/python benchmarks/bench_server.py [--passages 10000 --requests 300 --clients 1 20 100 --stalled 400]
+    .venv/bin/python benchmarks/bench_server.py [--passages 10000 --requests 300 --clients 1 20 100 --stalled 400
+                                                 --hog_sockets 1025 --large_bodies 800]
 Writes benchmarks/results/server.json and prints one summary line.
 """
 
@@ -31,7 +37,11 @@ import common  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-STALLED_CLIENTS = 20  # clients searching while the stalled connections are open
+STALLED_CLIENTS = 20  # clients searching while the stalled connections (or the hog's) are open
+PER_ADDRESS = 100  # stalled connections per loopback source address
+HOG_ADDRESS = "127.0.0.2"
+BODY_BYTES = (1 << 20) - 1  # ServeLimits.max_body_bytes is 1 MiB
+BODY_ADDRESSES = 8
 
 from t5_retrieval.data.stores.kb import write_passage_store  # noqa: E402
 from t5_retrieval.data.records import Passage  # noqa: E402
@@ -115,26 +125,94 @@ def stats(latencies: list[float], errors: list[str], wall: float) -> dict:
 
 
 def open_stalled(host: str, port: int, count: int) -> list[socket.socket]:
-    """`count` connections: half send nothing, half the head and part of the body of a POST."""
-    half = b"POST /search HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n{\"task\": "
+    """`count` connections, PER_ADDRESS from each of 127.0.1.1, 127.0.1.2, ...: half send nothing,
+    half the head and part of the body of a POST."""
+    half = (b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n"
+            b"{\"task\": ")
     stalled = []
     for i in range(count):
-        sock = socket.create_connection((host, port), timeout=30)
+        sock = socket.create_connection((host, port), timeout=30, source_address=(f"127.0.1.{i // PER_ADDRESS + 1}", 0))
         if i % 2:
             sock.sendall(half)
         stalled.append(sock)
     return stalled
 
 
+def count_refused(socks: list[socket.socket], wait_s: float = 5.0) -> int:
+    """How many of `socks` the server answered with 503 within `wait_s` seconds, all together."""
+    deadline = time.monotonic() + wait_s
+    count = 0
+    for sock in socks:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            count += sock.recv(12).startswith(b"HTTP/1.1 503")
+        except OSError:
+            pass
+    return count
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def large_bodies(host: str, port: int, count: int, pid: int) -> dict:
+    """`count` searches with BODY_BYTES bodies from BODY_ADDRESSES addresses, all at once (a thread
+    each): statuses, and the server's resident memory before, at its peak (sampled every 20 ms) and
+    2 s after."""
+    body = json.dumps({"task": "nq", "query": "w1 w2 w3", "k": 10}).encode().ljust(BODY_BYTES)
+    head = (b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    statuses: list[str] = []
+    lock = threading.Lock()
+    next_index = iter(range(count))
+    before = rss_mib(pid)
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], rss_mib(pid))
+
+    def worker() -> None:
+        while (i := next(next_index, None)) is not None:
+            try:
+                with socket.create_connection((host, port), timeout=60,
+                                              source_address=(f"127.0.2.{i % BODY_ADDRESSES + 1}", 0)) as sock:
+                    sock.sendall(head + body)
+                    status = sock.recv(12)[9:12].decode() or "closed"
+            except OSError as e:
+                status = type(e).__name__
+            with lock:
+                statuses.append(status)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    time.sleep(2)
+    counts = {status: statuses.count(status) for status in sorted(set(statuses))}
+    return {"requests": count, "body_bytes": BODY_BYTES, "addresses": BODY_ADDRESSES, "statuses": counts,
+            "seconds": wall, "rss_mib_before": before, "rss_mib_peak": peak[0], "rss_mib_after": rss_mib(pid)}
+
+
 def still_open(sock: socket.socket) -> bool:
     """True if the server has neither closed nor answered this connection."""
     sock.setblocking(False)
     try:
-        return sock.recv(1) != b""  # data here would be an answer (408): not stalled any more
+        sock.recv(1)  # an answer (408, 503) or b"" (closed): not held open any more
     except BlockingIOError:
         return True
     except OSError:
-        return False
+        pass
+    return False
 
 
 def thread_count(pid: int) -> int:
@@ -149,6 +227,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--requests", type=int, default=300, help="searches per concurrency level")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 20, 100])
     parser.add_argument("--stalled", type=int, default=400, help="connections held open sending nothing or half")
+    parser.add_argument("--hog_sockets", type=int, default=1025,
+                        help=f"idle connections one client ({HOG_ADDRESS}) opens")
+    parser.add_argument("--large_bodies", type=int, default=800, help="searches with 1 MiB bodies")
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--max_seconds", type=float, default=8.0, help="per level")
     args = parser.parse_args(argv)
@@ -180,23 +261,44 @@ def main(argv: list[str]) -> int:
             finally:
                 for sock in stalled:
                     sock.close()
+            hog = [socket.create_connection((host, port), timeout=30, source_address=(HOG_ADDRESS, 0))
+                   for _ in range(args.hog_sockets)]
+            try:
+                time.sleep(0.5)
+                hog_refused = count_refused(hog[-(args.hog_sockets // 2):])  # the cap holds the first ones
+                under_hog = stats(*load(host, port, "POST", "/search", bodies, STALLED_CLIENTS, args.max_seconds))
+                hog_open = sum(still_open(sock) for sock in hog)
+            finally:
+                for sock in hog:
+                    sock.close()
+            # Twice: memory the allocator keeps after the first burst must be reused by the second, not added to.
+            bodies_runs = [large_bodies(host, port, args.large_bodies, proc.pid) for _ in range(2)]
         finally:
             proc.terminate()
             proc.wait(timeout=30)
 
-    errors = sum(r["errors"] for r in search.values()) + under_stall["errors"]
+    errors = sum(r["errors"] for r in search.values()) + under_stall["errors"] + under_hog["errors"]
     result = {"machine": common.machine_info(), "passages": args.passages, "dim": args.dim, "k": args.k,
               "search_by_clients": search, "health_reference_1_client": health,
-              "stalled": {"connections": args.stalled, "still_open_after": open_after,
+              "stalled": {"connections": args.stalled, "per_address": PER_ADDRESS, "still_open_after": open_after,
                           "clients": STALLED_CLIENTS, "search": under_stall,
                           "server_threads_idle": idle_threads, "server_threads_with_stalled": stalled_threads},
-              "errors": errors}
+              "one_client_many_sockets": {"address": HOG_ADDRESS, "sockets": args.hog_sockets,
+                                          "refused_503_of_the_last_half": hog_refused, "held_open": hog_open,
+                                          "other_clients": STALLED_CLIENTS, "search": under_hog},
+              "large_bodies": bodies_runs, "errors": errors}
     levels = ", ".join(f"{c} clients p50 {r['p50_ms']:.1f}/p99 {r['p99_ms']:.1f} ms {r['qps']:.0f} qps "
                        f"{r['errors']} err" for c, r in search.items())
     common.write_results("server", result, (
         f"{args.passages} passages: {levels}; with {open_after}/{args.stalled} stalled connections open: "
         f"{STALLED_CLIENTS} clients p50 {under_stall['p50_ms']:.1f}/p99 {under_stall['p99_ms']:.1f} ms "
-        f"{under_stall['errors']} err, server threads {idle_threads} -> {stalled_threads}; {errors} errors in all"))
+        f"{under_stall['errors']} err, server threads {idle_threads} -> {stalled_threads}; one client with "
+        f"{args.hog_sockets} sockets ({hog_open} held open): {STALLED_CLIENTS} other clients p50 "
+        f"{under_hog['p50_ms']:.1f}/p99 {under_hog['p99_ms']:.1f} ms {under_hog['errors']} err; "
+        f"{args.large_bodies} x 1 MiB bodies, twice: "
+        + "; ".join(f"{r['statuses']} RSS {r['rss_mib_before']:.0f} -> peak {r['rss_mib_peak']:.0f} -> "
+                    f"{r['rss_mib_after']:.0f} MiB" for r in bodies_runs)
+        + f"; {errors} errors in all"))
     return 0 if errors == 0 and open_after == args.stalled else 1
 
 

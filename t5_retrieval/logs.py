@@ -2,7 +2,7 @@
 
 import logging
 
-QUIET = ("absl", "orbax", "jax._src", "tensorflow", "h5py", "matplotlib")
+QUIET = ("absl", "orbax", "jax._src", "tensorflow", "h5py", "matplotlib", "uvicorn")
 
 
 def setup(level: int = logging.INFO) -> None:

@@ -1,4 +1,4 @@
-"""HTTP search API, exercised with urllib against a running server on 127.0.0.1 (OS-assigned port)."""
+"""HTTP search API, exercised with urllib and raw sockets against a running server on 127.0.0.1 (OS-assigned port)."""
 
 import contextlib
 import http.client
@@ -8,16 +8,17 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from t5_retrieval import cli
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data.stores import embedding_store
-from t5_retrieval import cli
 from t5_retrieval.commands import serve as serve_command
-from t5_retrieval.retrieval import index, scann_index, serve
+from t5_retrieval.retrieval import http_server, index, scann_index, serve
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 from t5_retrieval.data.stores.passages import PassageTable
 
@@ -44,7 +45,7 @@ def make_service(idx: index.Index, encoder=None, **limits) -> serve.SearchServic
 @contextlib.contextmanager
 def serving(service: serve.SearchService, **options):
     """A real server on 127.0.0.1 (OS-assigned port) in a thread; yields its base URL."""
-    httpd = serve.make_server(service, "127.0.0.1", 0, serve.ServerOptions(**options))
+    httpd = http_server.make_server(service, "127.0.0.1", 0, http_server.ServerOptions(**options))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
@@ -96,6 +97,51 @@ def read_reply(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
+def json_reply(raw: bytes) -> tuple[int, dict[str, str], dict]:
+    """(status, headers, JSON body) of one whole response; fails if the body is not JSON."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    assert headers.get("content-type", "").startswith("application/json"), f"not a JSON reply: {raw[:300]!r}"
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def exchange(url: str, request: bytes, source: str = "127.0.0.1") -> tuple[int, dict[str, str], dict]:
+    """Sends raw `request` bytes from address `source`, reads until the server closes: (status, headers, JSON)."""
+    with socket.create_connection(address(url), timeout=10, source_address=(source, 0)) as sock:
+        sock.sendall(request)
+        return json_reply(read_reply(sock))
+
+
+def search_head(length: int, *extra: bytes) -> bytes:
+    """The head of a `POST /search` with a JSON body of `length` bytes (not sent)."""
+    return (b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Type: application/json\r\n"
+            + b"".join(line + b"\r\n" for line in extra) + b"Content-Length: %d\r\n\r\n" % length)
+
+
+def search_body(length: int, query: str = "capital of Germany") -> bytes:
+    """A valid search body padded with spaces (JSON whitespace) to exactly `length` bytes."""
+    return json.dumps({"task": "nq", "query": query, "k": 1}).encode().ljust(length)
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict]:
+    """(status, JSON body) of the next response on a kept-alive connection."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response.status, json.loads(response.read())
+
+
+def search_from(url: str, body: bytes, source: str) -> tuple[int, dict]:
+    """`POST /search` of raw `body` from address `source` (http.client: keep-alive, Content-Length)."""
+    conn = http.client.HTTPConnection(*address(url), timeout=10, source_address=(source, 0))
+    try:
+        conn.request("POST", "/search", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
 def test_server_binds_loopback_and_reports_health(server):
     assert server.startswith("http://127.0.0.1:")
     with urllib.request.urlopen(server + "/health", timeout=10) as response:
@@ -117,6 +163,22 @@ def test_batched_queries_return_one_ranking_each_with_default_k(server):
     assert status == 200, reply
     assert [r[0]["passage_id"] for r in reply["results"]] == ["everest_0", "nile_0"]
     assert all(len(r) == 2 for r in reply["results"]), "without k, default_k (2) applies"
+
+
+def test_keep_alive_requests_are_not_held_by_delayed_acks(server):
+    # A reply's head and body are two writes: with Nagle on, each waits for the client's delayed
+    # ACK (40 ms or more on Linux); with it off, a loopback round trip takes well under a millisecond.
+    conn = http.client.HTTPConnection(*address(server), timeout=10)
+    try:
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            times.append(time.perf_counter() - start)
+    finally:
+        conn.close()
+    assert sorted(times)[len(times) // 2] < 0.03, f"median keep-alive round trip {sorted(times)} s"
 
 
 def test_inconsistent_limits_are_refused():
@@ -170,7 +232,8 @@ def test_service_refuses_an_index_built_by_another_model(tmp_path):
 
 def test_cli_refuses_to_serve_an_index_of_another_model(cli_dirs, capsys):
     kb_dir, idx_dir = cli_dirs
-    code = cli.main(["serve", "--lexical_baseline_dim", "32", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq"])
+    code = cli.main(["serve", "--lexical_baseline_dim", "32", "--index_dir", idx_dir, "--kb_dir", kb_dir,
+                     "--tasks", "nq"])
     assert code == 2 and "hashed-bow-v2-dim64" in capsys.readouterr().err
 
 
@@ -190,13 +253,19 @@ def test_deeply_nested_json_gets_400_not_500(kb_index):
         assert post(url, {"task": "nq", "query": "river in Africa", "k": 1})[1]["results"][0]["title"] == "Nile"
 
 
+def test_a_number_of_5000_digits_gets_400_not_500(kb_index):
+    with serving(make_service(kb_index)) as url:
+        status, reply = post(url, b'{"task": "nq", "query": "x", "k": ' + b"9" * 5000 + b"}")
+        assert status == 400 and "has 5000 digits; at most 18" in reply["error"], (status, reply)
+
+
 def test_a_stalled_connection_is_closed_after_the_read_timeout(kb_index):
     with serving(make_service(kb_index), read_timeout_s=0.5) as url:
         with socket.create_connection(address(url), timeout=10) as half, \
                 socket.create_connection(address(url), timeout=10) as silent:
-            half.sendall(b"POST /search HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
-            reply = read_reply(half)
-            assert reply.startswith(b"HTTP/1.1 408 "), f"half a request should get 408 and a close, got {reply[:200]!r}"
+            half.sendall(search_head(100) + b"{")
+            status, _, reply = json_reply(read_reply(half))
+            assert status == 408 and "no complete request within 0.5 s" in reply["error"], (status, reply)
             assert read_reply(silent) == b"", "a connection that sends nothing should be closed without a reply"
 
 
@@ -205,7 +274,7 @@ def test_stalled_connections_hold_no_worker(kb_index):
         stalled = [socket.create_connection(address(url), timeout=10) for _ in range(60)]
         try:
             for i, sock in enumerate(stalled[::2]):
-                sock.sendall(b"POST /search HTTP/1.1\r\nContent-Length: 50\r\n\r\n{\"task\"" if i % 2 else b"GET /hea")
+                sock.sendall(search_head(50) + b'{"task"' if i % 2 else b"GET /hea")
             status, reply = post(url, {"task": "nq", "query": "capital of Germany", "k": 1})
             assert status == 200 and reply["results"][0]["title"] == "Berlin", (status, reply)
         finally:
@@ -218,14 +287,88 @@ def test_connections_beyond_the_limit_get_503_and_an_oversized_head_431(kb_index
         held = [socket.create_connection(address(url), timeout=10) for _ in range(2)]
         try:
             with socket.create_connection(address(url), timeout=10) as third:
-                reply = read_reply(third)
-                assert reply.startswith(b"HTTP/1.1 503 ") and b"too many connections" in reply, reply[:300]
+                status, headers, reply = json_reply(read_reply(third))
+                assert status == 503 and "too many connections" in reply["error"], reply
+                assert headers["retry-after"] == "1", headers
             held[0].sendall(b"GET /health HTTP/1.1\r\n" + b"X-Pad: " + b"a" * (70 << 10))
-            reply = read_reply(held[0])
-            assert reply.startswith(b"HTTP/1.1 431 "), reply[:300]
+            status, _, reply = json_reply(read_reply(held[0]))
+            assert status == 431 and "request head over 65536 bytes" in reply["error"], (status, reply)
         finally:
             for sock in held:
                 sock.close()
+
+
+def test_one_address_holding_its_connection_cap_does_not_starve_another_address(kb_index):
+    with serving(make_service(kb_index), max_connections=16, max_connections_per_client=4, read_timeout_s=60) as url:
+        hog = [socket.create_connection(address(url), timeout=10, source_address=("127.0.0.2", 0)) for _ in range(16)]
+        try:
+            for sock in hog[4:]:
+                status, headers, reply = json_reply(read_reply(sock))
+                assert status == 503 and "from 127.0.0.2 (limit 4 per client address)" in reply["error"], reply
+                assert headers["retry-after"] == "1", headers
+            status, reply = post(url, {"task": "nq", "query": "capital of Germany", "k": 1})
+            assert status == 200 and reply["results"][0]["title"] == "Berlin", (
+                "127.0.0.1 must be served while 127.0.0.2 holds all it may", status, reply)
+        finally:
+            for sock in hog:
+                sock.close()
+
+
+def test_bodies_beyond_the_body_memory_are_refused_unread_and_their_memory_is_released(kb_index):
+    # One body may have 2,000 bytes; all bodies being read 3,000 together, and one address its
+    # share of them (here one whole body: 2,000).
+    with serving(make_service(kb_index, max_body_bytes=2000), max_body_memory_bytes=3000, read_timeout_s=30) as url:
+        with socket.create_connection(address(url), timeout=10) as holder:
+            holder.sendall(search_head(2000, b"Expect: 100-continue"))
+            assert holder.recv(100).startswith(b"HTTP/1.1 100 "), "the server reads (and holds) the body after 100"
+            # Only heads are sent: a refusal must come before the body, which is never buffered.
+            status, headers, reply = exchange(url, search_head(1500))
+            assert status == 503 and "body memory" in reply["error"], ("127.0.0.1's share is taken", status, reply)
+            assert headers["retry-after"] == "1" and headers["connection"] == "close", headers
+            status, _, reply = exchange(url, search_head(1500), source="127.0.0.2")
+            assert status == 503 and "body memory" in reply["error"], ("2,000 + 1,500 > 3,000 in all", status, reply)
+            assert search_from(url, search_body(1000, "highest mountain"), "127.0.0.2")[0] == 200, "2,000 + 1,000 fit"
+            holder.sendall(search_body(2000))
+            status, reply = read_response(holder)
+            assert status == 200 and reply["results"][0]["title"] == "Berlin", reply
+        status, reply = search_from(url, search_body(1500, "river in Africa"), "127.0.0.1")
+        assert status == 200 and reply["results"][0]["title"] == "Nile", ("released when a request is done", reply)
+
+
+@pytest.mark.parametrize("request_bytes, status, fragment", [
+    pytest.param(b"NONSENSE\r\n\r\n", 400, "malformed HTTP request", id="bad-request-line"),
+    pytest.param(b"GET /health HTTP/1.1\r\n\r\n", 400, "Host", id="no-host"),
+    pytest.param(b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Length: 12x\r\n\r\n", 400, "Content-Length",
+                 id="bad-content-length"),
+    pytest.param(b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", 400,
+                 "Content-Length", id="content-length-of-5000-digits"),
+    pytest.param(b"DELETE /nowhere HTTP/1.1\r\nHost: t5r\r\n\r\n", 404, "no such path '/nowhere'", id="no-such-path"),
+    pytest.param(b"PUT /search HTTP/1.1\r\nHost: t5r\r\nContent-Length: 0\r\n\r\n", 405,
+                 "PUT is not allowed on /search; use POST", id="put"),
+    pytest.param(b"GET /search HTTP/1.1\r\nHost: t5r\r\n\r\n", 405, "use POST", id="get-search"),
+    pytest.param(search_head(10).replace(b"Content-Length: 10", b"Transfer-Encoding: chunked"), 411,
+                 "Content-Length", id="chunked"),
+    pytest.param(b"GET /health HTTP/1.1\r\nHost: t5r\r\nX-Pad: " + b"a" * (100 << 10) + b"\r\n\r\n", 431,
+                 "head over 65536", id="complete-head-of-100-KB"),
+])
+def test_refusals_by_the_http_layer_have_json_bodies_and_close(server, request_bytes, status, fragment):
+    got, headers, reply = exchange(server, request_bytes)
+    assert got == status and fragment in reply["error"], (got, reply)
+    assert headers["connection"] == "close", headers
+
+
+class FailingHealthService(serve.SearchService):
+    """A service with a bug in one path, for what the HTTP layer answers around it."""
+
+    def health(self):
+        raise RuntimeError("a bug")
+
+
+def test_an_unexpected_failure_is_a_json_500_and_the_server_lives_on(kb_index):
+    service = FailingHealthService(HashedBagOfWordsEncoder(dim=256), kb_index, PassageTable(KB), ["nq"])
+    with serving(service) as url:
+        assert get(url) == (500, {"error": "internal error: RuntimeError"})
+        assert post(url, {"task": "nq", "query": "capital of France", "k": 1})[1]["results"][0]["title"] == "Paris"
 
 
 class BlockingEncoder(HashedBagOfWordsEncoder):
@@ -258,7 +401,7 @@ def test_a_full_worker_pool_answers_503_and_recovers(kb_index):
 
 
 def test_listen_backlog_holds_a_burst_of_connections_before_they_are_accepted(kb_index):
-    httpd = serve.make_server(make_service(kb_index), "127.0.0.1", 0)  # listening, not yet accepting
+    httpd = http_server.make_server(make_service(kb_index), "127.0.0.1", 0)  # listening, not yet accepting
     burst = []
     try:
         for i in range(64):
@@ -286,9 +429,17 @@ def test_token_is_required_on_every_path_when_configured(kb_index):
         assert status == 200 and reply["results"][0]["title"] == "Paris", reply
 
 
+def test_the_auth_scheme_is_case_insensitive_and_credentials_are_stripped(kb_index):
+    with serving(make_service(kb_index), auth_token="s3cret-token") as url:
+        for value in ("bearer s3cret-token", "BEARER s3cret-token", "Bearer   s3cret-token  "):
+            assert get(url, headers={"Authorization": value})[0] == 200, value
+        for value in ("Basic s3cret-token", "bearers3cret-token", "Bearer s3cret-token2"):
+            assert get(url, headers={"Authorization": value})[0] == 401, value
+
+
 def test_a_non_loopback_host_without_a_token_is_refused_before_binding(kb_index):
     with pytest.raises(ValueError, match="reachable beyond this machine.*--auth_token_file"):
-        serve.make_server(make_service(kb_index), "0.0.0.0", 0)
+        http_server.make_server(make_service(kb_index), "0.0.0.0", 0)
 
 
 class NamedTaskEncoder(HashedBagOfWordsEncoder):
@@ -315,7 +466,7 @@ def cli_dirs(tmp_path_factory) -> tuple[str, str]:
 
 
 def test_cli_refuses_an_open_host_without_a_token_and_an_empty_token_file(cli_dirs, tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv(serve.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(http_server.TOKEN_ENV, raising=False)
     kb_dir, idx_dir = cli_dirs
     base = ["--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq", "--port", "0"]
     assert cli.main(["serve", *base, "--host", "0.0.0.0"]) == 2
@@ -323,17 +474,47 @@ def test_cli_refuses_an_open_host_without_a_token_and_an_empty_token_file(cli_di
     empty = tmp_path / "token"
     empty.write_text("\n")
     assert cli.main(["serve", *base, "--auth_token_file", str(empty)]) == 2
-    assert "is empty" in capsys.readouterr().err
+    assert "the token is empty" in capsys.readouterr().err
 
 
-def test_cli_serves_with_a_token_from_a_file(cli_dirs, tmp_path):
+@pytest.mark.parametrize("token, fragment", [(" \n", "the token is empty"), ("two words", "cannot carry")])
+def test_cli_checks_an_environment_token_by_the_same_rule_as_a_file(cli_dirs, capsys, monkeypatch, token, fragment):
+    monkeypatch.setenv(http_server.TOKEN_ENV, token)
     kb_dir, idx_dir = cli_dirs
-    token_file = tmp_path / "token"
-    token_file.write_text("file-token\n")
-    env = {k: v for k, v in os.environ.items() if k != serve.TOKEN_ENV}
+    codes = []  # main runs in a thread: were the token accepted, it would serve and never return
+    thread = threading.Thread(target=lambda: codes.append(cli.main([
+        "serve", "--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq",
+        "--port", "0"])), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert codes, f"t5r serve started serving with the token {token!r}"
+    err = capsys.readouterr().err
+    assert codes[0] == 2 and err.startswith(f"t5r serve: error: {http_server.TOKEN_ENV}: ") and fragment in err, err
+
+
+def test_debug_serve_shows_the_traceback_of_a_start_up_error(cli_dirs):
+    kb_dir, idx_dir = cli_dirs
+    env = {k: v for k, v in os.environ.items() if k != http_server.TOKEN_ENV}
+    result = subprocess.run([sys.executable, "-m", "t5_retrieval.cli", "--debug", "serve", "--lexical_baseline_dim",
+                             "64", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq", "--port", "0",
+                             "--host", "0.0.0.0"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr, result.stderr[-2000:]
+    assert "reachable beyond this machine" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("source", ["file", "environment"])
+def test_cli_serves_with_a_token_stripped_of_surrounding_whitespace(cli_dirs, tmp_path, source):
+    kb_dir, idx_dir = cli_dirs
+    env = {k: v for k, v in os.environ.items() if k != http_server.TOKEN_ENV}
+    flags = []
+    if source == "file":
+        token_file = tmp_path / "token"
+        token_file.write_text("the-token\n")
+        flags = ["--auth_token_file", str(token_file)]
+    else:
+        env[http_server.TOKEN_ENV] = "the-token \t"
     proc = subprocess.Popen([sys.executable, "-m", "t5_retrieval.cli", "serve", "--lexical_baseline_dim", "64",
-                             "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq", "--port", "0",
-                             "--auth_token_file", str(token_file)],
+                             "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq", "--port", "0", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -341,7 +522,7 @@ def test_cli_serves_with_a_token_from_a_file(cli_dirs, tmp_path):
         url = line.split()[2].rsplit("/", 1)[0]
         assert get(url)[0] == 401
         status, reply = post(url, {"task": "nq", "query": "capital of Germany", "k": 1},
-                             headers={"Content-Type": "application/json", "Authorization": "Bearer file-token"})
+                             headers={"Content-Type": "application/json", "Authorization": "Bearer the-token"})
         assert status == 200 and reply["results"][0]["title"] == "Berlin", reply
     finally:
         proc.terminate()
@@ -353,8 +534,8 @@ def test_cli_names_unknown_and_known_tasks_and_does_not_serve(cli_dirs, capsys, 
     kb_dir, idx_dir = cli_dirs
     codes = []  # main runs in a thread: were the tasks not checked, it would serve and never return
     thread = threading.Thread(target=lambda: codes.append(cli.main([
-        "serve", "--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq,wow", "--port", "0"])),
-        daemon=True)
+        "serve", "--lexical_baseline_dim", "64", "--index_dir", idx_dir, "--kb_dir", kb_dir, "--tasks", "nq,wow",
+        "--port", "0"])), daemon=True)
     thread.start()
     thread.join(timeout=60)
     assert codes, "t5r serve started serving with a task the model does not know"

@@ -36,6 +36,11 @@ def test_installed_wheel_runs_help_and_a_train_step_from_elsewhere(tmp_path):
     assert glob.glob(str(site / "t5_retrieval" / "demo_data" / "mini_kilt_slice.tar.gz")), "the demo slice ships"
     assert glob.glob(str(site / "t5_retrieval" / "tasks" / "kilt.py")), "the Task registrations ship in the package"
     assert not os.path.exists(site / "tasks"), "no top-level `tasks` package to collide with a user's own"
+    # pip installs what the wheel declares: `t5r serve`'s server libraries must be among it.
+    with open(glob.glob(str(site / "t5_retrieval-*.dist-info" / "METADATA"))[0]) as f:
+        declared = {line.split(":", 1)[1].strip().split(">")[0].split("=")[0].split("<")[0].lower()
+                    for line in f if line.startswith("Requires-Dist:")}
+    assert {"uvicorn", "h11", "starlette"} <= declared, f"the HTTP server's libraries are not dependencies: {declared}"
 
     env = {**os.environ, "PYTHONPATH": str(site)}
     where = run([sys.executable, "-c", "import t5_retrieval; print(t5_retrieval.__file__)"], cwd=elsewhere, env=env)

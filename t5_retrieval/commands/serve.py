@@ -13,29 +13,28 @@ import socket
 from t5_retrieval import logs
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
 from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags, register_named_mixtures
-from t5_retrieval.errors import UserError
+from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.retrieval.encoder import recorded_tasks
 from t5_retrieval.retrieval.index import load_index
-from t5_retrieval.retrieval.serve import (TOKEN_ENV, SearchService, ServeLimits, ServerOptions, bind_address,
-                                          make_server)
+from t5_retrieval.retrieval.http_app import bearer_token
+from t5_retrieval.retrieval.http_server import TOKEN_ENV, ServerOptions, bind_address, make_server
+from t5_retrieval.retrieval.serve import SearchService, ServeLimits
 
 
 def _auth_token(path: str | None) -> str | None:
     """The token from --auth_token_file, else from $T5R_SERVE_TOKEN, else None (a file or the
-    environment, not a flag value: command lines are visible to every user of the machine)."""
+    environment, not a flag value: command lines are visible to every user of the machine). Both
+    are stripped and checked by the one rule for tokens, `bearer_token`."""
     from_env = os.environ.get(TOKEN_ENV)
     if path is not None and from_env is not None:
-        raise UserError(f"give the token either with --auth_token_file or with {TOKEN_ENV}, not both")
+        raise ConfigError(f"give the token either with --auth_token_file or with {TOKEN_ENV}, not both")
     if path is None:
-        return from_env
+        return None if from_env is None else bearer_token(from_env, TOKEN_ENV)
     try:
         with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise UserError(f"--auth_token_file: {e}") from None
-    if not token:
-        raise UserError(f"--auth_token_file {path} is empty")
-    return token
+            return bearer_token(f.read(), f"--auth_token_file {path}")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--auth_token_file: {e}") from None
 
 
 def _check_listenable(host: str, port: int, auth_token: str | None) -> None:
@@ -71,15 +70,23 @@ def main(argv: list[str]) -> int:
                         help="seconds a connection has to deliver a whole request (408 and close after)")
     parser.add_argument("--max_connections", type=int, default=defaults.max_connections,
                         help="open connections; beyond, 503")
+    parser.add_argument("--max_connections_per_client", type=int, default=defaults.max_connections_per_client,
+                        help="open connections from one client address; beyond, 503 (behind a proxy every "
+                             "client has the proxy's address: raise it to --max_connections)")
+    parser.add_argument("--max_body_memory_mb", type=float, default=defaults.max_body_memory_bytes / 2**20,
+                        help="MiB that request bodies being read may hold, all clients together (one client "
+                             "address: the same share of it as of --max_connections); beyond, 503. One body's "
+                             "limit is ServeLimits.max_body_bytes (gin), 413 beyond")
     parser.add_argument("--auth_token_file", default=None,
                         help=f"file holding a bearer token every request must send (or set {TOKEN_ENV}); "
                              f"required unless --host is a loopback address")
     args = parse_args(parser, argv, reads=TASK_MODULE)
     logs.setup()
     options = ServerOptions(args.workers, args.max_queued, args.read_timeout_s, args.max_connections,
+                            args.max_connections_per_client, int(args.max_body_memory_mb * 2**20),
                             _auth_token(args.auth_token_file))
     _check_listenable(args.host, args.port, options.auth_token)  # before minutes of loading, not after
-    store = PassageStore.open(args.kb_dir)
+    store = PassageStore.open(args.kb_dir)  # the store, index and model are verified as they open
     index = load_index(args.index_dir)
     encoder = encoder_from_flags(args)
     index.check(encoder, store.ids())

@@ -1,0 +1,227 @@
+"""The HTTP face of the search service: a Starlette app for `POST /search` and `GET /health`.
+
+What is HTTP here and not search: the bearer token, the request head and body limits, the memory
+that bodies being read may hold, the worker threads the model runs on, and an `{"error": ...}` JSON
+body for every error, the framework's own (404, 405, 500) included. Connections (how many, how
+long) are the server's, `http_server.py`.
+
+A request is refused as early as it can be: a head over MAX_HEAD_BYTES (431) and a missing or
+wrong token (401) before routing; a missing Content-Length (411), a body over
+`ServeLimits.max_body_bytes` (413), a Content-Type that is not JSON (415) and a body the memory
+budget cannot hold (503) before the body is read. Those replies close the connection, since the
+unread body would otherwise be read and thrown away. Only a complete body takes a worker thread
+(503 when all are busy and `max_queued` requests wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import hmac
+import logging
+import re
+from collections.abc import Callable, Iterator
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from t5_retrieval.errors import ConfigError
+from t5_retrieval.retrieval.serve import RequestError, SearchService, bounded_int
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 64 << 10  # request line + headers
+RETRY_AFTER = {"Retry-After": "1"}
+CLOSE = {"Connection": "close"}
+# RFC 6750's b64token: what can follow "Bearer " in an Authorization header, so a token a client
+# can send at all.
+_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+T = TypeVar("T")
+
+
+def bearer_token(text: str, source: str) -> str:
+    """The token in `text` (from a file, the environment or a client) with surrounding whitespace
+    stripped, or ValueError naming `source`: one rule for every place a token comes from."""
+    token = text.strip()
+    if not token:
+        raise ConfigError(f"{source}: the token is empty")
+    if not _TOKEN.fullmatch(token):
+        raise ConfigError(f"{source}: the token has characters a bearer token cannot carry; use letters, digits "
+                         "and - . _ ~ + / (then = at the end), e.g. `head -c 24 /dev/urandom | base64`")
+    return token
+
+
+def authorized(authorization: str | None, token: str) -> bool:
+    """Whether an Authorization header carries `token`: the scheme is case-insensitive (RFC 7235),
+    the credentials are stripped as every token is, and compared in constant time."""
+    scheme, _, credentials = (authorization or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), token.encode())
+
+
+def error_reply(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status, headers)
+
+
+def head_bytes(scope: Scope) -> int:
+    """Bytes of the request line and headers as parsed (h11 has dropped only optional whitespace)."""
+    target = len(scope["raw_path"]) + (1 + len(scope["query_string"]) if scope["query_string"] else 0)
+    line = len(scope["method"]) + 1 + target + len(" HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"]) + 2
+
+
+class RequestGate:
+    """ASGI middleware that refuses, before any routing, a head over MAX_HEAD_BYTES (431) and a
+    request without the token (401, on every path: /health names the model). h11 itself bounds only
+    an incomplete head; a complete one of any size reaches this gate."""
+
+    def __init__(self, app: ASGIApp, token: str | None):
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            if head_bytes(scope) > MAX_HEAD_BYTES:
+                reply = error_reply(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                                    f"request head over {MAX_HEAD_BYTES} bytes", CLOSE)
+                return await reply(scope, receive, send)
+            if self.token is not None and not authorized(Headers(scope=scope).get("authorization"), self.token):
+                reply = error_reply(HTTPStatus.UNAUTHORIZED, "this server needs 'Authorization: Bearer <token>'",
+                                    {"WWW-Authenticate": 'Bearer realm="t5r-serve"', **CLOSE})
+                return await reply(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyBudget:
+    """Bytes of request bodies being read or answered, bounded in all (`total`) and per client
+    address (`per_client`), so that neither many bodies nor one address's bodies can take the
+    memory. A body's bytes are reserved from its Content-Length before it is read and released
+    when its request is done."""
+
+    def __init__(self, total: int, per_client: int):
+        self.total, self.per_client = total, per_client
+        self._held = 0
+        self._by_client: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def reserve(self, client: str, size: int) -> Iterator[None]:
+        """Holds `size` bytes for `client` (all in one event loop: no lock), or HTTPException 503."""
+        if self._held + size > self.total or self._by_client[client] + size > self.per_client:
+            raise HTTPException(HTTPStatus.SERVICE_UNAVAILABLE,
+                                f"request bodies in progress fill the server's body memory ({self.total} bytes, "
+                                f"{self.per_client} per client address); retry later", {**RETRY_AFTER, **CLOSE})
+        self._held += size
+        self._by_client[client] += size
+        try:
+            yield
+        finally:
+            self._held -= size
+            self._by_client[client] -= size
+            if not self._by_client[client]:
+                del self._by_client[client]
+
+
+class WorkerPool:
+    """`workers` threads run complete requests (parse, encode, search); `max_queued` more may wait
+    for one, and one more gets 503. Slow or stalled clients never get here, so they hold no thread."""
+
+    def __init__(self, workers: int, max_queued: int):
+        self.workers, self.max_queued = workers, max_queued
+        self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="t5r-serve")
+        self._in_progress = 0  # running or queued; touched only from the event loop
+
+    async def run(self, function: Callable[..., T], *args: Any) -> T:
+        if self._in_progress >= self.workers + self.max_queued:
+            raise HTTPException(HTTPStatus.SERVICE_UNAVAILABLE,
+                                f"server busy ({self.workers} workers, {self.max_queued} queued); retry later",
+                                RETRY_AFTER)
+        self._in_progress += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        finally:
+            self._in_progress -= 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _content_length(request: Request, limit: int) -> int:
+    """The body's size, known before it is read: a chunked body (whose framing h11 would follow even
+    beside a Content-Length) is refused, as is a missing length."""
+    raw = request.headers.get("content-length")
+    if raw is None or "transfer-encoding" in request.headers:
+        raise HTTPException(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required (and no "
+                            "Transfer-Encoding)", CLOSE)
+    length = bounded_int(raw)  # h11 has checked the digits
+    if length > limit:
+        raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes; the limit is {limit}",
+                            CLOSE)
+    return length
+
+
+def _require_json(request: Request) -> None:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise HTTPException(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                            f"Content-Type must be application/json, got {content_type or 'none'!r}", CLOSE)
+
+
+def answer(service: SearchService, body: bytes) -> tuple[int, dict[str, Any]]:
+    """(status, JSON reply) for one complete body; runs on a worker thread."""
+    try:
+        return HTTPStatus.OK, service.handle_search(body)
+    except RequestError as e:
+        return e.status, {"error": str(e)}
+    except Exception as e:  # A bug must cost one request, not the server.
+        log.exception("search failed")
+        return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"internal error: {type(e).__name__}"}
+
+
+def search_app(service: SearchService, pool: WorkerPool, bodies: BodyBudget, token: str | None) -> Starlette:
+    """The ASGI app serving `service`: routes, the token, the limits and JSON errors."""
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(service.health())
+
+    async def search(request: Request) -> Response:
+        try:
+            length = _content_length(request, service.limits.max_body_bytes)
+        except RequestError as e:
+            return error_reply(e.status, str(e), CLOSE)
+        _require_json(request)
+        client = request.client.host if request.client else ""
+        with bodies.reserve(client, length):
+            try:
+                body = await request.body()
+            except ClientDisconnect:  # The client left, or the server timed it out: this reply is never sent.
+                return Response(status_code=HTTPStatus.REQUEST_TIMEOUT)
+            status, reply = await pool.run(answer, service, body)
+        return JSONResponse(reply, status)
+
+    async def http_error(request: Request, error: Exception) -> Response:
+        """Starlette's own refusals (404, 405) and ours, as JSON; the unread body closes the connection."""
+        assert isinstance(error, HTTPException)
+        message = error.detail
+        if error.status_code == HTTPStatus.NOT_FOUND:
+            message = f"no such path {request.url.path!r}; use POST /search or GET /health"
+        elif error.status_code == HTTPStatus.METHOD_NOT_ALLOWED:
+            allowed = (error.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; use {allowed}"
+        return error_reply(error.status_code, message, {**CLOSE, **(error.headers or {})})
+
+    async def internal_error(request: Request, error: Exception) -> Response:
+        # Starlette re-raises the error after this reply, and uvicorn logs its traceback.
+        return error_reply(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(error).__name__}", CLOSE)
+
+    return Starlette(routes=[Route("/search", search, methods=["POST"]), Route("/health", health, methods=["GET"])],
+                     middleware=[Middleware(RequestGate, token=token)],
+                     exception_handlers={HTTPException: http_error, Exception: internal_error})
