@@ -3,7 +3,7 @@
 The recipe: warm up on BM25 negatives; then each episode mines new hard negatives with the
 current model (top-k minus gold), trains from the current weights with a fresh optimiser (so a
 fresh multi-task state, in the episodes the config gives a multi-task transform), re-encodes the
-KB, and evaluates. Every stage writes into its own directory under `work_dir` and is marked finished by a
+KB (unless the passage tower does not train: `passage_index`), and evaluates. Every stage writes into its own directory under `work_dir` and is marked finished by a
 `DONE` file written last, so a rerun skips finished stages; an interrupted training stage resumes
 from its last checkpoint and an interrupted encoding from its last shard.
 
@@ -40,7 +40,8 @@ def ance(work_dir: str,
          episode_multitask: Callable[..., optax.GradientTransformation] | None = None,
          mine_depth: int = 110,
          answer_checkable: Sequence[str] = (),
-         eval_split: str = "dev") -> dict[str, dict[str, float]]:
+         eval_split: str = "dev",
+         passage_index: str | None = None) -> dict[str, dict[str, float]]:
     """Runs (or resumes) warm-up and `num_episodes` ANCE episodes; returns the last eval table.
 
     Args:
@@ -51,6 +52,10 @@ def ance(work_dir: str,
       mine_depth: passages retrieved per training query when mining (top-110 minus gold).
       answer_checkable: datasets whose mined negatives also drop answer-holding passages (MT-DPR's
         adversarial confounders; only where an answer string means relevance, e.g. QA).
+      passage_index: the index every stage mines and evaluates with when the passage tower does not
+        train (query-side fine-tuning over stored passage embeddings, `make_train_iterator.
+        passage_embeddings`): its passages are then the same in every episode, so nothing is
+        re-encoded. None: each stage encodes the KB with its own model and builds its own index.
     """
     if num_episodes < 0:
         raise ConfigError(f"ance.num_episodes must be >= 0, got {num_episodes}")
@@ -69,14 +74,14 @@ def ance(work_dir: str,
         else:
             previous = os.path.join(work_dir, stages[number - 1])
             negatives = os.path.join(stage_dir, "negatives")
-            mine_stage(negatives, os.path.join(previous, "model"), os.path.join(previous, "index"), data_dir,
-                       mine_depth, answer_checkable)
+            mine_stage(negatives, os.path.join(previous, "model"), passage_index or os.path.join(previous, "index"),
+                       data_dir, mine_depth, answer_checkable)
             multitask = episode_multitask if number in multitask_episodes else None
             with gin.config_scope("episode"):
                 stage(model_dir, f"episode {number} training",
                       lambda: _train(model_dir, init_from=os.path.join(previous, "model"), multitask=multitask,
                                      data_overrides={"negatives": negatives}))
-        index_and_evaluate(stage_dir, model_dir, data_dir, eval_split)
+        index_and_evaluate(stage_dir, model_dir, data_dir, eval_split, index_dir=passage_index)
     with open(os.path.join(work_dir, stages[-1], "eval", "results.json")) as f:
         return json.load(f)
 

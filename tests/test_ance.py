@@ -129,3 +129,26 @@ def test_answer_checks_apply_only_to_the_answer_checkable_datasets(ance_run, tmp
         assert list(checked[example.id]) == [p for p, a in zip(plain[example.id], holds_answer) if not a], example.id
         dropped += sum(holds_answer)
     assert dropped > 0, "the check never fired: no trex negative held an answer"
+
+
+def test_a_query_side_recipe_mines_and_evaluates_with_one_index_and_encodes_nothing(ance_run, tmp_path):
+    """`ance.passage_index`: the passages come from stored embeddings, so every stage searches the
+    index of those embeddings (no stage encodes the KB), and mined negatives still come from each
+    stage's own query model."""
+    work_dir, data_dir, _ = ance_run
+    warmup = os.path.join(work_dir, "warmup")
+    side_dir = str(tmp_path / "query_side")
+    gin.bind_parameter("make_train_iterator.passage_embeddings", os.path.join(warmup, "embeddings"))
+    gin.bind_parameter("ance.passage_index", os.path.join(warmup, "index"))
+    gin.bind_parameter("warmup/train.init_from", os.path.join(warmup, "model"))
+    try:
+        tables = ance(side_dir)
+    finally:
+        for name in ("make_train_iterator.passage_embeddings", "ance.passage_index", "warmup/train.init_from"):
+            gin.bind_parameter(name, None)
+    assert sorted(tables) == ["demo_fever", "demo_trex"]
+    for stage in ("warmup", "episode_1"):
+        assert os.path.exists(os.path.join(side_dir, stage, "eval", "DONE")), stage
+        assert not os.path.exists(os.path.join(side_dir, stage, "embeddings")), f"{stage} encoded the KB"
+    mined = read_negatives(layout.negatives_path(os.path.join(side_dir, "episode_1", "negatives"), "fever"))
+    assert mined, "the episode mined negatives with the warm-up model over the shared index"

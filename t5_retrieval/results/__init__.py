@@ -34,6 +34,10 @@ Rows:
   with the shared encoder trained on queries and passages (the papers' regime) for BOTH_TOWERS_STEPS
   steps, the KB re-encoded with each trained model (about 1.5 hours a row on a 2-core CPU).
 - ``mt_dpr_confounders_3_epochs``: the MT-DPR row trained for 3 epochs instead of 0.7.
+- ``taco_recipe``, ``naive_recipe``: TACO's training recipe (`ance`): naive multi-task with prefixes
+  warms up on BM25 negatives, then RECIPE_EPISODES ANCE episodes train on negatives mined by the
+  current model; TACO combines the task gradients in the last episode, or (the control) naive does.
+  Query side only: every stage mines and evaluates with the zero-shot index.
 - ``dpr_muf``: DPR-MUF fusion over the task-specific row's experts.
 - ``query_side``: the thesis' query-side fine-tuning of MiniLM on the qa_open questions (answer-holding
   passages as positives); also scored by answer recall on the qa_open dev sets (`qa_open_table`).

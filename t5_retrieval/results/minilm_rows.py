@@ -220,3 +220,48 @@ def dpr_muf_row(row_dir: str, data_dir: str) -> None:
         return {"gin": ["runs/dpr_muf.gin"], "experts": experts}
 
     stage(fusion_dir, "DPR-MUF fusion", fuse)
+
+
+# TACO's recipe at this machine's scale: a warm-up on BM25 negatives, then RECIPE_EPISODES ANCE
+# episodes on negatives mined by the current model, each RECIPE_STEPS long like the warm-up, at half
+# the warm-up's learning rate (the paper: 1e-5, then 5e-6).
+RECIPE_EPISODES = 2
+RECIPE_STEPS = 200
+RECIPE_EPISODE_LEARNING_RATE = 1e-5
+
+
+def recipe_row(taco_last: bool) -> Callable[..., None]:
+    """TACO's training recipe (`ance`): naive multi-task with dataset prefixes warms up on BM25
+    negatives from MiniLM; each episode mines the top-110 minus gold with the current model and trains
+    from it; the last episode combines the task gradients with TACO (`taco_last`) or sums them (the
+    control). Query side only, as the other rows: every stage mines and evaluates with the zero-shot
+    index (its passages never change), so nothing is re-encoded. The row's table is the last episode's."""
+
+    def row(row_dir: str, data_dir: str, seed: int = 0) -> None:
+        from t5_retrieval.ance import ance
+        from t5_retrieval.stages import stage
+
+        base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
+        minilm_zeroshot_row(base_dir, data_dir)
+        ance_dir = os.path.join(row_dir, "ance")
+        bindings = [f"DATA_DIR = '{data_dir}'", "MIXTURE_OR_TASK_NAME = 'mini_kilt'", *TRAIN_BINDINGS,
+                    f"TRAIN_STEPS = {RECIPE_STEPS}", f"train.init_from = '{os.path.join(base_dir, 'model')}'",
+                    f"train.seed = {seed}",
+                    f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'",
+                    f"episode/make_optimizer.learning_rate = {RECIPE_EPISODE_LEARNING_RATE}",
+                    f"ance.data_dir = '{data_dir}'", f"ance.num_episodes = {RECIPE_EPISODES}",
+                    f"ance.passage_index = '{os.path.join(base_dir, 'index')}'"]
+        if taco_last:
+            bindings += [f"ance.multitask_episodes = [{RECIPE_EPISODES}]", "ance.episode_multitask = @multitask.taco",
+                         "multitask.taco.tau = 2.0", "multitask.taco.median = 'approx'",
+                         "multitask.taco.burn_in_fraction = 0.1", *TACO_BINDINGS]
+        configured(["models/minilm_l6.gin", "runs/no_adaptive.gin"], bindings, lambda: ance(ance_dir))
+        last = os.path.join(ance_dir, f"episode_{RECIPE_EPISODES}", "eval")
+
+        def publish() -> dict[str, Any]:
+            shutil.copytree(last, os.path.join(row_dir, "eval"), dirs_exist_ok=True)
+            return {"from": last}
+
+        stage(os.path.join(row_dir, "eval"), "the last episode's table", publish)
+
+    return row

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from t5_retrieval.results.minilm_rows import (BOTH_TOWERS_STEPS, FROZEN_EMBEDDINGS, TACO_BINDINGS, THREE_EPOCHS,
                                               bm25_row, confounders_row, dpr_muf_row, minilm_zeroshot_row,
-                                              task_specific_row, trained_row)
+                                              recipe_row, task_specific_row, trained_row)
 from t5_retrieval.results.qa_open import query_side_row
 from t5_retrieval.results.t5_rows import t5_scratch_row
 
@@ -42,6 +42,8 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "mt_dpr_confounders_3_epochs": ("MT-DPR, adversarial confounders, 3 epochs",
                                     confounders_row(f"TRAIN_STEPS = {THREE_EPOCHS}")),
     "task_specific": ("task-specific (one model per task)", task_specific_row),
+    "taco_recipe": ("TACO's recipe: warm-up, ANCE episodes, TACO in the last", recipe_row(taco_last=True)),
+    "naive_recipe": ("the same recipe, naive in the last episode too", recipe_row(taco_last=False)),
     "dpr_muf": ("DPR-MUF (fusion of the task-specific models)", dpr_muf_row),
     "query_side": ("query-side fine-tuning on qa_open (thesis)", query_side_row),
     "t5_scratch_naive": ("T5 from scratch, naive multi-task (GDMTL's control)",
@@ -70,5 +72,6 @@ CONTROLS = {
     "mt_dpr_confounders": "naive_noprefix",
     "mt_dpr_confounders_3_epochs": "mt_dpr_confounders",
     "task_specific": "naive_noprefix",
+    "taco_recipe": "naive_recipe",
 }
 SEEDED = ("naive_noprefix", *CONTROLS)
