@@ -25,7 +25,8 @@ from t5_retrieval.data.kilt import answers
 from t5_retrieval.data.records import DataError, Example, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval import metrics
-from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.data import task_names
+from t5_retrieval.retrieval.encoder import Encoder, recorded_tasks
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.data.stores.passages import PassageLookup
 
@@ -84,9 +85,11 @@ def evaluate(
     if depth < 1:
         raise ConfigError(f"evaluate.depth must be >= 1, got {depth}")
     scorer = RankingScorer(passages, ks, skip_answer_recall)
+    tasks = recorded_tasks(encoder)
     for task, examples in examples_by_task.items():
         hits = retrieve(encoder, index, [e.query for e in examples], depth, task=task, batch_size=batch_size)
-        scorer.add_task(task, examples, [pids for pids, _ in hits], [scores for _, scores in hits])
+        scorer.add_task(task, examples, [pids for pids, _ in hits], [scores for _, scores in hits],
+                        dataset=task_names.dataset_of(tasks, task))
     return scorer.result()
 
 
@@ -115,9 +118,11 @@ class RankingScorer:
         return self._tokens[pid]
 
     def add_task(self, task: str, examples: Sequence[Example], rankings: Sequence[Sequence[str]],
-                 scores: Sequence[Sequence[float]] | None = None) -> None:
+                 scores: Sequence[Sequence[float]] | None = None, dataset: str | None = None) -> None:
         """Scores one task: `rankings[i]` is the ranked passage ids of `examples[i]`; `scores[i]`, when
-        given, their retrieval scores (kept for the TREC run only: no metric reads them)."""
+        given, their retrieval scores (kept for the TREC run only: no metric reads them). `dataset`
+        (default: `task`) decides whether answer recall means anything: `skip_answer_recall` names
+        datasets, so `demo_fever` and `fever` are scored alike."""
         if len(rankings) != len(examples):
             raise ValueError(f"{task}: {len(rankings)} rankings for {len(examples)} examples")
         if scores is not None:
@@ -133,7 +138,7 @@ class RankingScorer:
             page_scores.append(metrics.kilt_scores(example.gold_pages, pages, ks))
             if example.positive_passages:
                 passage_scores.append({"passage_Rprec": metrics.passage_r_precision(example.positive_passages, pids)})
-            if example.answers and task not in self.skip_answer_recall:
+            if example.answers and (dataset or task) not in self.skip_answer_recall:
                 rank = answers.first_answer_rank((self._tokens_of(pid) for pid in pids[:max(ks)]), example.answers)
                 answer_scores.append(answers.recall_at_ks(rank, ks))
         table: dict[str, float] = {"n": len(examples), **metrics.mean_scores(page_scores)}
