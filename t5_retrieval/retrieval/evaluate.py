@@ -25,7 +25,7 @@ from t5_retrieval.data.kilt import answers
 from t5_retrieval.data.records import DataError, Example, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval import metrics
-from t5_retrieval.data import task_names
+from t5_retrieval.data.tasks import task_names
 from t5_retrieval.retrieval.encoder import Encoder, recorded_tasks
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.data.stores.passages import PassageLookup
