@@ -86,3 +86,21 @@ def test_the_slice_archive_and_its_unpacked_copy_are_verified_before_use(tmp_pat
     with pytest.raises(checksums.ChecksumError, match=r"slice.tar.gz: fails its sha256 checksum"):
         kilt_slice.extract(archive, str(tmp_path / "again"))
     assert not os.path.exists(tmp_path / "again" / kilt_slice.ROOT)
+
+
+def test_the_bm25_row_writes_a_trec_run_per_task_like_t5r_eval(bm25_demo):
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.records import read_examples
+    from t5_retrieval.results.common import TASKS
+
+    data_dir, _ = bm25_demo
+    predictions = os.path.join(os.path.dirname(data_dir), "bm25", "eval", "predictions")
+    for task in TASKS:
+        with open(os.path.join(predictions, f"{task}.trec")) as f:
+            lines = [line.split() for line in f]
+        ids = [e.id for e in read_examples(layout.examples_path(data_dir, task, "dev"))]
+        assert [qid for qid, *_ in lines[::100]] == ids, f"{task}: 100 ranked passages per dev query, in order"
+        first = lines[:100]
+        assert [int(rank) for _, _, _, rank, _, _ in first] == list(range(1, 101))
+        scores = [float(score) for *_, score, _ in first]
+        assert scores == sorted(scores, reverse=True) and {line[1] for line in first} == {"Q0"}

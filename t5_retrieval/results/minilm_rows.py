@@ -29,9 +29,9 @@ def bm25_row(row_dir: str, data_dir: str) -> None:
         scorer = RankingScorer(store)
         for task in TASKS:
             examples = read_examples(layout.examples_path(data_dir, task, "dev"))
-            rows, _ = index.search([bm25_query(e.query) for e in examples], 100)
+            rows, scores = index.search([bm25_query(e.query) for e in examples], 100)
             rankings = [[index.ids[i] for i in top] for top in rows]
-            scorer.add_task(task, examples, rankings)
+            scorer.add_task(task, examples, rankings, scores)  # the scores make its TREC run
         result = scorer.result()
         write_results(result, os.path.join(row_dir, "eval"))
         return {"tables": result.tables}
