@@ -117,6 +117,9 @@ def test_readme_stage_commands_run_in_order_and_produce_every_stage_output(tmp_p
     for line in commands:
         if line.startswith("t5r serve"):
             server = start_server(line, port, str(tmp_path))
+        elif line.startswith("until "):  # README's wait for the server, run as pasted (on the test's port)
+            assert server is not None, "README waits for t5r serve after starting it"
+            subprocess.run(["bash", "-c", line.replace(f":{README_PORT}/", f":{port}/")], timeout=60, check=True)
         elif line.startswith("curl"):
             assert server is not None, "README must start t5r serve before searching it"
             reply = subprocess.run(shlex.split(line.replace(f":{README_PORT}/", f":{port}/")), capture_output=True,
