@@ -171,7 +171,8 @@ def test_per_query_scores_average_to_the_eval_table_and_seeds_give_intervals(bm2
     table = differences_table({"bm25": [bm25], "worse": worse}, {"bm25": "BM25", "worse": "fever reversed"},
                               {"worse": "bm25", "missing": "bm25"})
     lines = table.splitlines()
-    assert lines[0] == "| row | seeds | minus | seeds | mean R-prec | mean R@20 | mean R-prec, seed by seed |", table
+    assert lines[0] == ("| row | seeds | minus | seeds | mean R-prec | mean R@20 | mean R-prec, seed by seed | "
+                        "excludes 0 at 1 - 0.05/2 (Bonferroni) |"), table
     assert len(lines) == 3, "one line per pair whose both sides are recorded"
     cells = lines[2].split(" | ")
     assert cells[:4] == ["| fever reversed", "2", "BM25", "1"], table
@@ -179,7 +180,18 @@ def test_per_query_scores_average_to_the_eval_table_and_seeds_give_intervals(bm2
     assert drop < -0.3 and cells[4].startswith(f"{drop / len(TASKS):+.3f} [") and cells[4].endswith(" *"), table
     assert cells[5].startswith("-") and cells[5].endswith(" *"), table
     # Seed by seed: only seed 0 ran on both sides, so one paired difference.
-    assert cells[6] == f"{worse[0].mean('Rprec') - bm25.mean('Rprec'):+.3f} |", table
+    assert cells[6] == f"{worse[0].mean('Rprec') - bm25.mean('Rprec'):+.3f}", table
+    assert cells[7] == "R-prec yes, R@20 yes |", "a collapse stays a difference after the correction"
+
+
+def test_a_difference_at_95_percent_can_fail_the_bonferroni_level():
+    """A shift of about 2.3 standard errors excludes 0 at 95% but not at 1 - 0.05/26."""
+    rng = np.random.default_rng(1)
+    base = {t: rng.normal(0.5, 0.3, 400) for t in TASKS}
+    shift = 2.3 * 0.3 / np.sqrt(400 * len(TASKS))
+    method = {t: base[t] + shift + rng.normal(0, 0.3, 400) for t in TASKS}
+    assert paired_bootstrap(method, base).significant
+    assert not paired_bootstrap(method, base, 10_000, alpha=0.05 / 26).significant
 
 
 def test_seed_by_seed_differences_pair_equal_seeds():
@@ -264,3 +276,27 @@ def test_table_shows_mean_and_std_over_a_rows_seeds():
     assert lines[2] == "| BM25 | " + " | ".join("0.250 | 0.500" for _ in range(len(TASKS) + 1)) + " | 1 | 10 s |"
     assert lines[3] == "| PCGrad | " + " | ".join("0.300 ± 0.100 | 0.500 ± 0.000" for _ in range(len(TASKS) + 1)) \
         + " | 3 | 20 s |", lines[3]
+
+
+def test_the_dev_queries_that_are_training_queries_are_counted_and_left_out_of_a_second_mean(bm25_run):
+    from t5_retrieval.results.overlap import dev_train_overlap, mean_without, overlap_table
+
+    work_dir, data_dir = bm25_run, os.path.join(bm25_run, "data")
+    bm25 = record_run(os.path.join(work_dir, "bm25"), data_dir, "bm25", 0)
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.records import read_examples
+
+    overlap = dev_train_overlap(data_dir)
+    for task in TASKS:  # the slice, like mini-KILT, repeats a few training queries in dev
+        train = {e.query for e in read_examples(layout.examples_path(data_dir, task, "train"))}
+        assert overlap[task] == [e.id for e in read_examples(layout.examples_path(data_dir, task, "dev"))
+                                 if e.query in train], task
+    assert len(overlap["fever"]) == 5, overlap
+    dropped = {"fever": bm25.query_ids["fever"][:10]}
+    fever = bm25.per_query["fever"]["Rprec"]
+    expected = (fever[10:].mean() + sum(bm25.per_query[t]["Rprec"].mean() for t in TASKS if t != "fever")) / len(TASKS)
+    assert mean_without(bm25, dropped, "Rprec") == pytest.approx(expected)
+    lines = overlap_table({"bm25": [bm25]}, {"bm25": "BM25"}, dropped).splitlines()
+    assert lines[0] == "Dev queries that are also training queries: 10 (fever 10)."
+    assert lines[-1] == f"| BM25 | {bm25.mean('Rprec'):.3f} | {expected:.3f} | " \
+                        f"{bm25.mean('recall@20'):.3f} | {mean_without(bm25, dropped, 'recall@20'):.3f} |"

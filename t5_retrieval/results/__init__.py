@@ -66,6 +66,7 @@ from t5_retrieval.data.kilt.demo_slice import SHIPPED, extract
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.results.analysis import analysis_table, sensitivity_analysis
 from t5_retrieval.results.common import prepare_data
+from t5_retrieval.results.overlap import overlap_table, read_overlap, write_overlap
 from t5_retrieval.results.qa_open import qa_open_table
 from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED, TITLES
 from t5_retrieval.results.records import read_records, record_run, seed_dir, write_record
@@ -89,6 +90,7 @@ def run_rows(work_dir: str, rows: Sequence[str], seeds: Sequence[int] = (0,), da
         data_dir = os.path.join(work_dir, "data")
         raw_dir = extract(SHIPPED, work_dir) if data == "slice" else os.path.abspath(data)
         prepare_data(raw_dir, data_dir)
+        write_overlap(data_dir, records_dir)
     for name in rows:
         for seed in seeds if name in SEEDED else [0]:
             start = time.time()
@@ -99,5 +101,7 @@ def run_rows(work_dir: str, rows: Sequence[str], seeds: Sequence[int] = (0,), da
     sensitivity_analysis(work_dir)
     records = read_records(records_dir)
     differences = differences_table(records, TITLES, CONTROLS)
-    return "\n".join(t for t in (markdown_table(records), differences, analysis_table(work_dir),
+    overlap = read_overlap(records_dir)
+    without = overlap_table(records, TITLES, overlap) if overlap is not None and records else ""
+    return "\n".join(t for t in (markdown_table(records), differences, without, analysis_table(work_dir),
                                  qa_open_table(work_dir)) if t)

@@ -5,7 +5,11 @@ A method's difference to a baseline is measured on the same dev queries: each qu
 differences are resampled with replacement 1,000 times *within each task* (so every resample keeps
 the task sizes), each resample giving the unweighted mean over tasks, as the table reports. The 95%
 interval is the 2.5th and 97.5th percentiles of those means. A difference is called a difference
-only when its interval excludes 0.
+only when its interval excludes 0 ("no detectable difference" otherwise, never "equal").
+
+With m intervals on one page, about 0.05 m of them exclude 0 by chance alone. The table also says
+which still exclude 0 at the Bonferroni level 1 - 0.05 / m (each interval from its own 10,000
+resamples, between the percentiles 100 * 0.05 / (2 m) and 100 * (1 - 0.05 / (2 m))).
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from t5_retrieval.results.records import METRICS, RunRecord
 
 RESAMPLES = 1000
 BOOTSTRAP_SEED = 0
+ALPHA = 0.05
+# A Bonferroni interval sits at alpha / (2 m) in each tail, the 0.1st percentile for ~26 intervals:
+# 10,000 resamples put about ten of them beyond it.
+CORRECTED_RESAMPLES = 10_000
 
 PerQuery = dict[str, dict[str, np.ndarray]]  # task -> metric -> one value per dev query, in file order
 
@@ -57,9 +65,10 @@ class Difference:
 
 
 def paired_bootstrap(method: Mapping[str, np.ndarray], baseline: Mapping[str, np.ndarray],
-                     resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Difference:
-    """The task-mean of per-query differences and its 95% percentile interval, resampling queries
-    within each task (`method[task]` and `baseline[task]` score the same queries in the same order)."""
+                     resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED, alpha: float = ALPHA) -> Difference:
+    """The task-mean of per-query differences and its 1 - `alpha` percentile interval, resampling
+    queries within each task (`method[task]` and `baseline[task]` score the same queries in the same
+    order)."""
     rng = np.random.default_rng(seed)
     task_means = np.zeros((resamples, len(method)))
     observed = []
@@ -70,7 +79,7 @@ def paired_bootstrap(method: Mapping[str, np.ndarray], baseline: Mapping[str, np
         observed.append(diff.mean())
         task_means[:, column] = diff[rng.integers(0, diff.size, size=(resamples, diff.size))].mean(axis=1)
     means = task_means.mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
+    low, high = np.percentile(means, [100 * alpha / 2, 100 * (1 - alpha / 2)])
     return Difference(float(np.mean(observed)), float(low), float(high))
 
 
@@ -78,20 +87,27 @@ def differences_table(records: Mapping[str, Sequence[RunRecord]], titles: Mappin
                       controls: Mapping[str, str]) -> str:
     """Markdown: each recorded row's difference to its recorded control (`controls`: row -> control
     row) on mean R-precision and mean recall@20, over each side's seeds, with its 95% paired bootstrap
-    interval (`*`: the interval excludes 0). `titles` names the rows."""
+    interval (`*`: the interval excludes 0), and whether it still excludes 0 after a Bonferroni
+    correction over the page's intervals. `titles` names the rows."""
     pairs = [(row, control) for row, control in controls.items() if records.get(row) and records.get(control)]
     if not pairs:
         return ""
+    m = len(pairs) * len(METRICS)  # the intervals on the page
     lines = ["| row | seeds | minus | seeds | " + " | ".join(f"mean {label}" for _, label in METRICS)
-             + f" | mean {METRICS[0][1]}, seed by seed |",
-             "|---|---|---|---|" + "---|" * (len(METRICS) + 1)]
+             + f" | mean {METRICS[0][1]}, seed by seed | excludes 0 at 1 - 0.05/{m} (Bonferroni) |",
+             "|---|---|---|---|" + "---|" * (len(METRICS) + 2)]
     for row, control in pairs:
         _check_same_queries(records[row][0], records[control][0])
         method, base = seed_mean(records[row]), seed_mean(records[control])
-        cells = [str(paired_bootstrap({t: method[t][key] for t in TASKS}, {t: base[t][key] for t in TASKS}))
-                 for key, _ in METRICS]
+        cells, corrected = [], []
+        for key, label in METRICS:
+            ours, theirs = {t: method[t][key] for t in TASKS}, {t: base[t][key] for t in TASKS}
+            cells.append(str(paired_bootstrap(ours, theirs)))
+            strict = paired_bootstrap(ours, theirs, CORRECTED_RESAMPLES, alpha=ALPHA / m)
+            corrected.append(f"{label} {'yes' if strict.significant else 'no'}")
         cells.append(" / ".join(f"{d:+.3f}" for d in seed_differences(records[row], records[control], METRICS[0][0]))
                      or "-")
+        cells.append(", ".join(corrected))
         lines.append(f"| {titles[row]} | {len(records[row])} | {titles[control]} | {len(records[control])} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
