@@ -74,4 +74,4 @@ CONTROLS = {
     "task_specific": "naive_noprefix",
     "taco_recipe": "naive_recipe",
 }
-SEEDED = ("naive_noprefix", *CONTROLS)
+SEEDED = ("naive_noprefix", "naive_recipe", *CONTROLS)
