@@ -137,7 +137,7 @@ def test_mixtures_and_unknown_names(data_dir, vocab):
     assert [t.name for t, _ in retrieval_tasks.resolve("mini_kilt")][4] == "mini_kilt_entityquestions", \
         "a Mixture's Tasks in the order it declares them (seqio sorts them by name)"
     assert described("mini_kilt_entityquestions") == retrieval_tasks.TaskInfo(
-        "mini_kilt_entityquestions", "entityquestions", "ZSRE", 17, "beginning")
+        "mini_kilt_entityquestions", "entityquestions", "ZSRE", 25, "beginning")
     assert described("mini_kilt_entity_linking_typed") == retrieval_tasks.TaskInfo(
         "mini_kilt_entity_linking_typed", "entity_linking", "EL", 109, "mention"), "every variant reads the same"
     assert described("kilt_wow").query_len == 256, "KILT's Tasks read TACO's Table 5 lengths"
