@@ -1,5 +1,4 @@
-"""`t5r export-hf`: a t5r model directory -> a Hugging Face directory that `transformers` and
-`sentence-transformers` load offline.
+"""`t5r export-hf`: a t5r model directory -> a directory transformers and sentence-transformers load offline.
 
 Every model `t5r train`, `t5r query-side` and `t5r results` write is exported. T5 networks become
 `T5Model` directories, BERT networks `BertModel` directories, each with its tokenizer
