@@ -113,9 +113,10 @@ def describe_model(record: dict[str, Any]) -> str:
     what += ", L2-normalised)" if record["l2_normalize"] else ")"
     if record["query_encoder"] == record["passage_encoder"]:
         return what + "; queries and passages go through the same network, this directory."
-    kind = "a query-side model: its fine-tuned query encoder" if record["query_side"] else "its query encoder"
-    return (what + f" with two networks: `{record['query_encoder']}/` is {kind}, `{record['passage_encoder']}/` "
-            "its passage encoder (each a complete transformers directory).")
+    query, passage = ("the fine-tuned query encoder of a query-side model", "its base model's passage encoder") \
+        if record["query_side"] else ("its query encoder", "its passage encoder")
+    return (what + f" with two networks: `{record['query_encoder']}/` is {query}, `{record['passage_encoder']}/` "
+            f"{passage} (each a complete transformers directory).")
 
 
 def packages(record: dict[str, Any]) -> str:
