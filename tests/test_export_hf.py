@@ -1,14 +1,19 @@
-"""`t5r export-hf`: t5r model directories -> Hugging Face directories, checked with transformers + torch.
+"""`t5r export-hf`: every model users make -> a directory sentence-transformers and transformers load
+offline, embedding as t5r does.
 
-Models come from `t5r train` (one step on the demo data: a T5 ST5-EncDec with a sentencepiece
-vocabulary; a BERT with a separate query encoder and MiniLM's WordPiece vocabulary). The exported
-directories are loaded with transformers alone; the embeddings are computed the ST5-EncDec way (T5)
-and by the sentence-transformers pipeline read from the files written (BERT), and compared with
-`load_encoder(model_dir)`. Import -> export -> import is checked bit for bit on random HF models.
+Models: all-MiniLM-L6-v2 zero-shot (the `t5r results` row's model directory, the six mini-KILT tasks),
+a prefixed tiny BERT trained by `t5r train` and a query-side model trained from it by `t5r train`
+over its stored passage embeddings, a T5 ST5-EncDec trained by `t5r train`, and a T5 ST5-Enc with a
+separate query encoder. Each export is loaded with sentence-transformers and transformers (no
+network), and its embeddings and top-10 are compared with `load_encoder(model_dir)` on the longest
+dev queries of the demo slice's tasks (entity-linking queries cut around their mention, WoW and
+others past their task's length). Import -> export -> import is checked bit for bit on random HF models.
 """
 
 import json
 import os
+import subprocess
+import sys
 
 import gin
 import jax
@@ -18,28 +23,33 @@ import pytest
 import torch
 import transformers
 from safetensors.numpy import load_file
+from sentence_transformers import SentenceTransformer
 
 from conftest import prepare_small_demo
 from t5_retrieval import checkpoint, gin_utils
 from t5_retrieval.cli import main as t5r
+from t5_retrieval.data import layout
+from t5_retrieval.data.kilt.demo_slice import SHIPPED, extract
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore
-from t5_retrieval.data.text import format_passage, format_query
-from t5_retrieval.data.tokenizers.tokenize import tokenize
+from t5_retrieval.data.text import format_passage
 from t5_retrieval.export import hf
-from t5_retrieval.inference import QUERY_SIDE_FILE, load_encoder
+from t5_retrieval.inference import QuerySideEncoder, load_encoder
 from t5_retrieval.models import hf_bert_import, hf_import
 from t5_retrieval.models.bert import Bert
 from t5_retrieval.models.t5 import T5, abstract_params
 from t5_retrieval.train import train
 
-TASKS = ("fever", "trex")
-QUERIES = ["Who wrote the novel Frankenstein?", "Aleister Crowley [SEP] place of birth",
-           "a   query\twith  odd whitespace and a fairly long tail " * 3]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SYNTHETIC_TASKS = ("fever", "trex", "aidayago2", "wow")
+# The demo slice's dataset whose queries stand for each synthetic task (entity linking, dialogue, ...).
+SLICE_DATASET = {"fever": "fever", "trex": "trex", "aidayago2": "entity_linking", "wow": "wow"}
+# Short per-task lengths, so that most of the slice's queries are cut (entity linking around its mention).
+QUERY_LEN = "{'fever': 12, 'trex': 10, 'aidayago2': 24, 'wow': 40}"
+T5_QUERY_LEN = "{'fever': 12, 'trex': 10, 'aidayago2': 48, 'wow': 40}"  # the 400-piece vocabulary spells the markers out
 ATOL = 1e-5
-
-
-def prepare_demo(root) -> str:
-    return prepare_small_demo(root, TASKS)
 
 
 def train_tiny(model_dir: str, gin_file: str, bindings: list[str]) -> str:
@@ -54,93 +64,9 @@ def train_tiny(model_dir: str, gin_file: str, bindings: list[str]) -> str:
     return model_dir
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return prepare_demo(tmp_path_factory.mktemp("hf_demo"))
-
-
-@pytest.fixture(scope="module")
-def t5_run(data_dir, tmp_path_factory):
-    """A T5 ST5-EncDec model trained by `t5r train` (prefixed tasks) and its `t5r export-hf` directory."""
-    from t5_retrieval.data import layout
-    from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
-
-    root = tmp_path_factory.mktemp("t5_run")
-    vocabulary = train_vocabulary(layout.kb_dir(data_dir), str(root / "spm"), vocab_size=400)
-    model_dir = train_tiny(str(root / "model"), "models/t5_tiny.gin", [
-        f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'", "VOCAB_SIZE = 512", "D_MODEL = 32",
-        "D_FF = 64", f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in TASKS]}"])
-    out = str(root / "hf")
+def export(model_dir: str, out: str) -> str:
     assert t5r(["export-hf", f"--checkpoint_dir={model_dir}", f"--output_dir={out}"]) == 0
-    return model_dir, out
-
-
-@pytest.fixture(scope="module")
-def bert_run(data_dir, tmp_path_factory):
-    """A BERT (mean pooling, L2, separate query encoder) trained by `t5r train` and its export."""
-    root = tmp_path_factory.mktemp("bert_run")
-    model_dir = train_tiny(str(root / "model"), "models/bert_tiny.gin", [
-        f"DATA_DIR = '{data_dir}'", "VOCABULARY = @minilm_l6_dir()", "VOCAB_SIZE = 30522",
-        f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}_noprefix' for t in TASKS]}", "BertDualEncoderConfig.pooling = 'mean'",
-        "BertDualEncoderConfig.l2_normalize = True", "BertDualEncoderConfig.separate_query_encoder = True"])
-    out = str(root / "hf")
-    assert t5r(["export-hf", f"--checkpoint_dir={model_dir}", f"--output_dir={out}"]) == 0
-    return model_dir, out
-
-
-def passages_of(data_dir: str, n: int = 6):
-    store = PassageStore.open(os.path.join(data_dir, "kb"))
-    return [store.get(pid) for pid in store.ids()[:n]]
-
-
-def st5_encdec(model: transformers.T5Model, ids: np.ndarray) -> np.ndarray:
-    """ST5-EncDec with transformers: one decoder step from id 0, its final-norm hidden state."""
-    ids = torch.tensor(ids, dtype=torch.long)
-    with torch.no_grad():
-        start = torch.zeros((len(ids), 1), dtype=torch.long)
-        out = model(input_ids=ids, attention_mask=ids != 0, decoder_input_ids=start)
-    return out.last_hidden_state[:, 0].numpy()
-
-
-def test_t5_export_loads_in_transformers_and_embeds_as_t5r(t5_run, data_dir):
-    model_dir, out = t5_run
-    encoder = load_encoder(model_dir)
-    model = transformers.T5Model.from_pretrained(out).eval()
-    with open(os.path.join(out, "config.json")) as f:
-        assert json.load(f)["feed_forward_proj"] == "gated-gelu"
-    for task in encoder.task_names:
-        ids = tokenize(encoder.vocabulary, [format_query(q, encoder.prefix_of(task)) for q in QUERIES], 16)
-        diff = np.abs(st5_encdec(model, ids) - encoder.encode_queries(QUERIES, task)).max()
-        print(f"T5 queries ({task}): max abs difference {diff:.2e}")
-        assert diff < ATOL, f"{task} query embeddings: transformers vs t5r differ by {diff}, expected < {ATOL}"
-    passages = passages_of(data_dir)
-    ids = tokenize(encoder.vocabulary, [format_passage(p.title, p.text) for p in passages], 32)
-    diff = np.abs(st5_encdec(model, ids) - encoder.encode_passages(passages)).max()
-    print(f"T5 passages: max abs difference {diff:.2e}")
-    assert diff < ATOL, f"passage embeddings: transformers vs t5r differ by {diff}, expected < {ATOL}"
-
-
-def test_t5_export_tokenizer_and_record_give_t5rs_query_ids(t5_run):
-    model_dir, out = t5_run
-    encoder = load_encoder(model_dir)
-    with open(os.path.join(out, hf.RETRIEVAL_JSON)) as f:
-        record = json.load(f)
-    assert record["tasks"]["demo_fever"]["query_prefix"] == "FEVER <extra_id_1> ", record["tasks"]
-    assert (record["query_len"], record["passage_len"], record["pooling"]) == (16, 32, "encdec")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    texts = [record["tasks"]["demo_fever"]["query_prefix"] + " ".join(q.replace("[SEP]", "</s>").split())
-             for q in QUERIES]
-    ids = tokenizer(texts, max_length=16, truncation=True, padding="max_length", return_tensors="np")["input_ids"]
-    expected = tokenize(encoder.vocabulary, [format_query(q, "FEVER") for q in QUERIES], 16)
-    np.testing.assert_array_equal(ids, expected, err_msg="AutoTokenizer on the export must give t5r's token ids")
-    with open(os.path.join(out, "README.md")) as f:
-        card = f.read()
-    assert "FEVER <extra_id_1>" in card, card
-    snippet = card.split("```python\n")[1].split("```")[0].replace("path/to/this/directory", out)
-    scope = {"texts": texts}
-    exec(snippet.replace("max_length = 32", "max_length = 16"), scope)  # the model card's code, on queries
-    diff = np.abs(scope["embedding"].numpy() - encoder.encode_queries(QUERIES, "demo_fever")).max()
-    assert diff < ATOL, f"the model card's code gives embeddings {diff} away from t5r's"
+    return out
 
 
 def read_json(*path: str):
@@ -148,49 +74,269 @@ def read_json(*path: str):
         return json.load(f)
 
 
-def sentence_transformers_embed(directory: str, texts: list[str], max_length: int | None = None) -> np.ndarray:
-    """sentence-transformers' pipeline as its files describe it: Transformer -> Pooling -> [Normalize]
-    (`max_length`: a shorter truncation, as `SentenceTransformer.max_seq_length = n` sets for queries)."""
-    modules = [m["type"].rsplit(".", 1)[1] for m in read_json(directory, "modules.json")]
-    assert modules[:2] == ["Transformer", "Pooling"], modules
-    max_length = max_length or read_json(directory, "sentence_bert_config.json")["max_seq_length"]
-    pooling = read_json(directory, "1_Pooling", "config.json")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = transformers.AutoModel.from_pretrained(directory).eval()
-    batch = tokenizer(texts, max_length=max_length, truncation=True, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        states = model(**batch).last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1).float()
-    if pooling["pooling_mode_mean_tokens"]:
-        pooled = (states * mask).sum(1) / mask.sum(1)
-    else:
-        assert pooling["pooling_mode_cls_token"], pooling
-        pooled = states[:, 0]
-    if modules[2:] == ["Normalize"]:
-        pooled = torch.nn.functional.normalize(pooled, dim=-1)
-    return pooled.numpy()
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return prepare_small_demo(tmp_path_factory.mktemp("hf_demo"), SYNTHETIC_TASKS)
 
 
-def test_bert_export_is_a_sentence_transformers_model_that_embeds_as_t5r(bert_run, data_dir):
-    model_dir, out = bert_run
+@pytest.fixture(scope="module")
+def slice_dir(tmp_path_factory):
+    return extract(SHIPPED, str(tmp_path_factory.mktemp("slice")))
+
+
+def dev_queries(slice_dir: str, dataset: str) -> list[str]:
+    with open(os.path.join(slice_dir, f"{dataset}-dev-kilt.jsonl")) as f:
+        return [json.loads(line)["input"] for line in f]
+
+
+def long_queries(slice_dir: str, dataset: str, n: int = 6) -> list[str]:
+    """The `n` longest dev queries of a demo-slice dataset (cut by every task length here)."""
+    return sorted(dev_queries(slice_dir, dataset), key=len)[-n:]
+
+
+def passages_of(data_dir: str, n: int = 24):
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    return [store.get(pid) for pid in store.ids()[:n]]
+
+
+def card_blocks(out: str) -> list[str]:
+    """The model card's code blocks, pointed at `out`."""
+    with open(os.path.join(out, "README.md")) as f:
+        card = f.read()
+    return [block.split("```")[0].replace("path/to/this/directory", out) for block in card.split("```python\n")[1:]]
+
+
+def run_card(out: str, passages: list[str], queries: list[str], task: str) -> tuple[dict, list]:
+    """Runs the card's code blocks as pasted (query_ids, then sentence-transformers' and/or
+    transformers') on these passages and queries of `task`: its names, and each embedding block's
+    (query embeddings, passage embeddings)."""
+    example_task = next(iter(read_json(out, hf.RETRIEVAL_JSON)["tasks"]))
+    first, *embedding_blocks = card_blocks(out)
+    scope = {"passages": passages, "queries": queries}
+    exec(first, scope)
+    results = []
+    for block in embedding_blocks:
+        exec(block.replace(f'"{example_task}"', repr(task)), scope)
+        results.append((scope.pop("query_embeddings"), scope.pop("passage_embeddings")))
+    return scope, results
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    diff = float(np.abs(np.asarray(got) - want).max())
+    print(f"{what}: max abs difference {diff:.2e}")
+    assert diff < ATOL, f"{what}: {diff} away from t5r's embeddings, expected < {ATOL}"
+
+
+def assert_same_top10(queries: np.ndarray, passages: np.ndarray, want_q: np.ndarray, want_p: np.ndarray,
+                      what: str) -> None:
+    got = np.argsort(-(np.asarray(queries) @ np.asarray(passages).T), axis=1, kind="stable")[:, :10]
+    want = np.argsort(-(want_q @ want_p.T), axis=1, kind="stable")[:, :10]
+    np.testing.assert_array_equal(got, want, err_msg=f"{what}: top-10 differs from t5r's")
+
+
+def check_sentence_transformers(out: str, encoder, tasks: dict[str, list[str]], passages) -> None:
+    """`SentenceTransformer(out)`: encode_document, the card's encode_queries and encode_query with the
+    task's prompt (for the queries that fit their task's length) against t5r, embeddings and top-10."""
+    model = SentenceTransformer(out, device="cpu")
+    texts = [format_passage(p.title, p.text, read_json(out, hf.RETRIEVAL_JSON)["passage_template"]) for p in passages]
+    want_p = encoder.encode_passages(passages)
+    got_p = model.encode_document(texts)
+    assert_close(got_p, want_p, "sentence-transformers encode_document")
+    for task, queries in tasks.items():
+        scope, results = run_card(out, texts, queries, task)
+        want_q = encoder.encode_queries(queries, task)
+        assert len(results) == 2, "the card must give sentence-transformers' and transformers' code"
+        for library, (got_q, card_p) in zip(("sentence-transformers", "transformers"), results):
+            assert_close(got_q, want_q, f"{task}: the card's query embeddings with {library}")
+            assert_close(card_p, want_p, f"the card's passage embeddings with {library}")
+            assert_same_top10(got_q, got_p, want_q, want_p, f"{task}: the card's code with {library}")
+        spec = read_json(out, hf.RETRIEVAL_JSON)["tasks"][task]
+        fits = [q for q in queries if len(scope["query_ids"](model.tokenizer, q, task)) < spec["query_len"]]
+        if spec["truncation"] == "beginning":
+            assert fits, f"{task}: no query within the task's length to check encode_query on"
+            assert_close(model.encode_query(fits, prompt_name=task), encoder.encode_queries(fits, task),
+                         f"{task}: encode_query(prompt_name=task) on queries within the task's length")
+
+
+def slice_queries(slice_dir: str, dataset: str) -> list[str]:
+    """Its 6 longest dev queries (cut at every task length here) and 3 shortest (within it)."""
+    queries = sorted(dev_queries(slice_dir, dataset), key=len)
+    return queries[-6:] + queries[:3]
+
+
+@pytest.fixture(scope="module")
+def minilm_zero_shot(tmp_path_factory):
+    """The `t5r results` zero-shot row's model directory (all-MiniLM-L6-v2, the six mini-KILT tasks at
+    their lengths) and its export."""
+    from t5_retrieval.results.minilm_rows import write_minilm_model_dir
+
+    root = tmp_path_factory.mktemp("minilm")
+    model_dir = str(root / "model")
+    write_minilm_model_dir(model_dir)
+    return model_dir, export(model_dir, str(root / "hf"))
+
+
+def test_zero_shot_minilm_embeds_every_demo_task_as_t5r_in_sentence_transformers(minilm_zero_shot, slice_dir,
+                                                                                  data_dir):
+    model_dir, out = minilm_zero_shot
     encoder = load_encoder(model_dir)
-    assert os.path.isdir(os.path.join(out, "2_Normalize")) and read_json(out, "1_Pooling", "config.json")[
-        "pooling_mode_mean_tokens"]
+    assert sorted(encoder.task_names) == ["entity_linking", "entityquestions", "fever", "hotpotqa", "trex", "wow"]
+    check_sentence_transformers(out, encoder, {task: slice_queries(slice_dir, task) for task in encoder.task_names},
+                                passages_of(data_dir))
+
+
+def test_zero_shot_minilm_export_is_the_original_model_with_a_tokenizer_json(minilm_zero_shot):
+    from t5_retrieval.models.pretrained import minilm_l6_dir
+
+    _, out = minilm_zero_shot
+    original = load_file(os.path.join(minilm_l6_dir(), "model.safetensors"))
+    assert_tensors_equal_original(original, out, ignorable=(*hf_bert_import.UNUSED_NAMES, "pooler.dense.weight",
+                                                            "pooler.dense.bias"))
+    for name in ("modules.json", os.path.join("1_Pooling", "config.json")):
+        assert read_json(out, name) == read_json(minilm_l6_dir(), name), name
+    assert os.path.exists(os.path.join(out, "tokenizer.json"))
+    texts = ["Who wrote the novel Frankenstein?", "Morse code: a method used in telecommunication to encode text."]
+    ours, theirs = SentenceTransformer(out, device="cpu"), SentenceTransformer(minilm_l6_dir(), device="cpu")
+    assert ours.tokenizer(texts)["input_ids"] == theirs.tokenizer(texts)["input_ids"]
+    diff = np.abs(ours.encode(texts) - theirs.encode(texts)).max()
+    assert diff == 0.0, f"the exported MiniLM embeds {diff} away from the original"
+
+
+def test_the_model_cards_query_ids_are_t5rs_for_every_demo_query(minilm_zero_shot, slice_dir):
+    """`query_ids` of the card with the export's tokenizer, on every dev query of the demo slice's six
+    tasks, against the ids t5r reads (at the task's length, and at a second, shorter one)."""
+    from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_ids
+
+    model_dir, out = minilm_zero_shot
+    encoder = load_encoder(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    scope = {}
+    exec(card_blocks(out)[0], scope)
+    for task in encoder.task_names:
+        query = encoder.query_input(task)
+        for variant in (query, QueryInput(None, query.length // 2 + 8, query.truncation)):
+            scope["TASKS"][task]["query_len"] = variant.length
+            queries = dev_queries(slice_dir, task)
+            want = [ids + [encoder.vocabulary.sep_id] for ids in query_ids(encoder.vocabulary, queries, variant)]
+            got = [scope["query_ids"](tokenizer, q, task) for q in queries]
+            assert got == want, f"{task} at {variant}: the card's query ids differ from t5r's"
+
+
+@pytest.fixture(scope="module")
+def bert_runs(data_dir, tmp_path_factory):
+    """A prefixed tiny BERT (MiniLM's WordPiece, mean pooling, L2) trained by `t5r train`, and a
+    query-side model trained from it by `t5r train` over its stored passage embeddings; both exported."""
+    root = tmp_path_factory.mktemp("bert")
+    bindings = [f"DATA_DIR = '{data_dir}'", "VOCABULARY = @minilm_l6_dir()", "VOCAB_SIZE = 30522",
+                f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in SYNTHETIC_TASKS]}", f"QUERY_LEN = {QUERY_LEN}",
+                "BertDualEncoderConfig.pooling = 'mean'", "BertDualEncoderConfig.l2_normalize = True"]
+    base = train_tiny(str(root / "base"), "models/bert_tiny.gin", bindings)
+    store = PassageStore.open(layout.kb_dir(data_dir))
+    embedding_store.write_embeddings(load_encoder(base), store, store.ids(), str(root / "emb"),
+                                     meta={"model_dir": base}, progress=False)
+    query_side = train_tiny(str(root / "query_side"), "models/bert_tiny.gin", [
+        *bindings, f"train.init_from = '{base}'", f"make_train_iterator.passage_embeddings = '{root / 'emb'}'",
+        "LEARNING_RATE = 1e-2", "TRAIN_STEPS = 3"])  # the first step's warm-up learning rate is 0
+    return (base, export(base, str(root / "base_hf"))), (query_side, export(query_side, str(root / "query_side_hf")))
+
+
+def synthetic_task_queries(slice_dir: str) -> dict[str, list[str]]:
+    return {f"demo_{task}": slice_queries(slice_dir, SLICE_DATASET[task]) for task in SYNTHETIC_TASKS}
+
+
+def test_prefixed_bert_embeds_as_t5r_with_its_prompts_and_one_token_markers(bert_runs, slice_dir, data_dir):
+    model_dir, out = bert_runs[0]
+    record = read_json(out, hf.RETRIEVAL_JSON)
+    assert (record["query_encoder"], record["passage_encoder"]) == (".", "."), record
+    prompts = read_json(out, "config_sentence_transformers.json")["prompts"]
+    assert prompts["demo_fever"] == "FEVER [unused1] " and prompts["demo_aidayago2"] == "AIDA [unused1] ", prompts
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.tokenize("FEVER [unused1] x") == ["fever", "[unused1]", "x"], "[unused1] must be one token"
+    check_sentence_transformers(out, load_encoder(model_dir), synthetic_task_queries(slice_dir), passages_of(data_dir))
+
+
+def test_query_side_model_exports_its_query_encoder_and_its_bases_passage_encoder_as_a_router(
+        bert_runs, slice_dir, data_dir):
+    (base_dir, _), (model_dir, out) = bert_runs
+    encoder = load_encoder(model_dir)
+    assert isinstance(encoder, QuerySideEncoder)
+    record = read_json(out, hf.RETRIEVAL_JSON)
+    assert record["query_side"] and record["fingerprint"] == load_encoder(base_dir).fingerprint, record
+    assert read_json(out, "modules.json")[0]["type"] == "sentence_transformers.models.Router"
+    for network, length in (("query_encoder", record["query_len"]), ("passage_encoder", record["passage_len"])):
+        assert read_json(out, network, "sentence_bert_config.json")["max_seq_length"] == length, network
+    query, passage = (load_file(os.path.join(out, network, "model.safetensors"))
+                      for network in ("query_encoder", "passage_encoder"))
+    assert any(not np.array_equal(query[name], passage[name]) for name in query), \
+        "the query route must hold the fine-tuned weights, the document route the base's"
+    check_sentence_transformers(out, encoder, synthetic_task_queries(slice_dir), passages_of(data_dir))
+    with pytest.raises(ValueError, match="task"):
+        SentenceTransformer(out, device="cpu").encode(["which tower?"])  # no silent default route
+
+
+@pytest.fixture(scope="module")
+def t5_run(data_dir, tmp_path_factory):
+    """A T5 ST5-EncDec model trained by `t5r train` (prefixed tasks) and its `t5r export-hf` directory."""
+    from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
+
+    root = tmp_path_factory.mktemp("t5_run")
+    vocabulary = train_vocabulary(layout.kb_dir(data_dir), str(root / "spm"), vocab_size=400)
+    model_dir = train_tiny(str(root / "model"), "models/t5_tiny.gin", [
+        f"DATA_DIR = '{data_dir}'", f"VOCABULARY = '{vocabulary}'", "VOCAB_SIZE = 512", "D_MODEL = 32",
+        "D_FF = 64", f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in SYNTHETIC_TASKS]}", f"QUERY_LEN = {T5_QUERY_LEN}"])
+    return model_dir, export(model_dir, str(root / "hf"))
+
+
+def test_st5_encdec_export_has_no_sentence_transformers_files_and_its_card_embeds_as_t5r(t5_run, slice_dir,
+                                                                                          data_dir):
+    model_dir, out = t5_run
+    encoder = load_encoder(model_dir)
+    assert not [n for n in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json")
+                if os.path.exists(os.path.join(out, n))], "sentence-transformers cannot pool ST5-EncDec"
+    with open(os.path.join(out, "README.md")) as f:
+        card = f.read()
+    assert "`sentencepiece` and `protobuf`" in card and "not a sentence-transformers model" in card
+    assert os.path.exists(os.path.join(out, "tokenizer.json"))
     passages = passages_of(data_dir)
-    diff = np.abs(sentence_transformers_embed(out, [format_passage(p.title, p.text) for p in passages])
-                  - encoder.encode_passages(passages)).max()
-    print(f"BERT passages: max abs difference {diff:.2e}")
-    assert diff < ATOL, f"passage embeddings: sentence-transformers pipeline vs t5r differ by {diff}"
-    query_dir = os.path.join(out, read_json(out, hf.RETRIEVAL_JSON)["query_encoder"])
-    queries = QUERIES  # KILT's [SEP] is t5r's `</s>` marker and BERT's [SEP] token
-    texts = [format_query(q, None).replace("</s>", "[SEP]") for q in queries]
-    reference = sentence_transformers_embed(query_dir, texts)
-    diff = np.abs(reference - encoder.encode_queries(queries, "demo_fever_noprefix")).max()
-    print(f"BERT queries (query_encoder/): max abs difference {diff:.2e}")
-    assert diff < ATOL, f"query embeddings: query_encoder/ vs t5r differ by {diff}"
-    assert read_json(query_dir, "sentence_bert_config.json")["max_seq_length"] == 16  # query_len
-    main = sentence_transformers_embed(out, [format_query(q, None) for q in queries[:1]], max_length=16)
-    assert not np.allclose(main, reference[:1], atol=1e-3), "query_encoder/ must hold the query tower's weights"
+    texts = [format_passage(p.title, p.text) for p in passages]
+    want_p = encoder.encode_passages(passages)
+    for task, queries in synthetic_task_queries(slice_dir).items():
+        _, [(got_q, got_p)] = run_card(out, texts, queries, task)
+        want_q = encoder.encode_queries(queries, task)
+        assert_close(got_q, want_q, f"T5 {task}: the card's transformers code")
+        assert_close(got_p, want_p, "T5 passages: the card's transformers code")
+        assert_same_top10(got_q, got_p, want_q, want_p, f"T5 {task}")
+
+
+def test_t5_tokenizer_loads_without_sentencepiece_or_protobuf(t5_run):
+    """tokenizer.json is the tokenizer: transformers loads it with sentencepiece and protobuf unimportable."""
+    _, out = t5_run
+    code = ("import sys; sys.modules['sentencepiece'] = None; sys.modules['google.protobuf'] = None\n"
+            "import transformers\n"
+            f"t = transformers.AutoTokenizer.from_pretrained({out!r})\n"
+            "print(t('FEVER <extra_id_1> a b</s>c')['input_ids'])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    ids = json.loads(run.stdout.strip().splitlines()[-1])
+    assert ids[-1] == 1 and 1 in ids[:-1], f"</s> inside and at the end of the ids: {ids}"
+
+
+def test_st5_enc_with_a_query_encoder_is_a_sentence_transformers_router_that_embeds_as_t5r(
+        t5_run, slice_dir, data_dir, tmp_path):
+    from tiny_model import write_model_dir
+
+    vocabulary = checkpoint.read_config(t5_run[0])["features"]["vocabulary"]
+    model_dir = str(tmp_path / "model")
+    write_model_dir(model_dir, data_dir, vocabulary, seed=3, extra_bindings=(
+        "DualEncoderConfig.pooling = 'mean'", "DualEncoderConfig.l2_normalize = True",
+        "DualEncoderConfig.separate_query_encoder = True", "QUERY_LEN = {'aidayago2': 48, 'wow': 40}",
+        "MIXTURE_OR_TASK_NAME = ['demo_aidayago2', 'demo_wow']"))  # two tasks: its batch has two rows
+    out = export(model_dir, str(tmp_path / "hf"))
+    assert sorted(read_json(out, "router_config.json")["structure"]) == ["document", "query"]
+    tasks = {task: queries for task, queries in synthetic_task_queries(slice_dir).items()
+             if task in ("demo_aidayago2", "demo_wow")}
+    check_sentence_transformers(out, load_encoder(model_dir), tasks, passages_of(data_dir))
 
 
 @pytest.mark.parametrize("version", ["v1_0", "v1_1"])
@@ -246,97 +392,14 @@ def assert_tensors_equal_original(original: dict, exported_dir, ignorable) -> No
         np.testing.assert_array_equal(exported[name], original[name], err_msg=f"exported tensor {name}")
 
 
-def test_refuses_query_towers_projection_query_side_and_a_non_empty_output(t5_run, tmp_path, capsys):
-    import shutil
 
+
+def test_refuses_query_towers_projection_and_a_non_empty_output(t5_run, capsys):
     model_dir, out = t5_run
     config = checkpoint.read_config(model_dir)
     for field, value in (("query_towers", 2), ("projection_dim", 16)):
         with pytest.raises(hf.ExportError, match=f"dual_encoder.{field}={value}"):
             hf.check_exportable({**config, "dual_encoder": {**config["dual_encoder"], field: value}})
-    query_side = tmp_path / "query_side"
-    shutil.copytree(model_dir, query_side)
-    (query_side / QUERY_SIDE_FILE).write_text("{}")
-    with pytest.raises(hf.ExportError, match="query-side model"):
-        hf.export_hf(str(query_side), str(tmp_path / "qs_out"))
     assert t5r(["export-hf", f"--checkpoint_dir={model_dir}", f"--output_dir={out}"]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     assert not [n for n in os.listdir(os.path.dirname(out)) if n.startswith(".t5r-export-hf-")], "temp dir left behind"
-
-
-def test_pretrained_minilm_round_trips_to_its_own_tensors_and_sentence_transformers_embeddings(tmp_path, clean_gin):
-    """all-MiniLM-L6-v2 imported into a t5r model directory and exported: the original tensors, bit for bit,
-    and the original sentence-transformers directory's embeddings."""
-    from t5_retrieval import sharding
-    from t5_retrieval.models.build import build_model, init_params, initial_params, model_config
-    from t5_retrieval.models.pretrained import minilm_l6_dir
-
-    gin_utils.parse_gin(["models/minilm_l6.gin"], [])
-    config = {**model_config(), "features": {
-        "vocabulary": minilm_l6_dir(), "query_len": 32, "passage_len": 128,
-        "tasks": {"fever": {"dataset": "fever", "prefix": None, "index": 0}}}}
-    params, _ = init_params(build_model(config), jax.random.PRNGKey(0), sharding.make_mesh(),
-                            sharding.logical_axis_rules())
-    model_dir = str(tmp_path / "model")
-    checkpoint.write_config(model_dir, config)
-    checkpoint.save(checkpoint.manager(model_dir), 0, {"params": initial_params(minilm_l6_dir(), params, config)}, {})
-    out = str(tmp_path / "hf")
-    hf.export_hf(model_dir, out)
-    original = load_file(os.path.join(minilm_l6_dir(), "model.safetensors"))
-    assert_tensors_equal_original(original, out, ignorable=(*hf_bert_import.UNUSED_NAMES, "pooler.dense.weight",
-                                                            "pooler.dense.bias"))
-    for name in ("modules.json", os.path.join("1_Pooling", "config.json")):
-        assert read_json(out, name) == read_json(minilm_l6_dir(), name), name
-    texts = ["Who wrote the novel Frankenstein?", "Morse code: a method used in telecommunication to encode text."]
-    diff = np.abs(sentence_transformers_embed(out, texts) - sentence_transformers_embed(minilm_l6_dir(), texts)).max()
-    print(f"MiniLM export vs the original all-MiniLM-L6-v2: max abs difference {diff:.2e}")
-    assert diff == 0.0, f"the exported MiniLM embeds {diff} away from the original"
-
-
-def test_st5_enc_mean_pooled_l2_normalised_t5_exports_with_a_model_card_that_embeds_as_t5r(t5_run, data_dir, tmp_path):
-    from tiny_model import write_model_dir
-
-    vocabulary = checkpoint.read_config(t5_run[0])["features"]["vocabulary"]
-    model_dir = str(tmp_path / "model")
-    write_model_dir(model_dir, data_dir, vocabulary, seed=3, extra_bindings=(
-        "DualEncoderConfig.pooling = 'mean'", "DualEncoderConfig.l2_normalize = True"))
-    out = str(tmp_path / "hf")
-    hf.export_hf(model_dir, out)
-    encoder = load_encoder(model_dir)
-    with open(os.path.join(out, "README.md")) as f:
-        snippet = f.read().split("```python\n")[1].split("```")[0].replace("path/to/this/directory", out)
-    assert "model.encoder(" in snippet and "normalize" in snippet, snippet
-    passages = passages_of(data_dir)
-    scope = {"texts": [format_passage(p.title, p.text) for p in passages]}
-    exec(snippet, scope)
-    diff = np.abs(scope["embedding"].numpy() - encoder.encode_passages(passages)).max()
-    print(f"T5 ST5-Enc + L2 passages (model card code): max abs difference {diff:.2e}")
-    assert diff < ATOL, f"ST5-Enc passage embeddings: model card code vs t5r differ by {diff}"
-
-
-def test_the_model_cards_entity_linking_code_gives_t5rs_mention_window(tmp_path):
-    """The card's `mention_window_ids`, run with transformers' tokenizer of MiniLM on the demo slice's
-    entity-linking queries, gives the ids t5r reads."""
-    from t5_retrieval.data.kilt.demo_slice import SHIPPED, extract
-    from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_ids
-    from t5_retrieval.data.text import normalize_query
-    from t5_retrieval.data.tokenizers.tokenize import encode_batch, load_vocabulary
-    from t5_retrieval.models.pretrained import minilm_l6_dir
-
-    record = {"family": "bert", "fingerprint": "f", "dim": 384, "pooling": "mean", "l2_normalize": True,
-              "query_len": 109, "passage_len": 256, "passage_template": "{title}: {text}", "query_encoder": None,
-              "tasks": {"entity_linking": {"prefix": "AIDA", "query_prefix": "AIDA [unused1] ", "query_len": 109,
-                                           "truncation": "mention"}}}
-    card = hf.model_card(record)
-    assert "| `entity_linking` | `AIDA [unused1] ` | 109 | mention |" in card, card
-    scope = {}
-    exec(card.split("```python\n")[2].split("```")[0], scope)  # the card's second code block
-    with open(os.path.join(extract(SHIPPED, str(tmp_path)), "entity_linking-dev-kilt.jsonl")) as f:
-        queries = [normalize_query(json.loads(line)["input"]) for line in f]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_l6_dir())
-    vocab = load_vocabulary(minilm_l6_dir())
-    prefix_ids = encode_batch(vocab, ["AIDA <extra_id_1>"])[0]
-    for length in (64, 109):
-        want = [ids + [vocab.sep_id] for ids in query_ids(vocab, queries, QueryInput("AIDA", length, "mention"))]
-        got = [scope["mention_window_ids"](tokenizer, prefix_ids, q, length) for q in queries]
-        assert got == want, f"length {length}: the card's window differs from t5r's"

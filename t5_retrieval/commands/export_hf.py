@@ -11,12 +11,16 @@ from t5_retrieval.export import hf
 def main(argv: list[str]) -> int:
     """`t5r export-hf --checkpoint_dir=... --output_dir=... [--step=N]`."""
     parser = argparse.ArgumentParser(prog="t5r export-hf", description=hf.__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint_dir", required=True, help="trained model directory (t5r train)")
+    parser.add_argument("--checkpoint_dir", required=True,
+                        help="model directory (t5r train, t5r query-side, t5r results; query-side ones too)")
     parser.add_argument("--output_dir", required=True, help="new Hugging Face directory")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     args = parser.parse_args(argv)
     logs.setup()
     record = hf.export_hf(args.checkpoint_dir, args.output_dir, args.step)
-    print(f"t5r export-hf: wrote {args.output_dir} ({record['family']}, model {record['fingerprint']}, "
-          f"tasks {sorted(record['tasks'])})")
+    layout = ("queries: query_encoder/, passages: passage_encoder/" if record["query_encoder"] != "." else
+              "one network")
+    print(f"t5r export-hf: wrote {args.output_dir} ({record['family']}, {layout}, "
+          f"sentence-transformers: {'yes' if record['sentence_transformers'] else 'no'}, "
+          f"model {record['fingerprint']}, tasks {sorted(record['tasks'])})")
     return 0

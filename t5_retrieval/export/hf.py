@@ -1,27 +1,27 @@
-"""`t5r export-hf`: a t5r model directory -> a Hugging Face directory that `transformers` loads offline.
+"""`t5r export-hf`: a t5r model directory -> a directory transformers and sentence-transformers load offline.
 
-T5 dual encoders become a `T5Model` directory (config.json, model.safetensors, spiece.model); the
-embedding is computed as `t5r` does (ST5-EncDec: one decoder step from id 0, its final-norm hidden
-state; ST5-Enc: the encoder states' mean over non-padding tokens). BERT dual encoders become a
-`BertModel` directory (vocab.txt) plus the sentence-transformers files (modules.json, 1_Pooling,
-2_Normalize when the model L2-normalises, sentence_bert_config.json), so `SentenceTransformer(dir)`
-computes what `t5r` computes.
+Every model `t5r train`, `t5r query-side` and `t5r results` write is exported. T5 networks become
+`T5Model` directories, BERT networks `BertModel` directories, each with its tokenizer
+(`hf_tokenizers`: `tokenizer.json`, the vocabulary, `tokenizer_config.json`). One network that embeds
+queries and passages is the output directory itself; two (a separate query encoder, or a query-side
+model: its fine-tuned query encoder, its base's passage encoder) are `query_encoder/` and
+`passage_encoder/`. When sentence-transformers can pool as the model does ([CLS] or mean; ST5-EncDec's
+decoder step it cannot), its files make the directory one `SentenceTransformer` (a `Router` over the
+two networks, task prefixes as prompts: `sentence_transformers_files`). README.md (`model_card`) gives
+code that computes t5r's embeddings with either library.
 
 The tensors are written through the importers' own name maps (`hf_import.name_map`,
 `hf_bert_import.name_map`) run backwards: each converter there is a reshape/transpose, so applying it
 to the HF positions (`np.arange`) says where each of our values goes, and import -> export -> import
 is the identity by construction rather than by a second hand-written table that could drift.
 
-A separate query encoder (`dual_encoder.separate_query_encoder`) is exported as a second, complete
-directory `query_encoder/` inside the output. Refused, each naming its config field: per-task query
-towers (`dual_encoder.query_towers`), a projection after pooling (`dual_encoder.projection_dim`;
-`T5Model` has no place for it), and query-side model directories (queries and passages go through
-different models, one of them another directory's).
+Refused, each naming its config field: per-task query towers (`dual_encoder.query_towers`) and a
+projection after pooling (`dual_encoder.projection_dim`; `T5Model` has no place for it).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import os
 import shutil
@@ -35,18 +35,25 @@ from flax import traverse_util
 from safetensors.numpy import save_file
 
 from t5_retrieval import checkpoint
-from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW, recorded_query_input
 from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
+from t5_retrieval.data.tokenizers.query_inputs import recorded_query_input
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path
-from t5_retrieval.inference import DualEncoderInference, is_query_side_dir, load_dual_encoder
+from t5_retrieval.errors import UserError
+from t5_retrieval.export.hf_tokenizers import write_bert_tokenizer, write_json, write_t5_tokenizer
+from t5_retrieval.export.model_card import model_card
+from t5_retrieval.export.sentence_transformers_files import (POOLING_MODES, ROUTER, TRANSFORMER,
+                                                             write_router, write_sentence_transformers,
+                                                             write_transformer_config)
+from t5_retrieval.inference import (DualEncoderInference, QuerySideEncoder, is_query_side_dir, load_dual_encoder,
+                                    load_encoder)
 from t5_retrieval.models import hf_bert_import, hf_import
 from t5_retrieval.models.bert import BertConfig
 from t5_retrieval.models.t5 import T5Config
-from t5_retrieval.errors import UserError
+from t5_retrieval.retrieval.encoder import Encoder
 
-FORMAT = "t5r-hf-export/1"
+FORMAT = "t5r-hf-export/2"
 RETRIEVAL_JSON = "t5r_retrieval.json"  # tasks, prefixes, lengths, pooling: what the model card explains
-QUERY_ENCODER_DIR = "query_encoder"
+QUERY_ENCODER_DIR, PASSAGE_ENCODER_DIR = "query_encoder", "passage_encoder"  # when there are two networks
 BERT_SENTINEL = "[unused1]"  # what `<extra_id_1>` in a task prefix becomes in a WordPiece vocabulary
 
 
@@ -109,13 +116,6 @@ def bert_hf_config(cfg: BertConfig) -> dict[str, Any]:
             "hidden_act": "gelu", "position_embedding_type": "absolute", "pad_token_id": 0, "dtype": "float32"}
 
 
-def write_json(path: str, obj: Any) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-
-
 def write_t5_dir(directory: str, params: Any, cfg: T5Config) -> None:
     """config.json + model.safetensors of a `T5Model` from one T5's parameters."""
     write_json(os.path.join(directory, "config.json"), t5_hf_config(cfg))
@@ -129,50 +129,6 @@ def write_bert_dir(directory: str, params: Any, cfg: BertConfig) -> None:
     write_json(os.path.join(directory, "config.json"), bert_hf_config(cfg))
     tensors = to_hf_tensors(params, list(hf_bert_import.name_map(cfg)))
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-
-
-def write_t5_tokenizer(directory: str, vocabulary: str, max_length: int) -> None:
-    """The sentencepiece model as `spiece.model`, with seqio's 100 `<extra_id_*>` pieces declared
-    (T5Tokenizer's `extra_ids`, numbered from the end of the vocabulary as seqio numbers them)."""
-    shutil.copyfile(vocabulary, os.path.join(directory, "spiece.model"))
-    write_json(os.path.join(directory, "tokenizer_config.json"), {
-        "tokenizer_class": "T5Tokenizer", "extra_ids": 100, "eos_token": "</s>", "unk_token": "<unk>",
-        "pad_token": "<pad>", "model_max_length": max_length})
-
-
-def write_bert_tokenizer(directory: str, vocabulary: str, max_length: int) -> None:
-    """vocab.txt and the BertTokenizer settings our WordPiece tokenisation uses (lower-casing as recorded)."""
-    from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary
-
-    vocab = WordPieceVocabulary.from_path(vocabulary)
-    shutil.copyfile(vocab.vocab_file, os.path.join(directory, "vocab.txt"))
-    write_json(os.path.join(directory, "tokenizer_config.json"), {
-        "tokenizer_class": "BertTokenizer", "do_lower_case": vocab.lower_case, "do_basic_tokenize": True,
-        "tokenize_chinese_chars": True, "strip_accents": None, "unk_token": "[UNK]", "sep_token": "[SEP]",
-        "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]", "model_max_length": max_length})
-
-
-def write_sentence_transformers(directory: str, hidden_size: int, pooling: str, l2_normalize: bool,
-                                max_length: int) -> None:
-    """modules.json, 1_Pooling/config.json, 2_Normalize/ and sentence_bert_config.json: Transformer ->
-    Pooling (the model's) -> Normalize (only when the model L2-normalises)."""
-    modes = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens"}
-    if pooling not in modes:
-        raise ExportError(f"dual_encoder.pooling={pooling!r}: sentence-transformers pools by {sorted(modes)} here")
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-    if l2_normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-        os.makedirs(os.path.join(directory, "2_Normalize"))
-    write_json(os.path.join(directory, "modules.json"), modules)
-    write_json(os.path.join(directory, "1_Pooling", "config.json"), {
-        "word_embedding_dimension": hidden_size, "pooling_mode_cls_token": pooling == "cls",
-        "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False})
-    write_json(os.path.join(directory, "sentence_bert_config.json"),
-               {"max_seq_length": max_length, "do_lower_case": False})
-    write_json(os.path.join(directory, "config_sentence_transformers.json"),
-               {"similarity_fn_name": "cosine" if l2_normalize else "dot"})
 
 
 def check_exportable(config: dict[str, Any]) -> None:
@@ -189,38 +145,93 @@ def check_exportable(config: dict[str, Any]) -> None:
                           "batches?); a Hugging Face directory needs its tokenizer")
 
 
-def retrieval_record(encoder: DualEncoderInference, family: str) -> dict[str, Any]:
-    """What turns text into model inputs and the model's output into an embedding (t5r_retrieval.json)."""
-    features, dual = encoder.features, encoder.config["dual_encoder"]
+
+@dataclasses.dataclass(frozen=True)
+class Networks:
+    """What an export holds: queries go through `query`'s query tower, passages through `passage`'s
+    passage tower; `encoder` is how t5r embeds with the model directory (its fingerprint is the index's)."""
+
+    encoder: Encoder
+    query: DualEncoderInference
+    passage: DualEncoderInference
+    query_side: bool
+
+    @property
+    def query_params_key(self) -> str:
+        family = self.query.config.get("family", "t5")
+        return f"query_{family}_0" if self.query.config["dual_encoder"].get("separate_query_encoder") else family
+
+    @property
+    def two_networks(self) -> bool:
+        return self.query_side or self.query_params_key != self.query.config.get("family", "t5")
+
+
+def load_networks(checkpoint_dir: str, step: int | None) -> Networks:
+    """A model directory's networks; a query-side one (`t5r query-side`, or `t5r train` over stored
+    passage embeddings) embeds passages with its base model's passage tower."""
+    if not is_query_side_dir(checkpoint_dir):
+        model = load_dual_encoder(checkpoint_dir, step, batch_size=1)
+        return Networks(model, model, model, query_side=False)
+    encoder = load_encoder(checkpoint_dir, step, batch_size=1)  # checks the base's fingerprint
+    passage = encoder.passage_encoder
+    while isinstance(passage, QuerySideEncoder):  # the base of a query-side base
+        passage = passage.passage_encoder
+    return Networks(encoder, encoder.query_encoder, passage, query_side=True)
+
+
+def check_same_embedding(networks: Networks) -> None:
+    """A query-side model must embed into its base's space: same family, pooling and normalisation."""
+    fields = [("family", lambda c: c.get("family", "t5")), ("dual_encoder.pooling", lambda c: c["dual_encoder"]["pooling"]),
+              ("dual_encoder.l2_normalize", lambda c: c["dual_encoder"]["l2_normalize"])]
+    for name, get in fields:
+        if get(networks.query.config) != get(networks.passage.config):
+            raise ExportError(f"{name}: the query model has {get(networks.query.config)!r}, its base (the passage "
+                              f"encoder) {get(networks.passage.config)!r}; they cannot share one export")
+
+
+def task_specs(features: dict[str, Any], family: str) -> dict[str, dict[str, Any]]:
+    """Each task's prefix (as the text to put before a query), query length and truncation."""
     sentinel = BERT_SENTINEL if family == "bert" else EXTRA_ID_1
     queries = {name: recorded_query_input(features, name) for name in sorted(features.get("tasks", {}))}
-    tasks = {name: {"prefix": q.prefix,
-                    "query_prefix": query_prefix(q.prefix).replace(EXTRA_ID_1, sentinel) + " " if q.prefix else "",
-                    "query_len": q.length, "truncation": q.truncation}
-             for name, q in queries.items()}
-    return {"format": FORMAT, "family": family, "fingerprint": encoder.fingerprint, "dim": encoder.dim,
-            "pooling": dual["pooling"], "l2_normalize": dual["l2_normalize"],
+    return {name: {"prefix": q.prefix,
+                   "query_prefix": query_prefix(q.prefix).replace(EXTRA_ID_1, sentinel) + " " if q.prefix else "",
+                   "query_len": q.length, "truncation": q.truncation}
+            for name, q in queries.items()}
+
+
+def retrieval_record(networks: Networks) -> dict[str, Any]:
+    """What turns text into model inputs and the model's output into an embedding (t5r_retrieval.json)."""
+    config, features = networks.query.config, networks.query.features
+    family, dual = config.get("family", "t5"), config["dual_encoder"]
+    passage_features = networks.passage.features
+    tasks = task_specs(features, family)
+    query_len = max((spec["query_len"] for spec in tasks.values()), default=features["query_len"])
+    two = networks.two_networks
+    return {"format": FORMAT, "family": family, "fingerprint": networks.encoder.fingerprint,
+            "dim": networks.encoder.dim, "pooling": dual["pooling"], "l2_normalize": dual["l2_normalize"],
             # The longest task's query length (the query encoder's max_length); each task's is in "tasks".
-            "query_len": max((q.length for q in queries.values()), default=features["query_len"]),
-            "passage_len": features["passage_len"],
-            "passage_template": features.get("passage_template", PASSAGE_TEMPLATE), "tasks": tasks,
-            "query_encoder": QUERY_ENCODER_DIR if dual.get("separate_query_encoder") else None}
+            "query_len": query_len, "passage_len": passage_features["passage_len"],
+            "passage_template": passage_features.get("passage_template", PASSAGE_TEMPLATE), "tasks": tasks,
+            "query_encoder": QUERY_ENCODER_DIR if two else ".", "passage_encoder": PASSAGE_ENCODER_DIR if two else ".",
+            "query_side": networks.query_side, "sentence_transformers": dual["pooling"] in POOLING_MODES,
+            # Where sentence-transformers' encode_query cuts a query: its route's max_seq_length.
+            "st_query_len": query_len if two else passage_features["passage_len"]}
 
 
-def write_encoder(directory: str, family: str, params: Any, config: dict[str, Any], max_length: int) -> None:
-    """One complete Hugging Face directory (weights, tokenizer, and for BERT the sentence-transformers
-    files); `max_length` is the token length of the texts it embeds (passage_len, or query_len for a
-    query encoder), which tokenizer and sentence-transformers truncate to."""
-    features, dual = config["features"], config["dual_encoder"]
+def write_network(directory: str, params: Any, config: dict[str, Any], max_length: int, markers: list[str],
+                  sentence_transformers: bool) -> None:
+    """One complete Hugging Face directory: weights, tokenizer (truncating at `max_length`, the token
+    length of the texts it embeds) and, for sentence-transformers, its `Transformer` module config."""
     os.makedirs(directory, exist_ok=True)
-    if family == "bert":
-        cfg = BertConfig(**config["bert"])
-        write_bert_dir(directory, params, cfg)
-        write_bert_tokenizer(directory, features["vocabulary"], max_length)
-        write_sentence_transformers(directory, cfg.hidden_size, dual["pooling"], dual["l2_normalize"], max_length)
+    vocabulary = config["features"]["vocabulary"]
+    if config.get("family", "t5") == "bert":
+        write_bert_dir(directory, params, BertConfig(**config["bert"]))
+        write_bert_tokenizer(directory, vocabulary, max_length, markers)
     else:
         write_t5_dir(directory, params, T5Config(**config["t5"]))
-        write_t5_tokenizer(directory, features["vocabulary"], max_length)
+        write_t5_tokenizer(directory, vocabulary, max_length)
+    if sentence_transformers:
+        write_transformer_config(directory, max_length)
 
 
 def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> dict[str, Any]:
@@ -228,31 +239,41 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
 
     Returns the retrieval record written as t5r_retrieval.json.
     """
-    if is_query_side_dir(checkpoint_dir):
-        raise ExportError(f"{checkpoint_dir}: a query-side model (queries through its weights, passages through "
-                          "its base model's); export the base model instead, a query-side model is not exported")
     if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
         raise FileExistsError(f"--output_dir={output_dir} exists and is not empty; choose a new directory")
     check_exportable(checkpoint.read_config(checkpoint_dir))  # before the weights are read
-    encoder = load_dual_encoder(checkpoint_dir, step, batch_size=1)
-    config = encoder.config
-    family = config.get("family", "t5")
-    if family == "bert" and config["features"].get("vocabulary") and not is_wordpiece_path(
-            config["features"]["vocabulary"]):
-        raise ExportError(f"features.vocabulary={config['features']['vocabulary']!r}: a BERT model needs a WordPiece "
-                          "vocab.txt")
-    params = jax_to_numpy(encoder.params)
-    record = retrieval_record(encoder, family)
+    networks = load_networks(checkpoint_dir, step)
+    check_exportable(networks.passage.config)
+    check_same_embedding(networks)
+    family = networks.query.config.get("family", "t5")
+    for model in (networks.query, networks.passage):
+        vocabulary = model.features["vocabulary"]
+        if family == "bert" and not is_wordpiece_path(vocabulary):
+            raise ExportError(f"features.vocabulary={vocabulary!r}: a BERT model needs a WordPiece vocab.txt")
+    record = retrieval_record(networks)
+    markers = [BERT_SENTINEL] if family == "bert" and any(spec["prefix"] for spec in record["tasks"].values()) else []
+    st = record["sentence_transformers"]
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     partial = tempfile.mkdtemp(prefix=".t5r-export-hf-", dir=parent)
     try:
-        write_encoder(partial, family, params[family], config, record["passage_len"])
-        if record["query_encoder"]:
-            write_encoder(os.path.join(partial, QUERY_ENCODER_DIR), family, params[f"query_{family}_0"], config,
-                          record["query_len"])
+        query_params = jax_to_numpy(networks.query.params[networks.query_params_key])
+        passage_params = jax_to_numpy(networks.passage.params[family])
+        if networks.two_networks:
+            write_network(os.path.join(partial, QUERY_ENCODER_DIR), query_params, networks.query.config,
+                          record["query_len"], markers, st)
+            write_network(os.path.join(partial, PASSAGE_ENCODER_DIR), passage_params, networks.passage.config,
+                          record["passage_len"], markers, st)
+            if st:
+                write_router(partial, QUERY_ENCODER_DIR, PASSAGE_ENCODER_DIR)
+        else:
+            write_network(partial, passage_params, networks.passage.config, record["passage_len"], markers, st)
+        if st:
+            write_sentence_transformers(partial, ROUTER if networks.two_networks else TRANSFORMER,
+                                        networks.encoder.dim, record["pooling"], record["l2_normalize"],
+                                        {name: spec["query_prefix"] for name, spec in record["tasks"].items()})
         write_json(os.path.join(partial, RETRIEVAL_JSON), record)
-        write_json(os.path.join(partial, "model_config.json"), config)
+        write_json(os.path.join(partial, "model_config.json"), networks.query.config)
         with open(os.path.join(partial, "README.md"), "w", encoding="utf-8") as f:
             f.write(model_card(record))
         os.replace(partial, output_dir)  # rename(2) also replaces an empty directory
@@ -263,117 +284,3 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
 
 def jax_to_numpy(params: Any) -> Any:
     return jax.tree.map(np.asarray, jax.device_get(params))
-
-
-T5_EMBED = {
-    "encdec": """start = torch.zeros((len(ids), 1), dtype=torch.long)  # one decoder step from id 0
-outputs = model(input_ids=ids, attention_mask=mask, decoder_input_ids=start)
-embedding = outputs.last_hidden_state[:, 0]  # the decoder's final-norm state after one step from id 0""",
-    "mean": """states = model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
-embedding = (states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)  # mean over non-padding tokens""",
-}
-
-
-def model_card(record: dict[str, Any]) -> str:
-    """README.md: how to get `t5r`'s embeddings from this directory with transformers alone."""
-    tasks = "\n".join(f"| `{name}` | `{spec['query_prefix'] or '(none)'}` | {spec['query_len']} | {spec['truncation']} |"
-                      for name, spec in record["tasks"].items())
-    normalise = "\nembedding = torch.nn.functional.normalize(embedding, dim=-1)" if record["l2_normalize"] else ""
-    if record["family"] == "bert":
-        load = "model = transformers.AutoModel.from_pretrained(d).eval()"
-        embed = ("states = model(input_ids=ids, attention_mask=mask).last_hidden_state\n"
-                 + ("embedding = states[:, 0]  # [CLS]" if record["pooling"] == "cls" else
-                    "embedding = (states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)"))
-        family = ("a BERT dual encoder (`BertModel`), with the sentence-transformers files "
-                  f"(pooling: {record['pooling']}, L2 normalisation: {record['l2_normalize']}); "
-                  "`SentenceTransformer(d)` computes the same embeddings for text it is given")
-        sentinel = "" if not any(spec["prefix"] for spec in record["tasks"].values()) else (
-            f"\nIn a query prefix, `{BERT_SENTINEL}` is one token (id of `{BERT_SENTINEL}` in vocab.txt); "
-            "BertTokenizer would split it, so insert its id yourself.\n")
-    else:
-        load = "model = transformers.T5Model.from_pretrained(d).eval()"
-        embed = T5_EMBED[record["pooling"]]
-        family = (f"a Sentence-T5 dual encoder (`T5Model`, pooling {record['pooling']!r}: "
-                  + ("ST5-EncDec" if record["pooling"] == "encdec" else "ST5-Enc") + ")")
-        sentinel = ""
-    special = "`[CLS] text [SEP]`" if record["family"] == "bert" else "text then `</s>`"
-    query_dir = (f"\nQueries go through the separate query encoder in `{record['query_encoder']}/` (same format); "
-                 "passages through this directory.\n" if record["query_encoder"] else "")
-    return f"""# t5r dual encoder (exported by `t5r export-hf`)
-
-This directory is {family}.
-It was trained with t5-retrieval (model fingerprint `{record['fingerprint']}`).
-`{RETRIEVAL_JSON}` holds the task prefixes, lengths and pooling; `model_config.json` is the
-t5r config it was exported from.
-{query_dir}
-## Inputs
-
-- Query of task T: `query_prefix(T) + query`, whitespace runs collapsed to one space, KILT's `[SEP]`
-  written as `{'[SEP]' if record['family'] == 'bert' else '</s>'}`; at most T's query length in tokens
-  (table below, special tokens included). Truncation `beginning` keeps a long query's first tokens;
-  `mention` (entity linking) keeps a window around `[START_ENT] ... [END_ENT]` (below).
-- Passage: `{record['passage_template']}`; at most {record['passage_len']} tokens.
-- Token ids as the tokenizer here writes them ({special}), truncated to the length, padding id 0
-  masked.
-{sentinel}
-| task | query prefix | query length | truncation |
-|---|---|---|---|
-{tasks}
-
-## Embedding with transformers
-
-```python
-import torch, transformers
-d = "path/to/this/directory"
-tokenizer = transformers.AutoTokenizer.from_pretrained(d)
-{load}
-max_length = {record['passage_len']}  # passages; for queries, their task's query length (table above)
-batch = tokenizer(texts, max_length=max_length, truncation=True, padding=True, return_tensors="pt")
-ids, mask = batch["input_ids"], batch["attention_mask"]
-with torch.no_grad():
-{indent(embed + normalise)}
-```
-
-Relevance is the dot product of a query and a passage embedding ({record['dim']} dimensions).
-{mention_section(record)}"""
-
-
-MENTION_WINDOW_CODE = '''def mention_window_ids(tokenizer, prefix_ids, query, length):
-    """t5r's ids for a query of a task whose truncation is "mention" (whitespace normalised as above):
-    the prefix, the mention with both markers, and as much context on each side as fits, half each
-    (a side too short for its half leaves the rest to the other)."""
-    encode = lambda text: tokenizer(text.strip(), add_special_tokens=False)["input_ids"]
-    a = query.index("[START_ENT]")
-    b = query.index("[END_ENT]", a)
-    left, mention, right = encode(query[:a]), encode(query[a + len("[START_ENT]"):b]), encode(query[b + len("[END_ENT]"):])
-    start, end = encode("[START_ENT]"), encode("[END_ENT]")
-    first, last = {special}
-    budget = length - len(first) - len(last) - len(prefix_ids) - len(start) - len(end)
-    mention = mention[:budget]
-    rest = budget - len(mention)
-    kept = min(len(left), max(rest // 2, rest - len(right)))
-    return first + prefix_ids + left[len(left) - kept:] + start + mention + end + right[:rest - kept] + last'''
-# The special ids around a query, as each family's tokenizer adds them.
-SPECIAL_IDS = {"bert": "[tokenizer.cls_token_id], [tokenizer.sep_token_id]", "t5": "[], [tokenizer.eos_token_id]"}
-
-
-def mention_section(record: dict[str, Any]) -> str:
-    """The model card's code for the entity-linking window, when a task reads its queries that way."""
-    tasks = [name for name, spec in record["tasks"].items() if spec["truncation"] == MENTION_WINDOW]
-    if not tasks:
-        return ""
-    return f"""
-## Entity-linking queries
-
-Queries of {", ".join(f"`{t}`" for t in tasks)} are cut to a window around the mention, not at
-their end. Their ids (`prefix_ids`: the task prefix's ids, `[]` for none; a query without both
-markers is cut at its end instead):
-
-```python
-{MENTION_WINDOW_CODE.format(special=SPECIAL_IDS[record["family"]])}
-```
-"""
-
-
-def indent(code: str) -> str:
-    return "\n".join("    " + line for line in code.splitlines())
