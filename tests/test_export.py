@@ -299,3 +299,21 @@ def test_a_separate_query_encoder_embeds_queries_in_the_export(exported, tmp_pat
     tokens = tokenize(encoder.vocabulary, [format_query(q, "FEVER") for q in queries[:1]], encoder.features["query_len"])
     passage_side = encoder.encode_tokens(tokens)  # tower None: the passage encoder
     assert np.abs(got[0] - passage_side[0]).max() > 1e-3, "the passage encoder must not embed queries"
+
+
+def test_the_export_carries_checksums_and_t5r_checksum_finds_a_damaged_copy(exported, tmp_path, capsys):
+    import shutil
+
+    savedmodel = exported[1]
+    assert cli.main(["checksum", savedmodel]) == 0
+    copy = str(tmp_path / "copy")
+    shutil.copytree(savedmodel, copy)
+    variables = os.path.join(copy, "variables", "variables.data-00000-of-00001")
+    with open(variables, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    capsys.readouterr()
+    assert cli.main(["checksum", copy]) == 2
+    assert f"{variables}: fails its sha256 checksum" in capsys.readouterr().err

@@ -403,3 +403,12 @@ def test_refuses_query_towers_projection_and_a_non_empty_output(t5_run, capsys):
     assert t5r(["export-hf", f"--checkpoint_dir={model_dir}", f"--output_dir={out}"]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     assert not [n for n in os.listdir(os.path.dirname(out)) if n.startswith(".t5r-export-hf-")], "temp dir left behind"
+
+
+def test_the_export_directory_carries_checksums_of_every_file(minilm_zero_shot):
+    from t5_retrieval import checksums
+
+    out = minilm_zero_shot[1]
+    files = json.load(open(os.path.join(out, checksums.CHECKSUMS_FILE)))["files"]
+    assert "model.safetensors" in files and "tokenizer.json" in files, sorted(files)
+    assert checksums.verify_all(out)[0] == len(files)

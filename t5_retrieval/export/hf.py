@@ -34,7 +34,7 @@ import numpy as np
 from flax import traverse_util
 from safetensors.numpy import save_file
 
-from t5_retrieval import checkpoint
+from t5_retrieval import checkpoint, checksums
 from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
 from t5_retrieval.data.tokenizers.query_inputs import recorded_query_input
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path
@@ -276,6 +276,7 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
         write_json(os.path.join(partial, "model_config.json"), networks.query.config)
         with open(os.path.join(partial, "README.md"), "w", encoding="utf-8") as f:
             f.write(model_card(record))
+        checksums.record(partial)  # `t5r checksum <dir>` verifies a copy of the export
         os.replace(partial, output_dir)  # rename(2) also replaces an empty directory
     finally:
         shutil.rmtree(partial, ignore_errors=True)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorflow as tf
 
-from t5_retrieval import checkpoint
+from t5_retrieval import checkpoint, checksums
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.records import DataError
 from t5_retrieval.export import preprocess
@@ -233,6 +233,7 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
         module = RetrievalModule(encoder, index, index_dir, store, staging)
         tf.saved_model.save(module, partial, signatures={"search": module.search, "encode": module.encode,
                                                          "serving_default": module.search})
+        checksums.record(partial)  # `t5r checksum <dir>` verifies a copy before TF Serving loads it
         os.replace(partial, output_dir)
         log.info("export: wrote %s in %.1fs", output_dir, time.time() - start)
     finally:
