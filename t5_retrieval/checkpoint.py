@@ -59,6 +59,16 @@ def manager(directory: str, max_to_keep: int = 3, writer: bool = False) -> ocp.C
                                  item_names=("state", "data"))
 
 
+def saved_steps(directory: str) -> list[int]:
+    """The steps `directory` holds a checkpoint directory of (orbax names them by step), sorted;
+    [] for a missing directory."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
 def reader(directory: str) -> ocp.CheckpointManager:
     """A read-only manager of `directory` private to this process: it neither creates the directory
     nor waits for the job's other processes, so one process of a multi-process job (ANCE's process 0

@@ -92,6 +92,28 @@ def check_writable_dir(path: str, flag: str) -> None:
                         "write to") from e
 
 
+_PLAIN_WORD = re.compile(r"[\w@%+=:,./-]*")
+
+
+def shell_command(words: list[str]) -> str:
+    """`words` as one line to paste into a shell: how an error message gives a command to run. A
+    flag's value is quoted on its own, so a gin string reads as the docs write it
+    (`--gin.MIXTURE_OR_TASK_MODULE="'my_tasks'"`)."""
+    def quoted(text: str) -> str:
+        if _PLAIN_WORD.fullmatch(text):
+            return text
+        if not any(c in text for c in '"$`\\!'):
+            return f'"{text}"'
+        return "'" + text.replace("'", "'\"'\"'") + "'"
+
+    out = []
+    for word in words:
+        flag, sep, value = word.partition("=")
+        plain_flag = word.startswith("--") and sep and _PLAIN_WORD.fullmatch(flag)
+        out.append(f"{flag}={quoted(value)}" if plain_flag else quoted(word))
+    return " ".join(out)
+
+
 def temp_path(path: str, suffix: str = "") -> str:
     """Where to write `path` before renaming it into place: `<path>.tmp-<host>-<pid><suffix>`, so the
     next run can tell a crashed writer's leftovers (this host, process gone) from a live one's."""

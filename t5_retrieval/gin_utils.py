@@ -56,26 +56,111 @@ def _string_literal(value: str, name: str) -> str:
 
 
 _COMMAND_LINE: list[str] = []  # the `--gin.X=v` bindings `parse_args` applied
+OPERATIVE_CONFIG = "config.gin"  # in a model directory: the gin bindings its training run used (t5x's name)
+_ADDED_TO_PATH: set[str] = set()  # directories `import_modules` put on sys.path
 
 
-def import_modules(modules: str | Sequence[str] | None) -> None:
+def _module_root(module: Any) -> str | None:
+    """The directory a module was imported from (the sys.path entry holding it), absolute."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    root = os.path.dirname(os.path.abspath(path))
+    for _ in range(module.__name__.count(".") + (os.path.basename(path) == "__init__.py")):
+        root = os.path.dirname(root)
+    return root
+
+
+def import_modules(modules: str | Sequence[str] | None, search_path: Sequence[str] = (),
+                   recorded_in: str | None = None) -> list[str]:
     """Imports the modules that register a user's seqio Tasks and Mixtures (t5x's
-    MIXTURE_OR_TASK_MODULE): from `sys.path`, else from the working directory."""
+    MIXTURE_OR_TASK_MODULE): from the directories `search_path`, `sys.path`, else the working
+    directory. `recorded_in`: the config.gin that names them, for the error message.
+
+    Returns the directories they came from that only this process's working directory, a relative
+    `sys.path` entry or `search_path` made importable: where a run started elsewhere must look."""
     import importlib
     import sys
 
+    portable = {os.path.normpath(p) for p in sys.path if os.path.isabs(p) and p not in _ADDED_TO_PATH}
+    for directory in reversed([os.path.abspath(d) for d in search_path]):
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+            _ADDED_TO_PATH.add(directory)
+    found = []
     for name in [modules] if isinstance(modules, str) else modules or ():
         try:
             try:
-                importlib.import_module(name)
+                module = importlib.import_module(name)
             except ModuleNotFoundError as e:
                 if e.name != name.partition(".")[0] or os.getcwd() in sys.path:
                     raise
                 sys.path.append(os.getcwd())
-                importlib.import_module(name)
+                _ADDED_TO_PATH.add(os.getcwd())
+                module = importlib.import_module(name)
         except ImportError as e:
-            raise UserError(f"MIXTURE_OR_TASK_MODULE {name!r}: cannot import it ({e}); put its directory on "
-                            "PYTHONPATH") from None
+            where = f" (the Task module {recorded_in} records)" if recorded_in else ""
+            raise UserError(f"MIXTURE_OR_TASK_MODULE {name!r}{where}: cannot import it ({e}); put its directory on "
+                            "PYTHONPATH" + (" or name another with --gin.MIXTURE_OR_TASK_MODULE" if recorded_in else "")
+                            ) from None
+        root = _module_root(module)
+        if root is not None and root not in portable and root not in found:
+            found.append(root)
+    return found
+
+
+def recorded_task_modules(config_path: str) -> tuple[list[str], list[str]]:
+    """The MIXTURE_OR_TASK_MODULE(s) a training run's config.gin records
+    (`make_train_iterator.task_module`) and the directories to import them from
+    (`make_train_iterator.task_module_path`); nothing for a file that records none."""
+    if not os.path.exists(config_path):
+        return [], []
+    modules: list[str] = []
+    for value in operative_values(config_path, "make_train_iterator", "task_module"):
+        modules += [value] if isinstance(value, str) else list(value or ())
+    path = [d for value in operative_values(config_path, "make_train_iterator", "task_module_path") for d in value or ()]
+    return list(dict.fromkeys(modules)), list(dict.fromkeys(path))
+
+
+def macro_is_set(name: str) -> bool:
+    """A gin file or `--gin.NAME=...` flag of this run defines the macro `name`."""
+    return (name, "gin.macro") in gin.config._CONFIG
+
+
+def bound_value(selector: str) -> Any:
+    """The value `configurable.param` is bound to, macros followed; None when unbound."""
+    try:
+        value = gin.query_parameter(selector)
+    except ValueError:
+        return None
+    while isinstance(value, gin.config.ConfigurableReference) and value.scoped_selector.endswith("/gin.macro"):
+        value = gin.query_parameter("%" + value.scoped_selector[:-len("/gin.macro")])
+    return value
+
+
+def _absolute(value: Any) -> Any:
+    if isinstance(value, str) and value and not os.path.isabs(value):
+        return os.path.abspath(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return type(value)(_absolute(v) for v in value)
+    return value
+
+
+def bind_absolute_paths(selectors: Iterable[str]) -> None:
+    """Rebinds each of these path-valued parameters that is bound to a relative path (a string or
+    a list of strings) to the absolute path, where its value is written: the macro it reads, or the
+    parameter itself. So the operative config a run records means the same from any directory."""
+    for selector in selectors:
+        try:
+            value = gin.query_parameter(selector)
+        except ValueError:
+            continue
+        target = selector
+        while isinstance(value, gin.config.ConfigurableReference) and value.scoped_selector.endswith("/gin.macro"):
+            target = value.scoped_selector + ".value"
+            value = gin.query_parameter("%" + value.scoped_selector[:-len("/gin.macro")])
+        if _absolute(value) != value:
+            gin.bind_parameter(target, _absolute(value))
 
 
 def _is_configurable(name: str) -> bool:
@@ -107,8 +192,8 @@ def operative_values(config_path: str, configurable: str, parameter: str) -> lis
     in any scope, without parsing the whole file (which needs every module it names imported).
 
     gin writes each selector as its shortest unique suffix (`taco.tau` for `multitask.taco.tau`) and
-    every parameter the call used, defaults included. Only one-line literal values (or a macro
-    `%NAME` whose one-line literal value the file defines) are read.
+    every parameter the call used, defaults included. Only literal values (or a macro `%NAME` whose
+    literal value the file defines) are read, also where gin wraps a long one over several lines.
     """
     import ast
     import re
@@ -117,7 +202,7 @@ def operative_values(config_path: str, configurable: str, parameter: str) -> lis
     names = "|".join(re.escape(".".join(parts[i:])) for i in range(len(parts)))
     pattern = re.compile(rf"^(?:\S+/)?(?:{names})\.{re.escape(parameter)}\s*=\s*(.+?)\s*$")
     with open(config_path) as f:
-        lines = f.read().splitlines()
+        lines = _statements(f.read())
     macros = dict(m.groups() for line in lines if (m := re.match(r"^([A-Z_][A-Z0-9_]*)\s*=\s*(.+?)\s*$", line)))
 
     def literal(text: str) -> Any:
@@ -128,6 +213,31 @@ def operative_values(config_path: str, configurable: str, parameter: str) -> lis
             raise UserError(f"{config_path}: {configurable}.{parameter} = {text}: not a literal value") from None
 
     return [literal(m.group(1)) for line in lines if (m := pattern.match(line))]
+
+
+def _statements(text: str) -> list[str]:
+    """gin's statements one per line: a value gin wraps (after a `\\`, or inside brackets) joined
+    into its statement's line, as Python's tokenizer reads gin's syntax."""
+    import io
+
+    physical = text.splitlines()
+    ends, depth = [], 0
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type == tokenize.OP and token.string in "([{":
+                depth += 1
+            elif token.type == tokenize.OP and token.string in ")]}":
+                depth -= 1
+            elif token.type == tokenize.NEWLINE or (token.type == tokenize.NL and depth == 0):
+                ends.append(token.start[0])
+    except (tokenize.TokenError, SyntaxError):
+        return physical
+    out, start = [], 0
+    for end in ends:
+        if end > start:
+            out.append(" ".join(line.rstrip().removesuffix("\\").strip() for line in physical[start:end]))
+            start = end
+    return out
 
 
 def parse_gin(gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str] = ()) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.retrieval.encoder import Encoder, model_task_name
+from t5_retrieval.retrieval.encoder import Encoder, model_task_name, warn_if_trained_on_rewritten_text
 from t5_retrieval.retrieval.evaluate import retrieve
 from t5_retrieval.retrieval.index import Index, load_index
 
@@ -42,6 +42,7 @@ class Searcher:
         self.encoder = encoder
         self.index = index
         self.store = store
+        self._warned: set[str] = set()  # tasks whose rewritten training text was warned about
 
     @classmethod
     def open(cls, model_dir: str, index_dir: str, kb_dir: str) -> "Searcher":
@@ -49,12 +50,18 @@ class Searcher:
         return cls(load_encoder(model_dir), load_index(index_dir), PassageStore.open(kb_dir))
 
     def search(self, queries: Sequence[str], k: int = 10, *, task: str) -> list[list[Hit]]:
-        """The top-k hits of each query, best first, with `task`'s query prefix.
+        """The top-k hits of each query, best first, with `task`'s query prefix. The text is embedded
+        as given: for a task whose seqio Task's preprocessors rewrote its training queries, give it
+        as they would (a warning names them, once per task).
 
         Raises UnknownTaskError (listing the model's tasks) for a task the model was not trained on."""
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings, not one string")
         task = model_task_name(self.encoder, task)
+        if task not in self._warned:
+            warn_if_trained_on_rewritten_text(self.encoder, task, "Searcher.search embeds the text it is given: "
+                                              "pass queries as those preprocessors would leave them")
+            self._warned.add(task)
         results = []
         for pids, scores in retrieve(self.encoder, self.index, list(queries), k, task=task):
             passages = [self.store.get(pid) for pid in pids]

@@ -43,7 +43,23 @@ log = logging.getLogger(__name__)
 # deadlock on CPU), and a SIGTERM's checkpoint waits for the running step and at most one more.
 # The state itself is looked at (non-finite streak, logged metrics) every SYNC_EVERY steps.
 SYNC_EVERY = 20
-OPERATIVE_CONFIG = "config.gin"  # the gin bindings the run used (t5x's name)
+OPERATIVE_CONFIG = gin_utils.OPERATIVE_CONFIG  # the gin bindings the run used (t5x's name)
+# The parameters that hold paths: config.gin records them absolute (`portable_bindings`).
+PATH_PARAMETERS = ("make_train_iterator.data_dir", "make_train_iterator.vocabulary", "make_train_iterator.negatives",
+                   "make_train_iterator.passage_embeddings", "make_train_iterator.cache_dir",
+                   "make_train_iterator.task_module_path", "train.init_from")
+
+
+def portable_bindings() -> None:
+    """Makes the bindings config.gin will record mean the same from any working directory: relative
+    paths absolute, and the directory a MIXTURE_OR_TASK_MODULE was imported from recorded
+    (`make_train_iterator.task_module_path`) when only this run's working directory or a relative
+    `sys.path` entry holds it. Call after the gin flags are parsed, before `train`."""
+    gin_utils.bind_absolute_paths(PATH_PARAMETERS)
+    recorded = list(gin_utils.bound_value("make_train_iterator.task_module_path") or ())
+    found = gin_utils.import_modules(gin_utils.bound_value("make_train_iterator.task_module"), recorded)
+    if found:
+        gin.bind_parameter("make_train_iterator.task_module_path", list(dict.fromkeys([*recorded, *found])))
 
 
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "t5_retrieval", "xla")
@@ -161,7 +177,8 @@ def train(model_dir: str,
         run never called is an error, before the first step.
 
     The operative gin config (every binding the run used) is written to `<model_dir>/config.gin`;
-    `t5r train --gin_file=<model_dir>/config.gin --model_dir=<model_dir>` runs it again.
+    `t5r train --gin_file=<model_dir>/config.gin --model_dir=<model_dir>` runs it again, from any
+    directory when its paths were made absolute (`portable_bindings`, as `t5r train` does).
     """
     if max_nonfinite_in_a_row < 1:
         raise ConfigError(f"train.max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")

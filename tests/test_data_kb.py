@@ -56,6 +56,13 @@ def test_dpr_tsv_layout_uses_title_as_page(tmp_path):
     assert store.span_of("1") is None
 
 
+def test_a_missing_store_directory_is_named_as_missing_with_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as missing:
+        PassageStore.open("data/kb")
+    assert str(missing.value) == f"data/kb: no such directory (in the working directory {tmp_path})"
+
+
 def test_unfinished_store_is_rejected(tmp_path):
     (tmp_path / "kb").mkdir()
     (tmp_path / "kb" / "passages-00000.jsonl").write_text("{}\n")

@@ -10,7 +10,7 @@ from t5_retrieval.data.kilt.examples import convert_task_file, kilt_file
 from t5_retrieval.data.tasks.mixing import subbatch_sizes, temperature_rates
 from t5_retrieval.data.kilt.negatives import mine_bm25_negatives
 from t5_retrieval.data.kilt.prepare import _LazyBM25
-from t5_retrieval.data.records import DataError, read_examples, read_negatives
+from t5_retrieval.data.records import DataError, Example, read_examples, read_negatives
 from t5_retrieval.data.text import format_query
 
 PAGES = [
@@ -140,6 +140,17 @@ def test_bm25_negatives_exclude_every_gold_page(tmp_path, store):
     (neg,) = mine_bm25_negatives(examples, BM25Index(store), top_k=10)
     assert neg.id == "a" and set(neg.negatives) == {"2_0", "4_0"}, f"got {neg.negatives}"
     assert neg.negatives[0] in {"2_0", "4_0"}
+
+
+def test_bm25_negatives_exclude_the_positive_of_an_example_without_gold_pages(store):
+    """A seqio Task of one's own may give a positive passage and no gold pages."""
+    example = Example(id="a", task="faq", query="capital of France Paris Seine river", gold_pages=(),
+                      positive_passages=("1_0",))
+    (neg,) = mine_bm25_negatives([example], BM25Index(store), top_k=10)
+    (unlabelled,) = mine_bm25_negatives([Example(id="a", task="faq", query=example.query, gold_pages=())],
+                                        BM25Index(store), top_k=10)
+    assert "1_0" in unlabelled.negatives, "BM25 ranks the positive among the top 10"
+    assert neg.negatives == tuple(p for p in unlabelled.negatives if p != "1_0"), neg.negatives
 
 
 def test_query_text_normalisation_and_prefix():

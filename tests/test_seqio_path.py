@@ -8,8 +8,12 @@ from __future__ import annotations
 import importlib
 import json
 import linecache
+import logging
 import os
+import re
+import shlex
 import shutil
+import subprocess
 import sys
 
 import gin
@@ -30,7 +34,7 @@ import json
 import seqio
 import tensorflow as tf
 
-from t5_retrieval.tasks import add_retrieval_task
+from t5_retrieval.tasks import add_retrieval_task, run_vocabulary
 
 ROWS = {rows!r}
 
@@ -54,15 +58,36 @@ def rewrite_query(ds):
     return ds.map(lambda ex: {{**ex, "query": tf.strings.join(["{word}", ex["query"]], separator=" ")}})
 
 
+def without_negatives(ds):
+    return ds.map(lambda ex: {{k: v for k, v in ex.items() if k != "negatives"}})
+
+
+def add_plain_task(name, rows, *preprocessors):
+    """A Task of seqio's own making: its preprocessors, then seqio's tokenize and end id."""
+    if name in seqio.TaskRegistry.names():
+        seqio.TaskRegistry.remove(name)
+    seqio.TaskRegistry.add(
+        name, seqio.FunctionDataSource(functools.partial(user_rows, name=rows), splits=("train", "validation")),
+        preprocessors=[to_retrieval_features, *preprocessors, seqio.preprocessors.tokenize,
+                       seqio.preprocessors.append_eos_after_trim],
+        output_features={{"query": seqio.Feature(run_vocabulary(), add_eos=True)}})
+
+
 for name in ("user_fever", "user_nq"):
     add_retrieval_task(name, seqio.FunctionDataSource(functools.partial(user_rows, name=name),
                                                       splits=("train", "validation")),
                        preprocessors=[to_retrieval_features, rewrite_query])
-if "user_mix" in seqio.MixtureRegistry.names():
-    seqio.MixtureRegistry.remove("user_mix")
-seqio.MixtureRegistry.add("user_mix", [("user_fever", 3.0), ("user_nq", 1.0)])
+add_plain_task("plain_fever", "user_fever", rewrite_query)
+add_plain_task("plain_nq", "user_nq", rewrite_query)
+add_plain_task("bare_nq", "user_nq", without_negatives)
+for mixture, rates in (("user_mix", [("user_fever", 3.0), ("user_nq", 1.0)]),
+                       ("plain_mix", [("plain_fever", 1.0), ("plain_nq", 1.0)])):
+    if mixture in seqio.MixtureRegistry.names():
+        seqio.MixtureRegistry.remove(mixture)
+    seqio.MixtureRegistry.add(mixture, rates)
 '''
 MODULE_NAME = "my_retrieval_tasks"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, CHECKPOINT_EVERY, BATCH = 4, 2, 8
 
 
@@ -103,9 +128,9 @@ def write_user_module(setup: dict, word: str) -> None:
         importlib.reload(sys.modules[MODULE_NAME])
 
 
-def train_argv(setup: dict, model_dir: str, *extra: str) -> list[str]:
+def train_argv(setup: dict, model_dir: str, *extra: str, module: str = MODULE_NAME) -> list[str]:
     return ["train", "--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin",
-            f"--gin.MODEL_DIR='{model_dir}'", f"--gin.MIXTURE_OR_TASK_MODULE='{MODULE_NAME}'",
+            f"--gin.MODEL_DIR='{model_dir}'", f"--gin.MIXTURE_OR_TASK_MODULE='{module}'",
             "--gin.MIXTURE_OR_TASK_NAME='user_mix'", f"--gin.TRAIN_STEPS={STEPS}",
             f"--gin.DATA_DIR='{setup['data_dir']}'", f"--gin.VOCABULARY='{setup['vocabulary']}'",
             "--gin.VOCAB_SIZE=512", "--gin.D_MODEL=32", "--gin.D_FF=64", "--gin.NUM_LAYERS=1",
@@ -153,10 +178,11 @@ def test_a_user_mixture_trains_through_t5r_with_its_rates_rewrite_resume_and_con
     assert t5r(train_argv(user_setup, model_dir)) == 0
 
     tasks = checkpoint.read_config(model_dir)["features"]["tasks"]
-    read_as = {"query_len": 24, "truncation": "beginning"}  # --gin.QUERY_LEN=24 for every task
+    read_as = {"query_len": 24, "truncation": "beginning",  # --gin.QUERY_LEN=24 for every task
+               "text_preprocessors": [f"{MODULE_NAME}.to_retrieval_features", f"{MODULE_NAME}.rewrite_query"]}
     assert tasks == {"user_fever": {"dataset": "user_fever", "prefix": None, "index": 0, **read_as},
                      "user_nq": {"dataset": "user_nq", "prefix": None, "index": 1, **read_as}}, \
-        "the Mixture's Tasks, in the order the user declared them"
+        "the Mixture's Tasks, in the order the user declared them, and what rewrote their query text"
     config_gin = os.path.join(model_dir, "config.gin")
     assert "user_mix" in open(config_gin).read() and MODULE_NAME in open(config_gin).read()
 
@@ -176,7 +202,8 @@ def test_a_user_mixture_trains_through_t5r_with_its_rates_rewrite_resume_and_con
     assert losses(model_dir) == first, "resuming from step 2 must give the same steps 3 and 4"
 
     # Evaluation reads the user Tasks' validation split through seqio (no KILT examples file), with
-    # the rewrite, and scores exactly as the same queries and gold pages written as KILT files.
+    # the rewrite. KILT files of the raw queries (what `t5r data tasks` writes) are scored with the
+    # Task's rewritten text too, the model's input in training, and so exactly as through seqio.
     data_dir = user_setup["data_dir"]
     embeddings, index = os.path.join(user_setup["root"], "emb"), os.path.join(user_setup["root"], "index")
     assert t5r(["encode", f"--checkpoint_dir={model_dir}", f"--kb_dir={data_dir}/kb", f"--output_dir={embeddings}"]) == 0
@@ -184,24 +211,44 @@ def test_a_user_mixture_trains_through_t5r_with_its_rates_rewrite_resume_and_con
     evaluate = ["eval", f"--checkpoint_dir={model_dir}", f"--index_dir={index}", f"--data_dir={data_dir}",
                 "--split=validation", "--tasks=user_mix", f"--gin.MIXTURE_OR_TASK_MODULE='{MODULE_NAME}'"]
     assert t5r([*evaluate, f"--output_dir={user_setup['root']}/eval_seqio"]) == 0
-    for dataset in ("fever", "nq"):
-        with open(layout.examples_path(data_dir, f"user_{dataset}", "validation"), "w") as f:
-            for e in read_examples(layout.examples_path(data_dir, dataset, "dev")):
-                row = {"id": e.id, "task": f"user_{dataset}", "query": f"REWRITTEN {e.query}",
-                       "gold_pages": [[p] for p in sorted({p for s in e.gold_pages for p in s})],
-                       "positive_passages": list(e.positive_passages[:1])}
-                f.write(json.dumps(row) + "\n")
-    assert t5r([*evaluate, f"--output_dir={user_setup['root']}/eval_files"]) == 0
-    for dataset in ("fever", "nq"):
-        os.remove(layout.examples_path(data_dir, f"user_{dataset}", "validation"))
+    write_raw_kilt_files(data_dir, {"user_fever": "fever", "user_nq": "nq"}, "validation")
+    try:
+        assert t5r([*evaluate, f"--output_dir={user_setup['root']}/eval_files"]) == 0
+    finally:
+        remove_kilt_files(data_dir, ["user_fever", "user_nq"], "validation")
     scores = [json.load(open(f"{user_setup['root']}/{d}/results.json")) for d in ("eval_seqio", "eval_files")]
     assert set(scores[0]) >= {"user_fever", "user_nq"}, scores[0]
     assert scores[0] == scores[1]
+    for task in ("user_fever", "user_nq"):
+        assert all(q.startswith("REWRITTEN ") for q in embedded_queries(f"{user_setup['root']}/eval_files", task))
 
     # The operative config alone runs the same training again.
     again = os.path.join(user_setup["root"], "from_config")
     assert t5r(["train", f"--gin_file={config_gin}", f"--model_dir={again}"]) == 0
     assert losses(again) == first
+
+
+def write_raw_kilt_files(data_dir: str, datasets: dict[str, str], split: str, source_split: str = "dev") -> None:
+    """KILT examples files for user Tasks as `t5r data tasks` would write them from the demo's
+    `source_split` files: the raw query text, each gold page its own evidence set."""
+    for task, dataset in datasets.items():
+        with open(layout.examples_path(data_dir, task, split), "w") as f:
+            for e in read_examples(layout.examples_path(data_dir, dataset, source_split)):
+                row = {"id": e.id, "task": task, "query": e.query,
+                       "gold_pages": [[p] for p in sorted({p for s in e.gold_pages for p in s})],
+                       "positive_passages": list(e.positive_passages[:1])}
+                f.write(json.dumps(row) + "\n")
+
+
+def remove_kilt_files(data_dir: str, tasks: list[str], split: str) -> None:
+    for task in tasks:
+        os.remove(layout.examples_path(data_dir, task, split))
+
+
+def embedded_queries(eval_dir: str, task: str) -> list[str]:
+    """The query text `t5r eval` embedded for `task` (its KILT predictions' "input")."""
+    with open(os.path.join(eval_dir, "predictions", f"{task}.jsonl")) as f:
+        return [row["input"] for row in map(json.loads, f)]
 
 
 def test_a_changed_preprocessor_makes_a_new_cache_and_new_batches(user_setup, monkeypatch):
@@ -260,7 +307,7 @@ def test_a_command_line_binding_the_run_never_reads_is_an_error(user_setup, monk
     assert t5r(train_argv(user_setup, model_dir, "--gin.multitask.pcgrad.seed=3")) == 2
     err = capsys.readouterr().err
     assert "--gin.multitask.pcgrad.seed: this run never uses multitask.pcgrad" in err, err
-    assert not os.path.exists(os.path.join(model_dir, "1")), "refused before the first step"
+    assert not os.path.exists(model_dir), "refused before the first step, leaving no model directory"
     assert t5r(train_argv(user_setup, model_dir, "--gin.MIXTURE_OR_TASK_NAME='user_mixx'")) == 2
     assert "unknown seqio Task or Mixture 'user_mixx' (did you mean user_mix" in capsys.readouterr().err
 
@@ -334,3 +381,212 @@ def test_the_documented_user_module_registers_its_task_and_mixture():
         for registry, name in ((seqio.MixtureRegistry, "my_mix"), (seqio.TaskRegistry, "my_faq")):
             if name in registry.names():
                 registry.remove(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# A Task of seqio's own making (`seqio.TaskRegistry.add`, seqio's tokenize) evaluates as it trained
+
+
+@pytest.fixture(scope="module")
+def plain_model(user_setup):
+    """A model `t5r train` trained on two plain seqio Tasks whose preprocessor rewrites the query,
+    with its KB embeddings and index."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(user_setup["module_dir"])
+        write_user_module(user_setup, "REWRITTEN")
+        root, data_dir = user_setup["root"], user_setup["data_dir"]
+        model_dir, emb, index = (os.path.join(root, f"plain_{name}") for name in ("model", "emb", "index"))
+        assert t5r(train_argv(user_setup, model_dir, "--gin.MIXTURE_OR_TASK_NAME='plain_mix'",
+                              f"--gin.TRAIN_STEPS={CHECKPOINT_EVERY}")) == 0
+        assert t5r(["encode", f"--checkpoint_dir={model_dir}", f"--kb_dir={data_dir}/kb", f"--output_dir={emb}"]) == 0
+        assert t5r(["index", f"--embeddings_dir={emb}", f"--output_dir={index}"]) == 0
+    return {"model_dir": model_dir, "index": index, "data_dir": data_dir, "root": root}
+
+
+def forget_user_module() -> None:
+    """As in a new process: the user's module not imported, its Tasks and Mixtures not registered."""
+    import seqio
+
+    for registry, names in ((seqio.MixtureRegistry, ("user_mix", "plain_mix")),
+                            (seqio.TaskRegistry, ("user_fever", "user_nq", "plain_fever", "plain_nq", "bare_nq"))):
+        for name in names:
+            if name in registry.names():
+                registry.remove(name)
+    sys.modules.pop(MODULE_NAME, None)
+
+
+def search_argv(command: str, model: dict, *extra: str) -> list[str]:
+    return [command, f"--checkpoint_dir={model['model_dir']}", f"--index_dir={model['index']}",
+            f"--data_dir={model['data_dir']}", *extra]
+
+
+def test_a_plain_seqio_task_is_evaluated_mined_and_searched_as_it_trained(plain_model, user_setup, monkeypatch,
+                                                                          caplog):
+    from t5_retrieval import checkpoint
+    from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.inference import load_encoder
+    from t5_retrieval.retrieval.index import load_index
+    from t5_retrieval.retrieval.serve import SearchService
+    from t5_retrieval.searcher import Searcher
+
+    monkeypatch.syspath_prepend(user_setup["module_dir"])
+    tasks = checkpoint.read_config(plain_model["model_dir"])["features"]["tasks"]
+    assert tasks["plain_fever"]["text_preprocessors"] == [f"{MODULE_NAME}.to_retrieval_features",
+                                                          f"{MODULE_NAME}.rewrite_query"], tasks
+    root, data_dir = plain_model["root"], plain_model["data_dir"]
+
+    # t5r eval imports the module the model's config.gin records, and embeds each Task's own text:
+    # "query" as seqio's tokenize receives it, after the rewrite.
+    forget_user_module()
+    assert t5r(search_argv("eval", plain_model, "--split=validation", f"--output_dir={root}/plain_eval")) == 0
+    seqio_scores = json.load(open(f"{root}/plain_eval/results.json"))
+    assert sorted(seqio_scores) == ["plain_fever", "plain_nq"], seqio_scores
+    dev = {e.id: e.query for e in read_examples(layout.examples_path(data_dir, "nq", "dev"))}
+    assert {q for q in embedded_queries(f"{root}/plain_eval", "plain_nq")} == {f"REWRITTEN {q}" for q in dev.values()}
+
+    # KILT files of the raw text (`t5r data tasks`, the old workaround) are scored with the Task's text.
+    write_raw_kilt_files(data_dir, {"plain_fever": "fever", "plain_nq": "nq"}, "validation")
+    try:
+        assert t5r(search_argv("eval", plain_model, "--split=validation", f"--output_dir={root}/plain_files")) == 0
+    finally:
+        remove_kilt_files(data_dir, ["plain_fever", "plain_nq"], "validation")
+    assert json.load(open(f"{root}/plain_files/results.json")) == seqio_scores
+    assert all(q.startswith("REWRITTEN ") for q in embedded_queries(f"{root}/plain_files", "plain_fever"))
+
+    # t5r mine, by default every task of the model on its train split, through the Tasks.
+    forget_user_module()
+    assert t5r(search_argv("mine", plain_model, "--source=plain")) == 0
+    for task, dataset in (("plain_fever", "fever"), ("plain_nq", "nq")):
+        mined = read_negatives(layout.negatives_path(layout.negatives_dir(data_dir, "plain"), task, "train"))
+        assert set(mined) == {e.id for e in read_examples(layout.examples_path(data_dir, dataset, "train"))}
+
+    # Searcher and the search service embed the text they are given: they say, by task and
+    # preprocessor, that the model read it rewritten.
+    encoder = load_encoder(plain_model["model_dir"])
+    store, index = PassageStore.open(f"{data_dir}/kb"), load_index(plain_model["index"])
+    caplog.clear()
+    Searcher(encoder, index, store).search(["who founded the city"], task="plain_nq", k=2)
+    SearchService(encoder, index, store, ["plain_fever"])
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    for task, reader in (("plain_nq", "Searcher.search embeds the text it is given"),
+                         ("plain_fever", "the search service embeds the text")):
+        assert any(m.startswith(f"task {task}: the model trained on its query text as its seqio Task's "
+                                f"preprocessors ({MODULE_NAME}.to_retrieval_features, {MODULE_NAME}.rewrite_query)")
+                   and reader in m for m in warned), warned
+
+
+def suggested_commands(message: str) -> list[list[str]]:
+    """The commands an error message suggests (in backquotes), as argv for `cli.main`."""
+    commands = [shlex.split(c) for c in re.findall(r"`(t5r [^`]*)`", message)]
+    assert commands, f"no command suggested: {message}"
+    return commands
+
+
+def run_suggested(commands: list[list[str]]) -> None:
+    for argv in commands:
+        assert argv[0] == "t5r", argv
+        assert t5r(argv[1:]) == 0, f"the suggested command failed: {shlex.join(argv)}"
+
+
+def test_a_model_task_without_examples_is_an_error_and_each_suggested_command_works(plain_model, user_setup,
+                                                                                   monkeypatch, capsys):
+    monkeypatch.syspath_prepend(user_setup["module_dir"])
+    root, data_dir = plain_model["root"], plain_model["data_dir"]
+    forget_user_module()
+    # Neither task has a dev split: both named, with the command that scores them on the split they have.
+    assert t5r(search_argv("eval", plain_model, "--split=dev", f"--output_dir={root}/dev_eval")) == 2
+    err = capsys.readouterr().err
+    for task in ("plain_fever", "plain_nq"):
+        assert (f"{task}: no {layout.examples_path(data_dir, task, 'dev')}, and its seqio Task has the splits "
+                "train, validation") in err, err
+    commands = suggested_commands(err)
+    assert [c[-2:] for c in commands] == [["--tasks=plain_fever,plain_nq", "--split=validation"]], commands
+    run_suggested(commands)
+
+    # One task with dev examples (a KILT file), the other without: no table of one task and rc 0,
+    # but an error naming the other, with the commands for each.
+    write_raw_kilt_files(data_dir, {"plain_fever": "fever"}, "dev")
+    try:
+        for command in ("eval", "mine"):
+            out = f"--output_dir={root}/dev_{command}" if command == "eval" else "--source=dev_mined"
+            assert t5r(search_argv(command, plain_model, "--split=dev", out)) == 2
+            err = capsys.readouterr().err
+            assert "no dev examples for the model's task plain_nq: " in err and "plain_fever:" not in err, err
+            commands = suggested_commands(err)
+            assert [c[-2:] for c in commands] == [["--tasks=plain_nq", "--split=validation"],
+                                                  [out, "--tasks=plain_fever"]], commands
+            run_suggested(commands)
+    finally:
+        remove_kilt_files(data_dir, ["plain_fever"], "dev")
+
+    # A model whose Task module cannot be imported says which, and where it is recorded.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != user_setup["module_dir"]])
+    forget_user_module()
+    assert t5r(search_argv("eval", plain_model, "--split=validation", f"--output_dir={root}/no_module")) == 2
+    config = os.path.join(plain_model["model_dir"], "config.gin")
+    assert f"MIXTURE_OR_TASK_MODULE '{MODULE_NAME}' (the Task module {config} records): cannot import it" in \
+        capsys.readouterr().err
+
+
+def test_a_task_without_negatives_names_the_command_that_writes_them(user_setup, monkeypatch, tmp_path):
+    from t5_retrieval.data.batching.batches import make_train_iterator
+    from t5_retrieval.data.records import DataError
+
+    monkeypatch.syspath_prepend(user_setup["module_dir"])
+    write_user_module(user_setup, "REWRITTEN")
+    # The demo's fever examples in a data directory without negatives, and a user Task without a
+    # "negatives" feature: each error names the `t5r data negatives` command that works for it.
+    data_dir = str(tmp_path / "data")
+    os.makedirs(data_dir)
+    for part in ("kb", "examples"):
+        os.symlink(os.path.join(user_setup["data_dir"], part), os.path.join(data_dir, part))
+    for task in ("demo_fever", "bare_nq"):
+        def iterator():
+            return make_train_iterator(task, data_dir, None, user_setup["vocabulary"], 24, 32, 1, per_device_batch=4,
+                                       cache_dir="", task_module=MODULE_NAME)
+
+        with pytest.raises(DataError) as refused:
+            iterator()
+        commands = suggested_commands(str(refused.value))
+        assert commands[0][:3] == ["t5r", "data", "negatives"], commands
+        run_suggested(commands)
+        assert next(iterator())[task]["passage_tokens"].shape == (4 * 2, 32)
+
+
+def test_config_gin_restarts_from_any_directory_and_a_failed_start_leaves_no_model_directory(
+        user_setup, tmp_path, monkeypatch, caplog):
+    """Relative DATA_DIR and VOCABULARY, the Task module in the working directory: config.gin records
+    them absolute, and `t5r train --gin_file=<model>/config.gin` elsewhere trains the same steps."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    os.symlink(user_setup["data_dir"], work / "data")
+    (work / "cwd_tasks.py").write_text(USER_MODULE.format(rows=user_setup["rows"], word="HERE"))
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the module's directory is added for this test only
+    setup = {**user_setup, "data_dir": "data", "vocabulary": "data/spm.model"}
+    caplog.set_level(logging.INFO)
+    gin.clear_config()  # as in a new process: no configurable called before (the fixture's BM25) is recorded
+    assert t5r(train_argv(setup, "model", "--gin.TRAIN_STEPS=2", module="cwd_tasks")) == 0
+    assert ("sub-batch per device and step (of 8; mixing rate): user_fever 6 (3), user_nq 2 (1)"
+            in caplog.text), "each task's sub-batch size is logged"
+
+    config = str(work / "model" / "config.gin")
+    recorded = {name: gin_utils.operative_values(config, "make_train_iterator", name)
+                for name in ("data_dir", "vocabulary", "task_module", "task_module_path")}
+    assert recorded == {"data_dir": [str(work / "data")], "vocabulary": [str(work / "data" / "spm.model")],
+                        "task_module": ["cwd_tasks"], "task_module_path": [[str(work)]]}, recorded
+    again = str(tmp_path / "again")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    restart = subprocess.run([os.path.join(os.path.dirname(sys.executable), "t5r"), "train", f"--gin_file={config}",
+                              f"--model_dir={again}"], cwd=elsewhere, env=env, capture_output=True, text=True,
+                             timeout=1200)
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert losses(again) == losses(str(work / "model"))
+
+    # A start that fails (no negatives for bare_nq) leaves no model directory; one that existed stays.
+    for model_dir, existed in (("failed", False), ("kept", True)):
+        if existed:
+            os.makedirs(model_dir)
+        assert t5r(train_argv(setup, model_dir, "--gin.MIXTURE_OR_TASK_NAME='bare_nq'", module="cwd_tasks")) == 2
+        assert os.path.exists(model_dir) == existed

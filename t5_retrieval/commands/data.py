@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from t5_retrieval.commands.gin_flags import parse_args
+from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
 from t5_retrieval.errors import UserError
 
 
@@ -57,14 +57,18 @@ def tasks_main(argv: list[str]) -> int:
 
 def negatives_main(argv: list[str]) -> int:
     from t5_retrieval.data.kilt.prepare import prepare_negatives
+    from t5_retrieval.data.tasks.retrieval_tasks import split_examples
 
     p = argparse.ArgumentParser("t5r data negatives", description="BM25 hard negatives -> <data_dir>/negatives/bm25.")
     p.add_argument("--data_dir", required=True)
-    p.add_argument("--tasks", type=_csv, required=True)
+    p.add_argument("--tasks", type=_csv, required=True,
+                   help="comma-separated datasets with examples files (t5r data tasks), or registered seqio Tasks "
+                        "(their query text after their preprocessors; --gin.MIXTURE_OR_TASK_MODULE registers yours)")
     p.add_argument("--splits", type=_csv, default=["train"])
     p.add_argument("--top_k", type=int, default=100)
-    a = parse_args(p, argv)
-    _report(prepare_negatives(a.data_dir, a.tasks, a.splits, top_k=a.top_k))
+    a = parse_args(p, argv, reads=TASK_MODULE)
+    _report(prepare_negatives(a.data_dir, a.tasks, a.splits, top_k=a.top_k,
+                              read=lambda task, split: split_examples(a.data_dir, task, task, split)))
     return 0
 
 

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from t5_retrieval import gin_utils
-from t5_retrieval.errors import UserError
+from t5_retrieval.errors import UserError, shell_command
 
 
 def add_gin_flags(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,8 @@ MACROS = {
     "MODEL_DIR": "the model directory (same as --model_dir)",
     "MIXTURE_OR_TASK_NAME": "a registered seqio Task or Mixture to train on",
     "MIXTURE_OR_TASK_MODULE": "module(s) registering your own seqio Tasks and Mixtures, imported before tasks "
-                              "are named (--gin.MIXTURE_OR_TASK_MODULE=\"'my_tasks'\")",
+                              "are named (--gin.MIXTURE_OR_TASK_MODULE=\"'my_tasks'\"); eval, mine and serve "
+                              "import the one the model's config.gin records unless this names another",
     "DATA_DIR": "processed data directory (t5r data ...)",
     "VOCABULARY": "sentencepiece .model or WordPiece vocab.txt",
     "TRAIN_STEPS": "training steps",
@@ -51,6 +52,21 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str], reads: Sequ
     except UserError as e:
         parser.error(str(e))
     args = parser.parse_args(rest)
+    args.command_line = [*parser.prog.split(), *argv]  # for `rerun`
     search_paths = [p for arg in args.gin_search_paths for p in arg.split(",") if p]
     gin_utils.apply_command_line(args.gin_file, bindings, search_paths)
     return args
+
+
+def rerun(args: argparse.Namespace, **flags: str) -> str:
+    """The command `args` came from with these flags set (`tasks="fever"` -> `--tasks=fever`,
+    replacing any value given before), as one line to paste into a shell: an error's suggestion is
+    a command that works."""
+    names = {f"--{name}" for name in flags}
+    kept, words = [], iter(args.command_line)
+    for word in words:
+        if word in names:
+            next(words, None)  # `--flag value`: the value goes too
+        elif word.partition("=")[0] not in names:
+            kept.append(word)
+    return shell_command([*kept, *(f"--{name}={value}" for name, value in flags.items())])

@@ -6,17 +6,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from t5_retrieval import gin_utils
+from t5_retrieval.commands.gin_flags import rerun
 from t5_retrieval.errors import UserError
 from t5_retrieval.data import layout
 from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.records import DataError, Example
-from t5_retrieval.data.tasks.retrieval_tasks import has_split, split_examples
+from t5_retrieval.data.tasks.retrieval_tasks import has_split, registered_task, split_examples
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import (Encoder, HashedBagOfWordsEncoder, dataset_of, model_task_name,
-                                            recorded_tasks)
+                                            recorded_tasks, warn_if_trained_on_rewritten_text)
 from t5_retrieval.retrieval.evaluate import load_task_examples
 from t5_retrieval.retrieval.index import Index, load_index
 
@@ -74,8 +76,26 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
     index = load_index(args.index_dir)
     encoder = encoder_from_flags(args)
     index.check(encoder, store.ids())
-    examples, datasets = task_examples(encoder, args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
+    import_task_modules(args)
+    examples, datasets = task_examples(encoder, args.data_dir, args.split, [t for t in args.tasks.split(",") if t],
+                                       lambda **flags: rerun(args, **flags))
     return SearchInputs(store, examples, datasets, index, encoder)
+
+
+def import_task_modules(args: argparse.Namespace) -> None:
+    """Imports the modules that registered the model's own seqio Tasks, as the config.gin of
+    `--checkpoint_dir` (or of a query-side model's base) records them (t5x's MIXTURE_OR_TASK_MODULE
+    and the directory it came from), unless --gin.MIXTURE_OR_TASK_MODULE names the modules to use."""
+    from t5_retrieval.inference import is_query_side_dir, read_base_record
+
+    if args.checkpoint_dir is None or gin_utils.macro_is_set("MIXTURE_OR_TASK_MODULE"):
+        return
+    model_dir = args.checkpoint_dir
+    if is_query_side_dir(model_dir) and not os.path.exists(os.path.join(model_dir, gin_utils.OPERATIVE_CONFIG)):
+        model_dir = read_base_record(model_dir)["base_checkpoint"]
+    config = os.path.join(model_dir, gin_utils.OPERATIVE_CONFIG)
+    modules, path = gin_utils.recorded_task_modules(config)
+    gin_utils.import_modules(modules, path, recorded_in=config)
 
 
 def register_named_mixtures(tasks: task_names.Tasks, names: Sequence[str]) -> None:
@@ -93,28 +113,57 @@ def expand_task_names(tasks: task_names.Tasks, names: Sequence[str]) -> list[str
     return task_names.expand(tasks, names)
 
 
-def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str]
-                  ) -> tuple[dict[str, list[Example]], dict[str, str]]:
+def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str],
+                  rerun: Callable[..., str]) -> tuple[dict[str, list[Example]], dict[str, str]]:
     """(examples, dataset) per task name: `names` in either form, or every dataset the model was trained
-    on with an examples file for `split` (every file found, for an encoder that records no tasks).
+    on (every examples file found for `split`, for an encoder that records no tasks). `rerun(**flags)`
+    is the command line with those flags changed, for the error's suggestions.
 
-    Raises UnknownTaskError for a name the model does not know, DataError for a missing file."""
+    Raises UnknownTaskError for a name the model does not know, DataError naming every task
+    without examples for `split` (none is left out in silence) with the commands that work."""
     tasks = recorded_tasks(encoder)
     if not tasks:
         examples = load_task_examples(data_dir, split, names)
         return examples, {name: name for name in examples}
     import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, read when a KILT file is missing)
 
-    if not names:
-        names = [d for d in task_names.datasets(tasks)
-                 if has_split(data_dir, d, task_names.resolve(tasks, d), split)]
-        if not names:
-            raise DataError(f"{os.path.dirname(layout.examples_path(data_dir, 'x', split))}: no {split} examples "
-                            f"for any dataset the model was trained on ({', '.join(task_names.datasets(tasks))})")
-    examples, datasets = {}, {}
-    for name in expand_task_names(tasks, names):
-        task, datasets[name] = model_task_name(encoder, name), dataset_of(encoder, name)
+    names = expand_task_names(tasks, names) if names else task_names.datasets(tasks)
+    datasets = {name: dataset_of(encoder, name) for name in names}
+    missing = [name for name in names if not has_split(data_dir, datasets[name], model_task_name(encoder, name), split)]
+    if missing:
+        raise DataError(_missing_examples(encoder, data_dir, split, names, missing, datasets, rerun))
+    examples = {}
+    for name in names:
+        task = model_task_name(encoder, name)
+        if registered_task(task) is None:  # a KILT file's text as written, not the Task's preprocessed text
+            warn_if_trained_on_rewritten_text(
+                encoder, task, f"{layout.examples_path(data_dir, datasets[name], split)} is scored as written: its "
+                "seqio Task is not registered to rewrite it (name its module with --gin.MIXTURE_OR_TASK_MODULE)")
         examples[name] = split_examples(data_dir, datasets[name], task, split)
     return examples, datasets
 
 
+def _missing_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str], missing: Sequence[str],
+                      datasets: dict[str, str], rerun: Callable[..., str]) -> str:
+    """Which tasks lack `split` examples and why, then each command that scores what can be scored."""
+    reasons, on_split = [], {}
+    for name in missing:
+        task = model_task_name(encoder, name)
+        registered = registered_task(task)
+        why = f"no {layout.examples_path(data_dir, datasets[name], split)}"
+        if registered is None:
+            why += f" and no registered seqio Task {task!r} (no MIXTURE_OR_TASK_MODULE imported registers it)"
+        else:
+            splits = list(registered.splits)
+            why += f", and its seqio Task has the splits {', '.join(splits)}"
+            if splits:  # the Task's split of the same kind (train, or one to evaluate on)
+                other = next((s for s in splits if (s == "train") == (split == "train")), splits[0])
+                on_split.setdefault(other, []).append(name)
+        reasons.append(task + (f" (dataset {datasets[name]})" if datasets[name] != task else "") + f": {why}")
+    commands = [f"to score {', '.join(group)} on {other}, `{rerun(tasks=','.join(group), split=other)}`"
+                for other, group in on_split.items()]
+    scorable = [name for name in names if name not in missing]
+    if scorable:
+        commands.append(f"to score the others alone, `{rerun(tasks=','.join(scorable))}`")
+    return (f"no {split} examples for the model's task{'s' if len(missing) > 1 else ''} {'; '.join(reasons)}"
+            + (". Run, " + "; or, ".join(commands) if commands else ""))

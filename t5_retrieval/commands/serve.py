@@ -12,7 +12,8 @@ import socket
 
 from t5_retrieval import logs
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
-from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags, register_named_mixtures
+from t5_retrieval.commands.inputs import (add_encoder_flags, encoder_from_flags, import_task_modules,
+                                         register_named_mixtures)
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.retrieval.encoder import recorded_tasks
 from t5_retrieval.retrieval.index import load_index
@@ -90,6 +91,7 @@ def main(argv: list[str]) -> int:
     index = load_index(args.index_dir)
     encoder = encoder_from_flags(args)
     index.check(encoder, store.ids())
+    import_task_modules(args)
     tasks = [t for t in args.tasks.split(",") if t] or list(encoder.task_names)
     register_named_mixtures(recorded_tasks(encoder), tasks)  # SearchService resolves every form
     if not tasks:

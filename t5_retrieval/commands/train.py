@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 
-from t5_retrieval import logs, train as trainer
+from t5_retrieval import checkpoint, logs, train as trainer
 from t5_retrieval.commands.gin_flags import TRAIN_MACROS, parse_args
 from t5_retrieval.errors import check_writable_dir
 
@@ -15,6 +17,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model_dir", required=True, help="where checkpoints, config and metrics go")
     args = parse_args(parser, argv, reads=TRAIN_MACROS)
     logs.setup()
+    trainer.portable_bindings()
+    created = not os.path.exists(args.model_dir)
     check_writable_dir(args.model_dir, "--model_dir")
-    trainer.train(args.model_dir, command_line=True)
+    try:
+        trainer.train(args.model_dir, command_line=True)
+    except BaseException:
+        if created and not checkpoint.saved_steps(args.model_dir):  # a failed start leaves nothing behind
+            shutil.rmtree(args.model_dir, ignore_errors=True)
+        raise
     return 0

@@ -64,7 +64,8 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
     template its only former value, the vocabulary digest the current one, the tasks' step
     order (`index`, once implied by the mixture) the current run's, and (when the current run
     records them) each task's query length and truncation what every task had before tasks stated
-    their own: the one `query_len`, cut at the end.
+    their own: the one `query_len`, cut at the end; the preprocessors that rewrite a task's query
+    text, not recorded before, the current run's.
     """
     out = dict(stored)
     for key, cls in ARCHITECTURE.get(stored.get("family", "t5"), {}).items():
@@ -79,6 +80,9 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
         order = current.get("features", {}).get("tasks", {})
         features["tasks"] = {name: {"index": order[name]["index"], **spec} if name in order and "index" not in spec
                              else spec for name, spec in features.get("tasks", {}).items()}
+        features["tasks"] = {name: {**spec, "text_preprocessors": order[name]["text_preprocessors"]}
+                             if "text_preprocessors" in order.get(name, {}) and "text_preprocessors" not in spec
+                             else spec for name, spec in features["tasks"].items()}
         if "query_len" in features and any("query_len" in spec for spec in order.values()):
             features["tasks"] = {name: {"query_len": features["query_len"], "truncation": KEEP_BEGINNING, **spec}
                                  for name, spec in features["tasks"].items()}

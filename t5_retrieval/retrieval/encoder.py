@@ -9,6 +9,7 @@ a lexical baseline: a dot product of L2-normalised hashed term-frequency vectors
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 from collections import Counter
@@ -68,11 +69,23 @@ def model_task_name(encoder: Encoder, name: str) -> str:
     return task_names.resolve(recorded_tasks(encoder), name)
 
 
+def warn_if_trained_on_rewritten_text(encoder: Encoder, task: str, but: str) -> None:
+    """Warns, naming the task and its preprocessors, when the model trained on `task`'s query text as
+    its seqio Task's preprocessors rewrote it (`features.tasks.<task>.text_preprocessors`), where
+    text is embedded as given (`but` says where and what to do): a user's text is not what the
+    model read."""
+    steps = recorded_tasks(encoder).get(task, {}).get("text_preprocessors")
+    if steps:
+        log.warning("task %s: the model trained on its query text as its seqio Task's preprocessors (%s) leave it, "
+                    "but %s", task, ", ".join(steps), but)
+
+
 def dataset_of(encoder: Encoder, name: str) -> str:
     """The dataset whose example files the task `name` reads (`data.task_names.dataset_of`)."""
     return task_names.dataset_of(recorded_tasks(encoder), name)
 
 
+log = logging.getLogger(__name__)
 _WORD = re.compile(r"\w+")
 # Function words carry no topic and, without IDF weights, would dominate every vector.
 _STOPWORDS = frozenset(

@@ -29,7 +29,7 @@ import numpy as np
 from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.tasks.task_names import UnknownTaskError
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_tasks
+from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_tasks, warn_if_trained_on_rewritten_text
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.data.stores.passages import PassageLookup
 
@@ -92,6 +92,9 @@ class SearchService:
         unknown = [t for t in tasks if known and t not in known]
         if unknown:
             raise ConfigError(f"unknown task(s) {unknown}: this model knows {list(known)}")
+        for task in dict.fromkeys(tasks):
+            warn_if_trained_on_rewritten_text(encoder, task, "the search service embeds the text of a request as "
+                                              "given: send queries as those preprocessors would leave them")
         self.encoder = encoder
         self.index = index
         self.passages = passages

@@ -35,8 +35,9 @@ from t5_retrieval.data.tasks.retrieval_tasks import DEFAULT_QUERY_LEN, TaskInfo
 from t5_retrieval.data.text import END_ENT, PASSAGE_TEMPLATE, START_ENT
 from t5_retrieval.data.tokenizers.conventions import TokenConventions, conventions_of
 from t5_retrieval.data.tokenizers.tokenize import Vocabulary, encode_text, load_vocabulary, vocabulary_digest
-from t5_retrieval.errors import ConfigError, UserError
+from t5_retrieval.errors import ConfigError, UserError, shell_command
 
+log = logging.getLogger(__name__)
 # {task: {feature: rows}}: numpy arrays on the host, jax.Arrays (global, sharded) inside the step.
 Batch = dict[str, dict[str, ArrayLike]]
 _FILL_STREAM = 7919  # separates the random-negative RNG stream from the permutation streams
@@ -237,14 +238,18 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                         host_count: int = 1, seed: int = 0, split: str = "train",
                         max_examples_per_task: int | None = None, passage_template: str = PASSAGE_TEMPLATE,
                         passage_embeddings: str | None = None, cache_dir: str | None = None,
-                        task_module: str | Sequence[str] | None = None) -> TrainIterator:
+                        task_module: str | Sequence[str] | None = None,
+                        task_module_path: Sequence[str] = ()) -> TrainIterator:
     """Builds the per-task training iterator over a registered seqio Mixture or Task.
 
     Names resolve through seqio (`retrieval_tasks.resolve`); per-device sub-batch sizes come from the
     Mixture's own rates (`mixing.sizes_from_rates`), host-local sizes are those times
     `local_data_devices`. Each Task's `split` is read once through seqio and cached under
     `cache_dir` (default `<data_dir>/cache/tasks`; `materialize.py`); `task_module` (t5x's
-    MIXTURE_OR_TASK_MODULE) names modules to import first, which register the user's Tasks.
+    MIXTURE_OR_TASK_MODULE) names modules to import first, which register the user's Tasks, from
+    the directories `task_module_path` before `sys.path` (`t5r train` records the directory of a
+    module only the working directory holds, so that config.gin restarts from anywhere). The
+    per-device sub-batch size of each Task is logged.
 
     Query lengths (gin `QUERY_LEN`): None reads every Task's queries at its own length (the Task
     cuts them, entity linking around the mention: `query_inputs.py`); a number reads every Task's
@@ -270,7 +275,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     from t5_retrieval.data.tasks import retrieval_tasks
     from t5_retrieval.data.tasks.materialize import materialize
 
-    gin_utils.import_modules(task_module)
+    gin_utils.import_modules(task_module, task_module_path)
     if not 0 <= host_index < host_count:
         raise ValueError(f"host_index {host_index} not in [0, {host_count})")
     vocab = _load_vocabulary(vocabulary)
@@ -279,6 +284,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     tasks_and_rates = retrieval_tasks.resolve(mixture_or_task_names)
     infos = [retrieval_tasks.describe(task) for task, _ in tasks_and_rates]
     sizes = sizes_from_rates([rate for _, rate in tasks_and_rates], per_device_batch)
+    log.info("sub-batch per device and step (of %d; mixing rate): %s", per_device_batch,
+             ", ".join(f"{info.name} {size} ({rate:g})" for info, size, (_, rate) in zip(infos, sizes, tasks_and_rates)))
     lengths = task_query_lens(infos, query_len)
     store = PassageStore.open(layout.kb_dir(data_dir))
     negatives_dir = negatives or layout.negatives_dir(data_dir, "bm25")
@@ -298,8 +305,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
         elif examples.negatives is not None:
             task_negatives, source = None, f"seqio Task {info.name}"
         else:
-            raise DataError(f"{negatives_file}: missing; run `t5r data negatives` (or mining) for {info.dataset}, "
-                            f"or give Task {info.name} a \"negatives\" feature")
+            raise DataError(f"{negatives_file}: missing, and seqio Task {info.name} has no \"negatives\" feature; "
+                            + _negatives_hint(data_dir, negatives_dir, info, split, task_module, task_module_path))
         data = _task_data(info, examples, task_negatives, store, conventions_of(vocab), length,
                           num_negatives, size * local_data_devices, source)
         if data.skipped or data.missing_negatives:
@@ -313,14 +320,36 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                 "query_len": max(lengths), "passage_len": passage_len, "passage_template": passage_template,
                 # "index": the task's position in the step (and its query tower), explicit because
                 # the config is stored with sorted keys.
+                # "text_preprocessors" (when it has any): what rewrote the task's query text before
+                # tokenisation; a user's raw text is not what the model read.
                 "tasks": {info.name: {"dataset": info.dataset, "prefix": info.prefix, "index": i, "query_len": length,
-                                      "truncation": info.truncation}
+                                      "truncation": info.truncation,
+                                      **({"text_preprocessors": list(info.text_preprocessors)}
+                                         if info.text_preprocessors else {})}
                           for i, (info, length) in enumerate(zip(infos, lengths))}}
     table = None
     if passage_embeddings is not None:
         table, features["passage_embeddings"] = passage_table(passage_embeddings, store)
     return TrainIterator(task_data, store, vocab, passage_len, num_negatives, seed, host_index, host_count,
                          features, table)
+
+
+def _negatives_hint(data_dir: str, negatives_dir: str, info: TaskInfo, split: str,
+                    task_module: str | Sequence[str] | None, task_module_path: Sequence[str]) -> str:
+    """What to run for a Task without negatives: `t5r data negatives` over its KILT examples file,
+    or over the Task itself with the module that registers it (BM25 negatives go to the default
+    directory only)."""
+    if os.path.abspath(negatives_dir) != os.path.abspath(layout.negatives_dir(data_dir, "bm25")):
+        return f"the negatives directory {negatives_dir} (NEGATIVES) needs a file for it, or the Task that feature"
+    command = ["t5r", "data", "negatives", f"--data_dir={data_dir}", f"--tasks={info.dataset}",
+               *([f"--splits={split}"] if split != "train" else [])]
+    if not os.path.exists(layout.examples_path(data_dir, info.dataset, split)):
+        if not task_module:  # no module to name: no command to give
+            return "give the Task that feature, or write {\"id\", \"negatives\"} rows for its examples to that file"
+        command.append(f"--gin.MIXTURE_OR_TASK_MODULE={task_module!r}")
+        if task_module_path:
+            command.insert(0, "PYTHONPATH=" + os.pathsep.join(task_module_path))
+    return f"write BM25 negatives for it with `{shell_command(command)}`"
 
 
 def task_query_lens(infos: Sequence[TaskInfo], query_len: int | Mapping[str, int] | None) -> list[int]:

@@ -20,8 +20,9 @@ def bm25_query(text: str) -> str:
 
 
 def mine_bm25_negatives(examples: Sequence[Example], index: BM25Index, top_k: int = 100) -> Iterator[Negatives]:
-    """For each example: the top_k BM25 passages, dropping those on any gold page."""
+    """For each example: the top_k BM25 passages, dropping its positives and those on any gold page."""
     for example in examples:
         gold = {p for s in example.gold_pages for p in s}
         (top,), _ = index.search([bm25_query(example.query)], top_k)
-        yield Negatives(example.id, tuple(index.ids[i] for i in top if index.pages[i] not in gold))
+        yield Negatives(example.id, tuple(index.ids[i] for i in top
+                                          if index.pages[i] not in gold and index.ids[i] not in example.positive_passages))

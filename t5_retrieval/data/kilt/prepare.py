@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import gin
@@ -17,7 +17,7 @@ from t5_retrieval.data.stores.bm25 import BM25Index
 from t5_retrieval.data.stores.kb import PassageStore, build_kb
 from t5_retrieval.data.kilt.examples import ConversionStats, convert_task_file, kilt_file
 from t5_retrieval.data.kilt.negatives import bm25_query, mine_bm25_negatives
-from t5_retrieval.data.records import read_examples, write_jsonl_atomic, write_negatives
+from t5_retrieval.data.records import Example, read_examples, write_jsonl_atomic, write_negatives
 from t5_retrieval.errors import ConfigError
 
 
@@ -84,8 +84,12 @@ def prepare_missing(kb_source: str, input_dir: str, data_dir: str, tasks: Sequen
 
 @gin.configurable
 def prepare_negatives(data_dir: str, tasks: Sequence[str], splits: Sequence[str] = ("train",), top_k: int = 100,
-                      index: BM25Index | None = None) -> dict[str, int]:
-    """BM25 negatives for each task/split -> `{data_dir}/negatives/bm25/{task}-{split}.jsonl`."""
+                      index: BM25Index | None = None,
+                      read: Callable[[str, str], Sequence[Example]] | None = None) -> dict[str, int]:
+    """BM25 negatives for each task/split -> `{data_dir}/negatives/bm25/{task}-{split}.jsonl`.
+
+    `read(task, split)`: the examples to mine for; default the processed KILT file
+    `{data_dir}/examples/{task}-{split}.jsonl` (`t5r data negatives` also reads seqio Tasks)."""
     if top_k < 1:
         raise ConfigError(f"top_k must be >= 1, got {top_k}")
     store = PassageStore.open(layout.kb_dir(data_dir))
@@ -95,7 +99,7 @@ def prepare_negatives(data_dir: str, tasks: Sequence[str], splits: Sequence[str]
     counts = {}
     for task in tasks:
         for split in splits:
-            examples = read_examples(layout.examples_path(data_dir, task, split))
+            examples = read(task, split) if read else read_examples(layout.examples_path(data_dir, task, split))
             counts[f"{task}-{split}"] = write_negatives(layout.negatives_path(directory, task, split),
                                                         mine_bm25_negatives(examples, index, top_k))
     return counts

@@ -317,6 +317,9 @@ class PassageStore:
     def open(cls, directory: str | os.PathLike[str]) -> "PassageStore":
         directory = os.fspath(directory)
         path = os.path.join(directory, MANIFEST)
+        if not os.path.isdir(directory):
+            raise DataError(f"{directory}: no such directory" + ("" if os.path.isabs(directory) else
+                                                                 f" (in the working directory {os.getcwd()})"))
         if not os.path.exists(path):
             raise DataError(f"{directory}: no {MANIFEST}; not a passage store, or its build did not finish "
                             "(rebuild it with `t5r data kb`)")

@@ -15,6 +15,12 @@ query length (`query_inputs.py`), and the end id. The KILT, mini-KILT and demo T
 (`t5_retrieval.tasks`) are registered with it over `kilt_examples_source`, each with its own query
 length. Nothing is kept beside the seqio registries: a Task's dataset, query prefix, length and
 truncation are read back from its source and preprocessors (`describe`).
+
+Evaluation, mining and BM25 negatives read a Task's query *text*: "query" as the Task's tokenising
+step receives it, after every preprocessor before that step (what seqio's `tokenize` keeps as
+"query_pretokenized", t5x's "inputs_pretokenized"). The tokenising step is the helper's, or seqio's
+`tokenize` / `tokenize_and_append_eos` in a Task registered with `seqio.TaskRegistry.add`
+(`text_examples`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import difflib
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +42,7 @@ from t5_retrieval.data.records import read_examples
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, vocabulary_digest
 from t5_retrieval.errors import ConfigError, UserError
 
+log = logging.getLogger(__name__)
 TEMPERATURE = 4.0
 # A Task registered without a query length reads this many tokens: the one length every task had
 # before each stated its own.
@@ -90,6 +98,9 @@ class TaskInfo:
     prefix: str | None    # the query prefix name the helper adds, or None
     query_len: int | None = None      # the Task's query length (None: not registered with the helper)
     truncation: str = KEEP_BEGINNING  # how the helper cuts a query to it (`query_inputs.TRUNCATIONS`)
+    # The preprocessors that run on its query text before tokenisation (`text_preprocessors`): a
+    # model trained on it read their output, not the text a user types.
+    text_preprocessors: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,7 +300,8 @@ def describe(task: Any) -> TaskInfo:
     """A Task's dataset (its KILT source's, else its name), and the query prefix, length and
     truncation the helper gives it."""
     helper = _helper_tokenization(task)
-    info = TaskInfo(task.name, getattr(task.source, "dataset", task.name), None)
+    info = TaskInfo(task.name, getattr(task.source, "dataset", task.name), None,
+                    text_preprocessors=tuple(text_preprocessors(task)))
     if helper is None:
         return info
     return dataclasses.replace(info, prefix=helper.keywords["prefix"], query_len=helper.keywords["query_len"],
@@ -357,25 +369,77 @@ def _helper_tokenization(task: Any) -> functools.partial | None:
     return first if isinstance(first, functools.partial) and first.func is tokenize_queries else None
 
 
-def text_examples(task: Any, split: str) -> list[Any]:
-    """A helper-registered Task's `split` as evaluation examples: the query text after the user's
-    preprocessors (the model adds the prefix and tokenises it as the Task does), the `gold_pages`
-    as alternative gold pages (each one alone is an evidence set), the `positive` as its passage.
-
-    For `t5r eval` / `t5r mine` on a Task that has no KILT examples file."""
+def _tokenising_steps() -> tuple[Callable, ...]:
+    """The preprocessors that turn a Task's "query" text into token ids: the helper's, and seqio's."""
     import seqio
+
+    return tokenize_queries, seqio.preprocessors.tokenize, seqio.preprocessors.tokenize_and_append_eos
+
+
+def _step_function(step: Any) -> Any:
+    return step.func if isinstance(step, functools.partial) else step
+
+
+def _text_steps(task: Any) -> list[Any] | None:
+    """The Task's preprocessors that run before its query is tokenised (seqio's cache placeholder
+    left out), or None when none of its steps is a tokenising step this module knows."""
+    import seqio
+
+    steps = list(task.preprocessors)
+    tokenising = _tokenising_steps()
+    for i, step in enumerate(steps):
+        if _step_function(step) in tokenising:
+            return [s for s in steps[:i] if not isinstance(s, seqio.CacheDatasetPlaceholder)]
+    return None
+
+
+def _qualified_name(step: Any) -> str:
+    fn = _step_function(step)
+    named = fn if hasattr(fn, "__qualname__") else type(fn)  # a function, or a callable object's class
+    return f"{named.__module__}.{named.__qualname__}"
+
+
+def text_preprocessors(task: Any) -> list[str]:
+    """The qualified names of the preprocessors that may rewrite `task`'s query text before it is
+    tokenised (all of its steps but seqio's end-id ones when it has no known tokenising step)."""
+    import seqio
+
+    steps = _text_steps(task)
+    if steps is None:
+        known = {*_tokenising_steps(), seqio.preprocessors.append_eos, seqio.preprocessors.append_eos_after_trim}
+        steps = [s for s in task.preprocessors
+                 if _step_function(s) not in known and not isinstance(s, seqio.CacheDatasetPlaceholder)]
+    return [_qualified_name(step) for step in steps]
+
+
+def text_examples(task: Any, split: str) -> list[Any]:
+    """A Task's `split` as evaluation examples: the query text its tokenising step receives (after
+    every preprocessor before it; the model adds the prefix and tokenises it as the Task does), the
+    `gold_pages` as alternative gold pages (each one alone is an evidence set), the `positive` as
+    its passage.
+
+    For `t5r eval`, `t5r mine` and `t5r data negatives` on a Task that has no KILT examples file,
+    and for the query text of a Task whose preprocessors rewrite it."""
+    import seqio
+    import tensorflow as tf
 
     from t5_retrieval.data.records import DataError, Example
 
-    if _helper_tokenization(task) is None:
-        raise DataError(f"seqio Task {task.name!r}: evaluating it needs its query text, which only a Task "
-                        "registered with add_retrieval_task exposes (or give it a KILT examples file)")
+    steps = _text_steps(task)
+    if steps is None:
+        raise DataError(f"seqio Task {task.name!r}: evaluating it needs its query text, which is \"query\" as the "
+                        "Task's tokenising step receives it, and none of its preprocessors is one t5r knows: tokenise "
+                        "\"query\" with seqio.preprocessors.tokenize (or register the Task with add_retrieval_task)")
     if split not in task.splits:
         raise DataError(f"seqio Task {task.name!r} has no split {split!r} (it has {list(task.splits)}); "
                         "choose one with --split")
     ds = task.source.get_dataset(split=split, shuffle=False)
-    for prep in list(task.preprocessors)[:-HELPER_STEPS]:
+    for prep in steps:
         ds = seqio.utils.add_kwargs_to_transform(prep, sequence_length=None, output_features=task.output_features)(ds)
+    spec = ds.element_spec.get("query") if isinstance(ds.element_spec, dict) else None
+    if spec is None or spec.dtype != tf.string or spec.shape.rank != 0:
+        raise DataError(f"seqio Task {task.name!r}: its \"query\" before tokenisation is {spec}, not one text per "
+                        "example; its preprocessors must leave the query text in \"query\" (docs/data.md)")
 
     def text(value: Any) -> str:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
@@ -389,27 +453,50 @@ def text_examples(task: Any, split: str) -> list[Any]:
     return out
 
 
+def registered_task(name: str) -> Any | None:
+    """The registered seqio Task `name`, or None. A process that never imported seqio has none
+    registered, and asking costs it no TensorFlow import."""
+    seqio = sys.modules.get("seqio")
+    return seqio.TaskRegistry.get(name) if seqio is not None and name in seqio.TaskRegistry.names() else None
+
+
 def has_split(data_dir: str, dataset: str, task_name: str, split: str) -> bool:
     """`split_examples` has something to read: a KILT file, or a registered seqio Task with `split`."""
     if os.path.exists(layout.examples_path(data_dir, dataset, split)):
         return True
-    import seqio
-
-    return task_name in seqio.TaskRegistry.names() and split in seqio.TaskRegistry.get(task_name).splits
+    task = registered_task(task_name)
+    return task is not None and split in task.splits
 
 
 def split_examples(data_dir: str, dataset: str, task_name: str, split: str) -> list[Any]:
-    """The model's task `task_name` (reading `dataset`) on `split`, for evaluation and mining: the
-    KILT file `<data_dir>/examples/{dataset}-{split}.jsonl` when it exists (KILT's evidence sets),
-    else the registered seqio Task's split (`text_examples`)."""
-    path = layout.examples_path(data_dir, dataset, split)
-    if os.path.exists(path):
-        return [dataclasses.replace(e, task=task_name) for e in read_examples(path)]
-    import seqio
+    """The model's task `task_name` (reading `dataset`) on `split`, for evaluation and mining.
 
+    The KILT file `<data_dir>/examples/{dataset}-{split}.jsonl` when it exists (KILT's evidence
+    sets), with each query's text the registered seqio Task's when the Task's preprocessors rewrite
+    it (joined by id: the model trained on their output, not on the file's text; a warning names
+    them when the Task has no such split); else the registered seqio Task's split (`text_examples`)."""
     from t5_retrieval.data.records import DataError
 
-    if task_name in seqio.TaskRegistry.names():
-        return text_examples(seqio.TaskRegistry.get(task_name), split)
+    path = layout.examples_path(data_dir, dataset, split)
+    task = registered_task(task_name)
+    if os.path.exists(path):
+        examples = [dataclasses.replace(e, task=task_name) for e in read_examples(path)]
+        rewriting = text_preprocessors(task) if task is not None else []
+        if not rewriting:
+            return examples
+        if split not in task.splits:
+            log.warning("task %s: %s is scored as written, but the model trained on the query text seqio Task %s's "
+                        "preprocessors (%s) rewrite, and the Task has no split %s to rewrite it", task_name, path,
+                        task_name, ", ".join(rewriting), split)
+            return examples
+        texts = {e.id: e.query for e in text_examples(task, split)}
+        missing = [e.id for e in examples if e.id not in texts]
+        if missing:
+            raise DataError(f"{path}: examples {missing[:3]} ({len(missing)} in all) are not among seqio Task "
+                            f"{task_name!r}'s {split} examples, whose preprocessed query text the model reads; "
+                            "the file and the Task must hold the same examples")
+        return [dataclasses.replace(e, query=texts[e.id]) for e in examples]
+    if task is not None:
+        return text_examples(task, split)
     raise DataError(f"{path}: no examples for task {task_name!r} (dataset {dataset!r}), split {split!r}, and no "
                     f"registered seqio Task {task_name!r} to read instead (--gin.MIXTURE_OR_TASK_MODULE)")
