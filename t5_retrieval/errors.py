@@ -79,12 +79,15 @@ def _free_bytes(path: str) -> int | None:
 def check_writable_dir(path: str, flag: str) -> None:
     """Creates `path` if missing and writes a probe file there, so an unusable output location is
     reported before hours of work rather than after them."""
+    probe = os.path.join(path, f".t5r-write-probe-{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".t5r-write-probe-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        try:
+            with open(probe, "w") as f:
+                f.write("ok")
+        finally:  # also when the write fails (a full disk): the probe must not stay behind
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(probe)
     except OSError as e:
         if is_disk_full(e):
             raise disk_full(path, e) from e

@@ -86,3 +86,20 @@ def test_every_writing_command_refuses_a_read_only_output_in_one_line(tmp_path, 
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith(f"t5r {name}: error: {ro}"), (name, err)
         assert "read-only file system" in lines[0] or "not writable" in lines[0], (name, err)
+
+
+def test_the_write_probe_of_a_full_output_directory_is_not_left_behind(tmp_path, small_filesystems_work):
+    """A directory on a full filesystem: the check names it and leaves nothing (not even a 0-byte probe)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    fill = "import os; open(os.path.join(os.environ['DIR'], 'filler'), 'wb').write(b'x' * (1 << 20))\n"
+    check = ("import os; from t5_retrieval import errors\n"
+             "try:\n    errors.check_writable_dir(os.path.join(os.environ['DIR'], 'eval'), '--output_dir')\n"
+             "except errors.UserError as e:\n    print('ERROR', e)\n"
+             "print(sorted(os.listdir(os.path.join(os.environ['DIR'], 'eval'))))\n")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=1m none "$DIR" && mkdir "$DIR/eval" && '
+                             '"$0" -c "$1" ; "$0" -c "$2"', sys.executable, fill, check],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "DIR": str(mount)})
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"ERROR {mount / 'eval'}: no space left on the device"), result.stdout + result.stderr
+    assert lines[1] == "[]", "the probe file stayed behind"
