@@ -371,3 +371,18 @@ def test_a_bad_input_is_one_error_line_and_status_2(name, case, argv, needle, in
     assert "Traceback" not in err, f"t5r {name} ({case}) showed a traceback:\n{err}"
     assert len(lines) == 1, f"t5r {name} ({case}): expected one `t5r {name}: error:` line:\n{err}"
     assert needle(inputs) in lines[0], f"t5r {name} ({case}): the error does not name {needle(inputs)!r}: {lines[0]}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_debug_shows_the_traceback_of_the_same_bad_file(name, inputs, monkeypatch):
+    """`t5r --debug <command>` raises what the one line would have reported, for every command."""
+    from t5_retrieval.errors import DEBUG_ENV, UserError
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    (_, argv, needle), = [case for case in CASES[name] if case[0] == "bad file"]
+    try:
+        with pytest.raises((UserError, OSError)) as raised:
+            cli.main(["--debug", *name.split(), *argv(inputs)])
+    finally:
+        monkeypatch.delenv(DEBUG_ENV, raising=False)  # `--debug` sets it for the libraries
+    assert needle(inputs) in str(raised.value), str(raised.value)
