@@ -300,3 +300,14 @@ def test_the_dev_queries_that_are_training_queries_are_counted_and_left_out_of_a
     assert lines[0] == "Dev queries that are also training queries: 10 (fever 10)."
     assert lines[-1] == f"| BM25 | {bm25.mean('Rprec'):.3f} | {expected:.3f} | " \
                         f"{bm25.mean('recall@20'):.3f} | {mean_without(bm25, dropped, 'recall@20'):.3f} |"
+
+
+def test_the_inputs_table_pairs_each_row_under_old_and_new_inputs_on_the_same_queries():
+    from t5_retrieval.results.significance import inputs_table
+
+    old = {"taco": [synthetic_record("taco", 0, 0.30)]}
+    new = {"taco": [synthetic_record("taco", 0, 0.50), synthetic_record("taco", 1, 0.70)], "bm25": []}
+    lines = inputs_table(new, old, {"taco": "TACO", "bm25": "BM25"}).splitlines()
+    assert len(lines) == 4, "header, rule, then an old and a new line for each row under both inputs"
+    assert lines[2].startswith("| TACO | old | 1 | ") and lines[2].endswith(" | 0.300 |  |"), lines[2]
+    assert lines[3].startswith("| TACO | new | 2 | ") and " | 0.600 | +0.300 [" in lines[3], lines[3]

@@ -31,6 +31,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--records_dir", default=None,
                         help="where every finished run's record goes and the tables are built from "
                              "(default <work_dir>/records; docs/run_records/mini_kilt holds docs/RESULTS.md's)")
+    parser.add_argument("--compare_with", default=None,
+                        help="records of the same rows under other inputs (e.g. docs/run_records/mini_kilt, "
+                             "queries at 64 tokens): also print each row's change from them")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
@@ -38,7 +41,7 @@ def main(argv: list[str]) -> int:
     if rows and not args.data:
         raise UserError("--data is needed to run rows (or pass --rows= to print the tables only)")
     logs.setup()
-    table = results.run_rows(args.work_dir, rows, seeds, args.data, args.records_dir)
+    table = results.run_rows(args.work_dir, rows, seeds, args.data, args.records_dir, args.compare_with)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)

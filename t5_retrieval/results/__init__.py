@@ -70,7 +70,7 @@ from t5_retrieval.results.overlap import overlap_table, read_overlap, write_over
 from t5_retrieval.results.qa_open import qa_open_table
 from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED, TITLES
 from t5_retrieval.results.records import read_records, record_run, seed_dir, write_record
-from t5_retrieval.results.significance import differences_table
+from t5_retrieval.results.significance import differences_table, inputs_table
 from t5_retrieval.results.tables import markdown_table
 
 
@@ -78,10 +78,11 @@ log = logging.getLogger(__name__)
 
 
 def run_rows(work_dir: str, rows: Sequence[str], seeds: Sequence[int] = (0,), data: str | None = None,
-             records_dir: str | None = None) -> str:
+             records_dir: str | None = None, compare_with: str | None = None) -> str:
     """Runs (or resumes) `rows` on `data` (the mini-KILT directory, or "slice") under `work_dir`, `seeds`
     for the rows of `SEEDED`, records each finished run in `records_dir` (default
-    `<work_dir>/records`), and returns the tables of every recorded row (Markdown)."""
+    `<work_dir>/records`), and returns the tables of every recorded row (Markdown); `compare_with`,
+    the records of the same rows under other inputs, adds each row's change from those."""
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         raise ConfigError(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
@@ -103,5 +104,6 @@ def run_rows(work_dir: str, rows: Sequence[str], seeds: Sequence[int] = (0,), da
     differences = differences_table(records, TITLES, CONTROLS)
     overlap = read_overlap(records_dir)
     without = overlap_table(records, TITLES, overlap) if overlap is not None and records else ""
-    return "\n".join(t for t in (markdown_table(records), differences, without, analysis_table(work_dir),
+    changes = inputs_table(records, read_records(compare_with), TITLES) if compare_with else ""
+    return "\n".join(t for t in (markdown_table(records), differences, without, changes, analysis_table(work_dir),
                                  qa_open_table(work_dir)) if t)

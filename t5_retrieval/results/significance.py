@@ -122,3 +122,26 @@ def seed_differences(runs: Sequence[RunRecord], controls: Sequence[RunRecord], m
     training noise adds, and whether the sign holds from seed to seed."""
     control_by_seed = {run.seed: run for run in controls}
     return [run.mean(metric) - control_by_seed[run.seed].mean(metric) for run in runs if run.seed in control_by_seed]
+
+
+def inputs_table(new: Mapping[str, Sequence[RunRecord]], old: Mapping[str, Sequence[RunRecord]],
+                 titles: Mapping[str, str]) -> str:
+    """Markdown: each row recorded under both inputs, its R-precision per task and on the mean over
+    tasks with the old and the new inputs (seed means), and new minus old on the mean with its paired
+    95% bootstrap interval (the same dev queries, so the pairing is exact)."""
+    rows = [row for row in titles if new.get(row) and old.get(row)]
+    if not rows:
+        return ""
+    key, label = METRICS[0]
+    lines = ["| row | inputs | seeds | " + " | ".join(f"{t} {label}" for t in TASKS)
+             + f" | mean {label} | new - old, mean {label} |",
+             "|---|---|---|" + "---|" * (len(TASKS) + 2)]
+    for row in rows:
+        _check_same_queries(new[row][0], old[row][0])
+        before, after = seed_mean(old[row]), seed_mean(new[row])
+        difference = paired_bootstrap({t: after[t][key] for t in TASKS}, {t: before[t][key] for t in TASKS})
+        for name, runs, scores, cell in (("old", old[row], before, ""), ("new", new[row], after, str(difference))):
+            per_task = [float(scores[t][key].mean()) for t in TASKS]
+            lines.append(f"| {titles[row]} | {name} | {len(runs)} | " + " | ".join(f"{v:.3f}" for v in per_task)
+                         + f" | {np.mean(per_task):.3f} | {cell} |")
+    return "\n".join(lines) + "\n"
