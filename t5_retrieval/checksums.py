@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
 from typing import Any
 
 from t5_retrieval.errors import UserError
@@ -75,11 +74,10 @@ def _write_json(path: str, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def record(directory: str, names: Iterable[str] | None = None) -> dict[str, Any]:
-    """Writes `t5r_checksums.json` for the finished artefact in `directory` (by default every file in
-    it) and a stamp, since the files were just hashed as they are. Returns the record."""
-    names = artefact_files(directory) if names is None else sorted(names)
-    files = {name: _entry(os.path.join(directory, name)) for name in names}
+def record(directory: str) -> dict[str, Any]:
+    """Writes `t5r_checksums.json` for the finished artefact in `directory` (every file in it) and a
+    stamp, since the files were just hashed as they are. Returns the record."""
+    files = {name: _entry(os.path.join(directory, name)) for name in artefact_files(directory)}
     doc = {"algorithm": ALGORITHM, "files": files}
     _write_json(os.path.join(directory, CHECKSUMS_FILE), doc)
     _write_stamp(directory, {name: [*_stat_key(os.path.join(directory, name)), entry[ALGORITHM]]
