@@ -101,7 +101,7 @@ def run() -> None:
     libraries' writer threads and exit handlers (orbax, tensorboard) fail to flush on their way out,
     each with a traceback; they are not shown (`--debug` shows them)."""
     code = main()
-    if _TEARDOWN_NOISE and os.environ.get(DEBUG_ENV, "") in ("", "0"):
+    if _TEARDOWN_NOISE:  # only a one-line report (never `--debug`) adds to it
         sys.stdout.flush()
         sys.stderr.flush()
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -114,10 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     """Runs one command. Errors the user can fix are one line, `t5r <command>: error: <path>: ...`,
     with exit status 2; `t5r --debug <command> ...` (or T5R_DEBUG=1) shows their traceback."""
     argv = sys.argv[1:] if argv is None else argv
-    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    if argv and argv[0] == "--debug":
-        debug, argv = True, argv[1:]
-        os.environ[DEBUG_ENV] = "1"  # libraries that quieten third-party noise read it too
+    if not argv or argv[0] != "--debug":
+        return _run_command(argv, debug=os.environ.get(DEBUG_ENV, "") not in ("", "0"))
+    previous = os.environ.get(DEBUG_ENV)
+    os.environ[DEBUG_ENV] = "1"  # libraries that quieten third-party noise read it too
+    try:
+        return _run_command(argv[1:], debug=True)
+    finally:  # an in-process caller's later commands are not in debug mode
+        if previous is None:
+            del os.environ[DEBUG_ENV]
+        else:
+            os.environ[DEBUG_ENV] = previous
+
+
+def _run_command(argv: list[str], debug: bool) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

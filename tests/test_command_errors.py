@@ -380,9 +380,9 @@ def test_debug_shows_the_traceback_of_the_same_bad_file(name, inputs, monkeypatc
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     (_, argv, needle), = [case for case in CASES[name] if case[0] == "bad file"]
-    try:
-        with pytest.raises((UserError, OSError)) as raised:
-            cli.main(["--debug", *name.split(), *argv(inputs)])
-    finally:
-        monkeypatch.delenv(DEBUG_ENV, raising=False)  # `--debug` sets it for the libraries
+    args = argv(inputs)
+    with pytest.raises((UserError, OSError)) as raised:
+        cli.main(["--debug", *name.split(), *args])
     assert needle(inputs) in str(raised.value), str(raised.value)
+    assert DEBUG_ENV not in os.environ, "`--debug` holds for its own command only"
+    assert cli.main([*name.split(), *args]) == 2, "the next command in the process reports in one line"
