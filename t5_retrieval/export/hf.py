@@ -40,8 +40,8 @@ from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
 from t5_retrieval.data.tokenizers.query_inputs import recorded_query_input
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path
 from t5_retrieval.errors import UserError
-from t5_retrieval.export.hf_tokenizers import write_bert_tokenizer, write_json, write_t5_tokenizer
 from t5_retrieval.export import t5r_query_ids
+from t5_retrieval.export.hf_tokenizers import write_bert_tokenizer, write_json, write_t5_tokenizer
 from t5_retrieval.export.model_card import model_card
 from t5_retrieval.export.sentence_transformers_files import (POOLING_MODES, QUERY_IDS_FILE, ROLE_BOTH, ROLE_PASSAGE,
                                                              ROLE_QUERY, copy_source, write_router,

@@ -85,7 +85,7 @@ def describe_model(record: dict[str, Any]) -> str:
 def packages(record: dict[str, Any]) -> str:
     lines = ["- `transformers` (>= 5; exported and tested with 5.23.0) and `torch`."]
     if record["sentence_transformers"]:
-        lines.append("- `sentence-transformers` (tested with 5.7.0; the module uses its 5.x `Transformer` API) for "
+        lines.append("- `sentence-transformers` 5.x (tested with 5.7.0) for "
                      "`SentenceTransformer(d, trust_remote_code=True)`.")
     if record["family"] == "t5":
         lines.append("- The tokenizer is `tokenizer.json` (no `sentencepiece` needed to load it). `spiece.model`, the "
@@ -107,10 +107,11 @@ embeddings; use the transformers code below.
 ## sentence-transformers
 
 `SentenceTransformer(d, trust_remote_code=True)` loads it in one call; `trust_remote_code` lets it
-run `modeling_t5r.py` from this directory (read it first: it builds t5r's token ids of a query,
-`t5r_query_ids.py`). A prompt here is a task name tag: `encode_query(queries, prompt_name=task)`
-(or `encode(queries, prompt_name=task)`) reads each query as t5r reads that task's: its prefix, its
-length, its truncation. A query without a task prompt is an error naming the tasks.
+run `modeling_t5r.py` from this directory (a short file worth reading first: a sentence-transformers
+`Transformer` that builds t5r's token ids of a query with `t5r_query_ids.py`). A prompt here is a
+task name tag: `encode_query(queries, prompt_name=task)` (or `encode(queries, prompt_name=task)`)
+reads each query as t5r reads that task's: its prefix, its length, its truncation. A query without
+a task prompt is an error naming the tasks.
 `encode_document(passages)` embeds passages at the passage length.
 
 ```python
