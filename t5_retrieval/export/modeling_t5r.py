@@ -69,7 +69,7 @@ class T5rTransformer(Transformer):
 
     def preprocess_queries(self, queries: list[Any], task: str) -> dict[str, Any]:
         if not all(isinstance(q, str) for q in queries):
-            raise TypeError(f"queries of {task} must be strings")
+            raise TypeError(f"pass each query of {task} as one string (not a pair, dict or image)")
         ids = [query_ids(self.tokenizer, q, self.tasks[task]) for q in queries]
         batch = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt")
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "modality": "text"}
