@@ -4,12 +4,16 @@ offline, embedding as t5r does.
 Models: all-MiniLM-L6-v2 zero-shot (the `t5r results` row's model directory, the six mini-KILT tasks),
 a prefixed tiny BERT trained by `t5r train` and a query-side model trained from it by `t5r train`
 over its stored passage embeddings, a T5 ST5-EncDec trained by `t5r train`, and a T5 ST5-Enc with a
-separate query encoder. Each export is loaded with sentence-transformers and transformers (no
-network), and its embeddings and top-10 are compared with `load_encoder(model_dir)` on the longest
-dev queries of the demo slice's tasks (entity-linking queries cut around their mention, WoW and
-others past their task's length). Import -> export -> import is checked bit for bit on random HF models.
+separate query encoder. Each export is loaded with sentence-transformers (`trust_remote_code=True`:
+its `modeling_t5r.py`) and transformers (no network), and its `encode_query(q, prompt_name=task)`,
+`encode_document` and model card code are compared, embeddings and top-10, with
+`load_encoder(model_dir)` on the longest dev queries of the demo slice's tasks (entity-linking
+queries cut around their mention, WoW and others past their task's length) and some short ones.
+Import -> export -> import is checked bit for bit on random HF models.
 """
 
+import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -106,19 +110,24 @@ def card_blocks(out: str) -> list[str]:
     return [block.split("```")[0].replace("path/to/this/directory", out) for block in card.split("```python\n")[1:]]
 
 
-def run_card(out: str, passages: list[str], queries: list[str], task: str) -> tuple[dict, list]:
-    """Runs the card's code blocks as pasted (query_ids, then sentence-transformers' and/or
-    transformers') on these passages and queries of `task`: its names, and each embedding block's
-    (query embeddings, passage embeddings)."""
+def run_card(out: str, passages: list[str], queries: list[str], task: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Runs each of the card's code blocks as pasted (sentence-transformers' and/or transformers') on
+    these passages and queries of `task`: each block's (query embeddings, passage embeddings)."""
     example_task = next(iter(read_json(out, hf.RETRIEVAL_JSON)["tasks"]))
-    first, *embedding_blocks = card_blocks(out)
-    scope = {"passages": passages, "queries": queries}
-    exec(first, scope)
     results = []
-    for block in embedding_blocks:
+    for block in card_blocks(out):
+        scope = {"passages": passages, "queries": queries}
         exec(block.replace(f'"{example_task}"', repr(task)), scope)
-        results.append((scope.pop("query_embeddings"), scope.pop("passage_embeddings")))
-    return scope, results
+        results.append((scope["query_embeddings"], scope["passage_embeddings"]))
+    return results
+
+
+def load_query_ids(out: str):
+    """The export's own t5r_query_ids.py (what the card's transformers code and modeling_t5r.py run)."""
+    spec = importlib.util.spec_from_file_location("exported_t5r_query_ids", os.path.join(out, "t5r_query_ids.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -134,28 +143,47 @@ def assert_same_top10(queries: np.ndarray, passages: np.ndarray, want_q: np.ndar
     np.testing.assert_array_equal(got, want, err_msg=f"{what}: top-10 differs from t5r's")
 
 
+def load_sentence_transformer(out: str) -> SentenceTransformer:
+    return SentenceTransformer(out, trust_remote_code=True, device="cpu")
+
+
 def check_sentence_transformers(out: str, encoder, tasks: dict[str, list[str]], passages) -> None:
-    """`SentenceTransformer(out)`: encode_document, the card's encode_queries and encode_query with the
-    task's prompt (for the queries that fit their task's length) against t5r, embeddings and top-10."""
-    model = SentenceTransformer(out, device="cpu")
+    """`SentenceTransformer(out, trust_remote_code=True)`: encode_document, and encode_query with each
+    task's prompt on its long (cut at the task's length, around an entity mention) and short queries,
+    against t5r, embeddings and top-10; then the card's code blocks as pasted, and a query without a
+    task prompt refused."""
+    model = load_sentence_transformer(out)
     texts = [format_passage(p.title, p.text, read_json(out, hf.RETRIEVAL_JSON)["passage_template"]) for p in passages]
     want_p = encoder.encode_passages(passages)
     got_p = model.encode_document(texts)
     assert_close(got_p, want_p, "sentence-transformers encode_document")
     for task, queries in tasks.items():
-        scope, results = run_card(out, texts, queries, task)
         want_q = encoder.encode_queries(queries, task)
+        got_q = model.encode_query(queries, prompt_name=task)
+        assert_close(got_q, want_q, f"{task}: encode_query(prompt_name=task)")
+        assert_same_top10(got_q, got_p, want_q, want_p, f"{task}: encode_query(prompt_name=task)")
+        results = run_card(out, texts, queries, task)
         assert len(results) == 2, "the card must give sentence-transformers' and transformers' code"
-        for library, (got_q, card_p) in zip(("sentence-transformers", "transformers"), results):
-            assert_close(got_q, want_q, f"{task}: the card's query embeddings with {library}")
+        for library, (card_q, card_p) in zip(("sentence-transformers", "transformers"), results):
+            assert_close(card_q, want_q, f"{task}: the card's query embeddings with {library}")
             assert_close(card_p, want_p, f"the card's passage embeddings with {library}")
-            assert_same_top10(got_q, got_p, want_q, want_p, f"{task}: the card's code with {library}")
-        spec = read_json(out, hf.RETRIEVAL_JSON)["tasks"][task]
-        fits = [q for q in queries if len(scope["query_ids"](model.tokenizer, q, task)) < spec["query_len"]]
-        if spec["truncation"] == "beginning":
-            assert fits, f"{task}: no query within the task's length to check encode_query on"
-            assert_close(model.encode_query(fits, prompt_name=task), encoder.encode_queries(fits, task),
-                         f"{task}: encode_query(prompt_name=task) on queries within the task's length")
+            assert_same_top10(card_q, card_p, want_q, want_p, f"{task}: the card's code with {library}")
+    task, queries = next(iter(tasks.items()))
+    assert_close(model.encode(queries, prompt_name=task), encoder.encode_queries(queries, task),
+                 f"{task}: encode(prompt_name=task)")
+    check_refuses_queries_without_their_task(model, sorted(tasks), texts)
+
+
+def check_refuses_queries_without_their_task(model: SentenceTransformer, task_names: list[str], texts) -> None:
+    """A query needs its task's prompt; a passage takes none: each an error saying what to pass."""
+    needs_task = r"a query needs its task: encode_query\(queries, prompt_name=TASK\)"
+    with pytest.raises(ValueError, match=needs_task) as error:
+        model.encode_query(["who wrote Frankenstein?"])
+    assert all(name in str(error.value) for name in task_names), error.value
+    with pytest.raises(ValueError, match="names no task of this model"):
+        model.encode_query(["who wrote Frankenstein?"], prompt="query: ")
+    with pytest.raises(ValueError, match="passages take no prompt"):
+        model.encode_document(texts[:1], prompt_name=task_names[0])
 
 
 def slice_queries(slice_dir: str, dataset: str) -> list[str]:
@@ -192,34 +220,50 @@ def test_zero_shot_minilm_export_is_the_original_model_with_a_tokenizer_json(min
     original = load_file(os.path.join(minilm_l6_dir(), "model.safetensors"))
     assert_tensors_equal_original(original, out, ignorable=(*hf_bert_import.UNUSED_NAMES, "pooler.dense.weight",
                                                             "pooler.dense.bias"))
-    for name in ("modules.json", os.path.join("1_Pooling", "config.json")):
-        assert read_json(out, name) == read_json(minilm_l6_dir(), name), name
+    assert read_json(out, "1_Pooling", "config.json") == read_json(minilm_l6_dir(), "1_Pooling", "config.json")
+    original_modules = read_json(minilm_l6_dir(), "modules.json")
+    original_modules[0]["type"] = "modeling_t5r.T5rTransformer"  # the original's Transformer, reading t5r's queries
+    assert read_json(out, "modules.json") == original_modules
     assert os.path.exists(os.path.join(out, "tokenizer.json"))
     texts = ["Who wrote the novel Frankenstein?", "Morse code: a method used in telecommunication to encode text."]
-    ours, theirs = SentenceTransformer(out, device="cpu"), SentenceTransformer(minilm_l6_dir(), device="cpu")
+    ours, theirs = load_sentence_transformer(out), SentenceTransformer(minilm_l6_dir(), device="cpu")
     assert ours.tokenizer(texts)["input_ids"] == theirs.tokenizer(texts)["input_ids"]
     diff = np.abs(ours.encode(texts) - theirs.encode(texts)).max()
     assert diff == 0.0, f"the exported MiniLM embeds {diff} away from the original"
 
 
-def test_the_model_cards_query_ids_are_t5rs_for_every_demo_query(minilm_zero_shot, slice_dir):
-    """`query_ids` of the card with the export's tokenizer, on every dev query of the demo slice's six
-    tasks, against the ids t5r reads (at the task's length, and at a second, shorter one)."""
+def test_the_exported_query_ids_are_t5rs_for_every_demo_query(minilm_zero_shot, slice_dir):
+    """The export's `t5r_query_ids.query_ids` with its tokenizer, on every dev query of the demo slice's
+    six tasks, against the ids t5r reads (at the task's length, and at a second, shorter one)."""
     from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_ids
 
     model_dir, out = minilm_zero_shot
     encoder = load_encoder(model_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    scope = {}
-    exec(card_blocks(out)[0], scope)
+    exported = load_query_ids(out)
+    tasks = exported.read_tasks(out)
     for task in encoder.task_names:
         query = encoder.query_input(task)
         for variant in (query, QueryInput(None, query.length // 2 + 8, query.truncation)):
-            scope["TASKS"][task]["query_len"] = variant.length
+            spec = {**tasks[task], "query_len": variant.length}
             queries = dev_queries(slice_dir, task)
             want = [ids + [encoder.vocabulary.sep_id] for ids in query_ids(encoder.vocabulary, queries, variant)]
-            got = [scope["query_ids"](tokenizer, q, task) for q in queries]
+            got = [exported.query_ids(tokenizer, q, spec) for q in queries]
             assert got == want, f"{task} at {variant}: the card's query ids differ from t5r's"
+
+
+def test_the_exported_code_imports_nothing_from_t5r(minilm_zero_shot):
+    """modeling_t5r.py and t5r_query_ids.py run where t5r is not installed: standard library,
+    sentence-transformers and each other only."""
+    _, out = minilm_zero_shot
+    allowed = {"__future__", "collections", "json", "os", "typing", "sentence_transformers"}
+    for name in ("modeling_t5r.py", "t5r_query_ids.py"):
+        tree = ast.parse(open(os.path.join(out, name), encoding="utf-8").read())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.level == 0}
+        assert imported <= allowed, f"{name} imports {sorted(imported - allowed)}"
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +292,10 @@ def test_prefixed_bert_embeds_as_t5r_with_its_prompts_and_one_token_markers(bert
     model_dir, out = bert_runs[0]
     record = read_json(out, hf.RETRIEVAL_JSON)
     assert (record["query_encoder"], record["passage_encoder"]) == (".", "."), record
-    prompts = read_json(out, "config_sentence_transformers.json")["prompts"]
-    assert prompts["demo_fever"] == "FEVER [unused1] " and prompts["demo_aidayago2"] == "AIDA [unused1] ", prompts
+    assert read_json(out, "config_sentence_transformers.json")["prompts"]["demo_fever"] == "<t5r-task:demo_fever>"
+    module_tasks = read_json(out, "sentence_bert_config.json")["tasks"]
+    assert module_tasks["demo_fever"]["query_prefix"] == "FEVER [unused1] ", module_tasks
+    assert module_tasks["demo_aidayago2"]["query_prefix"] == "AIDA [unused1] ", module_tasks
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer.tokenize("FEVER [unused1] x") == ["fever", "[unused1]", "x"], "[unused1] must be one token"
     check_sentence_transformers(out, load_encoder(model_dir), synthetic_task_queries(slice_dir), passages_of(data_dir))
@@ -270,8 +316,8 @@ def test_query_side_model_exports_its_query_encoder_and_its_bases_passage_encode
     assert any(not np.array_equal(query[name], passage[name]) for name in query), \
         "the query route must hold the fine-tuned weights, the document route the base's"
     check_sentence_transformers(out, encoder, synthetic_task_queries(slice_dir), passages_of(data_dir))
-    with pytest.raises(ValueError, match="task"):
-        SentenceTransformer(out, device="cpu").encode(["which tower?"])  # no silent default route
+    with pytest.raises(ValueError, match="a query needs its task"):
+        load_sentence_transformer(out).encode(["which tower?"])  # no silent choice of tower
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +347,7 @@ def test_st5_encdec_export_has_no_sentence_transformers_files_and_its_card_embed
     texts = [format_passage(p.title, p.text) for p in passages]
     want_p = encoder.encode_passages(passages)
     for task, queries in synthetic_task_queries(slice_dir).items():
-        _, [(got_q, got_p)] = run_card(out, texts, queries, task)
+        [(got_q, got_p)] = run_card(out, texts, queries, task)
         want_q = encoder.encode_queries(queries, task)
         assert_close(got_q, want_q, f"T5 {task}: the card's transformers code")
         assert_close(got_p, want_p, "T5 passages: the card's transformers code")

@@ -64,9 +64,17 @@ def imported_modules(path: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{path}:{node.lineno}: relative import; the layer check reads absolute ones"
-            out += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+            out += [(node.lineno, f"{absolute_module(path, node)}.{alias.name}") for alias in node.names]
     return out
+
+
+def absolute_module(path: str, node: ast.ImportFrom) -> str:
+    """The module `from ... import` names, a relative one resolved against the file's package (the
+    export's standalone `modeling_t5r.py` imports its sibling so: transformers copies only those)."""
+    if node.level == 0:
+        return node.module
+    package = os.path.relpath(os.path.dirname(path), REPO).split(os.sep)
+    return ".".join([*package[:len(package) - node.level + 1], *([node.module] if node.module else [])])
 
 
 def upward_imports() -> list[str]:

@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     record = hf.export_hf(args.checkpoint_dir, args.output_dir, args.step)
     layout = ("queries: query_encoder/, passages: passage_encoder/" if record["query_encoder"] != "." else
               "one network")
-    print(f"t5r export-hf: wrote {args.output_dir} ({record['family']}, {layout}, "
-          f"sentence-transformers: {'yes' if record['sentence_transformers'] else 'no'}, "
+    st = "SentenceTransformer(dir, trust_remote_code=True)" if record["sentence_transformers"] else "no"
+    print(f"t5r export-hf: wrote {args.output_dir} ({record['family']}, {layout}, sentence-transformers: {st}, "
           f"model {record['fingerprint']}, tasks {sorted(record['tasks'])})")
     return 0

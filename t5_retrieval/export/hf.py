@@ -6,9 +6,10 @@ Every model `t5r train`, `t5r query-side` and `t5r results` write is exported. T
 queries and passages is the output directory itself; two (a separate query encoder, or a query-side
 model: its fine-tuned query encoder, its base's passage encoder) are `query_encoder/` and
 `passage_encoder/`. When sentence-transformers can pool as the model does ([CLS] or mean; ST5-EncDec's
-decoder step it cannot), its files make the directory one `SentenceTransformer` (a `Router` over the
-two networks, task prefixes as prompts: `sentence_transformers_files`). README.md (`model_card`) gives
-code that computes t5r's embeddings with either library.
+decoder step it cannot), its files make the directory one `SentenceTransformer` (`modeling_t5r.py`,
+which reads each task's queries as t5r does, for one network or a `Router` over two; one prompt per
+task: `sentence_transformers_files`). README.md (`model_card`) gives code that computes t5r's
+embeddings with either library.
 
 The tensors are written through the importers' own name maps (`hf_import.name_map`,
 `hf_bert_import.name_map`) run backwards: each converter there is a reshape/transpose, so applying it
@@ -39,11 +40,12 @@ from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
 from t5_retrieval.data.tokenizers.query_inputs import recorded_query_input
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path
 from t5_retrieval.errors import UserError
+from t5_retrieval.export import t5r_query_ids
 from t5_retrieval.export.hf_tokenizers import write_bert_tokenizer, write_json, write_t5_tokenizer
 from t5_retrieval.export.model_card import model_card
-from t5_retrieval.export.sentence_transformers_files import (POOLING_MODES, ROUTER, TRANSFORMER,
-                                                             write_router, write_sentence_transformers,
-                                                             write_transformer_config)
+from t5_retrieval.export.sentence_transformers_files import (POOLING_MODES, QUERY_IDS_FILE, ROLE_BOTH, ROLE_PASSAGE,
+                                                             ROLE_QUERY, copy_source, write_router,
+                                                             write_sentence_transformers, write_transformer_config)
 from t5_retrieval.inference import (DualEncoderInference, QuerySideEncoder, is_query_side_dir, load_dual_encoder,
                                     load_encoder)
 from t5_retrieval.models import hf_bert_import, hf_import
@@ -52,7 +54,7 @@ from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.retrieval.encoder import Encoder
 
 FORMAT = "t5r-hf-export/2"
-RETRIEVAL_JSON = "t5r_retrieval.json"  # tasks, prefixes, lengths, pooling: what the model card explains
+RETRIEVAL_JSON = t5r_query_ids.RETRIEVAL_JSON  # tasks, prefixes, lengths, pooling: what the model card explains
 QUERY_ENCODER_DIR, PASSAGE_ENCODER_DIR = "query_encoder", "passage_encoder"  # when there are two networks
 BERT_SENTINEL = "[unused1]"  # what `<extra_id_1>` in a task prefix becomes in a WordPiece vocabulary
 
@@ -213,15 +215,14 @@ def retrieval_record(networks: Networks) -> dict[str, Any]:
             "query_len": query_len, "passage_len": passage_features["passage_len"],
             "passage_template": passage_features.get("passage_template", PASSAGE_TEMPLATE), "tasks": tasks,
             "query_encoder": QUERY_ENCODER_DIR if two else ".", "passage_encoder": PASSAGE_ENCODER_DIR if two else ".",
-            "query_side": networks.query_side, "sentence_transformers": dual["pooling"] in POOLING_MODES,
-            # Where sentence-transformers' encode_query cuts a query: its route's max_seq_length.
-            "st_query_len": query_len if two else passage_features["passage_len"]}
+            "query_side": networks.query_side, "sentence_transformers": dual["pooling"] in POOLING_MODES}
 
 
 def write_network(directory: str, params: Any, config: dict[str, Any], max_length: int, markers: list[str],
-                  sentence_transformers: bool) -> None:
+                  st_role: str | None, tasks: dict[str, dict[str, Any]]) -> None:
     """One complete Hugging Face directory: weights, tokenizer (truncating at `max_length`, the token
-    length of the texts it embeds) and, for sentence-transformers, its `Transformer` module config."""
+    length of the texts it embeds) and, unless `st_role` is None, its sentence-transformers module
+    config (what it embeds, each task's queries)."""
     os.makedirs(directory, exist_ok=True)
     vocabulary = config["features"]["vocabulary"]
     if config.get("family", "t5") == "bert":
@@ -230,8 +231,8 @@ def write_network(directory: str, params: Any, config: dict[str, Any], max_lengt
     else:
         write_t5_dir(directory, params, T5Config(**config["t5"]))
         write_t5_tokenizer(directory, vocabulary, max_length)
-    if sentence_transformers:
-        write_transformer_config(directory, max_length)
+    if st_role:
+        write_transformer_config(directory, max_length, st_role, tasks)
 
 
 def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> dict[str, Any]:
@@ -252,7 +253,7 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
             raise ExportError(f"features.vocabulary={vocabulary!r}: a BERT model needs a WordPiece vocab.txt")
     record = retrieval_record(networks)
     markers = [BERT_SENTINEL] if family == "bert" and any(spec["prefix"] for spec in record["tasks"].values()) else []
-    st = record["sentence_transformers"]
+    st, tasks = record["sentence_transformers"], record["tasks"]
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     partial = tempfile.mkdtemp(prefix=".t5r-export-hf-", dir=parent)
@@ -261,18 +262,19 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
         passage_params = jax_to_numpy(networks.passage.params[family])
         if networks.two_networks:
             write_network(os.path.join(partial, QUERY_ENCODER_DIR), query_params, networks.query.config,
-                          record["query_len"], markers, st)
+                          record["query_len"], markers, ROLE_QUERY if st else None, tasks)
             write_network(os.path.join(partial, PASSAGE_ENCODER_DIR), passage_params, networks.passage.config,
-                          record["passage_len"], markers, st)
+                          record["passage_len"], markers, ROLE_PASSAGE if st else None, tasks)
             if st:
                 write_router(partial, QUERY_ENCODER_DIR, PASSAGE_ENCODER_DIR)
         else:
-            write_network(partial, passage_params, networks.passage.config, record["passage_len"], markers, st)
+            write_network(partial, passage_params, networks.passage.config, record["passage_len"], markers,
+                          ROLE_BOTH if st else None, tasks)
         if st:
-            write_sentence_transformers(partial, ROUTER if networks.two_networks else TRANSFORMER,
-                                        networks.encoder.dim, record["pooling"], record["l2_normalize"],
-                                        {name: spec["query_prefix"] for name, spec in record["tasks"].items()})
+            write_sentence_transformers(partial, networks.two_networks, networks.encoder.dim, record["pooling"],
+                                        record["l2_normalize"], tasks)
         write_json(os.path.join(partial, RETRIEVAL_JSON), record)
+        copy_source(partial, QUERY_IDS_FILE)  # t5r's query ids, for the card's code and modeling_t5r.py
         write_json(os.path.join(partial, "model_config.json"), networks.query.config)
         with open(os.path.join(partial, "README.md"), "w", encoding="utf-8") as f:
             f.write(model_card(record))

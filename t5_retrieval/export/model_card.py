@@ -1,9 +1,9 @@
 """README.md of an exported directory: what it holds, the packages it needs, and code that gives t5r's
 embeddings with sentence-transformers (when it has its files) and with transformers alone.
 
-The code blocks are written to run as pasted (`tests/test_export_hf.py` runs them): `query_ids`
-(t5r's token ids of a query of a task, from `t5r_retrieval.json`), then `encode_queries` with
-sentence-transformers, then the same with transformers.
+Each code block runs as pasted (`tests/test_export_hf.py` runs them): sentence-transformers (the
+directory's `modeling_t5r.py` reads queries as t5r does), then transformers with the
+directory's `t5r_query_ids.py` (t5r's token ids of a query of a task).
 """
 
 from __future__ import annotations
@@ -12,62 +12,25 @@ from typing import Any
 
 from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW
 
-QUERY_IDS_CODE = '''import json
-import os
-
-import torch
-
-d = "path/to/this/directory"
-with open(os.path.join(d, "t5r_retrieval.json")) as f:
-    TASKS = json.load(f)["tasks"]
-
-
-def query_ids(tokenizer, query, task):
-    """t5r's token ids for `query` of `task`: whitespace runs as one space, KILT's [SEP] as the
-    tokenizer's separator, the task's prefix, then the query cut to the task's length; a task whose
-    truncation is "mention" keeps a window around [START_ENT] mention [END_ENT] (the mention and both
-    markers whole, the rest of the length split between the context on either side, half each, a
-    side too short for its half leaving the rest to the other)."""
-    spec = TASKS[task]
-    query = " ".join(query.replace("[SEP]", tokenizer.sep_token or tokenizer.eos_token).split())
-    a = query.find("[START_ENT]")
-    b = query.find("[END_ENT]", a + len("[START_ENT]")) if a >= 0 else -1
-    if spec["truncation"] != "mention" or b < 0:
-        return tokenizer(spec["query_prefix"] + query, max_length=spec["query_len"], truncation=True)["input_ids"]
-    encode = lambda text: tokenizer(text.strip(), add_special_tokens=False)["input_ids"]  # noqa: E731
-    left, mention, right = encode(query[:a]), encode(query[a + len("[START_ENT]"):b]), encode(query[b + len("[END_ENT]"):])
-    start, end, prefix = encode("[START_ENT]"), encode("[END_ENT]"), encode(spec["query_prefix"])
-    if tokenizer.cls_token_id is not None:
-        first, last = [tokenizer.cls_token_id], [tokenizer.sep_token_id]  # BERT: [CLS] ... [SEP]
-    else:
-        first, last = [], [tokenizer.eos_token_id]  # T5: ... </s>
-    budget = spec["query_len"] - len(first) - len(last) - len(prefix) - len(start) - len(end)
-    mention = mention[:budget]
-    rest = budget - len(mention)
-    kept = min(len(left), max(rest // 2, rest - len(right)))
-    return first + prefix + left[len(left) - kept:] + start + mention + end + right[:rest - kept] + last'''
-
 SENTENCE_TRANSFORMERS_CODE = '''from sentence_transformers import SentenceTransformer
 
-model = SentenceTransformer(d)
-
-
-def encode_queries(model, queries, task):
-    """t5r's embeddings of `queries` of `task` (`query_ids`, through the query route)."""
-    batch = model.tokenizer.pad({{"input_ids": [query_ids(model.tokenizer, q, task) for q in queries]}},
-                                return_tensors="pt")
-    features = {{"input_ids": batch["input_ids"].to(model.device),
-                "attention_mask": batch["attention_mask"].to(model.device)}}
-    with torch.no_grad():
-        return model(features, task="query")["sentence_embedding"].cpu().numpy()
-
-
+d = "path/to/this/directory"
+model = SentenceTransformer(d, trust_remote_code=True)  # runs this directory's modeling_t5r.py
 passage_embeddings = model.encode_document(passages)  # passages: "{template}" strings
-query_embeddings = encode_queries(model, queries, "{task}")
+query_embeddings = model.encode_query(queries, prompt_name="{task}")  # prompt_name: the queries' task
 scores = query_embeddings @ passage_embeddings.T'''
 
-TRANSFORMERS_CODE = '''import transformers
+TRANSFORMERS_CODE = '''import os
+import sys
 
+import torch
+import transformers
+
+d = "path/to/this/directory"
+sys.path.insert(0, d)
+from t5r_query_ids import query_ids, read_tasks  # noqa: E402  t5r's token ids of a query of a task
+
+TASKS = read_tasks(d)  # each task's prefix, query length and truncation
 tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(d, "{query_dir}"))
 query_model = transformers.AutoModel.from_pretrained(os.path.join(d, "{query_dir}")).eval()
 passage_model = transformers.AutoModel.from_pretrained(os.path.join(d, "{passage_dir}")).eval()
@@ -83,7 +46,7 @@ def embed(model, token_ids):
 
 passage_ids = tokenizer(passages, max_length={passage_len}, truncation=True)["input_ids"]  # "{template}"
 passage_embeddings = embed(passage_model, passage_ids)
-query_embeddings = embed(query_model, [query_ids(tokenizer, q, "{task}") for q in queries])
+query_embeddings = embed(query_model, [query_ids(tokenizer, q, TASKS["{task}"]) for q in queries])
 scores = query_embeddings @ passage_embeddings.T'''
 
 POOL_CODE = {
@@ -122,7 +85,8 @@ def describe_model(record: dict[str, Any]) -> str:
 def packages(record: dict[str, Any]) -> str:
     lines = ["- `transformers` (>= 5; exported and tested with 5.23.0) and `torch`."]
     if record["sentence_transformers"]:
-        lines.append("- `sentence-transformers` >= 5.0 (tested with 5.7.0) for `SentenceTransformer(d)`.")
+        lines.append("- `sentence-transformers` 5.x (tested with 5.7.0) for "
+                     "`SentenceTransformer(d, trust_remote_code=True)`.")
     if record["family"] == "t5":
         lines.append("- The tokenizer is `tokenizer.json` (no `sentencepiece` needed to load it). `spiece.model`, the "
                      "original sentencepiece model, needs `sentencepiece` and `protobuf` to be read.")
@@ -139,15 +103,16 @@ This is not a sentence-transformers model (no modules.json): sentence-transforme
 for a plain transformers directory, a mean-pooled T5 encoder, which does not compute this model's
 embeddings; use the transformers code below.
 """
-    route = ("the query route's" if record["query_encoder"] != record["passage_encoder"] else "the")
     return f"""
 ## sentence-transformers
 
-`SentenceTransformer(d)` loads it in one call. `encode_document` embeds passages as t5r does.
-`encode_query(queries, prompt_name=task)` puts the task's prefix (its prompt) before each query and
-equals t5r for every query that fits its task's length; a longer one sentence-transformers cuts at
-{route} `max_seq_length` ({record['st_query_len']} tokens), not at the task's length, and not
-around an entity mention. `encode_queries` below gives t5r's embedding for every query:
+`SentenceTransformer(d, trust_remote_code=True)` loads it in one call; `trust_remote_code` lets it
+run `modeling_t5r.py` from this directory (a short file worth reading first: a sentence-transformers
+`Transformer` that builds t5r's token ids of a query with `t5r_query_ids.py`). A prompt here is a
+task name tag: `encode_query(queries, prompt_name=task)` (or `encode(queries, prompt_name=task)`)
+reads each query as t5r reads that task's: its prefix, its length, its truncation. A query without
+a task prompt is an error naming the tasks.
+`encode_document(passages)` embeds passages at the passage length.
 
 ```python
 {SENTENCE_TRANSFORMERS_CODE.format(template=record['passage_template'], task=example_task)}
@@ -162,7 +127,7 @@ def model_card(record: dict[str, Any]) -> str:
     example_task = next(iter(record["tasks"]), "")
     mention = [name for name, spec in record["tasks"].items() if spec["truncation"] == MENTION_WINDOW]
     mention_note = (f" Queries of {', '.join(f'`{t}`' for t in mention)} keep a window around their entity "
-                    "mention (`query_ids` below)." if mention else "")
+                    "mention (`query_ids` in `t5r_query_ids.py`)." if mention else "")
     transformers_code = TRANSFORMERS_CODE.format(
         query_dir=record["query_encoder"], passage_dir=record["passage_encoder"], pool=pool_code(record),
         passage_len=record["passage_len"], template=record["passage_template"], task=example_task)
@@ -170,7 +135,8 @@ def model_card(record: dict[str, Any]) -> str:
 
 This directory is {describe_model(record)}
 It was trained with t5-retrieval (model fingerprint `{record['fingerprint']}`). `t5r_retrieval.json`
-holds the task prefixes, lengths and pooling; `model_config.json` is the t5r config it was exported from.
+holds the task prefixes, lengths and pooling; `model_config.json` is the t5r config it was exported from;
+`t5r_query_ids.py` turns a query of a task into t5r's token ids (the code below uses it).
 
 ## Packages
 
@@ -178,20 +144,14 @@ holds the task prefixes, lengths and pooling; `model_config.json` is the t5r con
 
 ## Inputs
 
-- A query of task T: T's prefix (the sentence-transformers prompt named T), then the query, at
-  most T's query length in tokens, special tokens included (table).{mention_note}
+- A query of task T: T's prefix, then the query, at most T's query length in tokens, special
+  tokens included (table).{mention_note}
 - A passage: `{record['passage_template']}`, at most {record['passage_len']} tokens.
 - Relevance: the dot product of a query and a passage embedding ({record['dim']} dimensions).
 
-| task | query prefix (prompt) | query length | truncation |
+| task (`prompt_name`) | query prefix | query length | truncation |
 |---|---|---|---|
 {tasks}
-
-## t5r's token ids of a query
-
-```python
-{QUERY_IDS_CODE}
-```
 {sentence_transformers_section(record, example_task)}
 ## transformers
 

@@ -1,0 +1,75 @@
+"""The sentence-transformers input module of a `t5r export-hf` directory, loaded from the directory by
+`SentenceTransformer(d, trust_remote_code=True)` (modules.json / router_config.json name
+`modeling_t5r.T5rTransformer`). Shipped as is, so it imports nothing from t5r.
+
+Why a module of its own: sentence-transformers cuts every text of a route at one `max_seq_length`
+after putting the prompt before it, while t5r reads each task's queries at the task's own length
+and keeps an entity-linking query's window around its mention (`t5r_query_ids.query_ids`). Here a
+prompt is a task name tag (`config_sentence_transformers.json`: `{"fever": "<t5r-task:fever>"}`):
+`encode_query(queries, prompt_name=task)` gives t5r's ids for the task, its real prefix included;
+passages are tokenised as sentence-transformers does, at the passage length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:  # sentence-transformers 5.7's name
+    from sentence_transformers.sentence_transformer.modules import Transformer
+except ImportError:  # 5.0 to 5.6
+    from sentence_transformers.models import Transformer
+
+from .t5r_query_ids import query_ids
+
+QUERY, PASSAGE, BOTH = "query", "passage", "both"  # what a network embeds: `role`
+
+
+class T5rTransformer(Transformer):
+    """A `Transformer` whose queries are t5r's token ids for the task their prompt names.
+
+    `role`: "query" (a Router's query route: queries only), "passage" (its document route: passages
+    only) or "both" (one network: queries from `encode_query` or with a task prompt, else passages).
+    `tasks`: task name -> its prompt tag and `query_ids` spec (query_prefix, query_len, truncation).
+    """
+
+    config_keys = [*Transformer.config_keys, "role", "tasks"]
+
+    def __init__(self, model_name_or_path: str, *, role: str = BOTH, tasks: dict[str, dict[str, Any]] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(model_name_or_path, **kwargs)
+        self.role = role
+        self.tasks = tasks or {}
+        self.task_of_prompt = {spec["prompt"]: name for name, spec in self.tasks.items()}
+
+    def preprocess(self, inputs: list[Any], prompt: str | None = None, task: str | None = None,
+                   **kwargs: Any) -> dict[str, Any]:
+        """Queries as t5r's ids of their task; passages as `Transformer` tokenises them."""
+        if self.is_query(prompt, task):
+            return self.preprocess_queries(inputs, self.task_named_by(prompt))
+        if prompt:
+            raise ValueError("passages take no prompt: call encode_document(passages) without prompt_name "
+                             "(a prompt here names a query's task)")
+        return super().preprocess(inputs, **kwargs)
+
+    def is_query(self, prompt: str | None, task: str | None) -> bool:
+        """`task` is sentence-transformers' "query"/"document" (one network only; a Router keeps it)."""
+        if self.role != BOTH:
+            return self.role == QUERY
+        return task == QUERY or (task is None and bool(prompt))
+
+    def task_named_by(self, prompt: str | None) -> str:
+        names = ", ".join(sorted(self.tasks))
+        if not prompt:
+            raise ValueError(f"a query needs its task: encode_query(queries, prompt_name=TASK), TASK one of {names} "
+                             "(passages: encode_document)")
+        if prompt not in self.task_of_prompt:
+            raise ValueError(f"prompt {prompt!r} names no task of this model: pass prompt_name=one of {names} "
+                             "(a prompt here is a task tag, replaced by the task's own prefix)")
+        return self.task_of_prompt[prompt]
+
+    def preprocess_queries(self, queries: list[Any], task: str) -> dict[str, Any]:
+        if not all(isinstance(q, str) for q in queries):
+            raise TypeError(f"pass each query of {task} as one string (not a pair, dict or image)")
+        ids = [query_ids(self.tokenizer, q, self.tasks[task]) for q in queries]
+        batch = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt")
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "modality": "text"}
