@@ -1,6 +1,7 @@
 """The run records committed behind docs/RESULTS.md read, name their rows and agree with themselves."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -9,12 +10,12 @@ from t5_retrieval import cli
 from t5_retrieval.results.common import TASKS
 from t5_retrieval.results.records import METRICS, read_records
 from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED, TITLES
-from t5_retrieval.results.overlap import overlap_table, read_overlap
-from t5_retrieval.results.significance import differences_table, inputs_table
+from t5_retrieval.results.page import MARKED, refreshed
 from t5_retrieval.results.tables import markdown_table
 
 DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs")
-RECORDS = os.path.join(DOCS, "run_records", "mini_kilt")  # queries at 64 tokens, cut from the right
+RECORDS_NAME = os.path.join("run_records", "mini_kilt")
+RECORDS = os.path.join(DOCS, RECORDS_NAME)  # queries at 64 tokens, cut from the right
 TASK_LENGTHS = os.path.join(DOCS, "run_records", "mini_kilt_task_lengths")  # each task's length and cut
 BOTH = pytest.mark.parametrize("directory", [RECORDS, TASK_LENGTHS], ids=["64_tokens", "task_lengths"])
 
@@ -51,22 +52,34 @@ def test_the_tables_print_from_the_records_as_the_records_readme_shows(monkeypat
     assert not work_dir.exists(), "printing the tables writes nothing"
 
 
-@BOTH
-def test_results_page_shows_the_tables_the_records_print(directory):
-    """docs/RESULTS.md's tables, differences, and the dev/train overlap table are the committed
-    records' tables, line for line."""
-    records = read_records(directory)
-    with open(os.path.join(DOCS, "RESULTS.md"), encoding="utf-8") as f:
-        page = f.read().splitlines()
-    tables = [markdown_table(records), differences_table(records, TITLES, CONTROLS),
-              overlap_table(records, TITLES, read_overlap(directory))]
-    for table in tables:
-        for line in table.splitlines():
-            assert line in page, f"docs/RESULTS.md lacks, or shows other numbers than, this line of the records: {line}"
+def test_results_page_shows_the_tables_its_records_print():
+    """Every marked table of docs/RESULTS.md (main, differences, dev/train overlap, the change with
+    the inputs; both record sets) is what its records print, line for line."""
+    page_path = os.path.join(DOCS, "RESULTS.md")
+    with open(page_path, encoding="utf-8") as f:
+        page = f.read()
+    specs = [m["spec"] for m in MARKED.finditer(page)]
+    for kind in ("main", "differences", "overlap", "change"):
+        assert any(spec.startswith(kind) for spec in specs), f"docs/RESULTS.md shows no {kind!r} table: {specs}"
+    assert any(RECORDS_NAME in spec.split()[1:] for spec in specs), "the old inputs' records are shown too"
+    assert refreshed(page, page_path) == page, \
+        "docs/RESULTS.md shows other numbers than its records: t5r results --work_dir=/tmp/t --rows= --page=docs/RESULTS.md"
 
 
-def test_results_page_shows_each_rows_change_with_the_inputs():
-    with open(os.path.join(DOCS, "RESULTS.md"), encoding="utf-8") as f:
-        page = f.read().splitlines()
-    for line in inputs_table(read_records(TASK_LENGTHS), read_records(RECORDS), TITLES).splitlines():
-        assert line in page, f"docs/RESULTS.md lacks, or shows other numbers than, this line of the records: {line}"
+def test_t5r_results_page_prints_a_marked_table_again_and_names_a_bad_marker(tmp_path, capsys):
+    records = tmp_path / "records"
+    shutil.copytree(RECORDS, records)
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- records: main records -->\nstale\n<!-- /records -->\nprose\n", encoding="utf-8")
+    assert cli.main(["results", f"--work_dir={tmp_path / 'w'}", "--rows=", f"--page={page}"]) == 0
+    want = markdown_table(read_records(str(records)))
+    assert page.read_text(encoding="utf-8") == f"intro\n<!-- records: main records -->\n{want}<!-- /records -->\nprose\n"
+    assert "1 table(s) printed again" in capsys.readouterr().out
+    before = page.read_text(encoding="utf-8")
+    for spec, needle in (("mean records", "unknown table kind 'mean'"), ("main nowhere", "no records directory"),
+                         ("change records", "names 2 records director")):
+        page.write_text(before.replace("main records", spec), encoding="utf-8")
+        assert cli.main(["results", f"--work_dir={tmp_path / 'w'}", "--rows=", f"--page={page}"]) == 2
+        err = capsys.readouterr().err
+        assert f"{page}:2: " in err and needle in err, err
+        assert page.read_text(encoding="utf-8") == before.replace("main records", spec), "a failed refresh writes nothing"

@@ -6,6 +6,7 @@ import argparse
 
 from t5_retrieval import logs, results
 from t5_retrieval.errors import UserError
+from t5_retrieval.results.page import refresh_page
 from t5_retrieval.results.rows import ROWS, SEEDED
 
 
@@ -35,6 +36,9 @@ def main(argv: list[str]) -> int:
                         help="records of the same rows under other inputs (e.g. docs/run_records/mini_kilt, "
                              "queries at 64 tokens): also print each row's change from them")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    parser.add_argument("--page", default=None,
+                        help="then print every table marked `<!-- records: KIND DIR -->` in this page again from "
+                             "its records (e.g. docs/RESULTS.md; t5_retrieval/results/page.py)")
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
     seeds = _seeds(args.seeds)
@@ -46,4 +50,6 @@ def main(argv: list[str]) -> int:
         with open(args.markdown, "w") as f:
             f.write(table)
     print(table, end="")
+    if args.page:
+        print(f"{args.page}: {refresh_page(args.page)} table(s) printed again from their records")
     return 0
