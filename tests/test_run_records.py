@@ -77,7 +77,7 @@ def test_t5r_results_page_prints_a_marked_table_again_and_names_a_bad_marker(tmp
     assert "1 table(s) printed again" in capsys.readouterr().out
     before = page.read_text(encoding="utf-8")
     for spec, needle in (("mean records", "unknown table kind 'mean'"), ("main nowhere", "no records directory"),
-                         ("change records", "names 2 records director")):
+                         ("change records", "names 2 records directories")):
         page.write_text(before.replace("main records", spec), encoding="utf-8")
         assert cli.main(["results", f"--work_dir={tmp_path / 'w'}", "--rows=", f"--page={page}"]) == 2
         err = capsys.readouterr().err

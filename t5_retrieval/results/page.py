@@ -51,7 +51,8 @@ def marked_table(spec: str, page_dir: str, where: str) -> str:
     if kind not in KINDS:
         raise DataError(f"{where}: unknown table kind {kind!r}; known: {', '.join(KINDS)}")
     if len(dirs) != KINDS[kind][0]:
-        raise DataError(f"{where}: a {kind!r} table names {KINDS[kind][0]} records director(ies), got {dirs}")
+        wanted = "one records directory" if KINDS[kind][0] == 1 else f"{KINDS[kind][0]} records directories"
+        raise DataError(f"{where}: a {kind!r} table names {wanted} (relative to the page), got {dirs}")
     paths = [os.path.join(page_dir, d) for d in dirs]
     for path in paths:
         if not os.path.isdir(path):
