@@ -70,10 +70,11 @@ def test_t5r_results_page_prints_a_marked_table_again_and_names_a_bad_marker(tmp
     records = tmp_path / "records"
     shutil.copytree(RECORDS, records)
     page = tmp_path / "page.md"
-    page.write_text("intro\n<!-- records: main records -->\nstale\n<!-- /records -->\nprose\n", encoding="utf-8")
+    intro = "a table starts after a line <!-- records: main records -->\nand ends at <!-- /records -->\n"  # quoted, not markers
+    page.write_text(f"{intro}<!-- records: main records -->\nstale\n<!-- /records -->\nprose\n", encoding="utf-8")
     assert cli.main(["results", f"--work_dir={tmp_path / 'w'}", "--rows=", f"--page={page}"]) == 0
     want = markdown_table(read_records(str(records)))
-    assert page.read_text(encoding="utf-8") == f"intro\n<!-- records: main records -->\n{want}<!-- /records -->\nprose\n"
+    assert page.read_text(encoding="utf-8") == f"{intro}<!-- records: main records -->\n{want}<!-- /records -->\nprose\n"
     assert "1 table(s) printed again" in capsys.readouterr().out
     before = page.read_text(encoding="utf-8")
     for spec, needle in (("mean records", "unknown table kind 'mean'"), ("main nowhere", "no records directory"),
@@ -81,5 +82,5 @@ def test_t5r_results_page_prints_a_marked_table_again_and_names_a_bad_marker(tmp
         page.write_text(before.replace("main records", spec), encoding="utf-8")
         assert cli.main(["results", f"--work_dir={tmp_path / 'w'}", "--rows=", f"--page={page}"]) == 2
         err = capsys.readouterr().err
-        assert f"{page}:2: " in err and needle in err, err
+        assert f"{page}:3: " in err and needle in err, err
         assert page.read_text(encoding="utf-8") == before.replace("main records", spec), "a failed refresh writes nothing"

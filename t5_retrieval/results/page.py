@@ -27,7 +27,8 @@ from t5_retrieval.results.rows import CONTROLS, TITLES
 from t5_retrieval.results.significance import differences_table, inputs_table
 from t5_retrieval.results.tables import markdown_table
 
-MARKED = re.compile(r"(<!-- records: (?P<spec>[^>]*?) -->\n)(?P<table>.*?)(<!-- /records -->)", re.S)
+# A marker is a whole line, so one quoted in the prose (`<!-- records: ... -->`) is left alone.
+MARKED = re.compile(r"^(?P<start><!-- records: (?P<spec>[^>\n]*?) -->\n)(?P<table>.*?)^(?P<end><!-- /records -->)$", re.S | re.M)
 
 
 def _overlap(records_dir: str) -> str:
@@ -66,7 +67,7 @@ def refreshed(page: str, page_path: str) -> str:
 
     def table(match: re.Match) -> str:
         line = page.count("\n", 0, match.start()) + 1
-        return match.group(1) + marked_table(match["spec"], page_dir, f"{page_path}:{line}") + match.group(4)
+        return match["start"] + marked_table(match["spec"], page_dir, f"{page_path}:{line}") + match["end"]
 
     return MARKED.sub(table, page)
 
