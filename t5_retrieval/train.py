@@ -32,7 +32,7 @@ from t5_retrieval.data.batching import batches as _batches, random_batches as _r
 from t5_retrieval.data.records import write_text_atomic
 from t5_retrieval.inference import load_encoder, write_base_record
 from t5_retrieval.models.build import build_model, init_params, initial_params, model_config, upgraded_config
-from t5_retrieval.multitask import exported_state, multitask_metrics, multitask_statistics
+from t5_retrieval.multitask import exported_state, multitask_metrics, multitask_problems, multitask_statistics
 from t5_retrieval.multitask.analysis import STATE_FILE, save_state_npz
 from t5_retrieval.optim import make_optimizer
 from t5_retrieval.train_step import TrainState, make_train_step, query_shape_groups, task_groups
@@ -247,7 +247,7 @@ def train(model_dir: str,
         jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, replicated), donate_argnums=(0,))
         state = _loop(jitted, state, data, first, mesh, mngr, model_dir, num_steps, log_every, checkpoint_every,
-                      max_nonfinite_in_a_row)
+                      max_nonfinite_in_a_row, task_names)
     log.info("finished %s at step %d (%d step(s) skipped as non-finite)", model_dir, int(state.step),
              int(state.skipped_steps))
     export_multitask_state(state.opt_state, task_names, model_dir)
@@ -344,6 +344,17 @@ class NonFiniteError(FloatingPointError):
     """Too many consecutive training steps had a non-finite loss or gradient."""
 
 
+def _check_multitask(state: TrainState, task_names: list[str], step: int, warned: set[str]) -> None:
+    """Stops the run on a multi-task state's fatal problem (TACO's median of 0: its weights are then
+    an argmax, not TACO) and warns once about each other one."""
+    for problem in multitask_problems(state.opt_state, task_names):
+        if problem.fatal:
+            raise ConfigError(f"step {step}: {problem.message}")
+        if problem.message not in warned:
+            warned.add(problem.message)
+            log.warning("step %d: %s", step, problem.message)
+
+
 def _check_finite_streak(state: TrainState, step: int, limit: int, model_dir: str, mngr: Any) -> None:
     """Stops the run once the step has frozen the state on reaching `limit` non-finite steps in a row."""
     in_a_row = int(state.nonfinite_in_a_row)
@@ -400,8 +411,9 @@ class PreemptionNotice:
 
 def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch: Any,
           mesh: jax.sharding.Mesh, mngr: Any, model_dir: str, num_steps: int, log_every: int,
-          checkpoint_every: int, max_nonfinite_in_a_row: int) -> TrainState:
+          checkpoint_every: int, max_nonfinite_in_a_row: int, task_names: list[str]) -> TrainState:
     start = int(state.step)
+    warned: set[str] = set()
     metrics_log = MetricsLog(model_dir, start)
     batch = first_batch
     progress = None  # started after the first step, so that its rate and ETA leave compilation out
@@ -419,6 +431,7 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
             if progress is None:
                 jax.block_until_ready(metrics)
                 log.info("step %d compiled and ran in %.1f s", step, time.time() - last_time)
+                _check_multitask(state, task_names, step, warned)  # at once
                 progress = tqdm(total=num_steps, initial=step - 1, desc="train", unit="step",
                                 disable=jax.process_index() != 0, mininterval=5.0)
                 last_time, last_step = time.time(), step
@@ -426,6 +439,7 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
             synced = step % min(log_every, SYNC_EVERY) == 0 or step == num_steps
             if synced or step % checkpoint_every == 0 or preempted:
                 _check_finite_streak(state, step, max_nonfinite_in_a_row, model_dir, mngr)  # never save a frozen state
+                _check_multitask(state, task_names, step, warned)  # nor a method that is not itself
             if synced:
                 scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}  # also bounds the queue
                 if step % log_every == 0 or step == num_steps:

@@ -9,7 +9,7 @@ import seqio
 
 from t5_retrieval.data import layout
 from t5_retrieval.data.tasks import retrieval_tasks
-from t5_retrieval.data.batching.batches import make_train_iterator
+from t5_retrieval.data.batching.batches import choose_negatives, make_train_iterator
 from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
 from t5_retrieval.data.stores.kb import PassageStore, passage_text
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
@@ -205,3 +205,27 @@ def test_the_vocabulary_content_digest_is_recorded_with_its_path(data_dir):
         content = hashlib.sha256(f.read()).hexdigest()[:16]
     assert features["vocabulary"] == os.path.abspath(SPM)
     assert features["vocabulary_digest"] == content, "the digest must be of the file's bytes, not of its path"
+
+
+def test_sampled_hard_negatives_are_a_seeded_uniform_draw_from_the_whole_list():
+    mined = [f"p{rank}" for rank in range(100)]  # one example's list, best first (top-k minus gold)
+    assert choose_negatives(mined, 2, "first", 0, "q1") == ["p0", "p1"]
+    draws = {i: choose_negatives(mined, 2, "sampled", 0, f"q{i}") for i in range(3000)}
+    assert draws[7] == choose_negatives(mined, 2, "sampled", 0, "q7"), "the draw is fixed by (seed, example id)"
+    assert any(draws[i] != choose_negatives(mined, 2, "sampled", 1, f"q{i}") for i in range(10)), "seed changes it"
+    for pair in draws.values():
+        assert len(set(pair)) == 2 and mined.index(pair[0]) < mined.index(pair[1]), pair  # distinct, list order
+    ranks = np.bincount([mined.index(p) for pair in draws.values() for p in pair], minlength=100)
+    assert ranks.min() > 30 and ranks.max() < 95, f"every rank is drawn about 60 times: {ranks.min()}..{ranks.max()}"
+    assert choose_negatives(mined[:2], 2, "sampled", 0, "q1") == ["p0", "p1"], "a short list is used whole"
+
+
+def test_the_iterator_trains_on_sampled_hard_negatives_when_asked(data_dir, vocab):
+    first = next(_iterator(data_dir, vocab, names=("demo_trex",)))["demo_trex"]["passage_tokens"]
+    sampled_it = _iterator(data_dir, vocab, names=("demo_trex",), hard_negatives="sampled")
+    sampled = next(sampled_it)["demo_trex"]["passage_tokens"]
+    positives = slice(0, None, 1 + NNEG)
+    np.testing.assert_array_equal(first[positives], sampled[positives], err_msg="only the negatives change")
+    assert not np.array_equal(first, sampled), "negatives drawn from 20 BM25 ranks differ from the top 2"
+    with pytest.raises(ValueError, match="hard_negatives must be one of"):
+        _iterator(data_dir, vocab, names=("demo_trex",), hard_negatives="random")

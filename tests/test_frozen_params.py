@@ -3,6 +3,7 @@ taken over the trained parameters only; a TACO run with a frozen word-embedding 
 checkpoints and resumes through `t5r train`."""
 
 import functools
+import json
 import os
 
 import gin
@@ -13,7 +14,7 @@ import optax
 import pytest
 
 from conftest import prepare_small_demo
-from t5_retrieval import checkpoint, gin_utils
+from t5_retrieval import checkpoint, cli, gin_utils
 from t5_retrieval.multitask import taco
 from t5_retrieval.multitask.analysis import STATE_FILE, load_state_npz
 from t5_retrieval.inference import load_dual_encoder
@@ -82,18 +83,63 @@ def data_dir(tmp_path_factory):
     return prepare_small_demo(tmp_path_factory.mktemp("frozen_demo"), TASKS)
 
 
-def run_taco(model_dir: str, data_dir: str, steps: int) -> None:
-    gin.clear_config()
-    try:
-        gin_utils.parse_gin(["models/bert_tiny.gin", "runs/taco.gin"], [
-            f"DATA_DIR = '{data_dir}'", "VOCABULARY = @minilm_l6_dir()", "VOCAB_SIZE = 30522",
+def taco_bindings(data_dir: str, steps: int) -> list[str]:
+    """A 1-layer BERT with MiniLM's 30,522-row vocabulary under runs/taco.gin: a step's 2 x 4 queries and
+    their passages touch a few hundred rows, so the table is mostly untouched, as MiniLM's is."""
+    return [f"DATA_DIR = '{data_dir}'", "VOCABULARY = @minilm_l6_dir()", "VOCAB_SIZE = 30522",
             f"MIXTURE_OR_TASK_NAME = {[f'demo_{t}' for t in TASKS]}", f"TRAIN_STEPS = {steps}", "QUERY_LEN = 16",
             "PASSAGE_LEN = 32", "NUM_NEGATIVES = 1", "PER_DEVICE_BATCH = 4", "NUM_LAYERS = 1",
-            "train.checkpoint_every = 1", "train.keep_checkpoints = 10", "multitask.taco.burn_in_fraction = 0.0",
-            f"make_optimizer.frozen = ['{WORD_EMBEDDING}']"])
+            "train.checkpoint_every = 1", "train.keep_checkpoints = 10", "train.log_every = 1",
+            "multitask.taco.burn_in_fraction = 0.0"]
+
+
+def run_taco(model_dir: str, data_dir: str, steps: int, *bindings: str) -> None:
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(["models/bert_tiny.gin", "runs/taco.gin"],
+                            [*taco_bindings(data_dir, steps), *(bindings or [f"make_optimizer.frozen = ['{WORD_EMBEDDING}']"])])
         train(model_dir)
     finally:
         gin.clear_config()
+
+
+def logged(model_dir: str) -> list[dict[str, float]]:
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_taco_whose_median_is_0_stops_at_step_1_naming_the_task_and_the_remedies(data_dir, tmp_path, capsys):
+    model_dir = str(tmp_path / "model")
+    argv = ["train", "--gin_file=models/bert_tiny.gin", "--gin_file=runs/taco.gin", f"--model_dir={model_dir}",
+            "--gin.multitask.taco.median_over='all'",
+            *[f"--gin.{b.replace(' = ', '=')}" for b in taco_bindings(data_dir, steps=3)]]
+    status = cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2, err
+    assert len(err) == 1 and "step 1: TACO: task 'demo_fever' has " in err[0], err
+    zero_percent = float(err[0].split(" has ")[1].split("%")[0])
+    assert zero_percent > 50.0, f"the median is 0 only when most sensitivities are: {err[0]}"
+    assert "make_optimizer.frozen" in err[0] and "multitask.taco.median_over = 'nonzero'" in err[0], err[0]
+    assert checkpoint.manager(model_dir).latest_step() is None, "no checkpoint of a collapsed TACO is written"
+
+
+def test_allowed_zero_median_trains_and_logs_the_normaliser_per_task(data_dir, tmp_path, caplog):
+    model_dir = str(tmp_path / "model")
+    with caplog.at_level("WARNING"):
+        run_taco(model_dir, data_dir, 2, "multitask.taco.median_over = 'all'", "multitask.taco.allow_zero_median = True")
+    warnings = [r.getMessage() for r in caplog.records if "TACO: task" in r.getMessage()]
+    assert len(warnings) == 2 and "allowed: multitask.taco.allow_zero_median" in warnings[0], warnings  # once a task
+    for row in logged(model_dir):
+        assert row["taco/median/0"] == 0.0 and row["taco/median/1"] == 0.0, row
+        assert row["taco/zero_fraction/0"] > 0.5 and row["taco/zero_fraction/1"] > 0.5, row
+
+
+def test_bert_models_shipped_with_taco_take_a_median_that_is_not_0(data_dir, tmp_path):
+    """runs/taco.gin with a BERT-family model file (no binding of ours) does not collapse."""
+    model_dir = str(tmp_path / "model")
+    run_taco(model_dir, data_dir, 2, "train.seed = 0")
+    for row in logged(model_dir):
+        assert row["taco/median/0"] > 0.0 and row["taco/median/1"] > 0.0, row
 
 
 def test_taco_with_a_frozen_word_embedding_trains_and_resumes(data_dir, tmp_path):
@@ -111,3 +157,5 @@ def test_taco_with_a_frozen_word_embedding_trains_and_resumes(data_dir, tmp_path
     ema, task_names, _ = load_state_npz(os.path.join(model_dir, STATE_FILE))
     assert [t.startswith("demo_") for t in task_names] == [True, True]
     assert not any("embeddings/word" in name for name in ema) and len(ema) > 10, sorted(ema)
+    for row in logged(model_dir):  # the word-embedding table frozen, the median is not 0
+        assert row["taco/median/0"] > 0.0 and row["taco/median/1"] > 0.0, row

@@ -101,6 +101,28 @@ def test_taco_ema_starts_at_zero_without_bias_correction():
                                err_msg="first EMA must be (1 - beta) * S (zero init, no bias fix)")
 
 
+def test_taco_state_reports_each_tasks_median_and_zero_fraction_and_a_zero_median_as_a_problem():
+    rng = np.random.default_rng(2)
+    k = 2
+    grads, params = _tree(rng, (k,)), _tree(rng)
+    grads = jax.tree.map(lambda g: g.at[1].set(jnp.where(jnp.arange(g[1].size).reshape(g[1].shape) % 3 == 0,
+                                                          g[1], 0.0)), grads)  # task 1: two thirds exactly 0
+    for allow in (False, True):
+        tx = multitask.taco(num_tasks=k, total_steps=10, allow_zero_median=allow)
+        state = tx.init(params)
+        assert state.problems(["a", "b"]) == [], "before any update nothing was divided"
+        _, state = jax.jit(tx.update)(grads, state, params)
+        s = np.abs(_flat(params)[None] * _flat(grads, k))
+        np.testing.assert_allclose(np.asarray(state.median), np.sort(s, axis=1)[:, (s.shape[1] - 1) // 2], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(state.zero_fraction), (s == 0).mean(axis=1), rtol=1e-6)
+        assert float(state.median[1]) == 0.0 < float(state.median[0])
+        (problem,) = state.problems(["a", "b"])
+        assert problem.fatal is not allow and "task 'b' has 66.7% of its sensitivities" in problem.message, problem
+        assert multitask.multitask_problems((optax.EmptyState(), state), ["a", "b"]) == [problem]
+        metrics = state.metrics()
+        assert float(metrics["taco/median/1"]) == 0.0 and abs(float(metrics["taco/zero_fraction/1"]) - 2 / 3) < 0.01
+
+
 def test_taco_burn_in_returns_mean_then_switches_to_weights():
     rng = np.random.default_rng(2)
     k = 3

@@ -23,7 +23,8 @@ The transforms are pure: skipping a step with non-finite values is the train ste
 """
 
 from t5_retrieval.multitask.state import (
-    ExportedState, MultitaskState, exported_state, multitask_metrics, multitask_states, multitask_statistics,
+    ExportedState, MultitaskProblem, MultitaskState, exported_state, multitask_metrics, multitask_problems,
+    multitask_states, multitask_statistics,
     reset_multitask,
 )
 

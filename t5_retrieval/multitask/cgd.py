@@ -20,6 +20,7 @@ What this implementation does beyond that, exactly:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import gin
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5_retrieval.multitask.state import hyperparameter_arrays
+from t5_retrieval.multitask.state import MultitaskProblem, hyperparameter_arrays
 from t5_retrieval.multitask.task_axis import (
     gram, num_tasks as task_count, task_losses as checked_losses, weighted_sum,
 )
@@ -50,6 +51,10 @@ class CGDState(NamedTuple):
     def reset(self) -> CGDState:
         """Uniform weights again."""
         return self._replace(weights=jnp.full_like(self.weights, 1.0 / self.weights.shape[0]))
+
+    def problems(self, task_names: Sequence[str]) -> list[MultitaskProblem]:
+        """None: every state of this transform is the method as defined."""
+        return []
 
 
 @gin.register(module="multitask")

@@ -21,6 +21,7 @@ Where this implementation departs from the paper, exactly:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import gin
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5_retrieval.multitask.state import hyperparameter_arrays
+from t5_retrieval.multitask.state import MultitaskProblem, hyperparameter_arrays
 from t5_retrieval.multitask.task_axis import (
     gram, num_tasks as task_count, task_losses as checked_losses, weighted_sum,
 )
@@ -56,6 +57,10 @@ class GradNormState(NamedTuple):
         """Weights 1 and step 0, so the next update's losses become L_k(0)."""
         return self._replace(weights=jnp.ones_like(self.weights), initial_losses=jnp.ones_like(self.initial_losses),
                              step=jnp.zeros_like(self.step))
+
+    def problems(self, task_names: Sequence[str]) -> list[MultitaskProblem]:
+        """None: every state of this transform is the method as defined."""
+        return []
 
 
 def gradnorm_weight_gradient(weights: jax.Array, grad_norms: jax.Array, losses: jax.Array,

@@ -99,6 +99,19 @@ def _median_rank(leaves: list[jax.Array], over: str) -> jax.Array:
     return jnp.minimum(zeros + (total - zeros - 1) // 2, total - 1)  # all zero: the median is 0
 
 
+def zero_fraction(sensitivity: Any) -> jax.Array:
+    """[K] fraction of each task's sensitivities that are exactly 0, over all parameters.
+
+    Above one half, the median over all parameters is 0 and TACO's normaliser divides by its
+    epsilon alone: what makes the softmax over tasks an argmax (a large, mostly untouched
+    word-embedding table does it)."""
+    leaves = jax.tree_util.tree_leaves(sensitivity)
+    k = leaves[0].shape[0]
+    total = sum(x[0].size for x in leaves)
+    zeros = sum(jnp.sum((x.reshape(k, -1) == 0).astype(jnp.int32), axis=1) for x in leaves)
+    return zeros.astype(jnp.float32) / total
+
+
 def taco_global_median(sensitivity: Any, mode: str = "exact", num_samples: int = 1 << 18,
                        seed: int = 0, over: str = "all") -> jax.Array:
     """One median per task over all parameters of the model: leaves [K, ...] (>= 0) -> [K].

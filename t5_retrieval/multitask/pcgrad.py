@@ -14,6 +14,7 @@ K^2 passes over them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import gin
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5_retrieval.multitask.state import hyperparameter_arrays
+from t5_retrieval.multitask.state import MultitaskProblem, hyperparameter_arrays
 from t5_retrieval.multitask.task_axis import gram, num_tasks as task_count, weighted_sum
 
 
@@ -41,6 +42,10 @@ class PCGradState(NamedTuple):
     def reset(self) -> PCGradState:
         """The key drawn from the seed again."""
         return self._replace(key=jax.random.PRNGKey(self.hyperparams["seed"]))
+
+    def problems(self, task_names: Sequence[str]) -> list[MultitaskProblem]:
+        """None: every state of this transform is the method as defined."""
+        return []
 
 
 def pcgrad_coefficients(gram_matrix: jax.Array, orders: jax.Array) -> jax.Array:

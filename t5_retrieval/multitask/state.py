@@ -3,14 +3,16 @@
 A stateful multi-task transform keeps a NamedTuple state that is a `MultitaskState`: next to its
 arrays, a field ``hyperparams`` ({name: scalar array}, the numeric hyperparameters its update ran
 with, as `optax.inject_hyperparams` keeps them, so every checkpoint says what produced it and
-``optax.tree_utils.tree_get(opt_state, "tau")`` finds one by name), and four methods that say what
-to log, what to export for analysis and how to start over. The functions below find such states in
+``optax.tree_utils.tree_get(opt_state, "tau")`` finds one by name), and five methods that say what
+to log, what to export for analysis, how to start over, and whether the method still runs as
+defined (`problems`: TACO's normaliser collapsing, say). The functions below find such states in
 any chain state by that protocol, so the trainer, the probe and ANCE name no algorithm; a new
 transform is found as soon as its state has these members.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
@@ -34,6 +36,17 @@ class MultitaskState(Protocol):
 
     def reset(self) -> MultitaskState:
         """The state as ``init`` built it (same hyperparameters, dtypes and shardings)."""
+
+    def problems(self, task_names: Sequence[str]) -> list[MultitaskProblem]:
+        """What makes the last update not the method it names, one line each (host side: reads
+        the state); empty when it ran as defined. The trainer stops on a fatal one."""
+
+
+class MultitaskProblem(NamedTuple):
+    """A one-line finding about a multi-task state: ``fatal`` stops the run, otherwise a warning."""
+
+    message: str
+    fatal: bool
 
 
 class ExportedState(NamedTuple):
@@ -71,6 +84,11 @@ def multitask_metrics(opt_state: Any) -> dict[str, jax.Array]:
 def multitask_statistics(opt_state: Any) -> dict[str, jax.Array]:
     """The logging-step scalars (a pass over the state each) of whichever multi-task states it holds."""
     return {name: value for state in multitask_states(opt_state) for name, value in state.statistics().items()}
+
+
+def multitask_problems(opt_state: Any, task_names: Sequence[str]) -> list[MultitaskProblem]:
+    """The problems every multi-task state in ``opt_state`` reports (`MultitaskState.problems`)."""
+    return [problem for state in multitask_states(opt_state) for problem in state.problems(task_names)]
 
 
 def exported_state(opt_state: Any) -> ExportedState | None:

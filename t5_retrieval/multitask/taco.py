@@ -19,6 +19,7 @@ default to the paper's behaviour.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple
 
 import gin
@@ -29,8 +30,8 @@ import optax
 
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.multitask.bf16 import stochastic_round_bfloat16
-from t5_retrieval.multitask.median import MEDIAN_OVER, taco_global_median
-from t5_retrieval.multitask.state import hyperparameter_arrays
+from t5_retrieval.multitask.median import MEDIAN_OVER, taco_global_median, zero_fraction
+from t5_retrieval.multitask.state import MultitaskProblem, hyperparameter_arrays
 from t5_retrieval.multitask.task_axis import num_tasks as task_count, softmax_tasks, sum_tasks
 
 MEDIAN_EPS = 1e-12  # added to the global median before dividing (reference value)
@@ -41,19 +42,44 @@ class TacoState(NamedTuple):
     """TACO state. ``ema`` is K x (params): leaves [K, *param.shape], a leading 'tasks' axis.
 
     ``hyperparams`` holds the numeric hyperparameters the update ran with (``beta``,
-    ``burn_in_steps``, ``median_samples``, ``median_seed``, ``tau``): with ``tau`` the weights can
-    be recomputed exactly from the state alone (for logging with `statistics` and for the
-    analysis) without the update paying for statistics every step.
+    ``burn_in_steps``, ``median_samples``, ``median_seed``, ``tau``, ``zero_median_fatal``): with
+    ``tau`` the weights can be recomputed exactly from the state alone (for logging with
+    `statistics` and for the analysis) without the update paying for statistics every step.
+
+    ``median`` and ``zero_fraction`` describe the normaliser of the last update: each task's median
+    of |theta * G_k| (before the epsilon) and the fraction of its sensitivities that are exactly 0.
+    A median of 0 means the update divided by 1e-12 alone (see `problems`).
     """
 
     step: jax.Array  # int32 []: updates since the last reset
     ema: Any  # leaves [K, *param.shape] in the configured state dtype
     active: jax.Array  # bool []: whether the last step used the softmax weights (step >= burn-in)
-    hyperparams: dict[str, jax.Array]  # scalars: beta, burn_in_steps, median_samples, median_seed, tau
+    median: jax.Array  # f32 [K]: the median each task's sensitivities were divided by (plus 1e-12)
+    zero_fraction: jax.Array  # f32 [K]: fraction of each task's sensitivities that are exactly 0
+    hyperparams: dict[str, jax.Array]  # scalars: beta, burn_in_steps, median_samples, median_seed, tau, ...
 
     def metrics(self) -> dict[str, jax.Array]:
-        """``taco/active`` (whether the last update used the weights) and ``taco/step``."""
-        return {"taco/active": self.active, "taco/step": self.step}
+        """``taco/active`` (whether the last update used the weights), ``taco/step``, and per task
+        ``taco/median/{k}`` and ``taco/zero_fraction/{k}`` (the normaliser of the last update)."""
+        k = self.median.shape[0]
+        return {"taco/active": self.active, "taco/step": self.step,
+                **{f"taco/median/{i}": self.median[i] for i in range(k)},
+                **{f"taco/zero_fraction/{i}": self.zero_fraction[i] for i in range(k)}}
+
+    def problems(self, task_names: Sequence[str]) -> list[MultitaskProblem]:
+        """One per task whose last median was 0: its sensitivities were divided by 1e-12, so the
+        EMA is ~1e12 times them and softmax(EMA / tau) is a per-parameter argmax over tasks, which
+        is not TACO. Fatal unless the transform was built with ``allow_zero_median=True``."""
+        if int(self.step) == 0:  # no update yet: nothing was divided
+            return []
+        median, zeros = np.asarray(jax.device_get(self.median)), np.asarray(jax.device_get(self.zero_fraction))
+        fatal = bool(int(self.hyperparams["zero_median_fatal"]))
+        return [MultitaskProblem(
+            f"TACO: task {name!r} has {zeros[i]:.1%} of its sensitivities |theta * G| exactly 0, so the median "
+            "it divides by is 0 and its weights collapse to a per-parameter argmax over tasks; freeze the "
+            "untouched embedding tables (make_optimizer.frozen = [...], docs/taco.md) or set "
+            "multitask.taco.median_over = 'nonzero'" + ("" if fatal else " (allowed: multitask.taco.allow_zero_median)"),
+            fatal) for i, name in enumerate(task_names) if median[i] == 0]
 
     def statistics(self) -> dict[str, jax.Array]:
         """Statistics of the weights W = softmax_k(ema / tau) the last update used.
@@ -79,7 +105,8 @@ class TacoState(NamedTuple):
     def reset(self) -> TacoState:
         """Zero EMA, step 0 (a new burn-in), dtypes and shardings kept."""
         return self._replace(step=jnp.zeros_like(self.step), ema=jax.tree_util.tree_map(jnp.zeros_like, self.ema),
-                             active=jnp.zeros_like(self.active))
+                             active=jnp.zeros_like(self.active), median=jnp.zeros_like(self.median),
+                             zero_fraction=jnp.zeros_like(self.zero_fraction))
 
 
 @gin.register(module="multitask")
@@ -95,6 +122,7 @@ def taco(
     median_over: str = "all",
     keep_naive_scale: bool = False,
     state_dtype: Any = jnp.float32,
+    allow_zero_median: bool = False,
 ) -> optax.GradientTransformation:
     """TACO (Zhang et al., TACL 2023): per-parameter softmax weights over tasks from an EMA of
     normalised sensitivities.
@@ -129,6 +157,10 @@ def taco(
       state_dtype: dtype of the EMA: float32, or bfloat16 (half the K x P memory), which is
         written with stochastic rounding (`stochastic_round_bfloat16`): rounded to nearest, an EMA
         with beta 0.999 stalls at a quarter of its value. Maths runs in float32.
+      allow_zero_median: a task's median of 0 (more than half its sensitivities exactly 0) makes the
+        weights a per-parameter argmax, which is not the paper's method; the trainer stops the run at
+        the first such step (`TacoState.problems`) unless this is True, when it only warns. True
+        reproduces a collapsed run on purpose (the `taco` row of docs/RESULTS.md).
 
     A step with non-finite gradients is not this transform's concern: the train step discards
     the whole optimiser state of such a step, so ``step`` counts applied updates only. The update
@@ -141,12 +173,15 @@ def taco(
 
     def recorded() -> dict[str, jax.Array]:
         return hyperparameter_arrays(beta=float(beta), burn_in_steps=burn_in_steps, median_samples=median_samples,
-                                     median_seed=median_seed, tau=float(tau))
+                                     median_seed=median_seed, tau=float(tau),
+                                     zero_median_fatal=int(not allow_zero_median))
 
     def init_fn(params: Any) -> TacoState:
         ema = jax.tree_util.tree_map(
             lambda p: jnp.zeros((num_tasks,) + jnp.shape(p), state_dtype), params)
-        return TacoState(step=jnp.zeros([], jnp.int32), ema=ema, active=jnp.zeros([], bool), hyperparams=recorded())
+        return TacoState(step=jnp.zeros([], jnp.int32), ema=ema, active=jnp.zeros([], bool),
+                         median=jnp.zeros([num_tasks], jnp.float32), zero_fraction=jnp.zeros([num_tasks], jnp.float32),
+                         hyperparams=recorded())
 
     def update_fn(updates: Any, state: TacoState, params: Any = None) -> tuple[Any, TacoState]:
         if params is None:
@@ -162,8 +197,8 @@ def taco(
         # (XLA fuses it into each consumer) rather than materialised as a K x P array.
         sensitivity = [jnp.abs(p.astype(jnp.float32)[None] * g.astype(jnp.float32))
                        for g, p in zip(grad_leaves, param_leaves)]
-        inv_median = 1.0 / (_median(sensitivity, median, median_samples, median_seed, median_over)
-                            + MEDIAN_EPS)
+        medians = _median(sensitivity, median, median_samples, median_seed, median_over)
+        inv_median = 1.0 / (medians + MEDIAN_EPS)
         active = state.step >= burn_in_steps
         combined, new_ema = [], []
         for leaf, (g, p, e) in enumerate(zip(grad_leaves, param_leaves, ema_leaves)):
@@ -172,7 +207,8 @@ def taco(
             combined.append(jnp.where(active, weighted_sum * active_scale, plain_sum).astype(g.dtype))
             new_ema.append(write_ema(ema, state.step, leaf))
         return treedef.unflatten(combined), TacoState(
-            step=state.step + 1, ema=treedef.unflatten(new_ema), active=active, hyperparams=recorded())
+            step=state.step + 1, ema=treedef.unflatten(new_ema), active=active, median=medians,
+            zero_fraction=zero_fraction(sensitivity), hyperparams=recorded())
 
     return optax.GradientTransformation(init_fn, update_fn)
 

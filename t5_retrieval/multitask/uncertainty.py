@@ -11,6 +11,7 @@ d total / d sigma_k = -L_k / sigma_k^3 + 2 sigma_k / (1 + sigma_k^2).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import gin
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5_retrieval.multitask.state import hyperparameter_arrays
+from t5_retrieval.multitask.state import MultitaskProblem, hyperparameter_arrays
 from t5_retrieval.multitask.task_axis import (
     num_tasks as task_count, task_losses as checked_losses, weighted_sum,
 )
@@ -41,6 +42,10 @@ class UncertaintyState(NamedTuple):
     def reset(self) -> UncertaintyState:
         """Every sigma_k back at init_sigma."""
         return self._replace(sigma=jnp.full_like(self.sigma, self.hyperparams["init_sigma"]))
+
+    def problems(self, task_names: Sequence[str]) -> list[MultitaskProblem]:
+        """None: every state of this transform is the method as defined."""
+        return []
 
 
 def uncertainty_total_loss(losses: jax.Array, sigma: jax.Array) -> jax.Array:

@@ -119,6 +119,12 @@ TACO_BINDINGS = ("multitask.taco.beta = 0.99",)
 # is 0. Frozen, every parameter that trains gets a dense gradient and the median is defined.
 FROZEN_EMBEDDINGS = ("make_optimizer.frozen = ['bert/embeddings/(word|position|token_type)/embedding']",)
 
+# Which median each TACO row divides by, stated in its bindings (models/bert_base.gin's default is
+# the median over nonzero values): the paper's median over all (trained) parameters, and the same
+# where it is 0 and the weights are an argmax (the run is let through on purpose, as recorded).
+PAPER_MEDIAN = ("multitask.taco.median_over = 'all'",)
+COLLAPSED_MEDIAN = (*PAPER_MEDIAN, "multitask.taco.allow_zero_median = True")
+
 
 def trained_row(run_file: str, mixture: str, *bindings: str, both_towers: bool = False) -> Callable[..., None]:
     """A row trained with `runs/<run_file>` on `mixture`, from MiniLM (the zero-shot row in `base_dir`,
@@ -230,6 +236,66 @@ RECIPE_STEPS = 200
 RECIPE_EPISODE_LEARNING_RATE = 1e-5
 
 
+def recipe_bindings(data_dir: str, base_dir: str, seed: int, num_episodes: int) -> list[str]:
+    """The gin bindings every stage of a recipe row shares (query side over MiniLM's index)."""
+    return [f"DATA_DIR = '{data_dir}'", "MIXTURE_OR_TASK_NAME = 'mini_kilt'", *TRAIN_BINDINGS,
+            f"TRAIN_STEPS = {RECIPE_STEPS}", f"train.init_from = '{os.path.join(base_dir, 'model')}'",
+            f"train.seed = {seed}",
+            f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'",
+            f"episode/make_optimizer.learning_rate = {RECIPE_EPISODE_LEARNING_RATE}",
+            f"ance.data_dir = '{data_dir}'", f"ance.num_episodes = {num_episodes}",
+            f"ance.passage_index = '{os.path.join(base_dir, 'index')}'"]
+
+
+TACO_LAST_EPISODE = (f"ance.multitask_episodes = [{RECIPE_EPISODES}]", "ance.episode_multitask = @multitask.taco",
+                     "multitask.taco.tau = 2.0", "multitask.taco.median = 'approx'",
+                     "multitask.taco.burn_in_fraction = 0.1", *TACO_BINDINGS)
+
+# The recipe as the TACO authors' scripts run it where this machine allows: every stage with MiniLM's
+# embedding tables frozen (so TACO's median over all trained parameters is not 0, and the naive
+# control trains the same parameters), and each episode's 2 hard negatives per query drawn uniformly
+# from its whole mined list (top-110 minus gold pages), seeded by the row's seed.
+RECIPE_FROZEN = (*FROZEN_EMBEDDINGS, *PAPER_MEDIAN, "episode/make_train_iterator.hard_negatives = 'sampled'")
+
+
+def recipe_pair_row(taco_last: bool) -> Callable[..., None]:
+    """TACO's recipe (`RECIPE_FROZEN`): the warm-up and the episodes before the last are the same for
+    TACO and its naive control, so both rows share them (`<work>/recipe_frozen_shared`, linked into
+    each row's `ance/`) and differ in the last episode alone: TACO (`taco_last`) or the sum."""
+
+    def row(row_dir: str, data_dir: str, seed: int = 0) -> None:
+        from t5_retrieval.ance import ance
+        from t5_retrieval.results.records import seed_dir
+        from t5_retrieval.stages import stage
+
+        work_dir = os.path.dirname(row_dir)
+        base_dir = os.path.join(work_dir, "minilm_zeroshot")
+        minilm_zeroshot_row(base_dir, data_dir)
+        shared = seed_dir(work_dir, "recipe_frozen_shared", seed)
+        configured(["models/minilm_l6.gin", "runs/no_adaptive.gin"],
+                   [*recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES - 1), *RECIPE_FROZEN],
+                   lambda: ance(shared))
+        ance_dir = os.path.join(row_dir, "ance")
+        os.makedirs(ance_dir, exist_ok=True)
+        for name in ["warmup", *[f"episode_{e}" for e in range(1, RECIPE_EPISODES)]]:
+            link = os.path.join(ance_dir, name)
+            if not os.path.lexists(link):
+                os.symlink(os.path.relpath(os.path.join(shared, name), ance_dir), link)
+        configured(["models/minilm_l6.gin", "runs/no_adaptive.gin"],
+                   [*recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES), *RECIPE_FROZEN,
+                    *(TACO_LAST_EPISODE if taco_last else ())],
+                   lambda: ance(ance_dir))
+        last = os.path.join(ance_dir, f"episode_{RECIPE_EPISODES}", "eval")
+
+        def publish() -> dict[str, Any]:
+            shutil.copytree(last, os.path.join(row_dir, "eval"), dirs_exist_ok=True)
+            return {"from": last}
+
+        stage(os.path.join(row_dir, "eval"), "the last episode's table", publish)
+
+    return row
+
+
 def recipe_row(taco_last: bool) -> Callable[..., None]:
     """TACO's training recipe (`ance`): naive multi-task with dataset prefixes warms up on BM25
     negatives from MiniLM; each episode mines the top-110 minus gold with the current model and trains
@@ -244,17 +310,9 @@ def recipe_row(taco_last: bool) -> Callable[..., None]:
         base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
         minilm_zeroshot_row(base_dir, data_dir)
         ance_dir = os.path.join(row_dir, "ance")
-        bindings = [f"DATA_DIR = '{data_dir}'", "MIXTURE_OR_TASK_NAME = 'mini_kilt'", *TRAIN_BINDINGS,
-                    f"TRAIN_STEPS = {RECIPE_STEPS}", f"train.init_from = '{os.path.join(base_dir, 'model')}'",
-                    f"train.seed = {seed}",
-                    f"make_train_iterator.passage_embeddings = '{os.path.join(base_dir, 'embeddings')}'",
-                    f"episode/make_optimizer.learning_rate = {RECIPE_EPISODE_LEARNING_RATE}",
-                    f"ance.data_dir = '{data_dir}'", f"ance.num_episodes = {RECIPE_EPISODES}",
-                    f"ance.passage_index = '{os.path.join(base_dir, 'index')}'"]
-        if taco_last:
-            bindings += [f"ance.multitask_episodes = [{RECIPE_EPISODES}]", "ance.episode_multitask = @multitask.taco",
-                         "multitask.taco.tau = 2.0", "multitask.taco.median = 'approx'",
-                         "multitask.taco.burn_in_fraction = 0.1", *TACO_BINDINGS]
+        bindings = recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES)
+        if taco_last:  # as recorded: over all parameters, embedding tables trained, so the median was 0
+            bindings += [*TACO_LAST_EPISODE, *COLLAPSED_MEDIAN]
         configured(["models/minilm_l6.gin", "runs/no_adaptive.gin"], bindings, lambda: ance(ance_dir))
         last = os.path.join(ance_dir, f"episode_{RECIPE_EPISODES}", "eval")
 

@@ -103,9 +103,10 @@ def _predictions_file(run_dir: str, task: str) -> str:
 
 
 def run_seconds(run_dir: str) -> float:
-    """Wall time of a run: the sum of its stages' recorded durations."""
+    """Wall time of a run: the sum of its stages' recorded durations (stages it shares with another
+    row through a link, as the recipe pairs do, count in both)."""
     total = 0.0
-    for root, _, files in os.walk(run_dir):
+    for root, _, files in os.walk(run_dir, followlinks=True):
         if DONE in files:
             with open(os.path.join(root, DONE)) as f:
                 total += float(json.load(f).get("seconds", 0.0))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from t5_retrieval.results.minilm_rows import (BOTH_TOWERS_STEPS, FROZEN_EMBEDDINGS, TACO_BINDINGS, THREE_EPOCHS,
-                                              bm25_row, confounders_row, dpr_muf_row, minilm_zeroshot_row,
-                                              recipe_row, task_specific_row, trained_row)
+from t5_retrieval.results.minilm_rows import (BOTH_TOWERS_STEPS, COLLAPSED_MEDIAN, FROZEN_EMBEDDINGS, PAPER_MEDIAN,
+                                              TACO_BINDINGS, THREE_EPOCHS, bm25_row, confounders_row, dpr_muf_row,
+                                              minilm_zeroshot_row, recipe_pair_row, recipe_row, task_specific_row,
+                                              trained_row)
 from t5_retrieval.results.qa_open import query_side_row
 from t5_retrieval.results.t5_rows import t5_scratch_row
 
@@ -18,23 +19,25 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "naive_prefix": ("naive multi-task, dataset prefixes", trained_row("no_adaptive.gin", "mini_kilt")),
     "naive_typed": ("naive multi-task, task-type markers (MT-DPR)",
                     trained_row("mt_dpr_task_markers.gin", "mini_kilt_typed")),
-    "taco": ("TACO", trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS)),
+    "taco": ("TACO, median over all parameters: 0 on MiniLM, so its weights are an argmax (collapsed)",
+             trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *COLLAPSED_MEDIAN)),
     "taco_nonzero_median": ("TACO, median over nonzero sensitivities (our variant, not the paper's)",
                             trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS,
                                         "multitask.taco.median_over = 'nonzero'")),
-    "taco_typed": ("TACO, task-type markers", trained_row("task_type_markers.gin", "mini_kilt_typed", *TACO_BINDINGS)),
+    "taco_typed": ("TACO, task-type markers, median over all parameters (collapsed)",
+                   trained_row("task_type_markers.gin", "mini_kilt_typed", *TACO_BINDINGS, *COLLAPSED_MEDIAN)),
     "naive_prefix_frozen_embeddings": ("naive multi-task, dataset prefixes, embedding tables frozen",
                                        trained_row("no_adaptive.gin", "mini_kilt", *FROZEN_EMBEDDINGS)),
-    "taco_frozen_embeddings": ("TACO, embedding tables frozen",
-                               trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS)),
+    "taco_frozen_embeddings": ("TACO, embedding tables frozen (median over the trained parameters)",
+                               trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS, *PAPER_MEDIAN)),
     "naive_prefix_frozen_embeddings_both_towers": (
         "naive multi-task, dataset prefixes, embedding tables frozen, both towers trained",
         trained_row("no_adaptive.gin", "mini_kilt", *FROZEN_EMBEDDINGS, f"TRAIN_STEPS = {BOTH_TOWERS_STEPS}",
                     both_towers=True)),
     "taco_frozen_embeddings_both_towers": (
-        "TACO, embedding tables frozen, both towers trained",
-        trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS, f"TRAIN_STEPS = {BOTH_TOWERS_STEPS}",
-                    both_towers=True)),
+        "TACO, embedding tables frozen (median over the trained parameters), both towers trained",
+        trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS, *PAPER_MEDIAN,
+                    f"TRAIN_STEPS = {BOTH_TOWERS_STEPS}", both_towers=True)),
     "pcgrad": ("PCGrad", trained_row("pcgrad.gin", "mini_kilt")),
     "cgd": ("CGD", trained_row("cgd.gin", "mini_kilt")),
     "gradnorm": ("GradNorm", trained_row("gradnorm.gin", "mini_kilt")),
@@ -42,8 +45,14 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "mt_dpr_confounders_3_epochs": ("MT-DPR, adversarial confounders, 3 epochs",
                                     confounders_row(f"TRAIN_STEPS = {THREE_EPOCHS}")),
     "task_specific": ("task-specific (one model per task)", task_specific_row),
-    "taco_recipe": ("TACO's recipe: warm-up, ANCE episodes, TACO in the last", recipe_row(taco_last=True)),
-    "naive_recipe": ("the same recipe, naive in the last episode too", recipe_row(taco_last=False)),
+    "taco_recipe": ("TACO's recipe, top-2 mined negatives, median over all parameters (collapsed)",
+                    recipe_row(taco_last=True)),
+    "naive_recipe": ("the same recipe, top-2 mined negatives, naive in the last episode too",
+                     recipe_row(taco_last=False)),
+    "taco_recipe_frozen": ("TACO's recipe, embedding tables frozen (median over the trained parameters), "
+                           "sampled mined negatives", recipe_pair_row(taco_last=True)),
+    "naive_recipe_frozen": ("the same recipe (embedding tables frozen, sampled mined negatives), naive in the last "
+                            "episode too", recipe_pair_row(taco_last=False)),
     "dpr_muf": ("DPR-MUF (fusion of the task-specific models)", dpr_muf_row),
     "query_side": ("query-side fine-tuning on qa_open (thesis)", query_side_row),
     "t5_scratch_naive": ("T5 from scratch, naive multi-task (GDMTL's control)",
@@ -73,5 +82,6 @@ CONTROLS = {
     "mt_dpr_confounders_3_epochs": "mt_dpr_confounders",
     "task_specific": "naive_noprefix",
     "taco_recipe": "naive_recipe",
+    "taco_recipe_frozen": "naive_recipe_frozen",
 }
-SEEDED = ("naive_noprefix", "naive_recipe", *CONTROLS)
+SEEDED = ("naive_noprefix", "naive_recipe", "naive_recipe_frozen", *CONTROLS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 # {task: {feature: rows}}: numpy arrays on the host, jax.Arrays (global, sharded) inside the step.
 Batch = dict[str, dict[str, ArrayLike]]
 _FILL_STREAM = 7919  # separates the random-negative RNG stream from the permutation streams
+_SAMPLE_STREAM = 104729  # and the stream that samples hard negatives from an example's list
+HARD_NEGATIVES = ("first", "sampled")
 FEW_SHOT_SEED = 128  # fixes the few-shot subset, independent of the run seed and the host
 
 
@@ -189,9 +192,21 @@ def _fit(tokens: np.ndarray, length: int) -> np.ndarray:
     return out
 
 
+def choose_negatives(ids: Sequence[str], count: int, hard_negatives: str, seed: int, example_id: str
+                     ) -> Sequence[str]:
+    """An example's hard negatives for a run: the first `count` of its list (best first), or
+    (``"sampled"``) `count` drawn uniformly without replacement from the whole list, in list order,
+    the same for every host layout and resume: the RNG is keyed by (seed, example id). The TACO
+    authors' scripts shuffle each query's mined list (top-k minus gold) and train on the first of it."""
+    if hard_negatives == "first" or len(ids) <= count:
+        return ids[:count]
+    rng = np.random.default_rng([seed, _SAMPLE_STREAM, zlib.crc32(example_id.encode("utf-8"))])
+    return [ids[i] for i in np.sort(rng.choice(len(ids), count, replace=False))]
+
+
 def _task_data(info: TaskInfo, examples: TaskExamples, negatives: dict[str, tuple[str, ...]] | None,
                store: PassageStore, conventions: TokenConventions, query_len: int, num_negatives: int,
-               size: int, negatives_source: str) -> _TaskData:
+               size: int, negatives_source: str, hard_negatives: str, seed: int) -> _TaskData:
     usable = [i for i, positive in enumerate(examples.positives) if positive]
     if not usable:
         raise DataError(f"task {info.name}: none of its {len(examples)} host-local examples has a positive "
@@ -205,7 +220,8 @@ def _task_data(info: TaskInfo, examples: TaskExamples, negatives: dict[str, tupl
             ids_of = negatives[examples.ids[i]]
         else:
             raise DataError(f"{negatives_source}: no negatives for example {examples.ids[i]!r} of task {info.name}")
-        ids = [store.index_of(pid) for pid in ids_of[:num_negatives]]
+        chosen = choose_negatives(ids_of, num_negatives, hard_negatives, seed, examples.ids[i])
+        ids = [store.index_of(pid) for pid in chosen]
         negs[r, : len(ids)] = ids
         missing += num_negatives - len(ids)
     end = conventions.end_id
@@ -239,7 +255,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                         max_examples_per_task: int | None = None, passage_template: str = PASSAGE_TEMPLATE,
                         passage_embeddings: str | None = None, cache_dir: str | None = None,
                         task_module: str | Sequence[str] | None = None,
-                        task_module_path: Sequence[str] = ()) -> TrainIterator:
+                        task_module_path: Sequence[str] = (), hard_negatives: str = "first") -> TrainIterator:
     """Builds the per-task training iterator over a registered seqio Mixture or Task.
 
     Names resolve through seqio (`retrieval_tasks.resolve`); per-device sub-batch sizes come from the
@@ -259,9 +275,10 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
 
     Negatives: `negatives` is a directory of `{dataset}-{split}.jsonl` negatives files (default
     `<data_dir>/negatives/bm25`); where it has no file for a Task, the Task's own "negatives" feature
-    is used. The first `num_negatives` of each example are used, and when an example has fewer, the
-    rest are random KB passages outside its gold pages, drawn deterministically from (seed, task,
-    host, step). Examples without a positive passage in the KB are skipped and counted (logged).
+    is used. `hard_negatives` picks `num_negatives` of each example's list for the whole run: the
+    first ones (``"first"``, best first) or a uniform sample of the whole list (``"sampled"``, seeded
+    by `seed` and the example id: `choose_negatives`); when an example has fewer, the rest are
+    random KB passages outside its gold pages, drawn deterministically from (seed, task, host, step). Examples without a positive passage in the KB are skipped and counted (logged).
     Each host reads examples i with i % host_count == host_index (seqio.ShardInfo style).
     `passage_template` is how a passage becomes text (`text.PASSAGE_TEMPLATES`; recorded in the
     features). `max_examples_per_task` keeps a fixed random subset of each task (MT-DPR's few-shot
@@ -276,6 +293,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     from t5_retrieval.data.tasks.materialize import materialize
 
     gin_utils.import_modules(task_module, task_module_path)
+    if hard_negatives not in HARD_NEGATIVES:
+        raise ConfigError(f"make_train_iterator.hard_negatives must be one of {HARD_NEGATIVES}, got {hard_negatives!r}")
     if not 0 <= host_index < host_count:
         raise ValueError(f"host_index {host_index} not in [0, {host_count})")
     vocab = _load_vocabulary(vocabulary)
@@ -308,7 +327,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
             raise DataError(f"{negatives_file}: missing, and seqio Task {info.name} has no \"negatives\" feature; "
                             + _negatives_hint(data_dir, negatives_dir, info, split, task_module, task_module_path))
         data = _task_data(info, examples, task_negatives, store, conventions_of(vocab), length,
-                          num_negatives, size * local_data_devices, source)
+                          num_negatives, size * local_data_devices, source, hard_negatives, seed)
         if data.skipped or data.missing_negatives:
             logging.warning("task %s: skipped %d examples without a positive in the KB; %d negative slots "
                             "will be filled with random passages", info.name, data.skipped, data.missing_negatives)
