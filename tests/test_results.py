@@ -14,6 +14,7 @@ from t5_retrieval.results.analysis import analysis_table
 from t5_retrieval.results.common import TASKS
 from t5_retrieval.results.qa_open import bm25_answer_recall, qa_open_dir, qa_open_table
 from t5_retrieval.results.records import RunRecord, read_record, read_records, record_run, seed_dir, write_record
+from t5_retrieval.results.rows import TITLES
 from t5_retrieval.results.significance import differences_table, paired_bootstrap, seed_differences
 from t5_retrieval.results.tables import markdown_table
 
@@ -74,8 +75,9 @@ def test_a_trained_rows_record_reads_the_models_task_names_and_sums_stage_times(
     record = record_run(str(run_dir), data_dir, "taco", 0)
     assert record.seconds == 120.5 and record.training == {"steps": 200, "bindings": ["x = 1"]}
     assert record.table == {t: {"Rprec": tables[t]["Rprec"], "recall@20": tables[t]["recall@20"]} for t in TASKS}
-    row = [line for line in markdown_table({"taco": [record]}).splitlines() if line.startswith("| TACO |")]
-    assert row == ["| TACO | " + " | ".join(f"{tables[t]['Rprec']:.3f} | {tables[t]['recall@20']:.3f}" for t in TASKS)
+    title = TITLES["taco"]
+    row = [line for line in markdown_table({"taco": [record]}).splitlines() if line.startswith(f"| {title} |")]
+    assert row == [f"| {title} | " + " | ".join(f"{tables[t]['Rprec']:.3f} | {tables[t]['recall@20']:.3f}" for t in TASKS)
                    + f" | {record.mean('Rprec'):.3f} | {record.mean('recall@20'):.3f} | 120 s |"], row
     assert analysis_table(work_dir) == "", "no analysed model, no analysis table"
 
