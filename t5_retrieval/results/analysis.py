@@ -14,15 +14,19 @@ from t5_retrieval.stages import DONE
 PROBE_ROWS = ("naive_noprefix", "naive_prefix", "taco", "naive_prefix_frozen_embeddings", "taco_frozen_embeddings")
 
 
-# The TACO rows whose own training weights (their final EMA) are analysed as well.
-TACO_ROWS = ("taco", "taco_nonzero_median", "taco_frozen_embeddings", "taco_frozen_embeddings_both_towers")
+# The rows whose training kept TACO's EMA (the TACO rows, and the recipe's naive control, which tracks it
+# without applying it) are analysed from that final EMA as well: {row: its model directory in the row's}.
+TRAINING_EMA_ROWS = {"taco": "model", "taco_nonzero_median": "model", "taco_frozen_embeddings": "model",
+                     "taco_frozen_embeddings_both_towers": "model",
+                     "taco_recipe_frozen": "ance/episode_2/model", "naive_recipe_frozen": "ance/episode_2/model"}
 PROBE_BATCHES, PROBE_BETA, PROBE_SEED = 50, 0.98, 1  # EMA at 1 - 0.98^50 = 64% of its signal
 
 
 def sensitivity_analysis(work_dir: str) -> None:
     """TACO paper Fig. 1-2 for the finished rows of PROBE_ROWS: each trained model's task
     sensitivities probed on the same 50 training batches (`t5_retrieval.probe`), plus the final EMA
-    of the TACO_ROWS runs (the weights they trained with); figures and analysis.json in `<work_dir>/analysis/<name>`."""
+    of the TRAINING_EMA_ROWS runs (the weights TACO trained with, or would have); figures and analysis.json
+    in `<work_dir>/analysis/<name>`."""
     from t5_retrieval.multitask.analysis import state_file
     from t5_retrieval.stages import is_done, stage
 
@@ -31,8 +35,8 @@ def sensitivity_analysis(work_dir: str) -> None:
         if is_done(model_dir):
             out = os.path.join(work_dir, "analysis", name)
             stage(out, f"sensitivity probe {name}", lambda: probe_model(model_dir, out))
-    for name in TACO_ROWS:
-        saved = state_file(os.path.join(work_dir, name, "model"))
+    for name, model in TRAINING_EMA_ROWS.items():
+        saved = state_file(os.path.join(work_dir, name, model))
         if saved is not None:
             out = os.path.join(work_dir, "analysis", f"{name}_training")
             stage(out, f"{name} training state analysis", lambda: analyse_saved_state(saved, out))
@@ -87,7 +91,7 @@ def analysis_table(work_dir: str) -> str:
     """One line per analysed model: specialised / not-activated share and mean task entropy."""
     lines = []
     analysed = [(n, n, f"probe, {PROBE_BATCHES} batches, beta {PROBE_BETA}") for n in PROBE_ROWS]
-    analysed += [(f"{n}_training", n, "its training EMA") for n in TACO_ROWS]
+    analysed += [(f"{n}_training", n, "its training EMA") for n in TRAINING_EMA_ROWS]
     for name, row, source in analysed:
         path = os.path.join(work_dir, "analysis", name, DONE)
         if os.path.exists(path):

@@ -257,11 +257,18 @@ TACO_LAST_EPISODE = (f"ance.multitask_episodes = [{RECIPE_EPISODES}]", "ance.epi
 # from its whole mined list (top-110 minus gold pages), seeded by the row's seed.
 RECIPE_FROZEN = (*FROZEN_EMBEDDINGS, *PAPER_MEDIAN, "episode/make_train_iterator.hard_negatives = 'sampled'")
 
+# The naive control of the last episode keeps TACO's EMA without applying it: TACO whose burn-in lasts
+# the whole episode returns the plain sum of the task gradients (at the naive scale), so the control
+# trains as naive does and its specialisation is measured with TACO's own EMA (same beta, steps and
+# parameters).
+NAIVE_TRACKING_TACO = (*TACO_LAST_EPISODE, "multitask.taco.burn_in_fraction = 1.0", "multitask.taco.keep_naive_scale = True")
+
 
 def recipe_pair_row(taco_last: bool) -> Callable[..., None]:
     """TACO's recipe (`RECIPE_FROZEN`): the warm-up and the episodes before the last are the same for
     TACO and its naive control, so both rows share them (`<work>/recipe_frozen_shared`, linked into
-    each row's `ance/`) and differ in the last episode alone: TACO (`taco_last`) or the sum."""
+    each row's `ance/`) and differ in the last episode alone: TACO (`taco_last`) or the sum, with
+    TACO's EMA tracked (`NAIVE_TRACKING_TACO`)."""
 
     def row(row_dir: str, data_dir: str, seed: int = 0) -> None:
         from t5_retrieval.ance import ance
@@ -283,7 +290,7 @@ def recipe_pair_row(taco_last: bool) -> Callable[..., None]:
                 os.symlink(os.path.relpath(os.path.join(shared, name), ance_dir), link)
         configured(["models/minilm_l6.gin", "runs/no_adaptive.gin"],
                    [*recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES), *RECIPE_FROZEN,
-                    *(TACO_LAST_EPISODE if taco_last else ())],
+                    *(TACO_LAST_EPISODE if taco_last else NAIVE_TRACKING_TACO)],
                    lambda: ance(ance_dir))
         last = os.path.join(ance_dir, f"episode_{RECIPE_EPISODES}", "eval")
 
