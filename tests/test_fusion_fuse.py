@@ -17,7 +17,6 @@ from t5_retrieval.data.records import read_jsonl
 from t5_retrieval.fusion import experts, fuse, muf
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.retrieval import evaluate, index, scann_index, search
-from t5_retrieval.retrieval.bm25_index import build_bm25_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
 TASKS = ("nq", "trex")
@@ -127,7 +126,7 @@ def test_bm25_hybrid_at_weight_one_is_the_bm25_ranking(demo):
     config = fuse.FuseConfig(depth=20, ks=(1, 5, 20), hybrid_weight=1.0)
     result = fuse.fuse_and_evaluate([expert], train, dev, store,
                                     muf.EnsembleConfig(num_epochs=1, hidden_dim=8, top_l=8), config,
-                                    hybrid_with=search.bm25_searcher(build_bm25_index(store)))
+                                    hybrid_with=search.bm25_searcher(index.build_bm25_index(store)))
     from t5_retrieval.data.kilt.negatives import bm25_query
     from t5_retrieval.retrieval import metrics
     for example, row in zip(dev["trex"], result.results["hybrid"].predictions["trex"]):

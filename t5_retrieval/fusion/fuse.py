@@ -216,7 +216,7 @@ def fuse_experts(expert_specs: Sequence[str], data_dir: str, output_dir: str, kb
     calibration = eval_examples if calibration_split == split else examples(calibration_split, eval_tasks)
     bm25 = None
     if config.hybrid_weight is not None:
-        from t5_retrieval.retrieval.bm25_index import build_bm25_index
+        from t5_retrieval.retrieval.index import build_bm25_index
         bm25 = bm25_searcher(build_bm25_index(store, store.directory))
     result = fuse_and_evaluate(experts, train_examples, eval_examples, store, muf.EnsembleConfig(), config,
                                calibration, bm25)

@@ -14,7 +14,7 @@ built from a complete embedding store (`t5r encode`) by `build_index`, the backe
   oracle the ScaNN backend is tested against.
 
 The third, "bm25" (`bm25_index`), searches query texts with BM25; it is built from a KB
-(`bm25_index.build_bm25_index`), has no model (dim 0) and refuses a query encoder.
+(`build_bm25_index`), has no model (dim 0) and refuses a query encoder.
 
 `t5r index --embeddings_dir=... --output_dir=... [--backend=scann|exact]` (`commands/index.py`)
 runs `build_index`.
@@ -29,7 +29,7 @@ import gin
 import numpy as np
 
 from t5_retrieval.errors import UserError
-from t5_retrieval.retrieval.bm25_index import BM25TextIndex
+from t5_retrieval.retrieval.bm25_index import BM25TextIndex, build_bm25_index  # noqa: F401  (re-exported)
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.exact_index import ExactIndex, build_exact_index
 from t5_retrieval.retrieval.scann_index import ScannIndex, build_scann_index
