@@ -164,7 +164,7 @@ def test_bm25_check_refuses_any_query_encoder_and_another_kb():
     kb = text_kb(30)
     built = bm25_index.build_bm25_index(kb, "kb")
     built.check(passage_ids=kb.ids())  # its own KB passes
-    with pytest.raises(index.IndexMismatchError, match="kb: a BM25 index searches query text and takes no query encoder"):
+    with pytest.raises(index.IndexMismatchError, match="kb: a BM25 index searches query text and takes no query"):
         built.check(HashedBagOfWordsEncoder(dim=8))
     with pytest.raises(index.IndexMismatchError, match="first difference at row 29"):
         built.check(passage_ids=kb.ids()[:-1] + ["other"])

@@ -59,10 +59,11 @@ def test_searcher_service_experts_eval_and_mine_rank_through_the_one_path(dense,
     encoder, idx = dense
     want = expected_ids(dense, QUERIES, 3)
     examples = [Example(f"q{i}", TASK, q, gold_pages=(("nowhere",),)) for i, q in enumerate(QUERIES)]
+    service = serve.SearchService(encoder, idx, KB, [TASK])
     users = {
-        "Searcher": lambda: [[h.passage_id for h in hits] for hits in Searcher(encoder, idx, KB).search(QUERIES, 3, task=TASK)],
-        "SearchService": lambda: [[h["passage_id"] for h in hits]
-                                  for hits in serve.SearchService(encoder, idx, KB, [TASK]).search(QUERIES, 3, task=TASK)],
+        "Searcher": lambda: [[h.passage_id for h in hits]
+                             for hits in Searcher(encoder, idx, KB).search(QUERIES, 3, task=TASK)],
+        "SearchService": lambda: [[h["passage_id"] for h in hits] for hits in service.search(QUERIES, 3, task=TASK)],
         "Expert": lambda: [ids for ids, _ in experts.Expert(experts.ExpertSpec(TASK, "lexical:64", "idx"), encoder, idx,
                                                             TASK).search(QUERIES, 3)[1]],
         "evaluate": lambda: [r.passage_ids for r in evaluate.evaluate(encoder, idx, {TASK: examples}, KB, ks=(1, 3),

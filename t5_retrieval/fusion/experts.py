@@ -1,8 +1,9 @@
 """Expert retrievers for fusion: (task, checkpoint, index) triples, their searches and their data.
 
 An expert is any retrieval `Encoder` with its own `Index`, checked against each other and the KB
-exactly as `t5r eval` checks them, and searched as `t5r eval` searches (`search.dense_searcher`). Nothing here trains an expert: the ensemble (`muf`) only reads
-its frozen query embeddings and the frozen embeddings of the passages it retrieved.
+exactly as `t5r eval` checks them, and searched as `t5r eval` searches (`search.dense_searcher`).
+Nothing here trains an expert: the ensemble (`muf`) only reads its frozen query embeddings and the
+frozen embeddings of the passages it retrieved.
 """
 
 from __future__ import annotations

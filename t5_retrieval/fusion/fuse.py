@@ -219,6 +219,6 @@ def fuse_experts(expert_specs: Sequence[str], data_dir: str, output_dir: str, kb
         from t5_retrieval.retrieval.index import build_bm25_index
         bm25 = bm25_searcher(build_bm25_index(store, store.directory))
     result = fuse_and_evaluate(experts, train_examples, eval_examples, store, muf.EnsembleConfig(), config,
-                               calibration, bm25)
+                               calibration, hybrid_with=bm25)
     write_fusion(result, output_dir)
     return result

@@ -28,7 +28,6 @@ from t5_retrieval.retrieval import metrics, search
 from t5_retrieval.data.tasks import task_names
 from t5_retrieval.retrieval.encoder import Encoder, recorded_tasks
 from t5_retrieval.retrieval.index import Index
-from t5_retrieval.retrieval.search import dense_searcher
 from t5_retrieval.data.stores.passages import PassageLookup
 
 
@@ -77,7 +76,7 @@ def evaluate(
     scorer = RankingScorer(passages, ks, skip_answer_recall)
     tasks = recorded_tasks(encoder)
     for task, examples in examples_by_task.items():
-        found = dense_searcher(encoder, index, task, batch_size).search([e.query for e in examples], depth)
+        found = search.dense_searcher(encoder, index, task, batch_size).search([e.query for e in examples], depth)
         scorer.add_task(task, examples, [r.passage_ids for r in found], [r.scores for r in found],
                         dataset=task_names.dataset_of(tasks, task))
     return scorer.result()

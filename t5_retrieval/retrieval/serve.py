@@ -2,8 +2,9 @@
 
 Plain Python, no HTTP: `SearchService` turns the decoded body of `POST /search` into hits (one
 `search.dense_searcher` per task, the search path of `t5r eval` and `Searcher`), and refuses bad
-input with a `RequestError` (a 4xx status and a message naming the field) before it reaches the model. The HTTP transport around it is `http_app.py` (routes, token, limits, JSON
-errors) on `http_server.py` (uvicorn: connections and timeouts).
+input with a `RequestError` (a 4xx status and a message naming the field) before it reaches the
+model. The HTTP transport around it is `http_app.py` (routes, token, limits, JSON errors) on
+`http_server.py` (uvicorn: connections and timeouts).
 
     POST /search  {"task": "fever", "query": "..." | "queries": ["...", ...], "k": 10}
       -> {"task", "k", "results": [hit, ...]}           for "query"
@@ -153,7 +154,7 @@ class SearchService:
         return task, queries, k, single
 
     def search(self, queries: Sequence[str], k: int, *, task: str) -> list[list[dict[str, Any]]]:
-        """The top-k hits of each query, best first, with `task`'s query prefix (the model's task name)."""
+        """The top-k hits of each query, best first, with `task`'s query prefix (one of `tasks`, the model's name)."""
         found = self._searchers[task].hits(queries, k, self.passages)
         return [[{"rank": rank, "passage_id": hit.passage_id, "wikipedia_id": hit.wikipedia_id, "title": hit.title,
                   "score": hit.score} for rank, hit in enumerate(hits, start=1)] for hits in found]
