@@ -31,7 +31,7 @@ from t5_retrieval.retrieval.index import Index
 
 
 class Ranked(NamedTuple):
-    """One query's top passages, best first: their ids and the index's scores (float32)."""
+    """One query's top passages, best first: their ids and scores (an index's float32; fusion's float64)."""
 
     passage_ids: list[str]
     scores: np.ndarray
