@@ -3,7 +3,7 @@
 Builds the tiny demo model directory and brute-force index of the export tests
 (`tests/tiny_model.py`, `--pages` pages of synthetic KB), exports it with `export_savedmodel`, loads
 the SavedModel with `tf.saved_model.load`, and times, per batch size, one `search` call of the
-SavedModel against the Python path on the same queries and index (`retrieval.evaluate.retrieve`:
+SavedModel against the Python path on the same queries and index (`retrieval.search.dense_searcher`:
 `DualEncoderInference.encode_queries` -> `Index.search`), interleaved round by round. Both return
 the same top-k passage ids (checked: `results_match`). The Python path pads every batch to its
 encoder batch (64 rows); the SavedModel encodes exactly the rows it gets.
@@ -51,8 +51,8 @@ def main(argv: list[str]) -> int:
     from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.records import read_examples
     from t5_retrieval.export.savedmodel import export_savedmodel
-    from t5_retrieval.retrieval.evaluate import retrieve
     from t5_retrieval.retrieval.index import load_index
+    from t5_retrieval.retrieval.search import dense_searcher
     from tests.tiny_model import build_tiny_run
 
     with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
@@ -72,6 +72,7 @@ def main(argv: list[str]) -> int:
         load_s = time.perf_counter() - start
 
         task = "demo_fever"
+        python_path = dense_searcher(encoder, index, task)
         pool = [e.query for e in read_examples(layout.examples_path(run.data_dir, "fever", "dev"))]
         by_batch = {}
         for size_ in batches:
@@ -80,13 +81,13 @@ def main(argv: list[str]) -> int:
             start = time.perf_counter()
             served = search(**inputs)  # the first call also builds the ScaNN searcher and compiles
             first_call_s = time.perf_counter() - start
-            python = retrieve(encoder, index, queries, args.k, task=task)
+            python = python_path.search(queries, args.k)
             served_ids = served["passage_ids"].numpy().astype(str).tolist()
             match = served_ids == [pids for pids, _ in python]
             max_score_diff = float(np.max(np.abs(served["scores"].numpy() - np.stack([s for _, s in python]))))
             times = common.interleaved_times({
                 "savedmodel": lambda: search(**inputs)["scores"].numpy(),
-                "python": lambda: retrieve(encoder, index, queries, args.k, task=task)}, args.repeats)
+                "python": lambda: python_path.search(queries, args.k)}, args.repeats)
             by_batch[str(size_)] = {"savedmodel": common.summarize(times["savedmodel"]),
                                     "python": common.summarize(times["python"]),
                                     "savedmodel_speedup": common.speedup(times, "savedmodel", "python"),

@@ -6,32 +6,21 @@
 
 The model is opened by `inference.load_encoder`, so queries are formatted, tokenized and embedded
 as in training; the index (of either backend, `index.load_index`) is checked against the model and
-the KB (`Index.check`) as by every `t5r` command, so a search never mixes embedding spaces. A task
+the KB (`Index.check`) as by every `t5r` command, so a search never mixes embedding spaces. The
+search itself is `retrieval.search.dense_searcher`, the one `t5r eval`, `mine` and `serve` use. A task
 is named by its dataset (`fever`), its registered name (`demo_fever`) or a seqio Mixture of one of
 them, see `data.task_names`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import Encoder, model_task_name, warn_if_trained_on_rewritten_text
-from t5_retrieval.retrieval.evaluate import retrieve
 from t5_retrieval.retrieval.index import Index, load_index
-
-
-@dataclasses.dataclass(frozen=True)
-class Hit:
-    """One retrieved passage: its ids, title and text, and the model's score (a dot product)."""
-
-    passage_id: str
-    wikipedia_id: str
-    title: str
-    score: float
-    text: str
+from t5_retrieval.retrieval.search import Hit, dense_searcher
 
 
 class Searcher:
@@ -62,8 +51,4 @@ class Searcher:
             warn_if_trained_on_rewritten_text(self.encoder, task, "Searcher.search embeds the text it is given: "
                                               "pass queries as those preprocessors would leave them")
             self._warned.add(task)
-        results = []
-        for pids, scores in retrieve(self.encoder, self.index, list(queries), k, task=task):
-            passages = [self.store.get(pid) for pid in pids]
-            results.append([Hit(p.id, p.wikipedia_id, p.title, float(s), p.text) for p, s in zip(passages, scores)])
-        return results
+        return dense_searcher(self.encoder, self.index, task).hits(list(queries), k, self.store)

@@ -81,14 +81,14 @@ def python_path(exported):
 
 
 def test_savedmodel_search_returns_the_python_search_paths_top_k(exported, python_path):
-    from t5_retrieval.retrieval.evaluate import retrieve
+    from t5_retrieval.retrieval.search import dense_searcher
 
     _, _, responses, (queries, tasks) = exported
     encoder, index, store = python_path
     got = responses["search"]
     assert np.shape(got["passage_ids"]) == (len(queries), K), np.shape(got["passage_ids"])
     for i, (query, task) in enumerate(zip(queries, tasks)):
-        ((pids, scores),) = retrieve(encoder, index, [query], K, task=task)
+        ((pids, scores),) = dense_searcher(encoder, index, task).search([query], K)
         assert got["passage_ids"][i] == pids, f"query {i} ({task}: {query!r}): {got['passage_ids'][i]} vs {pids}"
         np.testing.assert_allclose(got["scores"][i], scores, rtol=1e-4, atol=1e-4, err_msg=f"query {i}")
         assert got["page_ids"][i] == [store.page_of(p) for p in pids], f"query {i}: page ids"

@@ -16,7 +16,7 @@ from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_tasks
 from t5_retrieval.data.records import read_jsonl
 from t5_retrieval.fusion import experts, fuse, muf
 from t5_retrieval.data.stores import embedding_store
-from t5_retrieval.retrieval import evaluate, index, scann_index
+from t5_retrieval.retrieval import evaluate, index, scann_index, search
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
 TASKS = ("nq", "trex")
@@ -125,7 +125,8 @@ def test_bm25_hybrid_at_weight_one_is_the_bm25_ranking(demo):
     bm25 = BM25Index(store)
     config = fuse.FuseConfig(depth=20, ks=(1, 5, 20), hybrid_weight=1.0)
     result = fuse.fuse_and_evaluate([expert], train, dev, store,
-                                    muf.EnsembleConfig(num_epochs=1, hidden_dim=8, top_l=8), config, bm25=bm25)
+                                    muf.EnsembleConfig(num_epochs=1, hidden_dim=8, top_l=8), config,
+                                    hybrid_with=search.bm25_searcher(index.build_bm25_index(store)))
     from t5_retrieval.data.kilt.negatives import bm25_query
     from t5_retrieval.retrieval import metrics
     for example, row in zip(dev["trex"], result.results["hybrid"].predictions["trex"]):

@@ -1,6 +1,10 @@
 """Every index backend through the same checks, as optax's contrib tests run every optimiser through
 one common test: built from a real embedding store, searched, saved and loaded, checked against a
-model and a KB, damaged; then ScaNN measured against the exact backend, the oracle."""
+model and a KB, damaged; then ScaNN measured against the exact backend, the oracle.
+
+BM25 runs every check that does not need embeddings: it is built from a KB's texts (not an
+embedding store, so not by `t5r index`), searched with query texts, has no model (dim 0, no
+encoder passes `check`) and its oracle is its own full score vector."""
 
 import ast
 import json
@@ -12,17 +16,53 @@ import pytest
 
 from t5_retrieval import checksums, cli
 from t5_retrieval.commands import index as index_command
-from t5_retrieval.retrieval import exact_index, index, scann_index
+from t5_retrieval.data.records import Passage
+from t5_retrieval.data.stores import bm25
+from t5_retrieval.data.stores.passages import PassageTable
+from t5_retrieval.retrieval import bm25_index, exact_index, index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 from test_retrieval_index import MatrixEncoder, clustered, write
 
-BACKENDS = ("scann", "exact")
+BACKENDS = ("scann", "exact")  # built from embeddings, searched with embeddings
+ALL_BACKENDS = (*BACKENDS, "bm25")
 IDS_FILE = "passage_ids.txt"
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> str:
     return request.param
+
+
+@pytest.fixture(params=ALL_BACKENDS)
+def any_backend(request) -> str:
+    return request.param
+
+
+WORDS = [f"w{i}" for i in range(12)]
+
+
+def text_kb(n: int, seed: int = 0) -> PassageTable:
+    """n passages of 3-8 words from a 12-word vocabulary (repeats give BM25 equal scores to order)."""
+    rng = np.random.default_rng(seed)
+    return PassageTable(Passage(f"p{i}", f"w{i // 3}", f"T{i // 3}", " ".join(rng.choice(WORDS, rng.integers(3, 9))))
+                        for i in range(n))
+
+
+def text_queries(n: int, seed: int = 1) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, 2)) for _ in range(n)]
+
+
+def build(tmp_path, backend: str, n: int, dim: int = 4):
+    """An index of `backend` over n passages (embeddings of `dim`, or a text KB for bm25)."""
+    if backend == "bm25":
+        return bm25_index.build_bm25_index(text_kb(n), "kb")
+    return index.build_index(write(tmp_path, clustered(n, dim))[0], backend=backend)
+
+
+def queries_for(backend: str, n: int, dim: int = 4, seed: int = 3):
+    """n queries in the backend's form: embeddings of `dim`, or texts."""
+    return text_queries(n, seed) if backend == "bm25" else clustered(n, dim, seed=seed)
 
 
 def oracle_top_k(matrix: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
@@ -54,33 +94,55 @@ def test_search_returns_the_true_top_k_best_first(tmp_path, backend):
         assert np.all(np.diff(scores[q]) <= 0), f"{backend}, query {q}: scores not best first: {scores[q]}"
 
 
-def test_k_beyond_the_index_size_returns_every_passage_once(tmp_path, backend):
-    built = index.build_index(write(tmp_path, clustered(6, 4))[0], backend=backend)
-    rows, scores = built.search(clustered(2, 4, seed=3), 50)
+def test_bm25_is_an_index_that_records_its_kb_and_parameters():
+    kb = text_kb(40)
+    built = bm25_index.build_bm25_index(kb, "data/kb")
+    assert isinstance(built, index.Index) and built.backend == "bm25"
+    assert len(built) == 40 and built.dim == 0 and built.fingerprint == "bm25-k1=0.9-b=0.4"
+    assert built.passage_ids == kb.ids() and built.meta == {"kb_dir": "data/kb"} and built.embeddings_dir == ""
+
+
+def test_bm25_search_returns_the_top_k_of_its_scores_best_first_ties_by_row():
+    built = bm25_index.build_bm25_index(text_kb(40))
+    queries = text_queries(6)
+    rows, scores = built.search(queries, 7)
+    assert len(rows) == len(scores) == 6
+    for q, query in enumerate(queries):
+        every = bm25.query_scores(built.retriever, query)
+        expected = np.argsort(-every, kind="stable")[:7]  # equal scores in row order
+        assert rows[q].dtype == np.int64 and scores[q].dtype == np.float32, (rows[q].dtype, scores[q].dtype)
+        np.testing.assert_array_equal(rows[q], expected, err_msg=f"query {q} ({query!r}): not the top 7 by row order")
+        np.testing.assert_array_equal(scores[q], every[expected])
+
+
+def test_k_beyond_the_index_size_returns_every_passage_once(tmp_path, any_backend):
+    built = build(tmp_path, any_backend, 6)
+    rows, scores = built.search(queries_for(any_backend, 2), 50)
     assert [sorted(r.tolist()) for r in rows] == [list(range(6))] * 2, rows
     assert [len(s) for s in scores] == [6, 6]
 
 
-def test_an_empty_batch_finds_nothing_and_bad_arguments_are_refused(tmp_path, backend):
-    built = index.build_index(write(tmp_path, clustered(10, 4))[0], backend=backend)
-    assert built.search(np.zeros((0, 4), np.float32), 3) == ([], [])
+def test_an_empty_batch_finds_nothing_and_bad_arguments_are_refused(tmp_path, any_backend):
+    built = build(tmp_path, any_backend, 10)
+    assert built.search(queries_for(any_backend, 0), 3) == ([], [])
     with pytest.raises(ValueError, match="k must be >= 1"):
-        built.search(clustered(1, 4), 0)
-    with pytest.raises(ValueError, match=r"shape \[n, 4\]"):
-        built.search(clustered(1, 5), 3)
+        built.search(queries_for(any_backend, 1), 0)
+    wrong, message = (clustered(1, 4), "searches query texts") if any_backend == "bm25" else \
+        (clustered(1, 5), r"shape \[n, 4\]")
+    with pytest.raises(ValueError, match=message):
+        built.search(wrong, 3)
 
 
-def test_a_saved_index_loads_back_as_its_backend_with_identical_results(tmp_path, backend):
-    matrix, queries = clustered(300, 8), clustered(6, 8, seed=5)
-    built = index.build_index(write(tmp_path, matrix)[0], backend=backend)
+def test_a_saved_index_loads_back_as_its_backend_with_identical_results(tmp_path, any_backend):
+    built, queries = build(tmp_path, any_backend, 300, dim=8), queries_for(any_backend, 6, dim=8, seed=5)
     built.save(str(tmp_path / "idx"))
     loaded = index.load_index(str(tmp_path / "idx"))
-    assert type(loaded) is type(built) and loaded.backend == backend
+    assert type(loaded) is type(built) and loaded.backend == any_backend
     assert (loaded.passage_ids, loaded.fingerprint, loaded.dim, loaded.meta, loaded.embeddings_dir) == \
         (built.passage_ids, built.fingerprint, built.dim, built.meta, built.embeddings_dir)
     for a, b in zip(built.search(queries, 9), loaded.search(queries, 9)):
         for q, (x, y) in enumerate(zip(a, b)):
-            np.testing.assert_array_equal(x, y, err_msg=f"{backend}, query {q}: loaded index answers differently")
+            np.testing.assert_array_equal(x, y, err_msg=f"{any_backend}, query {q}: loaded index answers differently")
 
 
 def test_check_refuses_another_model_and_another_kb(tmp_path, backend):
@@ -98,14 +160,24 @@ def test_check_refuses_another_model_and_another_kb(tmp_path, backend):
         built.check(passage_ids=[p.id for p in passages[:-1]])
 
 
-def test_index_json_records_the_backend_and_the_shared_fields(tmp_path, backend):
-    built = index.build_index(write(tmp_path, clustered(12, 4))[0], backend=backend)
+def test_bm25_check_refuses_any_query_encoder_and_another_kb():
+    kb = text_kb(30)
+    built = bm25_index.build_bm25_index(kb, "kb")
+    built.check(passage_ids=kb.ids())  # its own KB passes
+    with pytest.raises(index.IndexMismatchError, match="kb: a BM25 index searches query text and takes no query"):
+        built.check(HashedBagOfWordsEncoder(dim=8))
+    with pytest.raises(index.IndexMismatchError, match="first difference at row 29"):
+        built.check(passage_ids=kb.ids()[:-1] + ["other"])
+
+
+def test_index_json_records_the_backend_and_the_shared_fields(tmp_path, any_backend):
+    built = build(tmp_path, any_backend, 12)
     built.save(str(tmp_path / "idx"))
     record = json.loads((tmp_path / "idx" / "index.json").read_text())
     shared = {"format", "backend", "fingerprint", "dim", "num_passages", "ids_sha256", "meta", "embeddings_dir"}
-    assert set(record) == shared | {backend}, sorted(record)
+    assert set(record) == shared | {any_backend}, sorted(record)
     assert (record["format"], record["backend"], record["num_passages"], record["dim"]) == \
-        ("t5r-index-v2", backend, 12, 4), record
+        ("t5r-index-v2", any_backend, 12, 0 if any_backend == "bm25" else 4), record
     assert (tmp_path / "idx" / IDS_FILE).read_text().splitlines() == built.passage_ids
 
 
@@ -122,7 +194,7 @@ DAMAGES = {
     "another format": (lambda d: _rewrite(d / "index.json", lambda r: r.update(format="faiss-v1")),
                        "field 'format' is 'faiss-v1', expected 't5r-index-v2'"),
     "an unknown backend": (lambda d: _rewrite(d / "index.json", lambda r: r.update(backend="faiss")),
-                           "field 'backend' is 'faiss'; this t5r reads scann, exact"),
+                           "field 'backend' is 'faiss'; this t5r reads scann, exact, bm25$"),
     "a missing field": (lambda d: _rewrite(d / "index.json", lambda r: r.pop("fingerprint")),
                         "no field 'fingerprint'"),
     "no passage ids": (lambda d: (d / IDS_FILE).unlink(), f"{IDS_FILE}: missing"),
@@ -131,17 +203,17 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
-def test_a_missing_or_damaged_index_directory_is_a_clear_error(tmp_path, backend, damage):
-    index.build_index(write(tmp_path, clustered(12, 4))[0], backend=backend).save(str(tmp_path / "idx"))
+def test_a_missing_or_damaged_index_directory_is_a_clear_error(tmp_path, any_backend, damage):
+    build(tmp_path, any_backend, 12).save(str(tmp_path / "idx"))
     apply, message = DAMAGES[damage]
     apply(tmp_path / "idx")
     with pytest.raises(index.IndexMismatchError, match=message):
         index.load_index(str(tmp_path / "idx"))
 
 
-def test_damaged_backend_assets_are_a_clear_error(tmp_path, backend):
+def test_damaged_backend_assets_are_a_clear_error(tmp_path, any_backend):
     out = tmp_path / "idx"
-    index.build_index(write(tmp_path, clustered(50, 8))[0], backend=backend).save(str(out))
+    build(tmp_path, any_backend, 50, dim=8).save(str(out))
     assets = [p for p in out.rglob("*") if p.is_file() and p.name not in ("index.json", IDS_FILE)]
     largest = max(assets, key=lambda p: p.stat().st_size)
     size = largest.stat().st_size
@@ -153,8 +225,8 @@ def test_damaged_backend_assets_are_a_clear_error(tmp_path, backend):
         index.load_index(str(out))
 
 
-def test_a_save_that_fails_midway_leaves_no_loadable_index(tmp_path, backend, monkeypatch):
-    built = index.build_index(write(tmp_path, clustered(20, 4))[0], backend=backend)
+def test_a_save_that_fails_midway_leaves_no_loadable_index(tmp_path, any_backend, monkeypatch):
+    built = build(tmp_path, any_backend, 20)
     out = str(tmp_path / "idx")
     built.save(out)
 
@@ -174,10 +246,9 @@ def test_a_save_that_fails_midway_leaves_no_loadable_index(tmp_path, backend, mo
 
 
 def test_saving_one_backend_over_another_loads_the_new_one(tmp_path):
-    emb_dir, _ = write(tmp_path, clustered(20, 4))
     out = str(tmp_path / "idx")
-    for backend in (*BACKENDS, *BACKENDS[::-1]):
-        index.build_index(emb_dir, backend=backend).save(out)
+    for backend in (*ALL_BACKENDS, *ALL_BACKENDS[::-1]):
+        build(tmp_path, backend, 20).save(out)
         assert index.load_index(out).backend == backend
 
 
@@ -281,3 +352,5 @@ def test_callers_see_the_protocol_and_only_the_scann_backend_imports_scann():
     assert _modules_importing("t5_retrieval.retrieval.scann_index") == {
         "t5_retrieval/retrieval/index.py", "t5_retrieval/export/savedmodel.py"}
     assert _modules_importing("t5_retrieval.retrieval.exact_index") == {"t5_retrieval/retrieval/index.py"}
+    assert _modules_importing("t5_retrieval.retrieval.bm25_index") == {"t5_retrieval/retrieval/index.py"}
+    assert _modules_importing("bm25s") == {"t5_retrieval/data/stores/bm25.py"}

@@ -1,8 +1,9 @@
 """Expert retrievers for fusion: (task, checkpoint, index) triples, their searches and their data.
 
 An expert is any retrieval `Encoder` with its own `Index`, checked against each other and the KB
-exactly as `t5r eval` checks them. Nothing here trains an expert: the ensemble (`muf`) only reads
-its frozen query embeddings and the frozen embeddings of the passages it retrieved.
+exactly as `t5r eval` checks them, and searched as `t5r eval` searches (`search.dense_searcher`).
+Nothing here trains an expert: the ensemble (`muf`) only reads its frozen query embeddings and the
+frozen embeddings of the passages it retrieved.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from t5_retrieval.inference import load_encoder
 from t5_retrieval.data.tasks.task_names import UnknownTaskError
 from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder, model_task_name
 from t5_retrieval.retrieval.index import Index, load_index
+from t5_retrieval.retrieval.search import PassageSearcher, Ranked, dense_searcher
 from t5_retrieval.data.stores.passages import PassageLookup
 
 LEXICAL = "lexical:"  # checkpoint spec for the hashed bag-of-words baseline: "lexical:<dim>"
 
 log = logging.getLogger(__name__)
 
-Hits = list[tuple[list[str], np.ndarray]]  # per query: passage ids and scores, best first
+Hits = list[Ranked]  # per query: passage ids and scores, best first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +61,16 @@ class Expert:
     def task(self) -> str:
         return self.spec.task
 
+    def searcher(self, batch_size: int = 128) -> PassageSearcher:
+        """The expert's encoder (with its own task prefix) over its index."""
+        return dense_searcher(self.encoder, self.index, self.query_task or self.task, batch_size)
+
     def search(self, queries: Sequence[str], k: int, *, batch_size: int = 128) -> tuple[np.ndarray, Hits]:
-        """Query embeddings [n, d] (with the expert's own task prefix) and top-k hits per query."""
+        """Query embeddings [n, d] (the ensemble reads them) and top-k hits per query."""
         vectors, hits = [], []
-        for start in range(0, len(queries), batch_size):
-            texts = list(queries[start:start + batch_size])
-            batch = np.asarray(self.encoder.encode_queries(texts, self.query_task or self.task), np.float32)
-            rows, scores = self.index.search(batch, k)
+        for batch, ranked in self.searcher(batch_size).search_batches(queries, k):
             vectors.append(batch)
-            hits += [([self.index.passage_ids[r] for r in row], score) for row, score in zip(rows, scores)]
+            hits += ranked
         dim = self.encoder.dim
         return (np.concatenate(vectors) if vectors else np.zeros((0, dim), np.float32)), hits
 

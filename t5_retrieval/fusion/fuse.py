@@ -7,8 +7,8 @@ score (DPR-MUF; also the usual dense + sparse hybrid rule, Ma et al. 2021):
   (`muf`: 1 - MI / log E of its MLP ensemble) and s_x its raw retrieval score.
 * **uniform**: the same sum with every c_x = 1 (what the confidence adds is the difference).
 * **hybrid**: (1 - w) * dense(p) + w * bm25(p) over the union of the fused dense list and the BM25
-  list (`data/stores/bm25.py`), w = `FuseConfig.hybrid_weight` (DPR's bm25 + lambda * dense with
-  lambda = 1.1 is w = 1 / 2.1 up to scale).
+  list, w = `FuseConfig.hybrid_weight` (DPR's bm25 + lambda * dense with lambda = 1.1 is w = 1 / 2.1
+  up to scale). BM25 is one more searcher (`search.bm25_searcher`), searched as the experts are.
 * **own_expert**: for a task that has an expert, that expert alone (the single-task reference).
 
 Each ranking is cut to `depth` passages and scored with the same page mapping and KILT metrics as
@@ -35,12 +35,11 @@ from t5_retrieval.errors import ConfigError
 from t5_retrieval.fusion import experts as experts_lib
 from t5_retrieval.fusion import muf
 from t5_retrieval.retrieval.evaluate import EvalResult, RankingScorer
+from t5_retrieval.retrieval.search import PassageSearcher, Ranked, bm25_searcher
 from t5_retrieval.data.stores.passages import PassageLookup
 
-Ranking = tuple[list[str], np.ndarray]  # passage ids and scores, best first
 
-
-def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: Sequence[float]) -> Ranking:
+def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: Sequence[float]) -> Ranked:
     """sum_i w_i * s_i(p) over the union of the lists, s_i(p) = min(list i) when p is not in list i.
 
     Ties keep the order of first appearance (list by list, best first). An empty list adds nothing.
@@ -63,11 +62,11 @@ def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: 
         total += weight * column
     order = np.lexsort((np.arange(len(position)), -total))
     ids = list(position)
-    return [ids[i] for i in order], total[order]
+    return Ranked([ids[i] for i in order], total[order])
 
 
 def hybrid(dense: tuple[Sequence[str], Sequence[float]], sparse: tuple[Sequence[str], Sequence[float]],
-           weight: float) -> Ranking:
+           weight: float) -> Ranked:
     """(1 - weight) * dense + weight * sparse over the union, missing scores = the list's minimum."""
     if not 0.0 <= weight <= 1.0:
         raise ConfigError(f"FuseConfig.hybrid_weight must be in [0, 1], got {weight}")
@@ -103,16 +102,16 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
                       eval_examples: Mapping[str, Sequence[Example]], passages: PassageLookup,
                       ensemble_config: muf.EnsembleConfig, config: FuseConfig,
                       calibration_examples: Mapping[str, Sequence[Example]] | None = None,
-                      bm25=None) -> FusionResult:
+                      hybrid_with: PassageSearcher | None = None) -> FusionResult:
     """Trains and calibrates every expert's ensemble, then fuses and scores every eval task.
 
-    `bm25` (a `data.bm25.BM25Index`) is needed only when `config.hybrid_weight` is set.
+    `hybrid_with`, the searcher the fused ranking is interpolated with (BM25, `search.bm25_searcher`,
+    in the paper), is needed only when `config.hybrid_weight` is set.
     """
-    if config.hybrid_weight is not None and bm25 is None:
-        raise ValueError("FuseConfig.hybrid_weight is set but no BM25 index was given")
+    if config.hybrid_weight is not None and hybrid_with is None:
+        raise ValueError("FuseConfig.hybrid_weight is set but no searcher to interpolate with was given")
     if config.depth < 1:
         raise ConfigError(f"FuseConfig.depth must be >= 1, got {config.depth}")
-    from t5_retrieval.data.kilt.negatives import bm25_query
 
     vectors = {x.task: experts_lib.passage_vectors(x, passages) for x in experts}
     ensembles = {}
@@ -134,6 +133,7 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
             confidence[x.task][task] = float(conf.mean()) if len(conf) else float("nan")
             lists.append(hits)
             weights.append(conf)
+        second = hybrid_with.search(queries, config.depth) if config.hybrid_weight is not None else []
         rankings: dict[str, list[list[str]]] = {m: [] for m in methods}
         for i, example in enumerate(examples):
             per_query = [expert_lists[i] for expert_lists in lists]
@@ -141,10 +141,8 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
             rankings["muf"].append(fused[0][:config.depth])
             rankings["uniform"].append(fuse_lists(per_query, [1.0] * len(per_query))[0][:config.depth])
             if config.hybrid_weight is not None:
-                (rows,), (scores,) = bm25.search([bm25_query(example.query)], config.depth)
-                sparse = ([bm25.ids[r] for r in rows], scores)
                 dense = (fused[0][:config.depth], fused[1][:config.depth])
-                rankings["hybrid"].append(hybrid(dense, sparse, config.hybrid_weight)[0][:config.depth])
+                rankings["hybrid"].append(hybrid(dense, second[i], config.hybrid_weight)[0][:config.depth])
         own = [j for j, x in enumerate(experts) if x.task == task]
         if own:  # a task without an expert has no own-expert row
             rankings["own_expert"] = [ids for ids, _ in lists[own[0]]]
@@ -156,12 +154,12 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
 
 def _search_with_confidence(expert: experts_lib.Expert, ensemble: muf.Ensemble,
                             vectors: experts_lib.Vectors, queries: Sequence[str], depth: int, top_l: int,
-                            batch_size: int) -> tuple[list[tuple[list[str], np.ndarray]], np.ndarray]:
+                            batch_size: int) -> tuple[list[Ranked], np.ndarray]:
     """The expert's top-`depth` (ids, scores) per query and its confidence per query (from its top-L)."""
     query_vectors, hits = expert.search(queries, max(depth, top_l), batch_size=batch_size)
     candidates, valid = experts_lib.candidate_arrays([ids for ids, _ in hits], vectors, top_l)
     conf = ensemble.confidence(query_vectors, candidates, valid)
-    return [(ids[:depth], scores[:depth]) for ids, scores in hits], conf
+    return [Ranked(ids[:depth], scores[:depth]) for ids, scores in hits], conf
 
 
 def write_fusion(result: FusionResult, output_dir: str) -> None:
@@ -218,9 +216,9 @@ def fuse_experts(expert_specs: Sequence[str], data_dir: str, output_dir: str, kb
     calibration = eval_examples if calibration_split == split else examples(calibration_split, eval_tasks)
     bm25 = None
     if config.hybrid_weight is not None:
-        from t5_retrieval.data.stores.bm25 import BM25Index
-        bm25 = BM25Index(store)
+        from t5_retrieval.retrieval.index import build_bm25_index
+        bm25 = bm25_searcher(build_bm25_index(store, store.directory))
     result = fuse_and_evaluate(experts, train_examples, eval_examples, store, muf.EnsembleConfig(), config,
-                               calibration, bm25)
+                               calibration, hybrid_with=bm25)
     write_fusion(result, output_dir)
     return result

@@ -1,4 +1,5 @@
-"""Evaluation: retrieve top passages per query, map them to pages, score with the KILT metrics.
+"""Evaluation: retrieve top passages per query (`search.dense_searcher`), map them to pages
+(`search.pages`), score with the KILT metrics.
 
 Per task this reports page-level R-precision, precision@k, recall@k and success_rate@k exactly as
 the official KILT scorer (`metrics.kilt_scores`), plus passage-level R-precision (examples with
@@ -19,27 +20,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gin
-import numpy as np
 
 from t5_retrieval.data.kilt import answers
 from t5_retrieval.data.records import DataError, Example, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.retrieval import metrics
+from t5_retrieval.retrieval import metrics, search
 from t5_retrieval.data.tasks import task_names
 from t5_retrieval.retrieval.encoder import Encoder, recorded_tasks
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.data.stores.passages import PassageLookup
-
-
-def retrieve(encoder: Encoder, index: Index, queries: Sequence[str], k: int, *, task: str,
-             batch_size: int = 128) -> list[tuple[list[str], np.ndarray]]:
-    """Top-k (passage ids, scores) per query, best first, encoding queries with `task`'s prefix in batches."""
-    out: list[tuple[list[str], np.ndarray]] = []
-    for start in range(0, len(queries), batch_size):
-        vectors = encoder.encode_queries(list(queries[start:start + batch_size]), task)
-        rows, scores = index.search(np.asarray(vectors, np.float32), k)
-        out += [([index.passage_ids[r] for r in row], score) for row, score in zip(rows, scores)]
-    return out
 
 
 def kilt_prediction(example: Example, pages: Sequence[str]) -> dict[str, Any]:
@@ -87,8 +76,8 @@ def evaluate(
     scorer = RankingScorer(passages, ks, skip_answer_recall)
     tasks = recorded_tasks(encoder)
     for task, examples in examples_by_task.items():
-        hits = retrieve(encoder, index, [e.query for e in examples], depth, task=task, batch_size=batch_size)
-        scorer.add_task(task, examples, [pids for pids, _ in hits], [scores for _, scores in hits],
+        found = search.dense_searcher(encoder, index, task, batch_size).search([e.query for e in examples], depth)
+        scorer.add_task(task, examples, [r.passage_ids for r in found], [r.scores for r in found],
                         dataset=task_names.dataset_of(tasks, task))
     return scorer.result()
 
@@ -133,7 +122,7 @@ class RankingScorer:
         ks = self.ks
         page_scores, passage_scores, answer_scores, rows = [], [], [], []
         for example, pids in zip(examples, rankings):
-            pages = metrics.dedup_keep_first(self.passages.page_of(pid) for pid in pids)
+            pages = search.pages(pids, self.passages)
             rows.append(kilt_prediction(example, pages))
             page_scores.append(metrics.kilt_scores(example.gold_pages, pages, ks))
             if example.positive_passages:

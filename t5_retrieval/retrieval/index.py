@@ -1,16 +1,20 @@
-"""The index interface every caller uses and its two backends.
+"""The index interface every caller uses and its three backends.
 
-An index answers maximum-inner-product search over one KB's passage embeddings, built from a
-complete embedding store (`t5r encode`) and checked against the query model and the KB it is used
-with. Callers (eval, mine, serve, `Searcher`, query-side, fusion, export) type against the `Index`
-protocol and open an index with `load_index`, which reads the backend recorded in the directory's
-index.json; `build_index` builds the backend chosen in gin (`build_index.backend`) or by
-`t5r index --backend`:
+An index ranks one KB's passages for a batch of queries and is checked against the query model and
+the KB it is used with. Callers (eval, mine, serve, `Searcher`, query-side, fusion, export) type
+against the `Index` protocol, search it through `search.PassageSearcher` (the one path from query
+texts to ranked passages) and open it with `load_index`, which reads the backend recorded in the
+directory's index.json. Two backends answer maximum-inner-product search over passage embeddings,
+built from a complete embedding store (`t5r encode`) by `build_index`, the backend chosen in gin
+(`build_index.backend`) or by `t5r index --backend`:
 
 - "scann" (`scann_index`, the default): ScaNN, exact brute force below 50k points, tree +
   asymmetric hashing + reordering above (parameters in gin, `ScannConfig`).
 - "exact" (`exact_index`): brute force in NumPy, equal scores in row order; for small KBs, and the
   oracle the ScaNN backend is tested against.
+
+The third, "bm25" (`bm25_index`), searches query texts with BM25; it is built from a KB
+(`build_bm25_index`), has no model (dim 0) and refuses a query encoder.
 
 `t5r index --embeddings_dir=... --output_dir=... [--backend=scann|exact]` (`commands/index.py`)
 runs `build_index`.
@@ -25,36 +29,39 @@ import gin
 import numpy as np
 
 from t5_retrieval.errors import UserError
+from t5_retrieval.retrieval.bm25_index import BM25TextIndex, build_bm25_index  # noqa: F401  (re-exported)
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.exact_index import ExactIndex, build_exact_index
 from t5_retrieval.retrieval.scann_index import ScannIndex, build_scann_index
 # Re-exported: callers name the index module for its errors and its directory's commit file.
 from t5_retrieval.retrieval.stored_index import INDEX_JSON, IndexMismatchError, read_record  # noqa: F401
 
-BACKENDS = {"scann": ScannIndex, "exact": ExactIndex}
+BACKENDS = {"scann": ScannIndex, "exact": ExactIndex, "bm25": BM25TextIndex}
+EMBEDDING_BACKENDS = ("scann", "exact")  # what `build_index` builds from an embedding store
 
 
 @runtime_checkable
 class Index(Protocol):
-    """Maximum-inner-product search over a KB's passage embeddings, whatever the backend.
+    """A KB's passages ranked for a batch of queries, whatever the backend.
 
-    Rows are the KB's passages in `passage_ids` order (the embedding store's). `search` takes query
-    embeddings float32 [n, dim] and k >= 1 and returns, per query, the rows (int64; the passage is
-    `passage_ids[row]`) and dot-product scores (float32) of its top min(k, len) passages, best
-    first. `check` raises IndexMismatchError for a query encoder of another model (fingerprint, dim)
-    or a KB with other passage ids; `save` writes a directory that `load_index` reads back.
+    Rows are the KB's passages in `passage_ids` order (the embedding store's). `search` takes the
+    backend's queries (float32 embeddings [n, dim] for scann and exact, a list of texts for bm25)
+    and k >= 1 and returns, per query, the rows (int64; the passage is `passage_ids[row]`) and
+    scores (float32: dot products, or BM25) of its top min(k, len) passages, best first. `check`
+    raises IndexMismatchError for a query encoder of another model (fingerprint, dim; bm25: any
+    encoder) or a KB with other passage ids; `save` writes a directory that `load_index` reads back.
     """
 
-    backend: str  # the name index.json records: "scann" or "exact"
+    backend: str  # the name index.json records: "scann", "exact" or "bm25"
     passage_ids: list[str]
-    fingerprint: str  # the model that embedded the passages
-    dim: int
+    fingerprint: str  # the model that embedded the passages ("bm25-k1=...-b=..." for bm25)
+    dim: int  # 0 for bm25
     meta: dict[str, Any]  # the embeddings' provenance (checkpoint, step, KB)
     embeddings_dir: str  # the embedding store it was built from ("" if unknown)
 
     def __len__(self) -> int: ...
 
-    def search(self, query_embeddings: np.ndarray, k: int) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
+    def search(self, queries: Any, k: int) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
 
     def check(self, encoder: Encoder | None = None, passage_ids: Sequence[str] | None = None) -> None: ...
 
@@ -72,7 +79,7 @@ def build_index(embeddings_dir: str, backend: str = "scann", staging_dir: str | 
     if backend == "exact":
         return build_exact_index(embeddings_dir)
     raise UserError(f"index backend {backend!r} (--backend or gin build_index.backend): "
-                    f"choose one of {', '.join(BACKENDS)}")
+                    f"choose one of {', '.join(EMBEDDING_BACKENDS)}")
 
 
 def load_index(directory: str) -> Index:

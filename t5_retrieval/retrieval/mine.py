@@ -15,8 +15,8 @@ import gin
 from t5_retrieval.data.kilt import answers
 from t5_retrieval.data.records import Example, Negatives
 from t5_retrieval.retrieval.encoder import Encoder
-from t5_retrieval.retrieval.evaluate import retrieve
 from t5_retrieval.retrieval.index import Index
+from t5_retrieval.retrieval.search import dense_searcher
 from t5_retrieval.data.stores.passages import PassageLookup
 
 
@@ -40,8 +40,8 @@ def mine_negatives(
         by_task.setdefault(example.task, []).append(i)
     out: list[Negatives | None] = [None] * len(examples)
     for task, positions in by_task.items():
-        hits = retrieve(encoder, index, [examples[i].query for i in positions], k, task=task, batch_size=batch_size)
-        for i, (pids, _) in zip(positions, hits):
+        found = dense_searcher(encoder, index, task, batch_size).search([examples[i].query for i in positions], k)
+        for i, (pids, _) in zip(positions, found):
             example = examples[i]
             gold_pages = {p for s in example.gold_pages for p in s}
             positives = set(example.positive_passages)

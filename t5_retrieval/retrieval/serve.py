@@ -1,9 +1,10 @@
 """The search service behind `t5r serve`: validated search requests in, ranked passages out.
 
-Plain Python, no HTTP: `SearchService` turns the decoded body of `POST /search` into hits, and
-refuses bad input with a `RequestError` (a 4xx status and a message naming the field) before it
-reaches the model. The HTTP transport around it is `http_app.py` (routes, token, limits, JSON
-errors) on `http_server.py` (uvicorn: connections and timeouts).
+Plain Python, no HTTP: `SearchService` turns the decoded body of `POST /search` into hits (one
+`search.dense_searcher` per task, the search path of `t5r eval` and `Searcher`), and refuses bad
+input with a `RequestError` (a 4xx status and a message naming the field) before it reaches the
+model. The HTTP transport around it is `http_app.py` (routes, token, limits, JSON errors) on
+`http_server.py` (uvicorn: connections and timeouts).
 
     POST /search  {"task": "fever", "query": "..." | "queries": ["...", ...], "k": 10}
       -> {"task", "k", "results": [hit, ...]}           for "query"
@@ -24,13 +25,13 @@ from http import HTTPStatus
 from typing import Any
 
 import gin
-import numpy as np
 
 from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.tasks.task_names import UnknownTaskError
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_tasks, warn_if_trained_on_rewritten_text
 from t5_retrieval.retrieval.index import Index
+from t5_retrieval.retrieval.search import dense_searcher
 from t5_retrieval.data.stores.passages import PassageLookup
 
 
@@ -100,8 +101,10 @@ class SearchService:
         self.passages = passages
         self.tasks = tuple(tasks)
         self.limits = limits or ServeLimits()
-        # The model object is not promised to be thread-safe; index search is, and runs unlocked.
-        self._encode_lock = threading.Lock()
+        # One batch per request; requests run in threads, so encoding is locked and index search is not.
+        lock = threading.Lock()
+        self._searchers = {task: dense_searcher(encoder, index, task, self.limits.max_queries, lock)
+                           for task in self.tasks}
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "passages": len(self.index), "dim": self.index.dim,
@@ -151,19 +154,10 @@ class SearchService:
         return task, queries, k, single
 
     def search(self, queries: Sequence[str], k: int, *, task: str) -> list[list[dict[str, Any]]]:
-        """The top-k hits of each query, best first, with `task`'s query prefix (the model's task name)."""
-        with self._encode_lock:
-            vectors = np.asarray(self.encoder.encode_queries(list(queries), task), np.float32)
-        rows, scores = self.index.search(vectors, k)
-        results = []
-        for row, score in zip(rows, scores):
-            hits = []
-            for rank, (r, s) in enumerate(zip(row, score), start=1):
-                passage = self.passages.get(self.index.passage_ids[r])
-                hits.append({"rank": rank, "passage_id": passage.id, "wikipedia_id": passage.wikipedia_id,
-                             "title": passage.title, "score": float(s)})
-            results.append(hits)
-        return results
+        """The top-k hits of each query, best first, with `task`'s query prefix (one of `tasks`, the model's name)."""
+        found = self._searchers[task].hits(queries, k, self.passages)
+        return [[{"rank": rank, "passage_id": hit.passage_id, "wikipedia_id": hit.wikipedia_id, "title": hit.title,
+                  "score": hit.score} for rank, hit in enumerate(hits, start=1)] for hits in found]
 
     def handle_search(self, body: bytes) -> dict[str, Any]:
         try:

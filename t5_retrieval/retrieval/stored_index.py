@@ -4,13 +4,13 @@ An index directory holds the backend's own assets, `passage_ids.txt` (the row or
 `index.json`, written last as the commit, and `t5r_checksums.json` (size and sha256 of every file,
 written after it and verified by every load):
 
-    {"format": "t5r-index-v2", "backend": "scann" | "exact", "fingerprint", "dim", "num_passages",
+    {"format": "t5r-index-v2", "backend": "scann" | "exact" | "bm25", "fingerprint", "dim", "num_passages",
      "ids_sha256", "meta", "embeddings_dir", <backend>: {its build parameters}}
 
 Directories written before there were backends (format "t5r-scann-index-v1", no "backend" field)
 are ScaNN indexes. `StoredIndex` holds what an index was built from (passage ids, model
 fingerprint, provenance), checks it against a query model and a KB, and saves and loads the shared
-files; a backend adds its assets and its search (`scann_index`, `exact_index`).
+files; a backend adds its assets and its search (`scann_index`, `exact_index`, `bm25_index`).
 """
 
 from __future__ import annotations
@@ -71,14 +71,6 @@ def read_complete_store(embeddings_dir: str) -> tuple[embedding_store.Manifest, 
     if ids_digest(ids) != manifest.ids_sha256:
         raise embedding_store.EmbeddingsError(f"{embeddings_dir}/{embedding_store.IDS_FILE}: does not match the manifest")
     return manifest, ids
-
-
-def _rebuild_hint(directory: str, record: dict[str, Any]) -> str:
-    """The command that builds this index again, from the embeddings it records."""
-    if not record.get("embeddings_dir"):
-        return "rebuild it with `t5r index`"
-    return (f"rebuild it: t5r index --embeddings_dir={record['embeddings_dir']} --output_dir={directory} "
-            f"--backend={record['backend']}")
 
 
 class StoredIndex(abc.ABC):
@@ -168,8 +160,16 @@ class StoredIndex(abc.ABC):
             raise IndexMismatchError(f"{path}: missing; rebuild the index with `t5r index`") from None
         if ids_digest(ids) != record["ids_sha256"] or len(ids) != record["num_passages"]:
             raise IndexMismatchError(f"{path}: does not match {INDEX_JSON}'s ids_sha256")
-        checksums.verify(directory, "index", _rebuild_hint(directory, record))  # the backend's assets too
+        checksums.verify(directory, "index", cls._rebuild_hint(directory, record))  # the backend's assets too
         return cls._load(directory, record, ids)
+
+    @classmethod
+    def _rebuild_hint(cls, directory: str, record: dict[str, Any]) -> str:
+        """The command that builds this index again, from the embeddings it records."""
+        if not record.get("embeddings_dir"):
+            return "rebuild it with `t5r index`"
+        return (f"rebuild it: t5r index --embeddings_dir={record['embeddings_dir']} --output_dir={directory} "
+                f"--backend={record['backend']}")
 
     @abc.abstractmethod
     def search(self, query_embeddings: np.ndarray, k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -1,0 +1,96 @@
+"""The BM25 backend: an `Index` like the exact and ScaNN ones, whose queries are texts, not embeddings.
+
+It shares the vector backends' directory (`stored_index`: passage ids, index.json written last,
+checksums verified on load), their `search(queries, k) -> (rows, scores)` and their `check` against
+a KB, so `search.bm25_searcher` and `search.dense_searcher` are the same kind of searcher and
+fusion composes them. What differs, because there is no model: it is built from a KB
+(`build_bm25_index`), not from an embedding store; `dim` is 0 and `fingerprint` names the BM25
+parameters ("bm25-k1=0.9-b=0.4"); `check` refuses any query encoder; `search` takes a list of
+query texts (scores as `data/stores/bm25.py`: "title text", k1, b; equal scores in row order).
+
+`save` writes bm25s's arrays and vocabulary under `bm25s/`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from t5_retrieval.data.stores.passages import PassageLookup
+from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.retrieval.stored_index import IndexMismatchError, StoredIndex
+
+RETRIEVER_DIR = "bm25s"
+
+
+class BM25TextIndex(StoredIndex):
+    """A bm25s retriever whose document i is passage `passage_ids[i]`."""
+
+    backend = "bm25"
+
+    def __init__(self, retriever: Any, passage_ids: Sequence[str], source: str = "",
+                 meta: dict[str, Any] | None = None):
+        if retriever.scores["num_docs"] != len(passage_ids):
+            raise ValueError(f"a BM25 retriever of {retriever.scores['num_docs']} documents for "
+                             f"{len(passage_ids)} passage ids")
+        super().__init__(passage_ids, f"bm25-k1={retriever.k1}-b={retriever.b}", 0, source, meta)
+        self.retriever = retriever
+
+    def search(self, queries: Sequence[str], k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Top-min(k, n) rows (int64) and BM25 scores (float32) per query text, best first; ties in row order."""
+        from t5_retrieval.data.stores import bm25  # bm25s imports jax: only where BM25 is used
+
+        if isinstance(queries, (str, np.ndarray)) or not all(isinstance(q, str) for q in queries):
+            raise ValueError("a BM25 index searches query texts: pass a list of strings (search.bm25_searcher), "
+                             "not embeddings")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        found = [bm25.top_k(self.retriever, query, k) for query in queries]
+        return [rows.astype(np.int64) for rows, _ in found], [scores.astype(np.float32) for _, scores in found]
+
+    def check(self, encoder: Encoder | None = None, passage_ids: Sequence[str] | None = None) -> None:
+        """Refuses a KB with other passage ids, and any query encoder: BM25 reads the query text itself."""
+        if encoder is not None:
+            raise IndexMismatchError(f"{self.source or 'index'}: a BM25 index searches query text and takes no "
+                                     f"query encoder (model {encoder.fingerprint!r}); give a dense index built with "
+                                     "`t5r index`")
+        super().check(passage_ids=passage_ids)
+
+    def _write_assets(self, directory: str) -> None:
+        from t5_retrieval.data.stores import bm25
+
+        # Without index.json whatever is here is a crashed save's partial assets: start clean.
+        shutil.rmtree(os.path.join(directory, RETRIEVER_DIR), ignore_errors=True)
+        bm25.save_retriever(self.retriever, os.path.join(directory, RETRIEVER_DIR))
+
+    def _parameters(self) -> dict[str, Any]:
+        return {"bm25": {"k1": self.retriever.k1, "b": self.retriever.b, "retriever": RETRIEVER_DIR}}
+
+    @classmethod
+    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> "BM25TextIndex":
+        from t5_retrieval.data.stores import bm25
+
+        path = os.path.join(directory, RETRIEVER_DIR)
+        try:
+            retriever = bm25.load_retriever(path)
+            return cls(retriever, passage_ids, source=directory, meta=record.get("meta", {}))
+        except (OSError, ValueError, KeyError, TypeError) as e:  # missing, truncated or not bm25s's files
+            raise IndexMismatchError(f"{path}: damaged or missing ({type(e).__name__}: {str(e)[:200]}); "
+                                     f"{cls._rebuild_hint(directory, record)}") from None
+
+    @classmethod
+    def _rebuild_hint(cls, directory: str, record: dict[str, Any]) -> str:
+        kb = record.get("meta", {}).get("kb_dir") or "its KB"
+        return f"rebuild it from {kb} with retrieval.bm25_index.build_bm25_index"
+
+
+def build_bm25_index(passages: PassageLookup, kb_dir: str = "") -> BM25TextIndex:
+    """BM25 over `passages` ("title text"; k1 and b as gin binds `BM25Index`); `kb_dir` is recorded as its source."""
+    from t5_retrieval.data.stores.bm25 import BM25Index
+
+    built = BM25Index(passages)
+    return BM25TextIndex(built.retriever, built.ids, source=kb_dir, meta={"kb_dir": kb_dir} if kb_dir else {})
