@@ -7,10 +7,12 @@ long) are the server's, `http_server.py`.
 
 A request is refused as early as it can be: a head over MAX_HEAD_BYTES (431) and a missing or
 wrong token (401) before routing; a missing Content-Length (411), a body over
-`ServeLimits.max_body_bytes` (413), a Content-Type that is not JSON (415) and a body the memory
-budget cannot hold (503) before the body is read. Those replies close the connection, since the
-unread body would otherwise be read and thrown away. Only a complete body takes a worker thread
-(503 when all are busy and `max_queued` requests wait).
+`ServeLimits.max_body_bytes` (413) and a Content-Type that is not JSON (415) before the body is
+read; a body whose bytes, as they arrive, no longer fit the memory budget (503) while it is read.
+Those replies close the connection, since the unread body would otherwise be read and thrown away.
+Only a complete body takes a worker thread (503 when all are busy and `max_queued` requests wait).
+Paths are matched as written: no redirect (Starlette's for a trailing slash would point at the
+request's Host, which the client chooses).
 """
 
 from __future__ import annotations
@@ -102,32 +104,52 @@ class RequestGate:
 
 
 class BodyBudget:
-    """Bytes of request bodies being read or answered, bounded in all (`total`) and per client
-    address (`per_client`), so that neither many bodies nor one address's bodies can take the
-    memory. A body's bytes are reserved from its Content-Length before it is read and released
-    when its request is done."""
+    """Bytes of request bodies being read or answered, bounded in all (`total`) and per address
+    range (`per_range`, `range_of` a client's host), so that neither many bodies nor one range's
+    bodies can take the memory. Bytes are counted as they arrive, not as a Content-Length
+    declares them: a client that declares a large body and sends little holds little, and the
+    request deadline closes it (releasing what it holds) if the rest does not come."""
 
-    def __init__(self, total: int, per_client: int):
-        self.total, self.per_client = total, per_client
-        self._held = 0
-        self._by_client: collections.Counter[str] = collections.Counter()
+    def __init__(self, total: int, per_range: int, range_of: Callable[[str], str]):
+        self.total, self.per_range, self.range_of = total, per_range, range_of
+        self.held = 0
+        self.by_range: collections.Counter[str] = collections.Counter()
 
     @contextlib.contextmanager
-    def reserve(self, client: str, size: int) -> Iterator[None]:
-        """Holds `size` bytes for `client` (all in one event loop: no lock), or HTTPException 503."""
-        if self._held + size > self.total or self._by_client[client] + size > self.per_client:
-            raise HTTPException(HTTPStatus.SERVICE_UNAVAILABLE,
-                                f"request bodies in progress fill the server's body memory ({self.total} bytes, "
-                                f"{self.per_client} per client address); retry later", {**RETRY_AFTER, **CLOSE})
-        self._held += size
-        self._by_client[client] += size
+    def account(self, client: str) -> Iterator[Callable[[int], None]]:
+        """A function that takes `n` more bytes for `client`'s request (all in one event loop: no
+        lock), or raises HTTPException 503; what it took is released when the block ends."""
+        where = self.range_of(client)
+        taken = 0
+
+        def take(n: int) -> None:
+            nonlocal taken
+            if self.held + n > self.total or self.by_range[where] + n > self.per_range:
+                raise HTTPException(HTTPStatus.SERVICE_UNAVAILABLE,
+                                    f"request bodies in progress fill the server's body memory ({self.total} bytes, "
+                                    f"{self.per_range} per address range); retry later", {**RETRY_AFTER, **CLOSE})
+            self.held += n
+            self.by_range[where] += n
+            taken += n
+
         try:
-            yield
+            yield take
         finally:
-            self._held -= size
-            self._by_client[client] -= size
-            if not self._by_client[client]:
-                del self._by_client[client]
+            self.held -= taken
+            self.by_range[where] -= taken
+            if not self.by_range[where]:
+                del self.by_range[where]
+
+
+async def read_body(request: Request, take: Callable[[int], None]) -> bytearray:
+    """The whole body, each chunk counted with `take` as it arrives (uvicorn buffers at most about
+    64 KiB of a body the app has not read yet). ClientDisconnect if the client leaves or its deadline
+    passes first."""
+    body = bytearray()
+    async for chunk in request.stream():
+        take(len(chunk))
+        body += chunk
+    return body
 
 
 class WorkerPool:
@@ -154,9 +176,9 @@ class WorkerPool:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _content_length(request: Request, limit: int) -> int:
-    """The body's size, known before it is read: a chunked body (whose framing h11 would follow even
-    beside a Content-Length) is refused, as is a missing length."""
+def _check_content_length(request: Request, limit: int) -> None:
+    """Refuses, before it is read, a body declared over `limit`, a missing length and a chunked body
+    (whose framing h11 would follow even beside a Content-Length)."""
     raw = request.headers.get("content-length")
     if raw is None or "transfer-encoding" in request.headers:
         raise HTTPException(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required (and no "
@@ -165,7 +187,6 @@ def _content_length(request: Request, limit: int) -> int:
     if length > limit:
         raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes; the limit is {limit}",
                             CLOSE)
-    return length
 
 
 def _require_json(request: Request) -> None:
@@ -175,7 +196,7 @@ def _require_json(request: Request) -> None:
                             f"Content-Type must be application/json, got {content_type or 'none'!r}", CLOSE)
 
 
-def answer(service: SearchService, body: bytes) -> tuple[int, dict[str, Any]]:
+def answer(service: SearchService, body: bytes | bytearray) -> tuple[int, dict[str, Any]]:
     """(status, JSON reply) for one complete body; runs on a worker thread."""
     try:
         return HTTPStatus.OK, service.handle_search(body)
@@ -194,14 +215,13 @@ def search_app(service: SearchService, pool: WorkerPool, bodies: BodyBudget, tok
 
     async def search(request: Request) -> Response:
         try:
-            length = _content_length(request, service.limits.max_body_bytes)
+            _check_content_length(request, service.limits.max_body_bytes)
         except RequestError as e:
             return error_reply(e.status, str(e), CLOSE)
         _require_json(request)
-        client = request.client.host if request.client else ""
-        with bodies.reserve(client, length):
+        with bodies.account(request.client.host if request.client else "") as take:
             try:
-                body = await request.body()
+                body = await read_body(request, take)
             except ClientDisconnect:  # The client left, or the server timed it out: this reply is never sent.
                 return Response(status_code=HTTPStatus.REQUEST_TIMEOUT)
             status, reply = await pool.run(answer, service, body)
@@ -222,6 +242,10 @@ def search_app(service: SearchService, pool: WorkerPool, bodies: BodyBudget, tok
         # Starlette re-raises the error after this reply, and uvicorn logs its traceback.
         return error_reply(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(error).__name__}", CLOSE)
 
-    return Starlette(routes=[Route("/search", search, methods=["POST"]), Route("/health", health, methods=["GET"])],
-                     middleware=[Middleware(RequestGate, token=token)],
-                     exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app = Starlette(routes=[Route("/search", search, methods=["POST"]), Route("/health", health, methods=["GET"])],
+                    middleware=[Middleware(RequestGate, token=token)],
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+    # Starlette answers `/health/` with a redirect to a URL built from the request's Host header,
+    # which a client chooses: a path is served as written or not at all (404).
+    app.router.redirect_slashes = False
+    return app

@@ -165,7 +165,7 @@ class SearchService:
             results.append(hits)
         return results
 
-    def handle_search(self, body: bytes) -> dict[str, Any]:
+    def handle_search(self, body: bytes | bytearray) -> dict[str, Any]:
         try:
             request = json.loads(body, parse_int=bounded_int)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
