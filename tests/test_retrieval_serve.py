@@ -346,6 +346,18 @@ def still_open(sock: socket.socket) -> bool:
     return False
 
 
+def test_an_address_counts_in_the_ipv4_24_or_the_ipv6_64_it_is_in_as_configured():
+    options = http_server.ServerOptions()
+    assert options.address_range("203.0.113.77") == "203.0.113.0/24"
+    assert options.address_range("2001:db8:1:2:aaaa::1") == "2001:db8:1:2::/64"
+    assert options.address_range("::ffff:203.0.113.77") == "203.0.113.0/24", "an IPv4-mapped address is IPv4"
+    narrow = http_server.ServerOptions(ipv4_range_prefix=32, ipv6_range_prefix=48)
+    assert narrow.address_range("203.0.113.77") == "203.0.113.77/32"
+    assert narrow.address_range("2001:db8:1:2:aaaa::1") == "2001:db8:1::/48"
+    with pytest.raises(ValueError, match="ipv4_range_prefix must be in \\[0, 32\\]"):
+        http_server.ServerOptions(ipv4_range_prefix=33)
+
+
 def test_when_the_server_is_full_the_largest_range_yields_an_idle_slot_to_a_smaller_one(kb_index):
     # Two ranges hold all 8 slots, idle; a client of a third range takes the place of the oldest
     # connection of the first range, which is closed as an idle keep-alive connection is.
@@ -376,13 +388,16 @@ def test_body_memory_is_taken_as_bytes_arrive_not_as_declared(kb_index):
             assert search_from(url, search_body(1500, "highest mountain"), "127.0.0.1")[0] == 200
             holders[0].sendall(body[10:1990])
             wait_until(lambda: httpd.bodies.held == 2010, f"held {httpd.bodies.held} bytes, not 1,990 + 2 x 10")
-            status, headers, reply = exchange(url, search_head(1500) + search_body(1500))
+            status, headers, reply = exchange(url, search_head(1500))  # refused before its body is read
             assert status == 503 and "body memory" in reply["error"], ("2,010 + 1,500 > 3,000", status, reply)
             assert headers["retry-after"] == "1" and headers["connection"] == "close", headers
+            holders[1].sendall(body[10:1010])  # 2,010 + 1,000 > 3,000: refused as it arrives
+            status, _, reply = json_reply(read_reply(holders[1]))
+            assert status == 503 and "body memory" in reply["error"], (status, reply)
             holders[0].sendall(body[1990:])
             status, reply = read_response(holders[0])
             assert status == 200 and reply["results"][0]["title"] == "Berlin", reply
-            wait_until(lambda: httpd.bodies.held == 20, "a body's bytes are released when its request is done")
+            wait_until(lambda: httpd.bodies.held == 10, "the bytes of a body are released when its request is done")
             status, reply = search_from(url, search_body(1500, "river in Africa"), "127.0.0.1")
             assert status == 200 and reply["results"][0]["title"] == "Nile", reply
         finally:
@@ -418,7 +433,9 @@ def test_the_wrapped_protocol_is_uvicorns_h11_with_the_arguments_and_callbacks_i
     assert config.http_protocol_class is http_server.UVICORN_PROTOCOL
     assert list(inspect.signature(http_server.UVICORN_PROTOCOL).parameters) == [
         "config", "server_state", "app_state", "_loop"], "the keywords uvicorn.Server passes to the http class"
-    callbacks = {name for name, value in vars(asyncio.Protocol).items() if callable(value) and name[0] != "_"}
+    callbacks = {name for cls in asyncio.Protocol.__mro__ for name, value in vars(cls).items()
+                 if callable(value) and not name.startswith("_")}
+    assert {"connection_made", "data_received", "connection_lost", "pause_writing"} <= callbacks, callbacks
     implemented = {name for name in callbacks if name in vars(http_server.UVICORN_PROTOCOL)}
     forwarded = {name for name in callbacks if name in vars(http_server.GuardedProtocol)}
     assert implemented <= forwarded, f"uvicorn's protocol implements {implemented - forwarded}, not passed on"

@@ -7,8 +7,9 @@ long) are the server's, `http_server.py`.
 
 A request is refused as early as it can be: a head over MAX_HEAD_BYTES (431) and a missing or
 wrong token (401) before routing; a missing Content-Length (411), a body over
-`ServeLimits.max_body_bytes` (413) and a Content-Type that is not JSON (415) before the body is
-read; a body whose bytes, as they arrive, no longer fit the memory budget (503) while it is read.
+`ServeLimits.max_body_bytes` (413), a Content-Type that is not JSON (415) and a body that would
+not fit beside the bytes bodies hold now (503) before the body is read; a body whose bytes, as they
+arrive, no longer fit the memory budget (503) while it is read.
 Those replies close the connection, since the unread body would otherwise be read and thrown away.
 Only a complete body takes a worker thread (503 when all are busy and `max_queued` requests wait).
 Paths are matched as written: no redirect (Starlette's for a trailing slash would point at the
@@ -115,6 +116,17 @@ class BodyBudget:
         self.held = 0
         self.by_range: collections.Counter[str] = collections.Counter()
 
+    def check_room(self, client: str, size: int) -> None:
+        """Refuses (HTTPException 503), before it is read, a body of `size` bytes that would not fit
+        beside the bytes held now; it reserves nothing, so a declared size alone holds no memory."""
+        self._check_room(self.range_of(client), size)
+
+    def _check_room(self, where: str, n: int) -> None:
+        if self.held + n > self.total or self.by_range[where] + n > self.per_range:
+            raise HTTPException(HTTPStatus.SERVICE_UNAVAILABLE,
+                                f"request bodies in progress fill the server's body memory ({self.total} bytes, "
+                                f"{self.per_range} per address range); retry later", {**RETRY_AFTER, **CLOSE})
+
     @contextlib.contextmanager
     def account(self, client: str) -> Iterator[Callable[[int], None]]:
         """A function that takes `n` more bytes for `client`'s request (all in one event loop: no
@@ -124,10 +136,7 @@ class BodyBudget:
 
         def take(n: int) -> None:
             nonlocal taken
-            if self.held + n > self.total or self.by_range[where] + n > self.per_range:
-                raise HTTPException(HTTPStatus.SERVICE_UNAVAILABLE,
-                                    f"request bodies in progress fill the server's body memory ({self.total} bytes, "
-                                    f"{self.per_range} per address range); retry later", {**RETRY_AFTER, **CLOSE})
+            self._check_room(where, n)
             self.held += n
             self.by_range[where] += n
             taken += n
@@ -176,9 +185,9 @@ class WorkerPool:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _check_content_length(request: Request, limit: int) -> None:
-    """Refuses, before it is read, a body declared over `limit`, a missing length and a chunked body
-    (whose framing h11 would follow even beside a Content-Length)."""
+def _content_length(request: Request, limit: int) -> int:
+    """The declared size of the body, before it is read; refuses one over `limit`, a missing length
+    and a chunked body (whose framing h11 would follow even beside a Content-Length)."""
     raw = request.headers.get("content-length")
     if raw is None or "transfer-encoding" in request.headers:
         raise HTTPException(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required (and no "
@@ -187,6 +196,7 @@ def _check_content_length(request: Request, limit: int) -> None:
     if length > limit:
         raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes; the limit is {limit}",
                             CLOSE)
+    return length
 
 
 def _require_json(request: Request) -> None:
@@ -215,11 +225,13 @@ def search_app(service: SearchService, pool: WorkerPool, bodies: BodyBudget, tok
 
     async def search(request: Request) -> Response:
         try:
-            _check_content_length(request, service.limits.max_body_bytes)
+            length = _content_length(request, service.limits.max_body_bytes)
         except RequestError as e:
             return error_reply(e.status, str(e), CLOSE)
         _require_json(request)
-        with bodies.account(request.client.host if request.client else "") as take:
+        client = request.client.host if request.client else ""
+        bodies.check_room(client, length)
+        with bodies.account(client) as take:
             try:
                 body = await read_body(request, take)
             except ClientDisconnect:  # The client left, or the server timed it out: this reply is never sent.
