@@ -151,9 +151,9 @@ class BodyBudget:
 
 
 async def read_body(request: Request, take: Callable[[int], None]) -> bytearray:
-    """The whole body, each chunk counted with `take` as it arrives (uvicorn buffers at most about
-    64 KiB of a body the app has not read yet). ClientDisconnect if the client leaves or its deadline
-    passes first."""
+    """The whole body, each chunk counted with `take` as it arrives (uvicorn stops reading a body
+    past 64 KiB the app has not taken, so at most one read of 256 KiB more waits uncounted).
+    ClientDisconnect if the client leaves or its deadline passes first."""
     body = bytearray()
     async for chunk in request.stream():
         take(len(chunk))

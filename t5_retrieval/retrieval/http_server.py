@@ -27,7 +27,9 @@ class (its signature says so) and uvicorn makes one per connection with the keyw
 runs for `http="h11"`. No public API builds uvicorn's protocol inside another, and an accept-time
 cap cannot be an ASGI middleware (a connection that sends nothing never reaches the app).
 `tests/test_retrieval_serve.py` checks that class, those arguments and the callbacks it implements,
-so a uvicorn release that moves them fails there; pyproject.toml allows the releases checked.
+so a uvicorn release that moves them fails there; pyproject.toml allows the releases checked. (The
+JSON 400 also rests on uvicorn writing that reply while it parses, inside `data_received`; the
+tests of the HTTP layer's refusals fail if it stops.)
 """
 
 from __future__ import annotations
