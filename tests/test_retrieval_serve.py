@@ -66,12 +66,12 @@ def serving(service: serve.SearchService, **options):
         yield url
 
 
-def wait_until(condition, what: str) -> None:
-    """Polls `condition` (the server's state, changed on its event loop) for up to 10 s."""
+def wait_for_held(httpd: http_server.SearchServer, expected: int, why: str) -> None:
+    """Polls, for up to 10 s, until the server's bodies hold `expected` bytes (its event loop counts them)."""
     deadline = time.monotonic() + 10
-    while not condition():
+    while httpd.bodies.held != expected:
         if time.monotonic() > deadline:
-            pytest.fail(what)
+            pytest.fail(f"{why}: bodies hold {httpd.bodies.held} bytes, expected {expected}")
         time.sleep(0.01)
 
 
@@ -384,20 +384,22 @@ def test_body_memory_is_taken_as_bytes_arrive_not_as_declared(kb_index):
         try:
             for sock in holders:  # 3 x 2,000 declared, 3 x 10 sent: what counts is what came
                 sock.sendall(search_head(2000) + body[:10])
-            wait_until(lambda: httpd.bodies.held == 30, f"held {httpd.bodies.held} bytes, not the 30 that came")
+            wait_for_held(httpd, 30, "three bodies declared 2,000 bytes and sent 10 each")
             assert search_from(url, search_body(1500, "highest mountain"), "127.0.0.1")[0] == 200
-            holders[0].sendall(body[10:1990])
-            wait_until(lambda: httpd.bodies.held == 2010, f"held {httpd.bodies.held} bytes, not 1,990 + 2 x 10")
-            status, headers, reply = exchange(url, search_head(1500))  # refused before its body is read
+            holders[0].sendall(body[10:1000])
+            holders[1].sendall(body[10:1000])
+            wait_for_held(httpd, 2010, "two bodies at 1,000 bytes, one at 10")
+            # No range holds more than 1,500, so none gives way: refused before the body is read.
+            status, headers, reply = exchange(url, search_head(1500))
             assert status == 503 and "body memory" in reply["error"], ("2,010 + 1,500 > 3,000", status, reply)
             assert headers["retry-after"] == "1" and headers["connection"] == "close", headers
-            holders[1].sendall(body[10:1010])  # 2,010 + 1,000 > 3,000: refused as it arrives
-            status, _, reply = json_reply(read_reply(holders[1]))
+            holders[2].sendall(body[10:1010])  # 2,010 + 1,000 > 3,000: refused as it arrives
+            status, _, reply = json_reply(read_reply(holders[2]))
             assert status == 503 and "body memory" in reply["error"], (status, reply)
-            holders[0].sendall(body[1990:])
+            holders[0].sendall(body[1000:])
             status, reply = read_response(holders[0])
             assert status == 200 and reply["results"][0]["title"] == "Berlin", reply
-            wait_until(lambda: httpd.bodies.held == 10, "the bytes of a body are released when its request is done")
+            wait_for_held(httpd, 1000, "the bytes of a body are released when its request is done")
             status, reply = search_from(url, search_body(1500, "river in Africa"), "127.0.0.1")
             assert status == 200 and reply["results"][0]["title"] == "Nile", reply
         finally:
@@ -405,15 +407,36 @@ def test_body_memory_is_taken_as_bytes_arrive_not_as_declared(kb_index):
                 sock.close()
 
 
+def test_when_body_memory_is_full_the_range_holding_the_most_gives_up_a_body_being_read(kb_index):
+    with running(make_service(kb_index, max_body_bytes=2000), max_body_memory_bytes=3000, read_timeout_s=30) as (
+            url, httpd):
+        body = search_body(2000)
+        rich, poor = (socket.create_connection(address(url), timeout=10, source_address=(f"127.0.{i}.2", 0))
+                      for i in (1, 2))
+        try:
+            rich.sendall(search_head(2000) + body[:1990])  # sent and stalled: real bytes, held
+            poor.sendall(search_head(1000) + search_body(1000)[:990])
+            wait_for_held(httpd, 2980, "bodies of 1,990 and 990 bytes came")
+            status, reply = search_from(url, search_body(500, "capital of France"), "127.0.0.1")
+            assert status == 200 and reply["results"][0]["title"] == "Paris", (
+                "127.0.1.0/24 holds the most and should have given way", status, reply)
+            assert read_reply(rich).startswith(b"HTTP/1.1 503 "), "the largest body being read is closed with 503"
+            assert still_open(poor), "one body was enough room"
+            wait_for_held(httpd, 990, "only the largest body was given up")
+        finally:
+            rich.close()
+            poor.close()
+
+
 def test_a_body_that_does_not_arrive_gets_408_at_the_deadline_and_releases_its_memory(kb_index):
     with running(make_service(kb_index, max_body_bytes=2000), max_body_memory_bytes=3000, read_timeout_s=0.5) as (
             url, httpd):
         with socket.create_connection(address(url), timeout=10, source_address=("127.0.1.2", 0)) as sock:
             sock.sendall(search_head(2000) + search_body(2000)[:10])
-            wait_until(lambda: httpd.bodies.held == 10, f"held {httpd.bodies.held} bytes, not the 10 that came")
+            wait_for_held(httpd, 10, "a body declared 2,000 bytes and sent 10")
             status, _, reply = json_reply(read_reply(sock))
             assert status == 408 and "no complete request within 0.5 s" in reply["error"], (status, reply)
-        wait_until(lambda: httpd.bodies.held == 0, f"{httpd.bodies.held} bytes still held after the deadline")
+        wait_for_held(httpd, 0, "a body closed at its deadline is released")
 
 
 def test_a_trailing_slash_gets_404_never_a_redirect_to_the_host_the_client_named(server):

@@ -10,6 +10,8 @@ uvicorn lacks, in a protocol that wraps uvicorn's own and sees each connection f
   whose range holds at least two fewer connections than the range holding the most takes the place
   of one of the latter's connections that is not being answered (which is closed): while others
   wait, no range keeps more than they. Otherwise one more connection gets 503 and is closed;
+- bodies: their memory is `http_app.BodyBudget`'s; a body its fairness rule gives up has its
+  connection closed here, with 503;
 - a deadline to deliver each request (`read_timeout_s`, from the connection's start or the last
   reply): 408 and close if part of a request came, a silent close if nothing did. Slow or stalled
   clients, a body that does not arrive included, hold a socket until then, never a thread;
@@ -68,7 +70,8 @@ class ServerOptions:
     address is in), since one host or customer usually holds a whole range. Bodies hold at most
     `max_body_memory_bytes` in all, counted as their bytes arrive; one range holds at most its share
     of that memory, the same share as of the connections (but always room for one body of the
-    largest size).
+    largest size). When either is full, the range holding the most gives way to one holding less
+    (`ConnectionTable`, `http_app.BodyBudget`).
     """
 
     workers: int = 8  # threads that run complete requests (parse, encode, search)
@@ -103,10 +106,6 @@ class ServerOptions:
         prefix = self.ipv4_range_prefix if address.version == 4 else self.ipv6_range_prefix
         return str(ipaddress.ip_network((address, prefix), strict=False))
 
-    def body_budget(self, max_body_bytes: int) -> BodyBudget:
-        """The body memory, and one range's share of it: as its share of the connections."""
-        share = self.max_body_memory_bytes * min(1.0, self.max_connections_per_range / self.max_connections)
-        return BodyBudget(self.max_body_memory_bytes, max(int(share), max_body_bytes), self.address_range)
 
 
 def json_error_bytes(status: HTTPStatus, message: str, headers: dict[str, str] | None = None) -> bytes:
@@ -153,6 +152,12 @@ class ConnectionTable:
                 victim.yield_slot()
                 return True
         return False
+
+    def close_for_memory(self, peer: tuple[str, int]) -> None:
+        """Closes the connection of a body the body memory's fairness rule gave up (if still open)."""
+        connection = self.by_peer.get(peer)
+        if connection is not None:
+            connection.give_up_body()
 
     def leave(self, connection: GuardedProtocol) -> None:
         connections = self.by_range[connection.range]
@@ -275,6 +280,11 @@ class GuardedProtocol(asyncio.Protocol):
         self._end(json_error_bytes(HTTPStatus.SERVICE_UNAVAILABLE, "the server is full and your address range "
                                    "holds the most connections; retry later", RETRY_AFTER) if self.received else b"")
 
+    def give_up_body(self) -> None:
+        """Closed to make room in the body memory for a range that holds less (see BodyBudget)."""
+        self._end(json_error_bytes(HTTPStatus.SERVICE_UNAVAILABLE, "the server's body memory is full and your "
+                                   "address range holds the most of it; retry later", RETRY_AFTER))
+
     def _refuse_malformed(self) -> None:
         # h11 refuses a head still incomplete after MAX_HEAD_BYTES (431) or a malformed request (400).
         if not self.request_started and self.received > MAX_HEAD_BYTES:
@@ -315,6 +325,14 @@ class GuardedProtocol(asyncio.Protocol):
         if reply:
             self.transport.write(reply)
         self.transport.close()
+
+
+def body_budget(options: ServerOptions, max_body_bytes: int, table: ConnectionTable) -> BodyBudget:
+    """The body memory, and one range's share of it: as its share of the connections. A body the
+    fairness rule gives up has its connection closed with 503."""
+    share = options.max_body_memory_bytes * min(1.0, options.max_connections_per_range / options.max_connections)
+    return BodyBudget(options.max_body_memory_bytes, max(int(share), max_body_bytes), options.address_range,
+                      table.close_for_memory)
 
 
 def _expects_body(scope: Scope) -> bool:
@@ -378,7 +396,7 @@ class SearchServer:
         self.server_address = self.socket.getsockname()
         self._pool = WorkerPool(self.options.workers, self.options.max_queued)
         table = ConnectionTable(self.options)
-        self.bodies = self.options.body_budget(service.limits.max_body_bytes)  # read on the event loop only
+        self.bodies = body_budget(self.options, service.limits.max_body_bytes, table)  # event loop only
         app = RequestPhases(search_app(service, self._pool, self.bodies, self.options.auth_token), table)
         self._server = uvicorn.Server(uvicorn.Config(
             app, http=functools.partial(GuardedProtocol, table),  # type: ignore[arg-type]
