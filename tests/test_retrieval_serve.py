@@ -432,7 +432,9 @@ def test_a_body_that_does_not_arrive_gets_408_at_the_deadline_and_releases_its_m
     with running(make_service(kb_index, max_body_bytes=2000), max_body_memory_bytes=3000, read_timeout_s=0.5) as (
             url, httpd):
         with socket.create_connection(address(url), timeout=10, source_address=("127.0.1.2", 0)) as sock:
-            sock.sendall(search_head(2000) + search_body(2000)[:10])
+            sock.sendall(search_head(2000, b"Expect: 100-continue"))
+            assert sock.recv(100).startswith(b"HTTP/1.1 100 "), "the server asks for the body"
+            sock.sendall(search_body(2000)[:10])
             wait_for_held(httpd, 10, "a body declared 2,000 bytes and sent 10")
             status, _, reply = json_reply(read_reply(sock))
             assert status == 408 and "no complete request within 0.5 s" in reply["error"], (status, reply)
