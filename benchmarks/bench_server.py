@@ -1,5 +1,6 @@
 """Bounded load test of `t5r serve` on loopback: QPS, p50/p99 latency and errors under load, with
-stalled connections open, with one client holding over a thousand sockets, and with many large bodies.
+stalled connections open, with one client holding over a thousand sockets, with groups of addresses
+holding connections or slow bodies, and with many large bodies.
 
 Builds a synthetic passage store, embeds it with the hashed bag-of-words encoder, indexes it, starts
 the real CLI (`python -m t5_retrieval.cli serve --port 0`) as a subprocess, and drives it with 1, 20
@@ -7,23 +8,31 @@ and 100 keep-alive HTTP clients (`--clients`, from 127.0.0.1), each level until 
 are done or `--max_seconds` pass. Then, each time while 20 clients search from 127.0.0.1:
 - `--stalled` connections that send nothing or half a request, from several loopback addresses
   (100 each); the server's threads are counted meanwhile (a thread per connection would show here);
-- `--hog_sockets` idle connections from one other address, 127.0.0.2: the server keeps its
-  per-address share and refuses the rest (503), and the other clients must see no error.
+- `--hog_sockets` idle connections from one address of another /24, 127.0.3.2: the server keeps its
+  range's share and refuses the rest (503), and the other clients must see no error;
+- a connection group: `--group_addresses` addresses, each in a /24 of its own, open
+  `--group_sockets` idle connections each and reopen every one the server closes (0.2 s later),
+  together more than `--max_connections`: the other clients must see no error;
+- a slow-body group: 8 addresses (8 /24s) x 8 connections that declare a 1 MiB body, send one byte
+  of it and wait, reopened when closed: the other clients' searches must see no 503.
 Last, twice, `--large_bodies` searches with 1 MiB bodies from 8 addresses, all at once, sampling
 the server's resident memory before, at its peak and after. A `GET /health` round trip is the reference for the
 search overhead.
 
     .venv/bin/python benchmarks/bench_server.py [--passages 10000 --requests 300 --clients 1 20 100 --stalled 400
-                                                 --hog_sockets 1025 --large_bodies 800]
+                                                 --hog_sockets 1025 --group_addresses 9 --group_sockets 128
+                                                 --large_bodies 800]
 Writes benchmarks/results/server.json and prints one summary line.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import http.client
 import json
 import os
+import selectors
 import socket
 import subprocess
 import sys
@@ -38,10 +47,12 @@ import common  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 STALLED_CLIENTS = 20  # clients searching while the stalled connections (or the hog's) are open
-PER_ADDRESS = 100  # stalled connections per loopback source address
-HOG_ADDRESS = "127.0.0.2"
+PER_ADDRESS = 100  # stalled connections per loopback source address (one /24 each)
+HOG_ADDRESS = "127.0.3.2"  # not in 127.0.0.0/24, the searching clients' range
 BODY_BYTES = (1 << 20) - 1  # ServeLimits.max_body_bytes is 1 MiB
 BODY_ADDRESSES = 8
+SLOW_BODY_ADDRESSES, SLOW_BODY_SOCKETS = 8, 8  # the slow-body group
+REOPEN_S = 0.2  # a group reopens a connection the server closed this long after
 
 from t5_retrieval.data.stores.kb import write_passage_store  # noqa: E402
 from t5_retrieval.data.records import Passage  # noqa: E402
@@ -125,13 +136,13 @@ def stats(latencies: list[float], errors: list[str], wall: float) -> dict:
 
 
 def open_stalled(host: str, port: int, count: int) -> list[socket.socket]:
-    """`count` connections, PER_ADDRESS from each of 127.0.1.1, 127.0.1.2, ...: half send nothing,
-    half the head and part of the body of a POST."""
+    """`count` connections, PER_ADDRESS from each of 127.0.1.1, 127.0.2.1, ... (a /24 each): half send
+    nothing, half the head and part of the body of a POST."""
     half = (b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n"
             b"{\"task\": ")
     stalled = []
     for i in range(count):
-        sock = socket.create_connection((host, port), timeout=30, source_address=(f"127.0.1.{i // PER_ADDRESS + 1}", 0))
+        sock = socket.create_connection((host, port), timeout=30, source_address=(f"127.0.{i // PER_ADDRESS + 1}.1", 0))
         if i % 2:
             sock.sendall(half)
         stalled.append(sock)
@@ -157,7 +168,7 @@ def rss_mib(pid: int) -> float:
 
 
 def large_bodies(host: str, port: int, count: int, pid: int) -> dict:
-    """`count` searches with BODY_BYTES bodies from BODY_ADDRESSES addresses, all at once (a thread
+    """`count` searches with BODY_BYTES bodies from BODY_ADDRESSES addresses (a /24 each), all at once (a thread
     each): statuses, and the server's resident memory before, at its peak (sampled every 20 ms) and
     2 s after."""
     body = json.dumps({"task": "nq", "query": "w1 w2 w3", "k": 10}).encode().ljust(BODY_BYTES)
@@ -178,7 +189,7 @@ def large_bodies(host: str, port: int, count: int, pid: int) -> dict:
         while (i := next(next_index, None)) is not None:
             try:
                 with socket.create_connection((host, port), timeout=60,
-                                              source_address=(f"127.0.2.{i % BODY_ADDRESSES + 1}", 0)) as sock:
+                                              source_address=(f"127.0.{i % BODY_ADDRESSES + 40}.1", 0)) as sock:
                     sock.sendall(head + body)
                     status = sock.recv(12)[9:12].decode() or "closed"
             except OSError as e:
@@ -201,6 +212,60 @@ def large_bodies(host: str, port: int, count: int, pid: int) -> dict:
     counts = {status: statuses.count(status) for status in sorted(set(statuses))}
     return {"requests": count, "body_bytes": BODY_BYTES, "addresses": BODY_ADDRESSES, "statuses": counts,
             "seconds": wall, "rss_mib_before": before, "rss_mib_peak": peak[0], "rss_mib_after": rss_mib(pid)}
+
+
+def hold_group(host: str, port: int, addresses: list[str], per_address: int, opening: bytes,
+               stop: threading.Event, counts: dict[str, int]) -> None:
+    """Holds `per_address` connections from each of `addresses`, each sending `opening` and then
+    waiting; one the server closes (refusing it with 503, or at a deadline) is reopened REOPEN_S
+    later, until `stop` is set. `counts`: connections opened, closed by the server, refused with 503."""
+    selector = selectors.DefaultSelector()
+    due = [(0.0, a) for a in addresses for _ in range(per_address)]  # a heap of (when, source address)
+    while not stop.is_set():
+        while due and due[0][0] <= time.monotonic():
+            _, source = heapq.heappop(due)
+            try:
+                sock = socket.create_connection((host, port), timeout=5, source_address=(source, 0))
+                sock.sendall(opening)
+            except OSError:
+                heapq.heappush(due, (time.monotonic() + REOPEN_S, source))
+                continue
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, source)
+            counts["opened"] += 1
+        for key, _ in selector.select(timeout=0.05):
+            try:
+                reply = key.fileobj.recv(65536)
+            except OSError:
+                reply = b""
+            counts["refused_503"] += reply.startswith(b"HTTP/1.1 503")
+            counts["closed_by_server"] += 1
+            selector.unregister(key.fileobj)
+            key.fileobj.close()
+            heapq.heappush(due, (time.monotonic() + REOPEN_S, key.data))
+    counts["held_at_end"] = len(selector.get_map())
+    for key in list(selector.get_map().values()):
+        key.fileobj.close()
+    selector.close()
+
+
+def under_group(host: str, port: int, addresses: list[str], per_address: int, opening: bytes,
+                bodies: list[bytes], max_seconds: float) -> dict:
+    """The searching clients' stats while a group (`hold_group`) holds what it can."""
+    stop = threading.Event()
+    counts = {"opened": 0, "closed_by_server": 0, "refused_503": 0}
+    group = threading.Thread(target=hold_group, args=(host, port, addresses, per_address, opening, stop, counts))
+    group.start()
+    try:
+        deadline = time.monotonic() + 10  # until the group has opened every connection once
+        while counts["opened"] < len(addresses) * per_address and time.monotonic() < deadline:
+            time.sleep(0.05)
+        search = stats(*load(host, port, "POST", "/search", bodies, STALLED_CLIENTS, max_seconds))
+    finally:
+        stop.set()
+        group.join()
+    return {"addresses": addresses, "per_address": per_address, "group": counts, "other_clients": STALLED_CLIENTS,
+            "search": search}
 
 
 def still_open(sock: socket.socket) -> bool:
@@ -229,6 +294,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stalled", type=int, default=400, help="connections held open sending nothing or half")
     parser.add_argument("--hog_sockets", type=int, default=1025,
                         help=f"idle connections one client ({HOG_ADDRESS}) opens")
+    parser.add_argument("--group_addresses", type=int, default=9,
+                        help="addresses (a /24 each) of the connection group")
+    parser.add_argument("--group_sockets", type=int, default=128, help="connections per address of that group")
     parser.add_argument("--large_bodies", type=int, default=800, help="searches with 1 MiB bodies")
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--max_seconds", type=float, default=8.0, help="per level")
@@ -271,13 +339,20 @@ def main(argv: list[str]) -> int:
             finally:
                 for sock in hog:
                     sock.close()
+            group = under_group(host, port, [f"127.0.{10 + i}.1" for i in range(args.group_addresses)],
+                                args.group_sockets, b"", bodies, args.max_seconds)
+            slow_head = (b"POST /search HTTP/1.1\r\nHost: t5r\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n{" % (1 << 20))
+            slow_bodies = under_group(host, port, [f"127.0.{20 + i}.1" for i in range(SLOW_BODY_ADDRESSES)],
+                                      SLOW_BODY_SOCKETS, slow_head, bodies, args.max_seconds)
             # Twice: memory the allocator keeps after the first burst must be reused by the second, not added to.
             bodies_runs = [large_bodies(host, port, args.large_bodies, proc.pid) for _ in range(2)]
         finally:
             proc.terminate()
             proc.wait(timeout=30)
 
-    errors = sum(r["errors"] for r in search.values()) + under_stall["errors"] + under_hog["errors"]
+    errors = (sum(r["errors"] for r in search.values()) + under_stall["errors"] + under_hog["errors"]
+              + group["search"]["errors"] + slow_bodies["search"]["errors"])
     result = {"machine": common.machine_info(), "passages": args.passages, "dim": args.dim, "k": args.k,
               "search_by_clients": search, "health_reference_1_client": health,
               "stalled": {"connections": args.stalled, "per_address": PER_ADDRESS, "still_open_after": open_after,
@@ -286,6 +361,7 @@ def main(argv: list[str]) -> int:
               "one_client_many_sockets": {"address": HOG_ADDRESS, "sockets": args.hog_sockets,
                                           "refused_503_of_the_last_half": hog_refused, "held_open": hog_open,
                                           "other_clients": STALLED_CLIENTS, "search": under_hog},
+              "connection_group": group, "slow_body_group": slow_bodies,
               "large_bodies": bodies_runs, "errors": errors}
     levels = ", ".join(f"{c} clients p50 {r['p50_ms']:.1f}/p99 {r['p99_ms']:.1f} ms {r['qps']:.0f} qps "
                        f"{r['errors']} err" for c, r in search.items())
@@ -295,7 +371,13 @@ def main(argv: list[str]) -> int:
         f"{under_stall['errors']} err, server threads {idle_threads} -> {stalled_threads}; one client with "
         f"{args.hog_sockets} sockets ({hog_open} held open): {STALLED_CLIENTS} other clients p50 "
         f"{under_hog['p50_ms']:.1f}/p99 {under_hog['p99_ms']:.1f} ms {under_hog['errors']} err; "
-        f"{args.large_bodies} x 1 MiB bodies, twice: "
+        + "; ".join(f"{name} ({len(g['addresses'])} /24s x {g['per_address']}; of its {g['group']['opened']} "
+                    f"connections the server closed {g['group']['closed_by_server']}, {g['group']['refused_503']} "
+                    f"with 503): {STALLED_CLIENTS} other clients p50 "
+                    f"{g['search']['p50_ms']:.1f}/p99 {g['search']['p99_ms']:.1f} ms {g['search']['errors']} err "
+                    f"{g['search']['error_kinds']}"
+                    for name, g in (("connection group", group), ("slow-body group", slow_bodies)))
+        + f"; {args.large_bodies} x 1 MiB bodies, twice: "
         + "; ".join(f"{r['statuses']} RSS {r['rss_mib_before']:.0f} -> peak {r['rss_mib_peak']:.0f} -> "
                     f"{r['rss_mib_after']:.0f} MiB" for r in bodies_runs)
         + f"; {errors} errors in all"))

@@ -71,21 +71,28 @@ def main(argv: list[str]) -> int:
                         help="seconds a connection has to deliver a whole request (408 and close after)")
     parser.add_argument("--max_connections", type=int, default=defaults.max_connections,
                         help="open connections; beyond, 503")
-    parser.add_argument("--max_connections_per_client", type=int, default=defaults.max_connections_per_client,
-                        help="open connections from one client address; beyond, 503 (behind a proxy every "
-                             "client has the proxy's address: raise it to --max_connections)")
+    parser.add_argument("--max_connections_per_range", type=int, default=defaults.max_connections_per_range,
+                        help="open connections from one address range (see --ipv4_range_prefix); beyond, 503 "
+                             "(behind a proxy every client has the proxy's address: raise it to --max_connections)")
+    parser.add_argument("--ipv4_range_prefix", type=int, default=defaults.ipv4_range_prefix,
+                        help="an IPv4 client's address range for the caps: the /N it is in")
+    parser.add_argument("--ipv6_range_prefix", type=int, default=defaults.ipv6_range_prefix,
+                        help="an IPv6 client's address range for the caps: the /N it is in")
     parser.add_argument("--max_body_memory_mb", type=float, default=defaults.max_body_memory_bytes / 2**20,
-                        help="MiB that request bodies being read may hold, all clients together (one client "
-                             "address: the same share of it as of --max_connections); beyond, 503. One body's "
-                             "limit is ServeLimits.max_body_bytes (gin), 413 beyond")
+                        help="MiB that request bodies being read may hold, all clients together, counted as "
+                             "they arrive (one address range: the same share of it as of --max_connections); "
+                             "beyond, 503. One body's limit is ServeLimits.max_body_bytes (gin), 413 beyond")
     parser.add_argument("--auth_token_file", default=None,
                         help=f"file holding a bearer token every request must send (or set {TOKEN_ENV}); "
                              f"required unless --host is a loopback address")
     args = parse_args(parser, argv, reads=TASK_MODULE)
     logs.setup()
-    options = ServerOptions(args.workers, args.max_queued, args.read_timeout_s, args.max_connections,
-                            args.max_connections_per_client, int(args.max_body_memory_mb * 2**20),
-                            _auth_token(args.auth_token_file))
+    options = ServerOptions(workers=args.workers, max_queued=args.max_queued, read_timeout_s=args.read_timeout_s,
+                            max_connections=args.max_connections,
+                            max_connections_per_range=args.max_connections_per_range,
+                            ipv4_range_prefix=args.ipv4_range_prefix, ipv6_range_prefix=args.ipv6_range_prefix,
+                            max_body_memory_bytes=int(args.max_body_memory_mb * 2**20),
+                            auth_token=_auth_token(args.auth_token_file))
     _check_listenable(args.host, args.port, options.auth_token)  # before minutes of loading, not after
     store = PassageStore.open(args.kb_dir)  # the store, index and model are verified as they open
     index = load_index(args.index_dir)

@@ -7,10 +7,13 @@ long) are the server's, `http_server.py`.
 
 A request is refused as early as it can be: a head over MAX_HEAD_BYTES (431) and a missing or
 wrong token (401) before routing; a missing Content-Length (411), a body over
-`ServeLimits.max_body_bytes` (413), a Content-Type that is not JSON (415) and a body the memory
-budget cannot hold (503) before the body is read. Those replies close the connection, since the
-unread body would otherwise be read and thrown away. Only a complete body takes a worker thread
-(503 when all are busy and `max_queued` requests wait).
+`ServeLimits.max_body_bytes` (413), a Content-Type that is not JSON (415) and a body that would
+not fit beside the bytes bodies hold now (503) before the body is read; a body whose bytes, as they
+arrive, no longer fit the memory budget (503) while it is read. Those replies close the connection,
+since the unread body would otherwise be read and thrown away. Only a complete body takes a worker
+thread (503 when all are busy and `max_queued` requests wait). Paths are matched as written: no
+redirect (Starlette's for a trailing slash would point at the request's Host, which the client
+chooses).
 """
 
 from __future__ import annotations
@@ -101,33 +104,110 @@ class RequestGate:
         await self.app(scope, receive, send)
 
 
-class BodyBudget:
-    """Bytes of request bodies being read or answered, bounded in all (`total`) and per client
-    address (`per_client`), so that neither many bodies nor one address's bodies can take the
-    memory. A body's bytes are reserved from its Content-Length before it is read and released
-    when its request is done."""
+class BodyRead:
+    """One body being read or answered: its client, address range and the bytes it has delivered."""
 
-    def __init__(self, total: int, per_client: int):
-        self.total, self.per_client = total, per_client
-        self._held = 0
-        self._by_client: collections.Counter[str] = collections.Counter()
+    def __init__(self, peer: tuple[str, int], where: str):
+        self.peer, self.where = peer, where
+        self.taken = 0
+        self.reading = True  # False once whole: it is being answered and soon gone
+        self.evicted = False
+
+
+class BodyBudget:
+    """Bytes of request bodies being read or answered, bounded in all (`total`) and per address
+    range (`per_range`, `range_of` a client's host), so that neither many bodies nor one range's
+    bodies can take the memory. Bytes are counted as they arrive, not as a Content-Length
+    declares them: a client that declares a large body and sends little holds little, and the
+    request deadline closes it (releasing what it holds) if the rest does not come.
+
+    The fairness rule, as for connections: when a range's next bytes do not fit in all, the range
+    holding the most, if it holds more than the newcomer's will, gives up its largest body still
+    being read (`close` ends that client's connection with 503), until they fit. A group that sends
+    real bytes and stalls cannot keep others out either."""
+
+    def __init__(self, total: int, per_range: int, range_of: Callable[[str], str],
+                 close: Callable[[tuple[str, int]], None]):
+        self.total, self.per_range, self.range_of, self.close = total, per_range, range_of, close
+        self.held = 0
+        self.by_range: collections.Counter[str] = collections.Counter()
+        self._reads: dict[BodyRead, None] = {}
+
+    def check_room(self, client: tuple[str, int], size: int) -> None:
+        """Refuses (HTTPException 503), before it is read, a body of `size` bytes that would not fit
+        beside the bytes held now, even by the fairness rule; it reserves nothing, so a declared size
+        alone holds no memory."""
+        self._victims(self.range_of(client[0]), size)
 
     @contextlib.contextmanager
-    def reserve(self, client: str, size: int) -> Iterator[None]:
-        """Holds `size` bytes for `client` (all in one event loop: no lock), or HTTPException 503."""
-        if self._held + size > self.total or self._by_client[client] + size > self.per_client:
-            raise HTTPException(HTTPStatus.SERVICE_UNAVAILABLE,
-                                f"request bodies in progress fill the server's body memory ({self.total} bytes, "
-                                f"{self.per_client} per client address); retry later", {**RETRY_AFTER, **CLOSE})
-        self._held += size
-        self._by_client[client] += size
+    def account(self, client: tuple[str, int]) -> Iterator[BodyRead]:
+        """The body of `client`'s request, to `take` its bytes into (all in one event loop: no
+        lock); what it took is released when the block ends."""
+        body = BodyRead(client, self.range_of(client[0]))
+        self._reads[body] = None
         try:
-            yield
+            yield body
         finally:
-            self._held -= size
-            self._by_client[client] -= size
-            if not self._by_client[client]:
-                del self._by_client[client]
+            self._release(body)
+
+    def take(self, body: BodyRead, n: int) -> None:
+        """Counts `n` more bytes of `body`, after closing the bodies the fairness rule gives up, or
+        raises HTTPException 503 (also for a body given up, whose connection is closing)."""
+        if body.evicted:
+            raise self._full()
+        for victim in self._victims(body.where, n):
+            self._release(victim)
+            victim.evicted = True
+            self.close(victim.peer)
+        self.held += n
+        self.by_range[body.where] += n
+        body.taken += n
+
+    def done_reading(self, body: BodyRead) -> None:
+        body.reading = False
+
+    def _victims(self, where: str, n: int) -> list[BodyRead]:
+        """The bodies to give up so that `n` more bytes of `where` fit, or HTTPException 503."""
+        if self.by_range[where] + n > self.per_range:
+            raise self._full()
+        excess = self.held + n - self.total
+        held = dict(self.by_range)
+        mine = held.get(where, 0) + n
+        victims: list[BodyRead] = []
+        while excess > 0:
+            richest = max((b for b in self._reads if b.reading and b.taken and held[b.where] > mine
+                           and b not in victims), key=lambda b: (held[b.where], b.taken), default=None)
+            if richest is None:
+                raise self._full()
+            victims.append(richest)
+            held[richest.where] -= richest.taken
+            excess -= richest.taken
+        return victims
+
+    def _release(self, body: BodyRead) -> None:
+        self._reads.pop(body, None)
+        self.held -= body.taken
+        self.by_range[body.where] -= body.taken
+        body.taken = 0
+        if not self.by_range[body.where]:
+            del self.by_range[body.where]
+
+    def _full(self) -> HTTPException:
+        return HTTPException(HTTPStatus.SERVICE_UNAVAILABLE,
+                             f"request bodies in progress fill the server's body memory ({self.total} bytes, "
+                             f"{self.per_range} per address range); retry later", {**RETRY_AFTER, **CLOSE})
+
+
+async def read_body(request: Request, bodies: BodyBudget, body: BodyRead) -> bytearray:
+    """The whole body, each chunk counted in `bodies` as it arrives (uvicorn stops reading a body
+    past 64 KiB the app has not taken, so at most one read of 256 KiB more waits uncounted).
+    ClientDisconnect if the client leaves or its deadline passes first."""
+    data = bytearray()
+    async for chunk in request.stream():
+        bodies.take(body, len(chunk))
+        data += chunk
+    bodies.done_reading(body)
+    return data
 
 
 class WorkerPool:
@@ -155,8 +235,8 @@ class WorkerPool:
 
 
 def _content_length(request: Request, limit: int) -> int:
-    """The body's size, known before it is read: a chunked body (whose framing h11 would follow even
-    beside a Content-Length) is refused, as is a missing length."""
+    """The declared size of the body, before it is read; refuses one over `limit`, a missing length
+    and a chunked body (whose framing h11 would follow even beside a Content-Length)."""
     raw = request.headers.get("content-length")
     if raw is None or "transfer-encoding" in request.headers:
         raise HTTPException(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required (and no "
@@ -175,7 +255,7 @@ def _require_json(request: Request) -> None:
                             f"Content-Type must be application/json, got {content_type or 'none'!r}", CLOSE)
 
 
-def answer(service: SearchService, body: bytes) -> tuple[int, dict[str, Any]]:
+def answer(service: SearchService, body: bytes | bytearray) -> tuple[int, dict[str, Any]]:
     """(status, JSON reply) for one complete body; runs on a worker thread."""
     try:
         return HTTPStatus.OK, service.handle_search(body)
@@ -198,10 +278,11 @@ def search_app(service: SearchService, pool: WorkerPool, bodies: BodyBudget, tok
         except RequestError as e:
             return error_reply(e.status, str(e), CLOSE)
         _require_json(request)
-        client = request.client.host if request.client else ""
-        with bodies.reserve(client, length):
+        client = (request.client.host, request.client.port) if request.client else ("", 0)
+        bodies.check_room(client, length)
+        with bodies.account(client) as body_read:
             try:
-                body = await request.body()
+                body = await read_body(request, bodies, body_read)
             except ClientDisconnect:  # The client left, or the server timed it out: this reply is never sent.
                 return Response(status_code=HTTPStatus.REQUEST_TIMEOUT)
             status, reply = await pool.run(answer, service, body)
@@ -222,6 +303,10 @@ def search_app(service: SearchService, pool: WorkerPool, bodies: BodyBudget, tok
         # Starlette re-raises the error after this reply, and uvicorn logs its traceback.
         return error_reply(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(error).__name__}", CLOSE)
 
-    return Starlette(routes=[Route("/search", search, methods=["POST"]), Route("/health", health, methods=["GET"])],
-                     middleware=[Middleware(RequestGate, token=token)],
-                     exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app = Starlette(routes=[Route("/search", search, methods=["POST"]), Route("/health", health, methods=["GET"])],
+                    middleware=[Middleware(RequestGate, token=token)],
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+    # Starlette answers `/health/` with a redirect to a URL built from the request's Host header,
+    # which a client chooses: a path is served as written or not at all (404).
+    app.router.redirect_slashes = False
+    return app

@@ -1,38 +1,53 @@
 """`t5r serve`'s HTTP server: uvicorn (with h11) running the search app of `http_app.py`.
 
 uvicorn does the HTTP/1.1 work (parsing, framing, keep-alive, pipelining, `100 Continue`, flow
-control) on one asyncio event loop. This module adds the bounds a public search service needs
-that uvicorn lacks, in a subclass of its h11 protocol:
+control) on one asyncio event loop. This module adds the bounds a public search service needs that
+uvicorn lacks, in a protocol that wraps uvicorn's own and sees each connection from outside it:
 
-- connections, in all (`max_connections`) and per client address (`max_connections_per_client`,
-  so one address cannot hold every slot): one more gets 503 and is closed;
+- connections, in all (`max_connections`) and per address range (`max_connections_per_range`; a
+  /24 for IPv4, a /64 for IPv6, as one host or one customer of a provider usually holds), so that
+  neither one address nor a few of them hold every slot. When all slots are taken, a newcomer
+  whose range holds at least two fewer connections than the range holding the most takes the place
+  of one of the latter's connections that is not being answered (which is closed): while others
+  wait, no range keeps more than they. Otherwise one more connection gets 503 and is closed;
+- bodies: their memory is `http_app.BodyBudget`'s; a body its fairness rule gives up has its
+  connection closed here, with 503;
 - a deadline to deliver each request (`read_timeout_s`, from the connection's start or the last
   reply): 408 and close if part of a request came, a silent close if nothing did. Slow or stalled
-  clients hold a socket until then, never a thread;
+  clients, a body that does not arrive included, hold a socket until then, never a thread;
 - JSON bodies for the errors uvicorn answers itself (a malformed request, 400; a head that h11
   finds too long before it ends, 431);
 - Nagle off on every connection (asyncio sets it only on sockets it made itself).
 
-The subclass reads H11Protocol's per-request state (`cycle`, `conn`, `flow`), which is why
-pyproject.toml allows only uvicorn's 0.54 series.
+Where each request stands (head in, body in, reply out) comes from a small ASGI middleware around
+the app (`RequestPhases`), which finds its connection by the client address and port uvicorn puts
+in the scope. The wrapper drives uvicorn's protocol only through asyncio's `Protocol` methods.
+
+The one hook beyond uvicorn's documented settings: `uvicorn.Config(http=...)` takes a protocol
+class (its signature says so) and uvicorn makes one per connection with the keyword arguments
+`config, server_state, app_state, _loop`; the wrapper passes them on unread to the class uvicorn
+runs for `http="h11"`. No public API builds uvicorn's protocol inside another, and an accept-time
+cap cannot be an ASGI middleware (a connection that sends nothing never reaches the app).
+`tests/test_retrieval_serve.py` checks that class, those arguments and the callbacks it implements,
+so a uvicorn release that moves them fails there; pyproject.toml allows the releases checked. (The
+JSON 400 also rests on uvicorn writing that reply while it parses, inside `data_received`; the
+tests of the HTTP layer's refusals fail if it stops.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import functools
 import ipaddress
 import json
 import socket
-import sys
 import threading
 from http import HTTPStatus
 from typing import Any
 
-import h11
 import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from t5_retrieval.errors import ConfigError
@@ -42,39 +57,55 @@ from t5_retrieval.retrieval.serve import SearchService
 
 LISTEN_BACKLOG = 1024  # connections the kernel queues before accept (capped by net.core.somaxconn)
 TOKEN_ENV = "T5R_SERVE_TOKEN"
+UVICORN_PROTOCOL = H11Protocol  # the class uvicorn runs for `http="h11"`, wrapped by GuardedProtocol
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
-    """What a slow, stalled or flooding client can hold, and the access token.
+    """What a slow, stalled or flooding client, or a group of them, can hold, and the access token.
 
     A connection that sends nothing or half a request holds a socket, never a thread, and is closed
-    `read_timeout_s` after it became idle (408 if it had sent part of a request). Bodies being read
-    hold at most `max_body_memory_bytes` in all; one client address holds at most its share of
-    connections, `max_connections_per_client`, and of body memory, in the same proportion (but
-    always room for one body of the largest size).
+    `read_timeout_s` after it became idle (408 if it had sent part of a request). Connections are
+    counted per address range (the IPv4 /`ipv4_range_prefix`, the IPv6 /`ipv6_range_prefix` an
+    address is in), since one host or customer usually holds a whole range. Bodies hold at most
+    `max_body_memory_bytes` in all, counted as their bytes arrive; one range holds at most its share
+    of that memory, the same share as of the connections (but always room for one body of the
+    largest size). When either is full, the range holding the most gives way to one holding less
+    (`ConnectionTable`, `http_app.BodyBudget`).
     """
 
     workers: int = 8  # threads that run complete requests (parse, encode, search)
     max_queued: int = 256  # complete requests waiting for a worker; one more gets 503
     read_timeout_s: float = 10.0  # to deliver a whole request after connecting or after a reply
     max_connections: int = 1024  # open connections; one more gets 503 and is closed
-    max_connections_per_client: int = 128  # open connections from one client address; beyond, 503
+    max_connections_per_range: int = 128  # open connections from one address range; beyond, 503
+    ipv4_range_prefix: int = 24  # an IPv4 address range: the /24 the address is in
+    ipv6_range_prefix: int = 64  # an IPv6 address range: the /64 the address is in
     max_body_memory_bytes: int = 64 << 20  # request bodies being read or answered, all clients together
     auth_token: str | None = None  # if set, every request needs `Authorization: Bearer <token>`
 
     def __post_init__(self):
-        if (self.workers < 1 or self.max_queued < 0 or self.max_connections < 1 or self.max_connections_per_client < 1
+        if (self.workers < 1 or self.max_queued < 0 or self.max_connections < 1 or self.max_connections_per_range < 1
                 or self.max_body_memory_bytes < 1 or not self.read_timeout_s > 0):
-            raise ConfigError(f"ServerOptions: need workers, max_connections, max_connections_per_client and "
+            raise ConfigError(f"ServerOptions: need workers, max_connections, max_connections_per_range and "
                              f"max_body_memory_bytes >= 1, max_queued >= 0 and read_timeout_s > 0, got {self}")
+        if not (0 <= self.ipv4_range_prefix <= 32 and 0 <= self.ipv6_range_prefix <= 128):
+            raise ConfigError(f"ServerOptions: ipv4_range_prefix must be in [0, 32] and ipv6_range_prefix in "
+                             f"[0, 128], got {self.ipv4_range_prefix} and {self.ipv6_range_prefix}")
         if self.auth_token is not None:
             bearer_token(self.auth_token, "ServerOptions.auth_token")
 
-    def body_budget(self, max_body_bytes: int) -> BodyBudget:
-        """The body memory, and one address's share of it: as its share of the connections."""
-        share = self.max_body_memory_bytes * min(1.0, self.max_connections_per_client / self.max_connections)
-        return BodyBudget(self.max_body_memory_bytes, max(int(share), max_body_bytes))
+    def address_range(self, host: str) -> str:
+        """The range `host` counts in, e.g. '203.0.113.0/24'; an IPv4-mapped IPv6 address counts as IPv4."""
+        try:
+            address = ipaddress.ip_address(host.split("%")[0])
+        except ValueError:  # not an IP address (a Unix socket): its own range
+            return host
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        prefix = self.ipv4_range_prefix if address.version == 4 else self.ipv6_range_prefix
+        return str(ipaddress.ip_network((address, prefix), strict=False))
+
 
 
 def json_error_bytes(status: HTTPStatus, message: str, headers: dict[str, str] | None = None) -> bytes:
@@ -86,110 +117,258 @@ def json_error_bytes(status: HTTPStatus, message: str, headers: dict[str, str] |
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
-class ConnectionCount:
-    """Open connections, in all and per client address (touched only from the event loop)."""
+class ConnectionTable:
+    """Open connections by address range and by peer (touched only from the event loop), and the
+    rule that admits a new one."""
 
     def __init__(self, options: ServerOptions):
         self.options = options
         self.total = 0
-        self.by_client: collections.Counter[str] = collections.Counter()
+        self.by_range: dict[str, dict[GuardedProtocol, None]] = {}  # insertion-ordered: oldest first
+        self.by_peer: dict[tuple[str, int], GuardedProtocol] = {}
 
-    def admit(self, client: str) -> str | None:
-        """Counts a new connection from `client`, or returns why it is refused."""
-        if self.total >= self.options.max_connections:
+    def admit(self, connection: GuardedProtocol) -> str | None:
+        """Counts `connection`, or returns why it is refused."""
+        held = len(self.by_range.get(connection.range, ()))
+        if held >= self.options.max_connections_per_range:
+            return (f"too many connections from {connection.range} (limit {self.options.max_connections_per_range} "
+                    f"per address range); retry later")
+        if self.total >= self.options.max_connections and not self._make_room(held):
             return f"too many connections (limit {self.options.max_connections}); retry later"
-        if self.by_client[client] >= self.options.max_connections_per_client:
-            return (f"too many connections from {client} (limit {self.options.max_connections_per_client} per "
-                    f"client address); retry later")
         self.total += 1
-        self.by_client[client] += 1
+        self.by_range.setdefault(connection.range, {})[connection] = None
+        self.by_peer[connection.peer] = connection
         return None
 
-    def leave(self, client: str) -> None:
+    def _make_room(self, held: int) -> bool:
+        """Closes one connection not being answered of the largest range holding at least `held` + 2
+        (ranges that hold one more than the newcomer's would only trade places with it)."""
+        for connections in sorted(self.by_range.values(), key=len, reverse=True):
+            if len(connections) < held + 2:
+                return False
+            victim = next((c for c in connections if not c.answering), None)
+            if victim is not None:
+                self.leave(victim)
+                victim.yield_slot()
+                return True
+        return False
+
+    def close_for_memory(self, peer: tuple[str, int]) -> None:
+        """Closes the connection of a body the body memory's fairness rule gave up (if still open)."""
+        connection = self.by_peer.get(peer)
+        if connection is not None:
+            connection.give_up_body()
+
+    def leave(self, connection: GuardedProtocol) -> None:
+        connections = self.by_range[connection.range]
+        del connections[connection]
+        if not connections:
+            del self.by_range[connection.range]
+        del self.by_peer[connection.peer]
         self.total -= 1
-        self.by_client[client] -= 1
-        if not self.by_client[client]:
-            del self.by_client[client]
 
 
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with connection caps, a request deadline and JSON protocol errors."""
+class UvicornTransport:
+    """The transport as uvicorn's protocol sees it. What it writes while it parses (inside
+    `data_received`) is its own plain-text reply to a request h11 refused; that is held back, and
+    the guard answers in JSON instead. Everything else goes to the socket's transport."""
 
-    def __init__(self, *args: Any, connections: ConnectionCount, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._connections = connections
-        self._timeout_s = connections.options.read_timeout_s
-        self._counted_as: str | None = None
+    def __init__(self, transport: asyncio.Transport, guard: GuardedProtocol):
+        self._transport = transport
+        self._guard = guard
+
+    def write(self, data: bytes) -> None:
+        if self._guard.parsing:
+            self._guard.refused_by_parser = True
+        else:
+            self._transport.write(data)
+
+    def close(self) -> None:
+        if self._guard.parsing:
+            self._guard.refused_by_parser = True
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class GuardedProtocol(asyncio.Protocol):
+    """One connection: admitted by its range (`ConnectionTable`), held to its request deadline, and
+    otherwise served by uvicorn's h11 protocol, which gets every asyncio callback passed on."""
+
+    def __init__(self, table: ConnectionTable, **uvicorn_arguments: Any):
+        self._inner = UVICORN_PROTOCOL(**uvicorn_arguments)
+        self._table = table
+        self._timeout_s = table.options.read_timeout_s
+        self.transport: asyncio.Transport | None = None
+        self.peer: tuple[str, int] = ("", 0)
+        self.range = ""
+        self.admitted = False
+        self.answering = False  # a whole request is in, its reply not yet written: the server's time
+        self.request_started = False  # the current request's head is in
+        self.received = 0  # bytes since the connection started or the last reply
+        self.parsing = False  # inside uvicorn's data_received
+        self.refused_by_parser = False
+        self._write_paused = False
         self._deadline: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
         # asyncio turns Nagle off only on sockets it made itself; with it on, a reply's head and body
         # (two writes) meet the client's delayed ACK: +40 ms on every keep-alive request.
-        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client = self.client[0] if self.client else ""
-        refusal = self._connections.admit(client)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername") or ("", 0)
+        self.peer = (str(peer[0]), int(peer[1]))  # as uvicorn puts it in scope["client"]
+        self.range = self._table.options.address_range(self.peer[0])
+        refusal = self._table.admit(self)
         if refusal is not None:
             self._end(json_error_bytes(HTTPStatus.SERVICE_UNAVAILABLE, refusal, RETRY_AFTER))
             return
-        self._counted_as = client
+        self.admitted = True
+        self._inner.connection_made(UvicornTransport(transport, self))  # type: ignore[arg-type]
         self._arm_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.admitted:
+            return
+        self.received += len(data)
+        self.parsing = True
+        try:
+            self._inner.data_received(data)
+        finally:
+            self.parsing = False
+        if self.refused_by_parser:
+            self._refuse_malformed()
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self.admitted else None
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        if self.admitted:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self.admitted:
+            self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
-        if self._counted_as is not None:
-            self._connections.leave(self._counted_as)
-            self._counted_as = None
-        super().connection_lost(exc)
+        if self.admitted:
+            if self._table.by_peer.get(self.peer) is self:
+                self._table.leave(self)
+            self._inner.connection_lost(exc)
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm_deadline()  # the next request has `read_timeout_s` from now
+    def request_complete(self) -> None:
+        """The whole request is in: until its reply is written, the time is the server's."""
+        self.answering = True
 
-    def send_400_response(self, msg: str) -> None:
-        # uvicorn calls this while it handles h11's RemoteProtocolError, whose status hint tells a
-        # head that grew past MAX_HEAD_BYTES without ending (431) from a malformed request (400).
-        error = sys.exc_info()[1]
-        if getattr(error, "error_status_hint", 400) == HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE:
+    def response_complete(self) -> None:
+        """The reply is written: the next request has `read_timeout_s` from now."""
+        self.answering = self.request_started = False
+        self.received = 0
+        if self.transport is not None and not self.transport.is_closing():
+            self._arm_deadline()
+
+    def yield_slot(self) -> None:
+        """Closed to make room for a connection of a range that holds fewer (see ConnectionTable)."""
+        self._end(json_error_bytes(HTTPStatus.SERVICE_UNAVAILABLE, "the server is full and your address range "
+                                   "holds the most connections; retry later", RETRY_AFTER) if self.received else b"")
+
+    def give_up_body(self) -> None:
+        """Closed to make room in the body memory for a range that holds less (see BodyBudget)."""
+        self._end(json_error_bytes(HTTPStatus.SERVICE_UNAVAILABLE, "the server's body memory is full and your "
+                                   "address range holds the most of it; retry later", RETRY_AFTER))
+
+    def _refuse_malformed(self) -> None:
+        # h11 refuses a head still incomplete after MAX_HEAD_BYTES (431) or a malformed request (400).
+        if not self.request_started and self.received > MAX_HEAD_BYTES:
             self._end(json_error_bytes(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                                        f"request head over {MAX_HEAD_BYTES} bytes"))
         else:
-            self._end(json_error_bytes(HTTPStatus.BAD_REQUEST, f"malformed HTTP request ({error or msg})"))
+            self._end(json_error_bytes(HTTPStatus.BAD_REQUEST, "malformed HTTP request: it needs a request line, "
+                                       "a Host header and at most one valid Content-Length"))
 
     def _arm_deadline(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
-        self._deadline = self.loop.call_later(self._timeout_s, self._deadline_passed)
+        self._deadline = asyncio.get_running_loop().call_later(self._timeout_s, self._deadline_passed)
 
     def _deadline_passed(self) -> None:
         self._deadline = None
+        assert self.transport is not None
         if self.transport.is_closing():
             return
-        cycle = self.cycle
-        if cycle is not None and not cycle.more_body and not cycle.response_complete:
-            # The whole request is here and being answered: the server's time, not the client's,
-            # unless the reply waits for a client that does not read it.
-            if self.flow.write_paused:
+        if self.answering:
+            # The server's time, unless the reply waits for a client that does not read it.
+            if self._write_paused:
                 self.transport.abort()
             else:
                 self._arm_deadline()
-        elif self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
+        elif not self.received:
             self._end()  # nothing of a request came: close without a word
         else:
-            self._end(json_error_bytes(HTTPStatus.REQUEST_TIMEOUT,
-                                       f"no complete request within {self._timeout_s:g} s"))
+            self._end(json_error_bytes(HTTPStatus.REQUEST_TIMEOUT, f"no complete request within {self._timeout_s:g} s"))
 
     def _end(self, reply: bytes = b"") -> None:
         """Closes the connection after `reply`; drops it at once if earlier replies are still queued
         (a client that does not read would keep it open)."""
+        assert self.transport is not None
         if self.transport.get_write_buffer_size():
             self.transport.abort()
             return
         if reply:
             self.transport.write(reply)
         self.transport.close()
+
+
+def body_budget(options: ServerOptions, max_body_bytes: int, table: ConnectionTable) -> BodyBudget:
+    """The body memory, and one range's share of it: as its share of the connections. A body the
+    fairness rule gives up has its connection closed with 503."""
+    share = options.max_body_memory_bytes * min(1.0, options.max_connections_per_range / options.max_connections)
+    return BodyBudget(options.max_body_memory_bytes, max(int(share), max_body_bytes), options.address_range,
+                      table.close_for_memory)
+
+
+def _expects_body(scope: Scope) -> bool:
+    headers = dict(scope["headers"])
+    return b"transfer-encoding" in headers or headers.get(b"content-length", b"0").strip() not in (b"0", b"")
+
+
+class RequestPhases:
+    """ASGI middleware telling each request's connection when the request is wholly in and when
+    its reply is written: the deadline measures the client's time, not the server's."""
+
+    def __init__(self, app: ASGIApp, table: ConnectionTable):
+        self.app = app
+        self.table = table
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        client = scope.get("client")
+        connection = self.table.by_peer.get(tuple(client)) if scope["type"] == "http" and client else None
+        if connection is None:
+            return await self.app(scope, receive, send)
+        connection.request_started = True
+        if not _expects_body(scope):
+            connection.request_complete()
+
+        async def receive_tracked() -> Message:
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                connection.request_complete()
+            return message
+
+        async def send_tracked(message: Message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                connection.response_complete()
+
+        await self.app(scope, receive_tracked, send_tracked)
 
 
 def bind_address(host: str, port: int, auth_token: str | None) -> tuple[socket.AddressFamily, Any]:
@@ -216,11 +395,12 @@ class SearchServer:
         self.socket = socket.create_server(address[:2], family=family, backlog=LISTEN_BACKLOG)
         self.server_address = self.socket.getsockname()
         self._pool = WorkerPool(self.options.workers, self.options.max_queued)
-        app = search_app(service, self._pool, self.options.body_budget(service.limits.max_body_bytes),
-                         self.options.auth_token)
-        protocol = functools.partial(BoundedH11Protocol, connections=ConnectionCount(self.options))
+        table = ConnectionTable(self.options)
+        self.bodies = body_budget(self.options, service.limits.max_body_bytes, table)  # event loop only
+        app = RequestPhases(search_app(service, self._pool, self.bodies, self.options.auth_token), table)
         self._server = uvicorn.Server(uvicorn.Config(
-            app, http=protocol, ws="none", lifespan="off", loop="asyncio", interface="asgi3",
+            app, http=functools.partial(GuardedProtocol, table),  # type: ignore[arg-type]
+            ws="none", lifespan="off", loop="asyncio", interface="asgi3",
             log_config=None, access_log=False, proxy_headers=False, server_header=False,
             headers=[("Server", "t5r-serve")], backlog=LISTEN_BACKLOG,
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,

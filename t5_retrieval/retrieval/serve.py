@@ -159,7 +159,7 @@ class SearchService:
         return [[{"rank": rank, "passage_id": hit.passage_id, "wikipedia_id": hit.wikipedia_id, "title": hit.title,
                   "score": hit.score} for rank, hit in enumerate(hits, start=1)] for hits in found]
 
-    def handle_search(self, body: bytes) -> dict[str, Any]:
+    def handle_search(self, body: bytes | bytearray) -> dict[str, Any]:
         try:
             request = json.loads(body, parse_int=bounded_int)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
