@@ -163,8 +163,9 @@ def bonferroni_alpha(m: int) -> float:
 
 def bonferroni_sentence(m: int) -> str:
     """The page's multiple-comparison count, stated once: every Bonferroni column is corrected for it."""
+    tail = 100 * bonferroni_alpha(m) / 2
     return (f"The tables print m = {m} bootstrap intervals; the Bonferroni columns test each at level "
-            f"1 - 0.05/{m} (percentiles {100 * bonferroni_alpha(m) / 2:.3f} and {100 - 100 * bonferroni_alpha(m) / 2:.3f}), "
+            f"1 - 0.05/{m} (percentiles {tail:.3f} and {100 - tail:.3f}), "
             "so that by chance alone any of them excludes 0 with probability at most 0.05.\n")
 
 
@@ -201,7 +202,8 @@ def differences_table(records: Mapping[str, Sequence[RunRecord]], titles: Mappin
         cells = [str(at_95) for at_95, _ in found_row]
         cells.append(" / ".join(f"{d:+.3f}" for d in seed_differences(records[row], records[control], METRICS[0][0]))
                      or "-")
-        cells.append(", ".join(f"{label} {corrected.decision}" for (_, label), (_, corrected) in zip(METRICS, found_row)))
+        cells.append(", ".join(f"{label} {corrected.decision}"
+                               for (_, label), (_, corrected) in zip(METRICS, found_row)))
         lines.append(f"| {titles[row]} | {len(records[row])} | {titles[control]} | {len(records[control])} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
