@@ -171,10 +171,10 @@ def test_per_query_scores_average_to_the_eval_table_and_seeds_give_intervals(bm2
         degraded_copy(os.path.join(work_dir, "bm25"), seed_dir(work_dir, "worse", seed), "fever")
         worse.append(record_run(seed_dir(work_dir, "worse", seed), data_dir, "worse", seed))
     table = differences_table({"bm25": [bm25], "worse": worse}, {"bm25": "BM25", "worse": "fever reversed"},
-                              {"worse": "bm25", "missing": "bm25"})
+                              {"worse": "bm25", "missing": "bm25"}, m=2)
     lines = table.splitlines()
     assert lines[0] == ("| row | seeds | minus | seeds | mean R-prec | mean R@20 | mean R-prec, seed by seed | "
-                        "excludes 0 at 1 - 0.05/2 (Bonferroni) |"), table
+                        "excludes 0 after the Bonferroni correction |"), table
     assert len(lines) == 3, "one line per pair whose both sides are recorded"
     cells = lines[2].split(" | ")
     assert cells[:4] == ["| fever reversed", "2", "BM25", "1"], table
@@ -234,7 +234,7 @@ def test_bad_records_are_named(bm25_run, tmp_path):
     other = dataclasses.replace(record, row="pcgrad", query_ids={**record.query_ids, "fever": record.query_ids["fever"][1:]})
     with pytest.raises(ValueError, match="pcgrad-seed0.json.gz and bm25-seed0.json.gz score different fever dev queries"):
         differences_table({"bm25": [record], "pcgrad": [other]}, {"bm25": "BM25", "pcgrad": "PCGrad"},
-                          {"pcgrad": "bm25"})
+                          {"pcgrad": "bm25"}, m=2)
 
 
 def test_running_rows_needs_data(tmp_path, capsys):
@@ -309,7 +309,7 @@ def test_the_inputs_table_pairs_each_row_under_old_and_new_inputs_on_the_same_qu
 
     old = {"taco": [synthetic_record("taco", 0, 0.30)]}
     new = {"taco": [synthetic_record("taco", 0, 0.50), synthetic_record("taco", 1, 0.70)], "bm25": []}
-    lines = inputs_table(new, old, {"taco": "TACO", "bm25": "BM25"}).splitlines()
+    lines = inputs_table(new, old, {"taco": "TACO", "bm25": "BM25"}, m=1).splitlines()
     assert len(lines) == 4, "header, rule, then an old and a new line for each row under both inputs"
-    assert lines[2].startswith("| TACO | old | 1 | ") and lines[2].endswith(" | 0.300 |  |"), lines[2]
+    assert lines[2].startswith("| TACO | old | 1 | ") and lines[2].endswith(" | 0.300 |  |  |"), lines[2]
     assert lines[3].startswith("| TACO | new | 2 | ") and " | 0.600 | +0.300 [" in lines[3], lines[3]

@@ -49,7 +49,8 @@ seed (training data order and the initialisation of new parameters; seed k > 0 w
 `<work_dir>/<row>-seed<k>`). The table then gives each cell as mean +- standard deviation over the
 recorded seeds, and a second table each method's difference to its control (`rows.CONTROLS`: the
 naive multi-task row that differs from it in the method alone) with a paired bootstrap 95% interval
-over the dev queries (`significance`).
+over the dev queries (`significance`), and whether it still excludes 0 after a Bonferroni correction
+over all the intervals printed.
 
 After the rows, the task-specialisation analysis (TACO Fig. 1-2) runs for naive multi-task and TACO
 (`sensitivity_analysis`) and its table is printed below the results.
@@ -70,7 +71,8 @@ from t5_retrieval.results.overlap import overlap_table, read_overlap, write_over
 from t5_retrieval.results.qa_open import qa_open_table
 from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED, TITLES
 from t5_retrieval.results.records import read_records, record_run, seed_dir, write_record
-from t5_retrieval.results.significance import differences_table, inputs_table
+from t5_retrieval.results.significance import (bonferroni_sentence, differences_count, differences_table, inputs_count,
+                                               inputs_table)
 from t5_retrieval.results.tables import markdown_table
 
 
@@ -101,9 +103,12 @@ def run_rows(work_dir: str, rows: Sequence[str], seeds: Sequence[int] = (0,), da
             log.info("results: row %s (seed %d) done in %.0f s, recorded in %s", name, seed, time.time() - start, path)
     sensitivity_analysis(work_dir)
     records = read_records(records_dir)
-    differences = differences_table(records, TITLES, CONTROLS)
+    previous = read_records(compare_with) if compare_with else {}
+    m = differences_count(records, CONTROLS) + inputs_count(records, previous, TITLES)  # every interval printed
+    differences = differences_table(records, TITLES, CONTROLS, m)
     overlap = read_overlap(records_dir)
     without = overlap_table(records, TITLES, overlap) if overlap is not None and records else ""
-    changes = inputs_table(records, read_records(compare_with), TITLES) if compare_with else ""
-    return "\n".join(t for t in (markdown_table(records), differences, without, changes, analysis_table(work_dir),
-                                 qa_open_table(work_dir)) if t)
+    changes = inputs_table(records, previous, TITLES, m)
+    correction = bonferroni_sentence(m) if m else ""
+    return "\n".join(t for t in (markdown_table(records), differences, without, changes, correction,
+                                 analysis_table(work_dir), qa_open_table(work_dir)) if t)

@@ -8,14 +8,18 @@ as paths relative to the page:
     <!-- /records -->
 
 Kinds: `main` (the per-task table), `differences` (each method against its control), `overlap` (the
-means without the dev queries that are training queries) and `change` (each row against the same
-rows under other inputs: `change NEW OLD`). Refreshing rewrites every marked table from its records,
+means without the dev queries that are training queries), `change` (each row against the same
+rows under other inputs: `change NEW OLD`) and `bonferroni` (no directory: one sentence giving the
+number m of intervals the page's tables print, which every table's Bonferroni column is corrected
+for). Refreshing rewrites every marked table from its records,
 so adding a record and refreshing is all a new run needs; the prose around the tables is the
 author's. A page equal to its refresh shows exactly what its records print (tests hold it so).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -24,52 +28,85 @@ from t5_retrieval.data.records import DataError
 from t5_retrieval.results.overlap import overlap_table, read_overlap
 from t5_retrieval.results.records import read_records
 from t5_retrieval.results.rows import CONTROLS, TITLES
-from t5_retrieval.results.significance import differences_table, inputs_table
+from t5_retrieval.results.significance import (bonferroni_sentence, differences_count, differences_table, inputs_count,
+                                               inputs_table)
 from t5_retrieval.results.tables import markdown_table
 
 # A marker is a whole line, so one quoted in the prose (`<!-- records: ... -->`) is left alone.
 MARKED = re.compile(r"^(?P<start><!-- records: (?P<spec>[^>\n]*?) -->\n)(?P<table>.*?)^(?P<end><!-- /records -->)$", re.S | re.M)
 
 
-def _overlap(records_dir: str) -> str:
+@functools.cache
+def _records(records_dir: str) -> dict:
+    """A directory's records, read once per refresh (`refreshed` clears this)."""
+    return read_records(records_dir)
+
+
+def _overlap(m: int, records_dir: str) -> str:
     overlap = read_overlap(records_dir)
     if overlap is None:
         raise DataError(f"{records_dir}: no dev/train overlap file; `t5r results` writes it when it runs rows there")
-    return overlap_table(read_records(records_dir), TITLES, overlap)
+    return overlap_table(_records(records_dir), TITLES, overlap)
 
 
-KINDS: dict[str, tuple[int, Callable[..., str]]] = {  # kind -> (how many records directories, its table)
-    "main": (1, lambda d: markdown_table(read_records(d))),
-    "differences": (1, lambda d: differences_table(read_records(d), TITLES, CONTROLS)),
-    "overlap": (1, _overlap),
-    "change": (2, lambda new, old: inputs_table(read_records(new), read_records(old), TITLES)),
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """A table kind: how many records directories it names, its table given the page's interval
+    count m, and how many intervals it prints."""
+
+    directories: int
+    table: Callable[..., str]
+    intervals: Callable[..., int] = lambda *dirs: 0
+
+
+KINDS: dict[str, Kind] = {
+    "main": Kind(1, lambda m, d: markdown_table(_records(d))),
+    "differences": Kind(1, lambda m, d: differences_table(_records(d), TITLES, CONTROLS, m=m),
+                        lambda d: differences_count(_records(d), CONTROLS)),
+    "overlap": Kind(1, _overlap),
+    "change": Kind(2, lambda m, new, old: inputs_table(_records(new), _records(old), TITLES, m=m),
+                   lambda new, old: inputs_count(_records(new), _records(old), TITLES)),
+    "bonferroni": Kind(0, lambda m: bonferroni_sentence(m)),
 }
 
 
-def marked_table(spec: str, page_dir: str, where: str) -> str:
-    """The table a marker's `spec` ("KIND DIR [DIR]", directories relative to the page) names."""
+def _paths(spec: str, page_dir: str, where: str) -> tuple[Kind, list[str]]:
+    """The kind a marker's `spec` ("KIND [DIR...]", directories relative to the page) names, and its directories."""
     kind, *dirs = spec.split()
     if kind not in KINDS:
         raise DataError(f"{where}: unknown table kind {kind!r}; known: {', '.join(KINDS)}")
-    if len(dirs) != KINDS[kind][0]:
-        wanted = "one records directory" if KINDS[kind][0] == 1 else f"{KINDS[kind][0]} records directories"
-        raise DataError(f"{where}: a {kind!r} table names {wanted} (relative to the page), got {dirs}")
+    wanted = KINDS[kind].directories
+    if len(dirs) != wanted:
+        named = {0: "no records directory", 1: "one records directory"}.get(wanted, f"{wanted} records directories")
+        raise DataError(f"{where}: a {kind!r} table names {named} (relative to the page), got {dirs}")
     paths = [os.path.join(page_dir, d) for d in dirs]
     for path in paths:
         if not os.path.isdir(path):
             raise DataError(f"{where}: no records directory {path}")
-    return KINDS[kind][1](*paths)
+    return KINDS[kind], paths
+
+
+def marked_table(spec: str, page_dir: str, where: str, m: int) -> str:
+    """The table a marker's `spec` names, its Bonferroni column corrected for `m` intervals."""
+    kind, paths = _paths(spec, page_dir, where)
+    return kind.table(m, *paths)
 
 
 def refreshed(page: str, page_path: str) -> str:
-    """`page` (the text of `page_path`) with every marked table printed again from its records."""
+    """`page` (the text of `page_path`) with every marked table printed again from its records; the
+    Bonferroni correction counts every interval of every table on the page."""
     page_dir = os.path.dirname(os.path.abspath(page_path))
-
-    def table(match: re.Match) -> str:
-        line = page.count("\n", 0, match.start()) + 1
-        return match["start"] + marked_table(match["spec"], page_dir, f"{page_path}:{line}") + match["end"]
-
-    return MARKED.sub(table, page)
+    _records.cache_clear()
+    markers = [(match, f"{page_path}:{page.count(chr(10), 0, match.start()) + 1}") for match in MARKED.finditer(page)]
+    m = 0
+    for match, where in markers:
+        kind, paths = _paths(match["spec"], page_dir, where)
+        m += kind.intervals(*paths)
+    tables = iter(match["start"] + marked_table(match["spec"], page_dir, where, m) + match["end"]
+                  for match, where in markers)
+    new = MARKED.sub(lambda match: next(tables), page)
+    _records.cache_clear()
+    return new
 
 
 def refresh_page(page_path: str) -> int:
