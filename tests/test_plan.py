@@ -168,3 +168,18 @@ def test_a_step_that_cannot_fit_exits_2_with_one_line(capsys):
     assert len(lines) == 1 and lines[0].startswith("t5r plan: error: train step: needs"), err
     assert "fsdp" in lines[0], f"expected the layout that would fit: {lines[0]}"
     assert "DOES NOT FIT" in out
+
+
+def test_collectives_are_counted_by_type_and_bytes():
+    from t5_retrieval.plan import hlo
+
+    text = """
+  %all-reduce.1 = f32[64,32]{1,0} all-reduce(f32[64,32]{1,0} %p), replica_groups={{0,1,2,3}}, to_apply=%add
+  %all-gather-start.2 = (bf16[8,32]{1,0}, bf16[32,32]{1,0}) all-gather-start(bf16[8,32]{1,0} %q), dimensions={0}
+  %all-gather-done.2 = bf16[32,32]{1,0} all-gather-done((bf16[8,32]{1,0}, bf16[32,32]{1,0}) %all-gather-start.2)
+  %fusion.3 = f32[64,32]{1,0} fusion(f32[64,32]{1,0} %all-reduce.1), kind=kLoop, calls=%fused_computation
+  %all-reduce.4 = (f32[], s32[2]{0}) all-reduce(f32[] %a, s32[2]{0} %b), to_apply=%add
+"""
+    assert hlo.collectives(text) == {"all-reduce": {"count": 2, "bytes": 64 * 32 * 4 + 4 + 8},
+                                     "all-gather": {"count": 1, "bytes": (8 * 32 + 32 * 32) * 2}}
+    assert hlo.program_size(text) == {"instructions": 5, "fusions": 1, "convolutions": 0}

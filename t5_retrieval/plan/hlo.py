@@ -35,3 +35,11 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         entry["count"] += 1
         entry["bytes"] += shape_bytes(found["shape"])
     return out
+
+
+def program_size(hlo_text: str) -> dict[str, int]:
+    """Instructions, fusions and convolutions (TPU matmuls) of a compiled program: what its compile
+    time grows with."""
+    lines = [line for line in hlo_text.splitlines() if " = " in line]
+    return {"instructions": len(lines), "fusions": sum(" fusion(" in line for line in lines),
+            "convolutions": sum(" convolution(" in line for line in lines)}

@@ -169,6 +169,7 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "model_matmul_flops": model_flops,
         "estimated_step_seconds": seconds,
         "collectives": {} if compiled is None else hlo.collectives(compiled.as_text()),
+        "program": {} if compiled is None else hlo.program_size(compiled.as_text()),
         "items_per_step": items,
     }
     if seconds:
@@ -289,7 +290,8 @@ def format_text(report: dict[str, Any]) -> str:
     for name, step in report["steps"].items():
         mem = step["memory_per_device"]
         lines.append(f"{name} step: lowered in {step['lower_seconds']:.1f} s, compiled in {step['compile_seconds']:.1f} s "
-                     f"({step['hlo_bytes'] / 1e6:.2f} MB StableHLO)")
+                     f"({step['hlo_bytes'] / 1e6:.2f} MB StableHLO"
+                     + "".join(f", {n:,} {what}" for what, n in step["program"].items()) + " compiled)")
         lines.append(f"  per device: params {_mib(mem['params'])}, optimiser {_mib(mem['optimizer'])}, multi-task "
                      f"{_mib(mem['multitask'])}, batch {_mib(mem['batch'])}, temporaries {_mib(mem['temporaries'])}, "
                      f"outputs {_mib(mem['outputs_not_donated'])}, code {_mib(mem['code'])}")
