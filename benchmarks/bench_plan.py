@@ -2,8 +2,8 @@
 
 Each cell is one `t5r plan --json` process (the paper's recipe: runs/naive_multitask.gin or
 runs/taco.gin over the KILT mixture, 64 queries per device split over the tasks by the mixture's
-rates, each task's own query length, 256-token passages, 2 negatives) with a time limit; a cell
-that does not compile in it is recorded as such. Every time and rate in the table is the TPU
+rates, each task's own query length, 256-token passages, 2 negatives; or `single`, NQ alone with
+runs/single_task.gin) with a time limit; a cell that does not compile in it is recorded as such. Every time and rate in the table is the TPU
 compiler's cost-model estimate, not a measurement.
 
     .venv/bin/python benchmarks/bench_plan.py [--sizes small base] [--topologies v5e:4x4 v4:2x2x1]
@@ -26,14 +26,17 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = {"naive": "runs/naive_multitask.gin", "taco": "runs/taco.gin"}
+# method -> its run file and bindings: the KILT mixture naive and with TACO, and one task alone
+# (the papers' task-specific rows; one query shape, so the smallest program).
+RUNS = {"naive": ["--gin_file=runs/naive_multitask.gin"], "taco": ["--gin_file=runs/taco.gin"],
+        "single": ["--gin_file=runs/single_task.gin", "--gin.MIXTURE_OR_TASK_NAME='kilt_nq_noprefix'"]}
 MIB = 1024 ** 2
 
 
 def plan_cell(size: str, topology: str, layout: str, method: str, timeout: float, extra: list[str]) -> dict[str, Any]:
     """One `t5r plan --json` run; its report, or why there is none."""
     command = [sys.executable, "-m", "t5_retrieval.cli", "plan", f"--topology={topology}", "--json",
-               f"--gin_file=models/t5_{size}.gin", f"--gin_file={RUNS[method]}",
+               f"--gin_file=models/t5_{size}.gin", *RUNS[method],
                f"--gin_file=sharding/{layout}.gin", *extra]
     cell = {"size": size, "topology": topology, "layout": layout, "method": method}
     start = time.perf_counter()
@@ -56,12 +59,13 @@ def table_row(cell: dict[str, Any]) -> str:
     mem = train["memory_per_device"]
     state = (mem["params"] + mem["optimizer"] + mem["multitask"]) / MIB
     est = train["estimated_step_seconds"]
-    rate = f"{est * 1e3:,.1f} ms, {train['estimated_per_second']['queries']:,.0f} q/s, MFU {train['estimated_mfu']:.0%}" \
-        if est else "none"
+    rate = (f"{est * 1e3:,.1f} ms, {train['estimated_per_second']['queries']:,.0f} q/s, "
+            f"MFU {train['estimated_mfu']:.0%}") if est else "none"
     enc = encode["estimated_per_second"]["passages"] if encode["estimated_step_seconds"] else None
     return (head + f" {'yes' if train['fits'] else 'NO'} ({mem['peak'] / MIB:,.0f} / {mem['hbm'] / MIB:,.0f} MiB) |"
             f" {state:,.0f} MiB | {mem['temporaries'] / MIB:,.0f} MiB | {rate} |"
-            f" {f'{enc:,.0f} p/s' if enc else 'none'} | {train['compile_seconds']:.0f} s / {encode['compile_seconds']:.0f} s |")
+            f" {f'{enc:,.0f} p/s' if enc else 'none'} |"
+            f" {train['compile_seconds']:.0f} s / {encode['compile_seconds']:.0f} s |")
 
 
 TABLE_HEAD = ("| T5 | slice | layout | method | train step fits (peak / HBM per device) | params + optimiser + "

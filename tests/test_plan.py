@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 
 import jax
 import numpy as np
@@ -153,7 +152,8 @@ def test_json_report_schema():
         step = report["steps"][name]
         assert STEP_KEYS <= set(step) and set(step["memory_per_device"]) == MEMORY_KEYS, (name, sorted(step))
         assert all(set(c) == {"count", "bytes"} for c in step["collectives"].values())
-        assert step["memory_per_device"]["peak"] + step["memory_per_device"]["margin"] == report["chip"]["hbm_bytes_per_device"]
+        memory = step["memory_per_device"]
+        assert memory["peak"] + memory["margin"] == report["chip"]["hbm_bytes_per_device"]
     assert report["tasks"] == [{"name": "demo_fever", "per_device_rows": 1, "query_len": 16},
                                {"name": "demo_trex", "per_device_rows": 1, "query_len": 16}]
     json.dumps(report)

@@ -53,11 +53,11 @@ def _settings() -> Any:
 
 def main(argv: list[str]) -> int:
     from t5_retrieval import logs, sharding
+    from t5_retrieval import train  # noqa: F401  (its configurables, which the run files bind)
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.errors import UserError
     from t5_retrieval.models.build import model_config
     from t5_retrieval.plan import planner
-    from t5_retrieval import train as _  # noqa: F401  (registers the trainer's gin configurables)
 
     parser = argparse.ArgumentParser(prog="t5r plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     report = planner.plan(args.topology, args.num_slices, layout, rules, model_config(), _settings(),
                           int(args.replicated_mib * planner.MIB))
     print(json.dumps(report, indent=1) if args.json else planner.format_text(report))
-    train = report["steps"]["train"]
-    if not train["fits"]:
+    train_step = report["steps"]["train"]
+    if not train_step["fits"]:
         raise UserError(f"{report['problems'][0]}; {report['advice']}")
     return 0

@@ -53,7 +53,8 @@ def topology_devices(name: str, num_slices: int) -> tuple[Chip, list[Any]]:
     try:
         topology = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=num_slices)
     except Exception as e:  # noqa: BLE001  (libtpu's error for a shape it does not know)
-        raise ConfigError(f"--topology={name!r}: libtpu cannot describe it ({' '.join(str(e).split())[:200]})") from None
+        reason = " ".join(str(e).split())[:200]
+        raise ConfigError(f"--topology={name!r}: libtpu cannot describe it ({reason})") from None
     return chip, list(topology.devices)
 
 
@@ -118,6 +119,10 @@ _OUT_OF_HBM = re.compile(r"memory required for HLO temporaries \((?P<need>[0-9.]
 
 def compile_timed(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled | None, float, str | None]:
     """(compiled program or None, seconds, the compiler's out-of-HBM message or None)."""
+    # A TPU program compiled for a described topology cannot be loaded back from JAX's persistent
+    # cache without a TPU client: keep it out of the cache (reading it only warns and recompiles).
+    cache_was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
     start = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -125,6 +130,8 @@ def compile_timed(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled | No
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         return None, time.perf_counter() - start, " ".join(str(e).split())
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was)
     return compiled, time.perf_counter() - start, None
 
 
@@ -143,6 +150,8 @@ def compiled_memory(compiled: jax.stages.Compiled | None, refusal: str | None, p
         return {"arguments": arguments, "outputs_not_donated": 0, "temporaries": refused_temporaries(refusal or ""),
                 "code": 0}
     memory = compiled.memory_analysis()
+    if memory is None:
+        raise RuntimeError("the TPU compiler gave no memory analysis of the compiled program")
     return {"arguments": memory.argument_size_in_bytes,
             "outputs_not_donated": memory.output_size_in_bytes - memory.alias_size_in_bytes,
             "temporaries": memory.temp_size_in_bytes, "code": memory.generated_code_size_in_bytes}
@@ -159,6 +168,7 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     seconds = float(analysis.get("optimal_seconds", 0.0)) or None
     peak_flops = chip.peak_bf16_flops / devices_per_chip * num_devices
+    text = (compiled.as_text() if compiled is not None else None) or ""
     report: dict[str, Any] = {
         "lower_seconds": round(lower_s, 2), "compile_seconds": round(compile_s, 2),
         "hlo_bytes": len(step.lowered.as_text()),
@@ -168,8 +178,8 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "compiler_flops_per_device": float(analysis.get("flops", 0.0)),
         "model_matmul_flops": model_flops,
         "estimated_step_seconds": seconds,
-        "collectives": {} if compiled is None else hlo.collectives(compiled.as_text()),
-        "program": {} if compiled is None else hlo.program_size(compiled.as_text()),
+        "collectives": hlo.collectives(text),
+        "program": hlo.program_size(text) if text else {},
         "items_per_step": items,
     }
     if seconds:
@@ -224,7 +234,8 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     parts = {"params": params_b, "optimizer": opt_b - mt_b, "multitask": mt_b,
              "batch": bytes_per_device(train.batch, train.batch_shardings)}
     queries = sum(t.rows for t in tasks) * data_shards
-    train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, chip, devices_per_chip, len(devices),
+    train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, chip, devices_per_chip,
+                               len(devices),
                                train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries})
 
     start = time.perf_counter()
@@ -289,7 +300,8 @@ def format_text(report: dict[str, Any]) -> str:
                f"multi-task: {report['multitask'] or 'none (summed losses)'}"]
     for name, step in report["steps"].items():
         mem = step["memory_per_device"]
-        lines.append(f"{name} step: lowered in {step['lower_seconds']:.1f} s, compiled in {step['compile_seconds']:.1f} s "
+        lines.append(f"{name} step: lowered in {step['lower_seconds']:.1f} s, "
+                     f"compiled in {step['compile_seconds']:.1f} s "
                      f"({step['hlo_bytes'] / 1e6:.2f} MB StableHLO"
                      + "".join(f", {n:,} {what}" for what, n in step["program"].items()) + " compiled)")
         lines.append(f"  per device: params {_mib(mem['params'])}, optimiser {_mib(mem['optimizer'])}, multi-task "
@@ -298,7 +310,8 @@ def format_text(report: dict[str, Any]) -> str:
         if step["compiler_refused"]:
             lines.append(f"  the TPU compiler refused it: {step['compiler_refused'][:300]}")
         lines.append(f"  peak {_mib(mem['peak'])} of {_mib(mem['hbm'])}: "
-                     + (f"fits, margin {_mib(mem['margin'])}" if step["fits"] else f"DOES NOT FIT by {_mib(-mem['margin'])}"))
+                     + (f"fits, margin {_mib(mem['margin'])}" if step["fits"]
+                        else f"DOES NOT FIT by {_mib(-mem['margin'])}"))
         if step["estimated_step_seconds"]:
             rates = ", ".join(f"{n:,.0f} {what}/s" for what, n in step["estimated_per_second"].items())
             lines.append(f"  compiler's estimate: {step['estimated_step_seconds'] * 1e3:,.3f} ms per step, {rates}, "
