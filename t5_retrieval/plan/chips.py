@@ -20,14 +20,15 @@ class Chip:
     hbm_bytes: int          # per chip
     peak_bf16_flops: float  # per chip, dense bf16 matmul FLOP/s
     source: str
+    accelerator_type: str   # a slice name of this generation, as TPU VMs state their own
 
 
 # Google Cloud TPU system-architecture pages (the "chip specifications" tables), read 2026.
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("v4", 32 * GIB, 275e12, "https://cloud.google.com/tpu/docs/v4"),
-    "v5e": Chip("v5e", 16 * GIB, 197e12, "https://cloud.google.com/tpu/docs/v5e"),
-    "v5p": Chip("v5p", 95 * GIB, 459e12, "https://cloud.google.com/tpu/docs/v5p"),
-    "v6e": Chip("v6e", 32 * GIB, 918e12, "https://cloud.google.com/tpu/docs/v6e"),
+    "v4": Chip("v4", 32 * GIB, 275e12, "https://cloud.google.com/tpu/docs/v4", "v4-8"),
+    "v5e": Chip("v5e", 16 * GIB, 197e12, "https://cloud.google.com/tpu/docs/v5e", "v5litepod-4"),
+    "v5p": Chip("v5p", 95 * GIB, 459e12, "https://cloud.google.com/tpu/docs/v5p", "v5p-8"),
+    "v6e": Chip("v6e", 32 * GIB, 918e12, "https://cloud.google.com/tpu/docs/v6e", "v6e-4"),
 }
 
 

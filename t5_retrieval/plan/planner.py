@@ -44,11 +44,12 @@ def topology_devices(name: str, num_slices: int) -> tuple[Chip, list[Any]]:
         raise UserError("libtpu is not installed, and only it compiles for TPUs: "
                         "pip install -r requirements-dev.txt (it pins libtpu)")
     # Several processes may describe topologies at once (libtpu otherwise takes an exclusive lock
-    # on /tmp/libtpu_lockfile); on a host without TPUs, asking the cloud metadata server for the
-    # local TPU only prints warnings.
+    # on /tmp/libtpu_lockfile). On a host without TPUs libtpu's start-up looks for this host's own
+    # TPU and workers and prints warnings when it finds none; naming them keeps them quiet, and the
+    # program is compiled for the described topology either way.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("TPU_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", chip.accelerator_type)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     from jax.experimental import topologies
     try:
         topology = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=num_slices)
