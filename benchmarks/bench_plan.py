@@ -3,11 +3,13 @@
 Each cell is one `t5r plan --json` process (the paper's recipe: runs/naive_multitask.gin or
 runs/taco.gin over the KILT mixture, 64 queries per device split over the tasks by the mixture's
 rates, each task's own query length, 256-token passages, 2 negatives; or `single`, NQ alone with
-runs/single_task.gin) with a time limit; a cell that does not compile in it is recorded as such. Every time and rate in the table is the TPU
-compiler's cost-model estimate, not a measurement.
+runs/single_task.gin) with a time limit; a cell that does not compile in it is recorded as such.
+Every time and rate in the table is the TPU compiler's cost-model estimate, not a measurement.
+`--gin NAME=value ...` binds the same values in every cell (a smaller model or batch, say).
 
     .venv/bin/python benchmarks/bench_plan.py [--sizes small base] [--topologies v5e:4x4 v4:2x2x1]
-        [--layouts fsdp data_parallel] [--methods naive taco] [--timeout 900] [--out results.json]
+        [--layouts fsdp data_parallel] [--methods naive taco single] [--timeout 900] [--gin NAME=value ...]
+        [--out results.json]
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ against a count made here from the parameters' logical axes and the layout's rul
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 
 import jax
@@ -46,8 +48,6 @@ def run_plan(capsys, *argv: str) -> tuple[int, str, str]:
 def _plan_json(argv: tuple[str, ...]) -> dict:
     """One compile per configuration for the whole module (each is tens of seconds on a loaded CPU)."""
     import gin
-    import contextlib
-    import io
     gin.clear_config()
     out = io.StringIO()
     try:

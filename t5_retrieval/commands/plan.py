@@ -28,7 +28,7 @@ def _settings() -> Any:
     """`TrainSettings` from the bindings of `train` and `make_train_iterator` (defaults where unbound)."""
     import gin
 
-    from t5_retrieval import train as trainer
+    from t5_retrieval import gin_utils, train as trainer
     from t5_retrieval.data.batching.batches import make_train_iterator
     from t5_retrieval.errors import ConfigError
     from t5_retrieval.plan.steps import TrainSettings
@@ -39,7 +39,7 @@ def _settings() -> Any:
         return {**defaults, **gin.get_bindings(name)}
 
     run, data = values(trainer.train, "train"), values(make_train_iterator, "make_train_iterator")
-    if gin.query_parameter("train.batches").selector != "make_train_iterator":
+    if getattr(gin_utils.bound_value("train.batches"), "selector", None) != "make_train_iterator":
         raise ConfigError("train.batches: t5r plan takes the batch shapes from @make_train_iterator's mixture; "
                           "bind train.batches = @make_train_iterator (runs/base.gin does)")
     return TrainSettings(
