@@ -61,7 +61,7 @@ def table_row(cell: dict[str, Any]) -> str:
     mem = train["memory_per_device"]
     state = (mem["params"] + mem["optimizer"] + mem["multitask"]) / MIB
     est = train["estimated_step_seconds"]
-    rate = (f"{est * 1e3:,.1f} ms, {train['estimated_per_second']['queries']:,.0f} q/s, "
+    rate = (f"{est * 1e3:.3g} ms, {train['estimated_per_second']['queries']:,.0f} q/s, "
             f"MFU {train['estimated_mfu']:.0%}") if est else "none"
     enc = encode["estimated_per_second"]["passages"] if encode["estimated_step_seconds"] else None
     return (head + f" {'yes' if train['fits'] else 'NO'} ({mem['peak'] / MIB:,.0f} / {mem['hbm'] / MIB:,.0f} MiB) |"
