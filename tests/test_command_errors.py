@@ -216,6 +216,10 @@ CASES = {
         ("bad file", lambda x: ["--model_dir", os.path.join(x.tmp, "m"), f"--gin_file={broken_gin(x)}"],
          lambda x: "broken.gin"),
     ],
+    "plan": [
+        ("bad flag value", lambda x: ["--topology", "v9:2x2", *TINY_T5], lambda x: "--topology='v9:2x2'"),
+        ("bad file", lambda x: ["--topology", "v5e:2x2", f"--gin_file={broken_gin(x)}"], lambda x: "broken.gin"),
+    ],
     "data kb": [
         ("bad flag value", lambda x: ["--source", os.path.join(x.raw, "kb", "pages.jsonl"), "--data_dir", x.tmp,
                                       "--words_per_passage", "0"], lambda x: "words_per_passage"),

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("losses", "multitask", "retrieval", "optim"),
     ("inference",),
     ("train_step",),
-    ("train", "query_side", "fusion", "export", "probe", "searcher"),
+    ("train", "query_side", "fusion", "export", "probe", "searcher", "plan"),
     ("stages",),
     ("ance",),
     ("results",),

@@ -1,0 +1,43 @@
+"""Published per-chip constants of the TPU generations `t5r plan` compiles for, in one table.
+
+A JAX device is a TensorCore where a chip shows two (v4 topologies as libtpu describes them), so
+per-device figures divide the chip's by the devices per chip `planner` observes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from t5_retrieval.errors import ConfigError
+
+GIB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    hbm_bytes: int          # per chip
+    peak_bf16_flops: float  # per chip, dense bf16 matmul FLOP/s
+    source: str
+    accelerator_type: str   # a slice name of this generation, as TPU VMs state their own
+
+
+# Google Cloud TPU system-architecture pages (the "chip specifications" tables), read 2026.
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("v4", 32 * GIB, 275e12, "https://cloud.google.com/tpu/docs/v4", "v4-8"),
+    "v5e": Chip("v5e", 16 * GIB, 197e12, "https://cloud.google.com/tpu/docs/v5e", "v5litepod-4"),
+    "v5p": Chip("v5p", 95 * GIB, 459e12, "https://cloud.google.com/tpu/docs/v5p", "v5p-8"),
+    "v6e": Chip("v6e", 32 * GIB, 918e12, "https://cloud.google.com/tpu/docs/v6e", "v6e-4"),
+}
+
+
+def parse_topology(name: str) -> tuple[Chip, int]:
+    """'v5e:4x4' -> (the v5e chip, 16 chips); a ConfigError naming the known forms otherwise."""
+    generation, _, dims = name.partition(":")
+    sizes = dims.split("x") if dims else []
+    if generation not in CHIPS or not sizes or not all(s.isdigit() and int(s) > 0 for s in sizes):
+        forms = ", ".join(f"{g}:{'2x2x1' if g in ('v4', 'v5p') else '2x2'}" for g in CHIPS)
+        raise ConfigError(f"--topology={name!r}: expected <generation>:<AxB[xC]> with a generation of "
+                          f"{sorted(CHIPS)}, e.g. {forms}")
+    return CHIPS[generation], math.prod(int(s) for s in sizes)

@@ -1,0 +1,45 @@
+"""Collectives of a compiled (partitioned) XLA program, by type and bytes, read from its HLO text.
+
+Each instruction is counted once where it is written: an all-reduce inside a `lax.scan` body runs
+once per iteration but appears once. Asynchronous pairs count at their `-start`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# `%name = <shape or tuple of shapes> <op>(` where op is a collective, optionally its async -start.
+_INSTRUCTION = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_ARRAY = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]")
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64,
+         "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "f8e4m3fn": 8, "f8e5m2": 8}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string ('f32[8,4]{1,0}' or a tuple of them); token and opaque shapes count 0."""
+    return sum(math.prod(int(d) for d in m["dims"].split(",") if d) * _BITS.get(m["dtype"], 0) // 8
+               for m in _ARRAY.finditer(shape))
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{op: {"count", "bytes"}} over the program's collectives (output shapes; async starts include
+    their operands in the tuple, so an async op's bytes count its buffers as XLA allocates them)."""
+    out: dict[str, dict[str, int]] = {}
+    for line in hlo_text.splitlines():
+        found = _INSTRUCTION.search(line)
+        if found is None:
+            continue
+        entry = out.setdefault(found["op"], {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += shape_bytes(found["shape"])
+    return out
+
+
+def program_size(hlo_text: str) -> dict[str, int]:
+    """Instructions, fusions and convolutions (TPU matmuls) of a compiled program: what its compile
+    time grows with."""
+    lines = [line for line in hlo_text.splitlines() if " = " in line]
+    return {"instructions": len(lines), "fusions": sum(" fusion(" in line for line in lines),
+            "convolutions": sum(" convolution(" in line for line in lines)}

@@ -1,0 +1,328 @@
+"""Compile the train and KB encode steps for a TPU topology and judge them per device.
+
+Memory per device: what XLA's buffer assignment reports for the compiled program (arguments,
+outputs not aliased to donated arguments, temporaries, code), with the arguments split
+analytically by their shardings into parameters, optimiser state, multi-task state and batch. It
+is compared with the chip's HBM (`chips.py`). Times are the TPU compiler's own cost-model estimate
+(`optimal_seconds`), never a measurement.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from t5_retrieval import sharding
+from t5_retrieval.errors import ConfigError, UserError
+from t5_retrieval.models.build import build_model
+from t5_retrieval.plan import hlo
+from t5_retrieval.plan.chips import Chip, parse_topology
+from t5_retrieval.plan.steps import (LoweredStep, TaskShape, TrainSettings, abstract_batch, abstract_params,
+                                     encode_batch_rows, lower_encode_step, lower_train_step, task_shapes)
+from t5_retrieval.sharding import param_path
+
+MIB = 1024 ** 2
+# The layout that replicates parameters by design; under any other a large replicated one is a problem.
+REPLICATING_LAYOUT = "data_parallel"
+
+
+def topology_devices(name: str, num_slices: int) -> tuple[Chip, list[Any]]:
+    """The devices of `num_slices` slices of topology `name` ('v5e:4x4'), described by libtpu."""
+    chip, _ = parse_topology(name)
+    if num_slices < 1:
+        raise ConfigError(f"--num_slices={num_slices}: must be >= 1")
+    if importlib.util.find_spec("libtpu") is None:
+        raise UserError("libtpu is not installed, and only it compiles for TPUs: "
+                        "pip install -r requirements-dev.txt (it pins libtpu)")
+    # Several processes may describe topologies at once (libtpu otherwise takes an exclusive lock
+    # on /tmp/libtpu_lockfile). On a host without TPUs libtpu's start-up looks for this host's own
+    # TPU and workers and prints warnings when it finds none; naming them keeps them quiet, and the
+    # program is compiled for the described topology either way.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", chip.accelerator_type)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    from jax.experimental import topologies
+    try:
+        topology = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=num_slices)
+    except Exception as e:  # noqa: BLE001  (libtpu's error for a shape it does not know)
+        reason = " ".join(str(e).split())[:200]
+        raise ConfigError(f"--topology={name!r}: libtpu cannot describe it ({reason})") from None
+    return chip, list(topology.devices)
+
+
+def bytes_per_device(tree: Any, shardings: Any) -> int:
+    """Bytes one device holds of `tree` (abstract arrays) laid out by `shardings`."""
+    total = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))):
+        total += math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def replicated_params(params: Any, shardings: Any, threshold_bytes: int) -> list[dict[str, Any]]:
+    """Parameters of at least `threshold_bytes` that every device holds whole."""
+    found = []
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, x), s in zip(flat, jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))):
+        size = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        if size >= threshold_bytes and s.is_fully_replicated and len(s.device_set) > 1:
+            found.append({"param": param_path(path), "shape": list(x.shape), "bytes": size})
+    return sorted(found, key=lambda p: -p["bytes"])
+
+
+def forward_matmul_flops(config: dict[str, Any], rows: int, length: int) -> float:
+    """Matmul FLOPs (2*m*n*k each) of one encoder forward over [rows, length] tokens, padding included:
+    projections, attention scores and mixing, MLP; for T5 with encdec pooling also the decoder's
+    one step (cross-attention over the sequence)."""
+    tokens = rows * length
+    if config.get("family", "t5") == "bert":
+        c = config["bert"]
+        h = c["hidden_size"]
+        per_layer = 2 * tokens * h * h * 4 + 2 * 2 * tokens * length * h + 2 * 2 * tokens * h * c["intermediate_size"]
+        return float(per_layer * c["num_layers"])
+    c = config["t5"]
+    inner = c["num_heads"] * c["d_kv"]
+    mlp = 2 * c["d_model"] * c["d_ff"] * (3 if c["mlp_activation"] == "gated-gelu" else 2)
+    encoder = tokens * (2 * c["d_model"] * inner * 4 + 2 * 2 * length * inner + mlp) * c["num_encoder_layers"]
+    if config["dual_encoder"]["pooling"] != "encdec":
+        return float(encoder)
+    # one decoder position: self-attention on itself, cross-attention keys/values over the sequence
+    decoder = (rows * (2 * c["d_model"] * inner * 6 + 2 * 2 * length * inner + mlp)
+               + tokens * 2 * c["d_model"] * inner * 2) * c["num_decoder_layers"]
+    return float(encoder + decoder)
+
+
+def train_matmul_flops(config: dict[str, Any], settings: TrainSettings, tasks: Sequence[TaskShape],
+                       data_shards: int) -> float:
+    """One global step: forward + backward (3x forward) over every query and passage (passages
+    forward only under a stopped gradient; none when the batch carries stored embeddings)."""
+    flops = 0.0
+    for task in tasks:
+        rows = task.rows * data_shards
+        flops += 3 * forward_matmul_flops(config, rows, task.query_len)
+        if not settings.stored_passage_embeddings:
+            passages = forward_matmul_flops(config, rows * (1 + settings.num_negatives), settings.passage_len)
+            flops += passages * (1 if settings.stop_passage_gradient else 3)
+    return flops
+
+
+# The TPU compiler refuses a program whose buffers exceed the chip's HBM, saying how much it needed.
+_OUT_OF_HBM = re.compile(r"memory required for HLO temporaries \((?P<need>[0-9.]+)(?P<unit>[KMGT])\)")
+
+
+def compile_timed(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled | None, float, str | None]:
+    """(compiled program or None, seconds, the compiler's out-of-HBM message or None)."""
+    # A TPU program compiled for a described topology cannot be loaded back from JAX's persistent
+    # cache without a TPU client: keep it out of the cache (reading it only warns and recompiles).
+    cache_was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    start = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None, time.perf_counter() - start, " ".join(str(e).split())
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was)
+    return compiled, time.perf_counter() - start, None
+
+
+def refused_temporaries(message: str) -> int:
+    """The temporaries' bytes an out-of-HBM refusal names (XLA prints binary units), else 0."""
+    found = _OUT_OF_HBM.search(message)
+    return int(float(found["need"]) * 1024 ** "KMGT".index(found["unit"]) * 1024) if found else 0
+
+
+def compiled_memory(compiled: jax.stages.Compiled | None, refusal: str | None, parts: dict[str, int]
+                    ) -> dict[str, int]:
+    """Per-device buffers of the compiled program; for one the compiler refused, the arguments
+    counted from their shardings and the temporaries it said it needed."""
+    if compiled is None:
+        arguments = sum(parts.values())
+        return {"arguments": arguments, "outputs_not_donated": 0, "temporaries": refused_temporaries(refusal or ""),
+                "code": 0}
+    memory = compiled.memory_analysis()
+    if memory is None:
+        raise RuntimeError("the TPU compiler gave no memory analysis of the compiled program")
+    return {"arguments": memory.argument_size_in_bytes,
+            "outputs_not_donated": memory.output_size_in_bytes - memory.alias_size_in_bytes,
+            "temporaries": memory.temp_size_in_bytes, "code": memory.generated_code_size_in_bytes}
+
+
+def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal: str | None, lower_s: float,
+                compile_s: float, parts: dict[str, int], chip: Chip, devices_per_chip: float, num_devices: int,
+                model_flops: float, items: dict[str, int]) -> dict[str, Any]:
+    """Memory, time estimate and collectives of one compiled step, per device."""
+    buffers = compiled_memory(compiled, refusal, parts)
+    hbm = int(chip.hbm_bytes / devices_per_chip)
+    peak = sum(buffers.values())
+    analysis = (compiled.cost_analysis() if compiled is not None else None) or {}
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    seconds = float(analysis.get("optimal_seconds", 0.0)) or None
+    peak_flops = chip.peak_bf16_flops / devices_per_chip * num_devices
+    text = (compiled.as_text() if compiled is not None else None) or ""
+    report: dict[str, Any] = {
+        "lower_seconds": round(lower_s, 2), "compile_seconds": round(compile_s, 2),
+        "hlo_bytes": len(step.lowered.as_text()),
+        "memory_per_device": {**parts, **buffers, "peak": peak, "hbm": hbm, "margin": hbm - peak},
+        "fits": compiled is not None and peak <= hbm,
+        "compiler_refused": refusal,
+        "compiler_flops_per_device": float(analysis.get("flops", 0.0)),
+        "model_matmul_flops": model_flops,
+        "estimated_step_seconds": seconds,
+        "collectives": hlo.collectives(text),
+        "program": hlo.program_size(text) if text else {},
+        "items_per_step": items,
+    }
+    if seconds:
+        report["estimated_per_second"] = {name: n / seconds for name, n in items.items()}
+        report["estimated_mfu"] = model_flops / seconds / peak_flops
+    return report
+
+
+def fit_advice(model: Any, mesh: Mesh, layout: str, report: dict[str, Any], per_device_batch: int,
+               num_tasks: int) -> str:
+    """What would fit when the train step does not (an estimate, not compiled): another layout of
+    this mesh, its state and temporaries scaled by how much smaller it makes each device's
+    parameters (gradients and optimiser updates are parameter-shaped); else a smaller per-device
+    batch, the temporaries scaled linearly with it."""
+    mem = report["memory_per_device"]
+    state = mem["params"] + mem["optimizer"] + mem["multitask"]
+    fixed = mem["batch"] + mem["outputs_not_donated"] + mem["code"]
+    for name, rules in sharding.LAYOUTS.items():
+        if name == layout:
+            continue
+        ratio = bytes_per_device(*abstract_params(model, mesh, rules)) / max(mem["params"], 1)
+        if (state + mem["temporaries"]) * ratio + fixed <= mem["hbm"]:
+            return f"layout {name} would fit (estimate; check with --gin_file=sharding/{name}.gin)"
+    room = mem["hbm"] - state - fixed
+    batch = int(per_device_batch * room / mem["temporaries"]) if mem["temporaries"] > 0 and room > 0 else 0
+    if batch >= num_tasks:
+        return f"PER_DEVICE_BATCH={batch} would fit (estimate, temporaries scaled linearly)"
+    return "no layout of this mesh and no batch of at least one query per task fits: use more or larger chips"
+
+
+def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, config: dict[str, Any],
+         settings: TrainSettings, replicated_threshold_bytes: int, make_mesh: Any = sharding.make_mesh
+         ) -> dict[str, Any]:
+    """Compiles the train and KB encode steps for the topology; returns the JSON-able report."""
+    chip, devices = topology_devices(topology, num_slices)
+    _, chips_per_slice = parse_topology(topology)
+    devices_per_chip = len(devices) / (chips_per_slice * num_slices)
+    mesh = make_mesh(devices=devices)
+    data_shards = mesh.shape["data"]
+    model = build_model(config)
+    tasks = task_shapes(settings)
+    task_names = [t.name for t in tasks]
+    batch = abstract_batch(tasks, settings, data_shards, model.embedding_dim)
+
+    start = time.perf_counter()
+    train, multitask_state = lower_train_step(model, config, settings, task_names, batch, mesh, rules)
+    lower_s = time.perf_counter() - start
+    compiled, compile_s, refusal = compile_timed(train.lowered)
+    params_b = bytes_per_device(train.state.params, train.state_shardings.params)
+    opt_b = bytes_per_device(train.state.opt_state, train.state_shardings.opt_state)
+    mt_b = 0 if multitask_state is None else bytes_per_device(*multitask_state)
+    parts = {"params": params_b, "optimizer": opt_b - mt_b, "multitask": mt_b,
+             "batch": bytes_per_device(train.batch, train.batch_shardings)}
+    queries = sum(t.rows for t in tasks) * data_shards
+    train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, chip, devices_per_chip,
+                               len(devices),
+                               train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries})
+
+    start = time.perf_counter()
+    encode = lower_encode_step(model, config, settings.passage_len, mesh, rules)
+    lower_s = time.perf_counter() - start
+    compiled, compile_s, refusal = compile_timed(encode.lowered)
+    rows = encode_batch_rows(data_shards)
+    encode_parts = {"params": bytes_per_device(encode.state, encode.state_shardings), "optimizer": 0, "multitask": 0,
+                    "batch": bytes_per_device(encode.batch, encode.batch_shardings)}
+    encode_report = step_report(encode, compiled, refusal, lower_s, compile_s, encode_parts, chip, devices_per_chip,
+                                len(devices), forward_matmul_flops(config, rows, settings.passage_len),
+                                {"passages": rows})
+
+    report = {
+        "topology": topology, "num_slices": num_slices, "devices": len(devices),
+        "mesh": {k: int(v) for k, v in mesh.shape.items()}, "layout": layout,
+        "chip": {"name": chip.name, "hbm_bytes_per_device": int(chip.hbm_bytes / devices_per_chip),
+                 "peak_bf16_flops_per_device": chip.peak_bf16_flops / devices_per_chip, "source": chip.source},
+        "tasks": [{"name": t.name, "per_device_rows": t.rows, "query_len": t.query_len} for t in tasks],
+        "per_device_batch": settings.per_device_batch, "passage_len": settings.passage_len,
+        "num_negatives": settings.num_negatives,
+        "multitask": None if settings.multitask is None else getattr(settings.multitask, "__name__", "multitask"),
+        "steps": {"train": train_report, "encode": encode_report},
+        "replicated_params": ([] if layout == REPLICATING_LAYOUT else
+                              replicated_params(train.state.params, train.state_shardings.params,
+                                                replicated_threshold_bytes)),
+    }
+    report["problems"] = problems(report)
+    if not train_report["fits"]:
+        report["advice"] = fit_advice(model, mesh, layout, train_report, settings.per_device_batch, len(tasks))
+    return report
+
+
+def problems(report: dict[str, Any]) -> list[str]:
+    """One line per problem: a step that does not fit, a parameter the layout leaves replicated."""
+    lines = []
+    for name, step in report["steps"].items():
+        mem = step["memory_per_device"]
+        if not step["fits"]:
+            lines.append(f"{name} step: needs {mem['peak'] / MIB:,.1f} MiB per device, the {report['chip']['name']} "
+                         f"device has {mem['hbm'] / MIB:,.1f} MiB (layout {report['layout']}, "
+                         f"PER_DEVICE_BATCH={report['per_device_batch']})")
+    for p in report["replicated_params"]:
+        lines.append(f"parameter {p['param']} {p['shape']} ({p['bytes'] / MIB:,.2f} MiB) is replicated on every "
+                     f"device under layout {report['layout']}: its logical axes map to no mesh axis")
+    return lines
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:,.1f} MiB"
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """The report as a person reads it: a block per step, then the problems, one per line."""
+    chip = report["chip"]
+    lines = [f"{report['topology']} x {report['num_slices']} slice(s): {report['devices']} devices, mesh "
+             f"{report['mesh']}, layout {report['layout']}; per device {_mib(chip['hbm_bytes_per_device'])} HBM, "
+             f"{chip['peak_bf16_flops_per_device'] / 1e12:,.1f} TFLOP/s bf16 peak ({chip['source']})",
+             "tasks (per-device rows x query length): " + ", ".join(
+                 f"{t['name']} {t['per_device_rows']}x{t['query_len']}" for t in report["tasks"])
+             + f"; passages {report['passage_len']} tokens, {report['num_negatives']} negatives; "
+               f"multi-task: {report['multitask'] or 'none (summed losses)'}"]
+    for name, step in report["steps"].items():
+        mem = step["memory_per_device"]
+        lines.append(f"{name} step: lowered in {step['lower_seconds']:.1f} s, "
+                     f"compiled in {step['compile_seconds']:.1f} s "
+                     f"({step['hlo_bytes'] / 1e6:.2f} MB StableHLO"
+                     + "".join(f", {n:,} {what}" for what, n in step["program"].items()) + " compiled)")
+        lines.append(f"  per device: params {_mib(mem['params'])}, optimiser {_mib(mem['optimizer'])}, multi-task "
+                     f"{_mib(mem['multitask'])}, batch {_mib(mem['batch'])}, temporaries {_mib(mem['temporaries'])}, "
+                     f"outputs {_mib(mem['outputs_not_donated'])}, code {_mib(mem['code'])}")
+        if step["compiler_refused"]:
+            lines.append(f"  the TPU compiler refused it: {step['compiler_refused'][:300]}")
+        lines.append(f"  peak {_mib(mem['peak'])} of {_mib(mem['hbm'])}: "
+                     + (f"fits, margin {_mib(mem['margin'])}" if step["fits"]
+                        else f"DOES NOT FIT by {_mib(-mem['margin'])}"))
+        if step["estimated_step_seconds"]:
+            rates = ", ".join(f"{n:,.0f} {what}/s" for what, n in step["estimated_per_second"].items())
+            lines.append(f"  compiler's estimate: {step['estimated_step_seconds'] * 1e3:,.3f} ms per step, {rates}, "
+                         f"MFU {step['estimated_mfu']:.1%} ({step['model_matmul_flops'] / 1e12:,.3f} TFLOP matmuls)")
+        else:
+            lines.append("  compiler's estimate: none given for this program")
+        collectives = step["collectives"]
+        lines.append("  collectives: " + (", ".join(f"{op} x{c['count']} ({_mib(c['bytes'])})"
+                                                     for op, c in sorted(collectives.items())) or "none"))
+    if "advice" in report:
+        lines.append(f"advice: {report['advice']}")
+    lines += [f"problem: {line}" for line in report["problems"]]
+    return "\n".join(lines)

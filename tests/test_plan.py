@@ -1,0 +1,185 @@
+"""`t5r plan`: the real train and encode steps of a tiny T5 compiled for TPU topologies by libtpu.
+
+Two demo tasks of one query length keep each TPU compile to seconds. Per-device bytes are checked
+against a count made here from the parameters' logical axes and the layout's rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from t5_retrieval import cli
+
+libtpu = pytest.importorskip("libtpu", reason="t5r plan compiles with libtpu (pip install -r requirements-dev.txt)")
+
+TINY = ["--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin",
+        "--gin.MIXTURE_OR_TASK_NAME=['demo_fever', 'demo_trex']", "--gin.QUERY_LEN=16", "--gin.PASSAGE_LEN=32",
+        "--gin.VOCAB_SIZE=512", "--gin.D_MODEL=32", "--gin.D_FF=64", "--gin.NUM_LAYERS=1", "--gin.NUM_NEGATIVES=1",
+        "--gin.PER_DEVICE_BATCH=2"]
+TACO = ["--gin_file=runs/taco.gin", "--gin.MIXTURE_OR_TASK_NAME=['demo_fever', 'demo_trex']"]
+REPORT_KEYS = {"topology", "num_slices", "devices", "mesh", "layout", "chip", "tasks", "per_device_batch",
+               "passage_len", "num_negatives", "multitask", "steps", "replicated_params", "problems"}
+STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "fits", "compiler_refused",
+             "compiler_flops_per_device", "model_matmul_flops", "estimated_step_seconds", "collectives",
+             "items_per_step"}
+MEMORY_KEYS = {"params", "optimizer", "multitask", "batch", "arguments", "outputs_not_donated", "temporaries",
+               "code", "peak", "hbm", "margin"}
+
+
+def run_plan(capsys, *argv: str) -> tuple[int, str, str]:
+    import gin
+    gin.clear_config()
+    try:
+        code = cli.main(["plan", *argv])
+    finally:
+        gin.clear_config()
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@functools.cache
+def _plan_json(argv: tuple[str, ...]) -> dict:
+    """One compile per configuration for the whole module (each is tens of seconds on a loaded CPU)."""
+    import gin
+    gin.clear_config()
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["plan", *argv, "--json"]) == 0
+    finally:
+        gin.clear_config()
+    return json.loads(out.getvalue())
+
+
+def plan_json(topology: str, layout: str, *extra: str) -> dict:
+    return _plan_json(("--topology", topology, *TINY, f"--gin_file=sharding/{layout}.gin", *extra))
+
+
+def expected_param_bytes(layout: str, mesh: dict[str, int]) -> int:
+    """Per-device parameter bytes counted from each parameter's logical axes: a dimension is split
+    by the size of the mesh axis the layout's first matching rule names, unless an earlier
+    dimension of the same parameter took that mesh axis."""
+    import flax.linen as nn
+    import gin
+    from t5_retrieval import gin_utils, sharding
+    from t5_retrieval.models.build import build_model, model_config
+
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(["models/t5_tiny.gin"], ["VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 1"])
+        model = build_model(model_config())
+    finally:
+        gin.clear_config()
+    boxed = jax.eval_shape(lambda k: model.init({"params": k}, np.ones((1, 4), np.int32))["params"],
+                           jax.random.PRNGKey(0))
+    first = {}
+    for name, axis in sharding.LAYOUTS[layout]:
+        first.setdefault(name, axis)
+    total = 0
+    for box in jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)):
+        used, elements = set(), 1
+        for size, name in zip(box.value.shape, box.names):
+            axis = first.get(name)
+            split = mesh[axis] if axis is not None and axis not in used else 1
+            used.add(axis)
+            elements *= size // split
+        total += elements * np.dtype(box.value.dtype).itemsize
+    return total
+
+
+@pytest.mark.parametrize("layout,extra", [("data_parallel", ()), ("fsdp", TACO), ("tensor_parallel", ()),
+                                          ("fsdp_tensor_parallel", ())])
+def test_tiny_t5_compiles_for_v5e_with_per_device_state_as_counted(layout, extra):
+    report = plan_json("v5e:2x2", layout, *extra)
+    train = report["steps"]["train"]
+    mem = train["memory_per_device"]
+    assert report["devices"] == 4 and report["layout"] == layout
+    assert train["fits"] and report["steps"]["encode"]["fits"], report["problems"]
+    params = expected_param_bytes(layout, report["mesh"])
+    assert mem["params"] == params, f"{layout}: {mem['params']} parameter bytes per device, counted {params}"
+    # AdamW: two moments shaped like the parameters, plus scalar counts.
+    assert 2 * params <= mem["optimizer"] <= 2 * params + 64, (mem["optimizer"], params)
+    if extra == TACO:  # one EMA per task, [K, *param], the task axis never sharded
+        assert report["multitask"] == "taco"
+        assert 2 * params <= mem["multitask"] <= 2 * params + 64, (mem["multitask"], params)
+    else:
+        assert mem["multitask"] == 0
+    assert train["estimated_step_seconds"] and train["estimated_step_seconds"] > 0
+    assert train["collectives"], f"{layout}: a 4-device step without collectives"
+    assert report["problems"] == []
+
+
+def test_v4_topology_compiles_per_tensor_core():
+    report = plan_json("v4:2x2x1", "fsdp")
+    # libtpu describes a v4 chip as two devices (its TensorCores), each with half the chip's HBM.
+    assert report["devices"] == 8
+    assert report["chip"]["hbm_bytes_per_device"] == 16 * 1024 ** 3
+    assert report["steps"]["train"]["memory_per_device"]["params"] == expected_param_bytes("fsdp", report["mesh"])
+
+
+def test_parameters_a_rule_set_leaves_unsharded_are_reported():
+    from jax.sharding import Mesh
+    from t5_retrieval import sharding
+    from t5_retrieval.plan import planner
+    from t5_retrieval.plan.steps import abstract_params
+    from t5_retrieval.models.dual_encoder import DualEncoder
+    from t5_retrieval.models.t5 import T5Config
+
+    model = DualEncoder(T5Config(vocab_size=512, d_model=32, d_ff=64, num_heads=4, d_kv=16, num_encoder_layers=1,
+                                 num_decoder_layers=1))
+    # fsdp that forgot to map "embed" (its only parameter axis) to the data axis
+    wrong = tuple((name, None if name == "embed" else axis) for name, axis in sharding.LAYOUTS["fsdp"])
+    _, devices = planner.topology_devices("v5e:2x2", 1)
+    mesh = Mesh(np.array(devices).reshape(4, 1), ("data", "model"))
+    params, shardings = abstract_params(model, mesh, wrong)
+    found = [p["param"] for p in planner.replicated_params(params, shardings, threshold_bytes=1024)]
+    assert found[0] == "t5/token_embedder/embedding" and len(found) > 5, found
+    right = planner.replicated_params(*abstract_params(model, mesh, sharding.LAYOUTS["fsdp"]), threshold_bytes=1024)
+    assert right == [], right
+
+
+def test_json_report_schema():
+    report = plan_json("v5e:2x2", "data_parallel")
+    assert set(report) == REPORT_KEYS
+    for name in ("train", "encode"):
+        step = report["steps"][name]
+        assert STEP_KEYS <= set(step) and set(step["memory_per_device"]) == MEMORY_KEYS, (name, sorted(step))
+        assert all(set(c) == {"count", "bytes"} for c in step["collectives"].values())
+        memory = step["memory_per_device"]
+        assert memory["peak"] + memory["margin"] == report["chip"]["hbm_bytes_per_device"]
+    assert report["tasks"] == [{"name": "demo_fever", "per_device_rows": 1, "query_len": 16},
+                               {"name": "demo_trex", "per_device_rows": 1, "query_len": 16}]
+    json.dumps(report)
+
+
+def test_a_step_that_cannot_fit_exits_2_with_one_line(capsys):
+    # 40M x 32 float32 token embeddings (5 GB) with AdamW's two moments: 15 GB per device replicated
+    code, out, err = run_plan(capsys, "--topology", "v5e:2x2", *TINY, "--gin.VOCAB_SIZE=40000000",
+                              "--gin_file=sharding/data_parallel.gin")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("t5r plan: error: train step: needs"), err
+    assert "fsdp" in lines[0], f"expected the layout that would fit: {lines[0]}"
+    assert "DOES NOT FIT" in out
+
+
+def test_collectives_are_counted_by_type_and_bytes():
+    from t5_retrieval.plan import hlo
+
+    text = """
+  %all-reduce.1 = f32[64,32]{1,0} all-reduce(f32[64,32]{1,0} %p), replica_groups={{0,1,2,3}}, to_apply=%add
+  %all-gather-start.2 = (bf16[8,32]{1,0}, bf16[32,32]{1,0}) all-gather-start(bf16[8,32]{1,0} %q), dimensions={0}
+  %all-gather-done.2 = bf16[32,32]{1,0} all-gather-done((bf16[8,32]{1,0}, bf16[32,32]{1,0}) %all-gather-start.2)
+  %fusion.3 = f32[64,32]{1,0} fusion(f32[64,32]{1,0} %all-reduce.1), kind=kLoop, calls=%fused_computation
+  %all-reduce.4 = (f32[], s32[2]{0}) all-reduce(f32[] %a, s32[2]{0} %b), to_apply=%add
+"""
+    assert hlo.collectives(text) == {"all-reduce": {"count": 2, "bytes": 64 * 32 * 4 + 4 + 8},
+                                     "all-gather": {"count": 1, "bytes": (8 * 32 + 32 * 32) * 2}}
+    assert hlo.program_size(text) == {"instructions": 5, "fusions": 1, "convolutions": 0}
