@@ -10,9 +10,9 @@ import argparse
 import os
 import socket
 
-from t5_retrieval import logs
+from t5_retrieval import checksums, logs
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
-from t5_retrieval.commands.inputs import (add_encoder_flags, encoder_from_flags, import_task_modules,
+from t5_retrieval.commands.inputs import (add_encoder_flags, add_verify_flag, encoder_from_flags, import_task_modules,
                                          register_named_mixtures)
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.retrieval.encoder import recorded_tasks
@@ -81,15 +81,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--auth_token_file", default=None,
                         help=f"file holding a bearer token every request must send (or set {TOKEN_ENV}); "
                              f"required unless --host is a loopback address")
+    add_verify_flag(parser)
     args = parse_args(parser, argv, reads=TASK_MODULE)
     logs.setup()
     options = ServerOptions(args.workers, args.max_queued, args.read_timeout_s, args.max_connections,
                             args.max_connections_per_client, int(args.max_body_memory_mb * 2**20),
                             _auth_token(args.auth_token_file))
     _check_listenable(args.host, args.port, options.auth_token)  # before minutes of loading, not after
-    store = PassageStore.open(args.kb_dir)  # the store, index and model are verified as they open
-    index = load_index(args.index_dir)
-    encoder = encoder_from_flags(args)
+    with checksums.verification(args.verify):  # the store, index and model are verified as they open
+        store = PassageStore.open(args.kb_dir)
+        index = load_index(args.index_dir)
+        encoder = encoder_from_flags(args)
     index.check(encoder, store.ids())
     import_task_modules(args)
     tasks = [t for t in args.tasks.split(",") if t] or list(encoder.task_names)
