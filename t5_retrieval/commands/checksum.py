@@ -16,6 +16,13 @@ import time
 from t5_retrieval import checksums
 
 
+def add_verify_flag(parser: argparse.ArgumentParser) -> None:
+    """`--verify` of the commands that open artefacts: how they check them against their records."""
+    parser.add_argument("--verify", choices=checksums.VERIFY_MODES, default="stamp",
+                        help="stamp: hash the files changed since their last verification (default); full: hash "
+                             "every file, to find a bit that rotted in place (docs/integrity.md)")
+
+
 def _step_dir(directory: str):  # -> etils.epath.Path | None
     """A checkpoint step, whose record `checkpoint` writes and verifies; None for any other artefact.
     JAX and orbax are imported only for a directory named like a step."""

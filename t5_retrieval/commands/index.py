@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from t5_retrieval import checksums, logs
+from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import parse_args
-from t5_retrieval.commands.inputs import add_verify_flag
 from t5_retrieval.errors import check_writable_dir
 from t5_retrieval.retrieval import index as index_lib
 

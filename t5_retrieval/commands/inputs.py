@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from t5_retrieval import checksums, gin_utils
+from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import rerun
 from t5_retrieval.errors import UserError
 from t5_retrieval.data import layout
@@ -29,13 +30,6 @@ def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--lexical_baseline_dim", type=int, default=None,
                         help="use the hashed bag-of-words baseline of this dim instead of a checkpoint")
-
-
-def add_verify_flag(parser: argparse.ArgumentParser) -> None:
-    """`--verify`: how the artefacts a command opens are checked against their checksum records."""
-    parser.add_argument("--verify", choices=checksums.VERIFY_MODES, default="stamp",
-                        help="stamp: hash the files changed since their last verification (default); full: hash "
-                             "every file, to find a bit that rotted in place (docs/integrity.md)")
 
 
 def encoder_from_flags(args: argparse.Namespace) -> Encoder:

@@ -11,8 +11,9 @@ import os
 import socket
 
 from t5_retrieval import checksums, logs
+from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
-from t5_retrieval.commands.inputs import (add_encoder_flags, add_verify_flag, encoder_from_flags, import_task_modules,
+from t5_retrieval.commands.inputs import (add_encoder_flags, encoder_from_flags, import_task_modules,
                                          register_named_mixtures)
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.retrieval.encoder import recorded_tasks

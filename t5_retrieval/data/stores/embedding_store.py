@@ -128,6 +128,11 @@ def prepare(directory: str, manifest: Manifest, passage_ids: Sequence[str]) -> N
     for path in remove_stale_temporaries(directory):
         log.info("removed %s, left by a crashed run", path)
     path = os.path.join(directory, MANIFEST)
+    record = os.path.join(directory, checksums.CHECKSUMS_FILE)
+    if os.path.exists(record):  # only the files it lists: other processes may be adding shards right now
+        fresh = "encode into a new --output_dir"
+        for name, expected in checksums.read_record(directory, "embeddings directory", fresh).items():
+            checksums.check_file(os.path.join(directory, name), expected, record, fresh)
     if os.path.exists(path):
         existing = read_manifest(directory)
         for field in ("fingerprint", "dim", "dtype", "num_passages", "shard_size", "ids_sha256"):
@@ -298,12 +303,16 @@ def write_embeddings(
     return EncodeReport(tuple(todo), skipped, complete=not missing_shards(directory, manifest))
 
 
+def _rerun_hint(directory: str) -> str:
+    return (f"rerun the `t5r encode` that wrote {directory} (it encodes again each shard that fails its checksum "
+            f"or has none; a damaged {MANIFEST} or {IDS_FILE} needs a new --output_dir)")
+
+
 def check_complete(directory: str, manifest: Manifest | None = None) -> Manifest:
     """The manifest of a directory whose every shard is written and whose manifest and ids match
     their record (each shard is verified against its own when read: `iter_shards`)."""
     manifest = manifest or read_manifest(directory)
-    checksums.verify(directory, "embeddings directory", f"rerun the `t5r encode` that wrote {directory} "
-                     "into a new --output_dir")
+    checksums.verify(directory, "embeddings directory", _rerun_hint(directory))
     problems = {s: p for s in range(manifest.num_shards) if (p := shard_problem(directory, manifest, s))}
     if not problems:
         return manifest
