@@ -39,6 +39,7 @@ ALGORITHM = "sha256"
 VERIFY_MODES = ("stamp", "full")
 _CHUNK = 4 << 20
 OWN_FILES = (CHECKSUMS_FILE, STAMP_FILE, PENDING_FILE)
+_OWN_TEMPORARIES = tuple(f"{name}.tmp-" for name in OWN_FILES)  # `_write_json`'s
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _mode = "stamp"
 
@@ -99,12 +100,14 @@ def _stat_key(path: str, digest: str) -> list[Any]:
 
 def artefact_files(directory: str) -> list[str]:
     """Every file under `directory` (relative, sorted), but the checksum record, stamp and pending
-    marker themselves, sidecars and the files that carry one."""
+    marker themselves (and their temporaries, which a process killed while writing them leaves),
+    sidecars and the files that carry one."""
     found = []
     for root, _, files in os.walk(directory):
         for name in files:
             rel = os.path.relpath(os.path.join(root, name), directory)
-            if rel in OWN_FILES or name.endswith(SIDECAR_SUFFIX) or name + SIDECAR_SUFFIX in files:
+            if (rel in OWN_FILES or rel.startswith(_OWN_TEMPORARIES) or name.endswith(SIDECAR_SUFFIX)
+                    or name + SIDECAR_SUFFIX in files):
                 continue
             found.append(rel)
     return sorted(found)
