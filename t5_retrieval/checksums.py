@@ -38,8 +38,12 @@ SIDECAR_SUFFIX = ".sha256.json"
 ALGORITHM = "sha256"
 VERIFY_MODES = ("stamp", "full")
 _CHUNK = 4 << 20
+# `stages.py` marks a finished stage's directory (an embeddings or index directory too) with this
+# file, written after the artefact's record; it says the stage ran, and no stage reads data from it.
+STAGE_MARKER = "DONE"
 OWN_FILES = (CHECKSUMS_FILE, STAMP_FILE, PENDING_FILE)
 _OWN_TEMPORARIES = tuple(f"{name}.tmp-" for name in OWN_FILES)  # `_write_json`'s
+_NOT_CONTENT = (*OWN_FILES, STAGE_MARKER)  # files of a directory that are no part of its artefact
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _mode = "stamp"
 
@@ -101,12 +105,12 @@ def _stat_key(path: str, digest: str) -> list[Any]:
 def artefact_files(directory: str) -> list[str]:
     """Every file under `directory` (relative, sorted), but the checksum record, stamp and pending
     marker themselves (and their temporaries, which a process killed while writing them leaves),
-    sidecars and the files that carry one."""
+    the stage marker, sidecars and the files that carry one."""
     found = []
     for root, _, files in os.walk(directory):
         for name in files:
             rel = os.path.relpath(os.path.join(root, name), directory)
-            if (rel in OWN_FILES or rel.startswith(_OWN_TEMPORARIES) or name.endswith(SIDECAR_SUFFIX)
+            if (rel in _NOT_CONTENT or rel.startswith(_OWN_TEMPORARIES) or name.endswith(SIDECAR_SUFFIX)
                     or name + SIDECAR_SUFFIX in files):
                 continue
             found.append(rel)
