@@ -13,15 +13,17 @@ reported with its path and the previous one is used; the unreadable one is moved
 
 Integrity: orbax stores no checksums, so a flipped byte in an array file would restore silently.
 After orbax has finalised a step (every process's files written, the directory renamed), process 0
-writes `t5r_checksums.json` into it: the size and sha256 of every file, hashed in 4 MiB chunks.
-Restoring verifies them first; a mismatch makes the checkpoint unreadable (see above), and so does
-a checkpoint without the file (killed between orbax's rename and the file's, or written by an older
-version: `t5r checksum --accept <step dir>` records one the user trusts).
+writes `t5r_checksums.json` into it: the size and sha256 of every file, and of the model directory's
+`config.gin` (it names the Task modules that `t5r eval` imports, so it must be the one this step was
+trained with). Restoring verifies them first, both ways (an unlisted file fails too); a mismatch
+makes the checkpoint unreadable (see above), and so does a checkpoint without the file (killed
+between orbax's rename and the file's, or written by an older version: `t5r checksum --accept <step
+dir>` records one the user trusts). The training run itself does not check config.gin: it writes
+its own.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -35,13 +37,14 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from t5_retrieval import checksums
 from t5_retrieval.data.records import write_json_atomic
+from t5_retrieval.gin_utils import OPERATIVE_CONFIG
 from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded
 
 CONFIG_FILE = "model_config.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
-CHECKSUMS_FILE = "t5r_checksums.json"
-_HASH_CHUNK = 4 << 20
+MODEL_FILES = "model_files"  # a step record's entries for files of the model directory
 log = logging.getLogger(__name__)
 
 
@@ -115,62 +118,79 @@ def _wait_for_writer_threads(mngr: ocp.CheckpointManager, seconds: float = 2.0) 
 
 
 def _files(directory: epath.Path, prefix: str = "") -> list[str]:
-    """Paths of all files under `directory`, relative to it, sorted."""
+    """Paths of all files under `directory`, relative to it, sorted (but the checksum record and stamp)."""
     found = []
     for child in directory.iterdir():
         if child.is_dir():
             found += _files(child, f"{prefix}{child.name}/")
-        elif prefix or child.name != CHECKSUMS_FILE:
+        elif prefix or child.name not in checksums.OWN_FILES:
             found.append(prefix + child.name)
     return sorted(found)
 
 
-def _sha256(path: epath.Path) -> str:
-    """Streamed in chunks: a file of any size costs 4 MiB of memory."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def is_step_dir(path: str) -> bool:
+    """A checkpoint step directory (named by its step, holding the saved state), not another artefact."""
+    return os.path.basename(os.path.abspath(path)).isdigit() and os.path.isdir(os.path.join(path, "state"))
 
 
 def write_checksums(step_dir: epath.Path) -> None:
-    """Records size and sha256 of every file of a finished step; written whole or not at all."""
-    files = {name: {"size": (step_dir / name).stat().length, "sha256": _sha256(step_dir / name)}
-             for name in _files(step_dir)}
-    tmp = step_dir / f"{CHECKSUMS_FILE}.tmp"
-    tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1, sort_keys=True))
-    tmp.replace(step_dir / CHECKSUMS_FILE)
+    """Records size and sha256 of every file of a finished step, and of the model directory's
+    config.gin (the bindings it was trained with, which name the code `t5r eval` imports); written
+    whole or not at all."""
+    doc = checksums.record_doc({name: checksums.entry(step_dir / name) for name in _files(step_dir)})
+    if (step_dir.parent / OPERATIVE_CONFIG).exists():
+        doc[MODEL_FILES] = {OPERATIVE_CONFIG: checksums.entry(step_dir.parent / OPERATIVE_CONFIG)}
+    tmp = step_dir / f"{checksums.CHECKSUMS_FILE}.tmp"
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    tmp.replace(step_dir / checksums.CHECKSUMS_FILE)
 
 
-def verify_checksums(step_dir: epath.Path) -> None:
-    """Raises CheckpointError naming the first missing, resized or altered file, or a step without
-    checksums (the same record `t5_retrieval.checksums` writes; this reads it through epath, so
-    checkpoints on object stores are verified too)."""
-    manifest = step_dir / CHECKSUMS_FILE
+def verify_checksums(step_dir: epath.Path, model_files: bool = True) -> tuple[int, int]:
+    """Raises CheckpointError naming the first missing, resized, altered or unlisted file, or a step
+    without checksums (the record `checksums.record_doc` describes, read through epath, so
+    checkpoints on object stores are verified too). With `model_files`, the model directory's
+    config.gin is checked against the record too. Returns (files, bytes) verified."""
+    manifest = step_dir / checksums.CHECKSUMS_FILE
+    accept = f"if you trust it, record its checksums as it is now: t5r checksum --accept {step_dir}"
+    damaged = "retrain it, or restore another step (--step)"
     if not manifest.exists():
-        raise CheckpointError(f"checkpoint {step_dir}: no {CHECKSUMS_FILE} (the run was killed before writing "
-                              "it, or an older t5-retrieval wrote the checkpoint); if you trust it, record its "
-                              f"checksums as it is now: t5r checksum --accept {step_dir}")
+        raise CheckpointError(f"checkpoint {step_dir}: no {checksums.CHECKSUMS_FILE} (the run was killed before "
+                              f"writing it, or an older t5-retrieval wrote the checkpoint); {accept}")
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {step_dir}: unreadable {CHECKSUMS_FILE} ({e})") from None
-    for name, expected in files.items():
-        path = step_dir / name
-        if not path.exists():
-            raise CheckpointError(f"checkpoint {step_dir}: file {name} is missing")
-        size = path.stat().length
-        if size != expected["size"]:
-            raise CheckpointError(f"checkpoint {step_dir}: file {name} has {size} bytes, {expected['size']} "
-                                  f"were written (truncated or overwritten)")
-        if _sha256(path) != expected["sha256"]:
-            raise CheckpointError(f"checkpoint {step_dir}: file {name} fails its sha256 checksum (corrupted)")
+        doc = json.loads(manifest.read_text())
+        files = checksums.parse_record(doc, str(manifest), accept)
+        listed = _listed_model_files(doc, manifest, accept)
+        checksums.check_listing(str(step_dir), files, _files(step_dir), damaged)
+        for name, expected in files.items():
+            checksums.check_file(step_dir / name, expected, str(manifest), damaged)
+        if model_files and (step_dir.parent / OPERATIVE_CONFIG).exists() and OPERATIVE_CONFIG not in listed:
+            raise checksums.ChecksumError(f"{step_dir.parent / OPERATIVE_CONFIG}: not covered by {manifest} "
+                                          f"(recorded by an older t5-retrieval); {accept}")
+        for name, expected in listed.items() if model_files else ():
+            checksums.check_file(step_dir.parent / name, expected, str(manifest),
+                                 f"it differs from the one this checkpoint was trained with; {accept}")
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {step_dir}: unreadable {checksums.CHECKSUMS_FILE} ({e}); {accept}") from None
+    except checksums.ChecksumError as e:
+        raise CheckpointError(str(e)) from None
+    checked = [*files.values(), *(listed.values() if model_files else ())]
+    return len(checked), sum(value["size"] for value in checked)
 
 
-def _restore_step(mngr: ocp.CheckpointManager, step: int, args: ocp.args.Composite, what: str) -> Any:
+def _listed_model_files(doc: dict[str, Any], manifest: epath.Path, fix: str) -> dict[str, Any]:
+    """The record's entries for files of the model directory (config.gin), checked like its own."""
+    listed = doc.get(MODEL_FILES, {})
+    if not isinstance(listed, dict) or set(listed) - {OPERATIVE_CONFIG}:
+        raise checksums.ChecksumError(f"{manifest}: field {MODEL_FILES!r} is {json.dumps(listed)[:60]}, "
+                                      f"expected {{\"{OPERATIVE_CONFIG}\": an entry}}; {fix}")
+    return checksums.parse_record(checksums.record_doc(listed), f"{manifest}: {MODEL_FILES}", fix) if listed else {}
+
+
+def _restore_step(mngr: ocp.CheckpointManager, step: int, args: ocp.args.Composite, what: str,
+                  model_files: bool = True) -> Any:
+    """`model_files=False` for the training run, which rewrites config.gin from its own flags."""
     try:
-        verify_checksums(mngr.directory / str(step))
+        verify_checksums(mngr.directory / str(step), model_files)
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint {mngr.directory / str(step)} could not be restored as {what}: "
                               f"{e}") from e
@@ -233,7 +253,7 @@ def restore(mngr: ocp.CheckpointManager, abstract_state: Any, step: int | None =
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
 
     def restore_step(s: int) -> tuple[Any, dict[str, Any]]:
-        restored = _restore_step(mngr, s, args, "this training state")
+        restored = _restore_step(mngr, s, args, "this training state", model_files=False)
         return restored["state"], restored["data"]
 
     if step is not None:

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from t5_retrieval.checksums import STAGE_MARKER as DONE
 from t5_retrieval.data.records import write_json_atomic
 
 log = logging.getLogger(__name__)
-DONE = "DONE"
 
 
 def is_done(directory: str) -> bool:

@@ -14,7 +14,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from t5_retrieval import checkpoint
+from t5_retrieval import checkpoint, checksums
+from t5_retrieval.gin_utils import OPERATIVE_CONFIG
 
 
 def states() -> tuple[dict, dict]:
@@ -58,10 +59,10 @@ def assert_same_tree(got, expected, what: str) -> None:
 def test_checksums_cover_every_file_of_the_step(two_checkpoints):
     directory, _, _ = two_checkpoints
     step_dir = os.path.join(directory, "2")
-    with open(os.path.join(step_dir, checkpoint.CHECKSUMS_FILE)) as f:
+    with open(os.path.join(step_dir, checksums.CHECKSUMS_FILE)) as f:
         listed = set(json.load(f)["files"])
     on_disk = {os.path.relpath(os.path.join(root, name), step_dir) for root, _, names in os.walk(step_dir)
-               for name in names} - {checkpoint.CHECKSUMS_FILE}
+               for name in names} - {checksums.CHECKSUMS_FILE}
     assert listed == on_disk, f"not checksummed: {sorted(on_disk - listed)}; listed but absent: {sorted(listed - on_disk)}"
 
 
@@ -77,7 +78,7 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_and_the_previous_stat
         state, data = checkpoint.restore(checkpoint.manager(directory, writer=True), checkpoint.abstract_like(first))
     assert data == {"step": 1}, f"expected the step-1 checkpoint's data position, got {data}"
     assert_same_tree(state, first, "restored state differs from the step-1 checkpoint")
-    assert f"{os.path.relpath(broken, os.path.join(directory, '2'))} fails its sha256 checksum" in caplog.text
+    assert f"{broken}: fails its sha256 checksum" in caplog.text
     moved = glob.glob(os.path.join(directory, checkpoint.UNREADABLE_DIR, "2-*"))
     assert len(moved) == 1 and not os.path.exists(os.path.join(directory, "2")), os.listdir(directory)
     assert f"set aside the unreadable checkpoint {os.path.join(directory, '2')} as {moved[0]}" in caplog.text
@@ -109,7 +110,7 @@ def test_a_checkpoint_without_checksums_is_not_trusted_and_the_previous_state_re
     """Killed between orbax's rename and the checksums, or altered and its record deleted: either way
     unverifiable, so it is set aside like a corrupted one."""
     directory, first, second = two_checkpoints
-    os.remove(os.path.join(directory, "2", checkpoint.CHECKSUMS_FILE))
+    os.remove(os.path.join(directory, "2", checksums.CHECKSUMS_FILE))
     state, data = checkpoint.restore(checkpoint.manager(directory, writer=True), checkpoint.abstract_like(first))
     assert data == {"step": 1}
     assert_same_tree(state, first, "the previous, verified checkpoint should come back")
@@ -120,7 +121,7 @@ def test_an_older_checkpoint_without_checksums_restores_after_the_hinted_accept_
 
     directory, first, second = two_checkpoints
     for step in ("1", "2"):
-        os.remove(os.path.join(directory, step, checkpoint.CHECKSUMS_FILE))
+        os.remove(os.path.join(directory, step, checksums.CHECKSUMS_FILE))
     with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint") as raised:
         checkpoint.restore(checkpoint.manager(directory, writer=True), checkpoint.abstract_like(first))
     hint = str(raised.value).rpartition("as it is now: ")[2]
@@ -129,3 +130,64 @@ def test_an_older_checkpoint_without_checksums_restores_after_the_hinted_accept_
     state, data = checkpoint.restore(checkpoint.manager(directory, writer=True), checkpoint.abstract_like(first))
     assert data == {"step": 2}
     assert_same_tree(state, second, "the accepted checkpoint should restore as saved")
+
+
+@pytest.fixture
+def trained_model_dir(tmp_path) -> tuple[str, dict]:
+    """Two steps saved after the run wrote its config.gin, as `t5r train` does."""
+    directory = str(tmp_path / "model")
+    os.makedirs(directory)
+    with open(os.path.join(directory, OPERATIVE_CONFIG), "w") as f:
+        f.write("make_train_iterator.task_module = 'my_tasks'\n")
+    first, second = states()
+    mngr = checkpoint.manager(directory, writer=True)
+    checkpoint.save(mngr, 1, first, {"step": 1})
+    checkpoint.save(mngr, 2, second, {"step": 2})
+    return directory, first
+
+
+def test_config_gin_is_covered_by_the_step_record_and_a_changed_one_is_refused(trained_model_dir, capsys):
+    from t5_retrieval import cli
+
+    directory, first = trained_model_dir
+    config = os.path.join(directory, OPERATIVE_CONFIG)
+    with open(config, "a") as f:
+        f.write("make_train_iterator.task_module_path = ['/tmp/elsewhere']\n")  # would import other code
+    with pytest.raises(checkpoint.CheckpointError, match=f"{config}: .*; it differs from the one this checkpoint was trained with") as raised:
+        checkpoint.restore_params(directory, checkpoint.abstract_like(first["params"]))
+    step_dir = os.path.join(directory, "2")
+    assert cli.main(["checksum", step_dir]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{config}: 103 bytes where 45 were written" in err, err
+    hint = str(raised.value).rpartition("as it is now: ")[2]
+    assert hint == f"t5r checksum --accept {step_dir}", str(raised.value)
+    assert cli.main(hint.split()[1:]) == 0
+    assert cli.main(["checksum", step_dir]) == 0
+    assert checkpoint.restore_params(directory, checkpoint.abstract_like(first["params"]))[1] == 2
+
+
+MALFORMED_STEP_RECORDS = {
+    "a list": lambda doc: [doc],
+    "files empty": lambda doc: {**doc, "files": {}},
+    "an entry without sha256": lambda doc: {**doc, "files": {name: {"size": 1} for name in doc["files"]}},
+    "model_files a list": lambda doc: {**doc, "model_files": ["config.gin"]},
+    "an entry removed": lambda doc: {**doc, "files": dict(sorted(doc["files"].items())[1:])},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(MALFORMED_STEP_RECORDS))
+def test_a_malformed_step_record_is_an_unreadable_checkpoint_in_one_line(trained_model_dir, shape, capsys):
+    from t5_retrieval import cli
+
+    directory, first = trained_model_dir
+    for step in ("1", "2"):
+        path = os.path.join(directory, step, checksums.CHECKSUMS_FILE)
+        with open(path) as f:
+            doc = json.load(f)
+        with open(path, "w") as f:
+            json.dump(MALFORMED_STEP_RECORDS[shape](doc), f)
+    with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint"):
+        checkpoint.restore_params(directory, checkpoint.abstract_like(first["params"]))
+    assert cli.main(["checksum", os.path.join(directory, "2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith(f"t5r checksum --accept {os.path.join(directory, '2')}"), err

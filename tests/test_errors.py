@@ -127,7 +127,8 @@ def test_a_full_disk_while_encoding_names_the_shard_and_keeps_finished_ones(tmp_
     assert message.startswith(f"{out / 'shard-00001-of-00003.npy'}: no space left on the device"), message
     assert "rerun" in message
     assert sorted(os.listdir(out)) == ["manifest.json", "passage_ids.txt", "shard-00000-of-00003.npy",
-                                       "shard-00000-of-00003.npy.sha256.json"], \
+                                       "shard-00000-of-00003.npy.sha256.json", "t5r_checksums.json",
+                                       "t5r_verified.json"], \
         "the finished shard (and its checksum) stays; the partial one and its temporary file are gone"
     assert cli.user_message(OSError(errno.ENOSPC, "No space left on device", str(out / "x"))).startswith(
         f"{out / 'x'}: no space left on the device")

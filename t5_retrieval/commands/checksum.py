@@ -1,8 +1,10 @@
 """`t5r checksum DIR`: verify every recorded checksum of an artefact, or record them (`--accept`).
 
 Every stage verifies what it opens; this command does it on demand and in full (ignoring the
-verified stamp), e.g. after copying an index to a serving machine. `--accept` records the checksums
-of an artefact as it is now: for one written by an older t5-retrieval, after you have checked it.
+verified stamp), e.g. after copying an index to a serving machine, and refuses a file no record
+lists. `--accept` records the checksums of an artefact as it is now: for one written by an older
+t5-retrieval, after you have checked it. A checkpoint step's record also covers its model
+directory's config.gin.
 """
 
 from __future__ import annotations
@@ -14,6 +16,45 @@ import time
 from t5_retrieval import checksums
 
 
+def add_verify_flag(parser: argparse.ArgumentParser) -> None:
+    """`--verify` of the commands that open artefacts: how they check them against their records."""
+    parser.add_argument("--verify", choices=checksums.VERIFY_MODES, default="stamp",
+                        help="stamp: hash the files changed since their last verification (default); full: hash "
+                             "every file, to find a bit that rotted in place (docs/integrity.md)")
+
+
+def _step_dir(directory: str):  # -> etils.epath.Path | None
+    """A checkpoint step, whose record `checkpoint` writes and verifies; None for any other artefact.
+    JAX and orbax are imported only for a directory named like a step."""
+    if not os.path.basename(os.path.abspath(directory)).isdigit():
+        return None
+    from etils import epath
+
+    from t5_retrieval import checkpoint
+
+    return epath.Path(os.path.abspath(directory)) if checkpoint.is_step_dir(directory) else None
+
+
+def _accept(directory: str) -> tuple[int, int]:
+    step_dir = _step_dir(directory)
+    if step_dir is not None:
+        from t5_retrieval import checkpoint
+
+        checkpoint.write_checksums(step_dir)
+        return checkpoint.verify_checksums(step_dir)
+    files = checksums.record(directory)["files"]
+    return len(files), sum(f["size"] for f in files.values())
+
+
+def _verify(directory: str) -> tuple[int, int]:
+    step_dir = _step_dir(directory)
+    if step_dir is None:
+        return checksums.verify_all(directory)
+    from t5_retrieval import checkpoint
+
+    return checkpoint.verify_checksums(step_dir)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="t5r checksum", description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="an artefact directory: passage store, embeddings, index, export, "
@@ -22,15 +63,14 @@ def main(argv: list[str]) -> int:
                         help="record the checksums of every file as it is now (for an artefact you trust "
                              "that has none), instead of verifying")
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.directory):
+        raise checksums.ChecksumError(f"{args.directory}: not a directory")
     start = time.perf_counter()
     if args.accept:
-        if not os.path.isdir(args.directory):
-            raise checksums.ChecksumError(f"{args.directory}: not a directory")
-        files = checksums.record(args.directory)["files"]
-        print(f"t5r checksum: recorded {len(files)} files of {args.directory} "
-              f"({sum(f['size'] for f in files.values()) / 2**20:.1f} MiB)")
+        count, size = _accept(args.directory)
+        print(f"t5r checksum: recorded {count} files of {args.directory} ({size / 2**20:.1f} MiB)")
         return 0
-    count, size = checksums.verify_all(args.directory)
+    count, size = _verify(args.directory)
     print(f"t5r checksum: {args.directory}: {count} files ({size / 2**20:.1f} MiB) verified in "
           f"{time.perf_counter() - start:.2f} s")
     return 0

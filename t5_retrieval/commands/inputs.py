@@ -9,7 +9,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from t5_retrieval import gin_utils
+from t5_retrieval import checksums, gin_utils
+from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import rerun
 from t5_retrieval.errors import UserError
 from t5_retrieval.data import layout
@@ -63,6 +64,7 @@ def add_search_flags(parser: argparse.ArgumentParser, default_split: str) -> Non
                         help="comma-separated tasks, by dataset (fever) or registered name (demo_fever); "
                              "default: every dataset the model was trained on that has examples for --split")
     parser.add_argument("--split", default=default_split)
+    add_verify_flag(parser)
 
 
 def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
@@ -72,9 +74,10 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
     """
     from t5_retrieval.data.stores.kb import PassageStore
 
-    store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
-    index = load_index(args.index_dir)
-    encoder = encoder_from_flags(args)
+    with checksums.verification(args.verify):
+        store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
+        index = load_index(args.index_dir)
+        encoder = encoder_from_flags(args)
     index.check(encoder, store.ids())
     import_task_modules(args)
     examples, datasets = task_examples(encoder, args.data_dir, args.split, [t for t in args.tasks.split(",") if t],

@@ -10,7 +10,8 @@ import argparse
 import os
 import socket
 
-from t5_retrieval import logs
+from t5_retrieval import checksums, logs
+from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
 from t5_retrieval.commands.inputs import (add_encoder_flags, encoder_from_flags, import_task_modules,
                                          register_named_mixtures)
@@ -85,6 +86,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--auth_token_file", default=None,
                         help=f"file holding a bearer token every request must send (or set {TOKEN_ENV}); "
                              f"required unless --host is a loopback address")
+    add_verify_flag(parser)
     args = parse_args(parser, argv, reads=TASK_MODULE)
     logs.setup()
     options = ServerOptions(workers=args.workers, max_queued=args.max_queued, read_timeout_s=args.read_timeout_s,
@@ -94,9 +96,10 @@ def main(argv: list[str]) -> int:
                             max_body_memory_bytes=int(args.max_body_memory_mb * 2**20),
                             auth_token=_auth_token(args.auth_token_file))
     _check_listenable(args.host, args.port, options.auth_token)  # before minutes of loading, not after
-    store = PassageStore.open(args.kb_dir)  # the store, index and model are verified as they open
-    index = load_index(args.index_dir)
-    encoder = encoder_from_flags(args)
+    with checksums.verification(args.verify):  # the store, index and model are verified as they open
+        store = PassageStore.open(args.kb_dir)
+        index = load_index(args.index_dir)
+        encoder = encoder_from_flags(args)
     index.check(encoder, store.ids())
     import_task_modules(args)
     tasks = [t for t in args.tasks.split(",") if t] or list(encoder.task_names)

@@ -133,7 +133,7 @@ class StoredIndex(abc.ABC):
         commit = os.path.join(directory, INDEX_JSON)
         if os.path.exists(commit):  # unpublish first: a crash below must not leave the old index.json over new assets
             os.remove(commit)
-        os.makedirs(directory, exist_ok=True)
+        checksums.begin(directory)  # until the record is written, a load says this run was stopped
         try:
             self._write_assets(directory)
             with open(os.path.join(directory, embedding_store.IDS_FILE), "w", encoding="utf-8") as f:

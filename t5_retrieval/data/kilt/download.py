@@ -7,12 +7,12 @@ is never mistaken for a finished one. Checksums of finished files are recorded i
 
 from __future__ import annotations
 
-import hashlib
 import os
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 
+from t5_retrieval.checksums import sha256_file
 from t5_retrieval.data.records import DataError, write_text_atomic
 from t5_retrieval.errors import UserError
 
@@ -23,14 +23,6 @@ _CHUNK = 1 << 20
 
 class DownloadError(UserError):
     """A file that could not be fetched: the URL and why."""
-
-
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _read_sums(out_dir: str) -> dict[str, str]:
@@ -71,7 +63,7 @@ def fetch(url: str, dest: str, expected_sha256: str | None = None, timeout: floa
             with open(part, mode) as f:
                 for block in iter(lambda: response.read(_CHUNK), b""):
                     f.write(block)
-    digest = sha256_of(part)
+    digest = sha256_file(part)
     if expected_sha256 and digest != expected_sha256:
         os.remove(part)
         raise DataError(f"{url}: sha256 {digest} does not match the expected {expected_sha256}; "
@@ -93,7 +85,7 @@ def download_kilt(names: Sequence[str], out_dir: str, base_url: str = KILT_BASE_
     for name in names:
         dest = os.path.join(out_dir, name)
         if os.path.exists(dest):
-            digest = sha256_of(dest)
+            digest = sha256_file(dest)
             if name in known and digest != known[name]:
                 raise DataError(f"{dest}: sha256 {digest} does not match the recorded {known[name]}; "
                                 "delete it to download again")

@@ -4,13 +4,15 @@ Layout of an embeddings directory:
 
     manifest.json                 format, model fingerprint, dim, dtype, counts, ids digest, meta
     passage_ids.txt               one passage id per line, in row order
+    t5r_checksums.json            size and sha256 of the two files above
     shard-00000-of-00012.npy      rows [0, shard_size) as a [rows, dim] array
+    shard-00000-of-00012.npy.sha256.json   its size and sha256, written by the process that wrote it
     ...
 
 Shard i always holds rows [i * shard_size, (i + 1) * shard_size), so every process can compute the
 plan alone: process p of P writes its own contiguous range of shards (`process_shards`). A shard is
 written to a temporary file and renamed, so a shard file that exists is complete; resuming skips
-those and recomputes nothing. A manifest that disagrees with the run (another model, another KB,
+those whose checksum matches and encodes again the others (damaged, or without their sidecar). A manifest that disagrees with the run (another model, another KB,
 another dim or shard size) is refused instead of mixing embeddings.
 """
 
@@ -126,6 +128,11 @@ def prepare(directory: str, manifest: Manifest, passage_ids: Sequence[str]) -> N
     for path in remove_stale_temporaries(directory):
         log.info("removed %s, left by a crashed run", path)
     path = os.path.join(directory, MANIFEST)
+    record = os.path.join(directory, checksums.CHECKSUMS_FILE)
+    if os.path.exists(record):  # only the files it lists: other processes may be adding shards right now
+        fresh = "encode into a new --output_dir"
+        for name, expected in checksums.read_record(directory, "embeddings directory", fresh).items():
+            checksums.check_file(os.path.join(directory, name), expected, record, fresh)
     if os.path.exists(path):
         existing = read_manifest(directory)
         for field in ("fingerprint", "dim", "dtype", "num_passages", "shard_size", "ids_sha256"):
@@ -137,6 +144,7 @@ def prepare(directory: str, manifest: Manifest, passage_ids: Sequence[str]) -> N
         return
     write_text_atomic(os.path.join(directory, IDS_FILE), "".join(f"{pid}\n" for pid in passage_ids))
     write_json_atomic(path, manifest.to_json())
+    checksums.record(directory, [MANIFEST, IDS_FILE])  # the shards carry their own sidecars
 
 
 def process_shards(num_shards: int, process_index: int, process_count: int) -> range:
@@ -173,6 +181,22 @@ def shard_problem(directory: str, manifest: Manifest, shard: int) -> str | None:
 
 def shard_done(directory: str, manifest: Manifest, shard: int) -> bool:
     return shard_problem(directory, manifest, shard) is None
+
+
+def _to_encode(directory: str, manifest: Manifest, shard: int) -> bool:
+    """Whether this process must (re)write `shard`: it is kept only when whole and matching its
+    checksum record, so a rerun repairs a damaged shard or one whose sidecar is missing."""
+    problem = shard_problem(directory, manifest, shard)
+    path = os.path.join(directory, manifest.shard_name(shard))
+    if problem is None:
+        try:
+            checksums.verify_file(path, "embeddings directory", "encoding it again")
+        except checksums.ChecksumError as e:
+            log.warning("%s", e)
+            return True
+    elif problem != "missing":
+        log.warning("%s: %s; encoding it again", path, problem)
+    return problem is not None
 
 
 def missing_shards(directory: str, manifest: Manifest) -> list[int]:
@@ -222,7 +246,7 @@ def write_embeddings(
                         ids_sha256=ids_digest(passage_ids), meta=dict(meta or {}))
     prepare(directory, manifest, passage_ids)
     mine = process_shards(manifest.num_shards, process_index, process_count)
-    todo = [s for s in mine if not shard_done(directory, manifest, s)]
+    todo = [s for s in mine if _to_encode(directory, manifest, s)]
     skipped = tuple(s for s in mine if s not in todo)
     log.info("process %d of %d: shards [%d, %d) of %d, %d of them already on disk", process_index, process_count,
              mine.start, mine.stop, manifest.num_shards, len(skipped))
@@ -279,8 +303,16 @@ def write_embeddings(
     return EncodeReport(tuple(todo), skipped, complete=not missing_shards(directory, manifest))
 
 
+def _rerun_hint(directory: str) -> str:
+    return (f"rerun the `t5r encode` that wrote {directory} (it encodes again each shard that fails its checksum "
+            f"or has none; a damaged {MANIFEST} or {IDS_FILE} needs a new --output_dir)")
+
+
 def check_complete(directory: str, manifest: Manifest | None = None) -> Manifest:
+    """The manifest of a directory whose every shard is written and whose manifest and ids match
+    their record (each shard is verified against its own when read: `iter_shards`)."""
     manifest = manifest or read_manifest(directory)
+    checksums.verify(directory, "embeddings directory", _rerun_hint(directory))
     problems = {s: p for s in range(manifest.num_shards) if (p := shard_problem(directory, manifest, s))}
     if not problems:
         return manifest
@@ -299,7 +331,7 @@ def iter_shards(directory: str, manifest: Manifest | None = None) -> Iterator[tu
     """Yields (first row, memory-mapped shard) in row order, each verified against its checksum first
     (a flipped byte would otherwise be indexed or trained on in silence)."""
     manifest = check_complete(directory, manifest)
-    rebuild = f"rerun the `t5r encode` that wrote {directory} after deleting this shard"
+    rebuild = f"rerun the `t5r encode` that wrote {directory}: it encodes this shard again"
     for shard in range(manifest.num_shards):
         path = os.path.join(directory, manifest.shard_name(shard))
         checksums.verify_file(path, "embeddings directory", rebuild)
