@@ -36,7 +36,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from t5_retrieval.data.records import write_json_atomic
-from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded
+from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded, temp_path
 
 CONFIG_FILE = "model_config.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
@@ -138,7 +138,7 @@ def write_checksums(step_dir: epath.Path) -> None:
     """Records size and sha256 of every file of a finished step; written whole or not at all."""
     files = {name: {"size": (step_dir / name).stat().length, "sha256": _sha256(step_dir / name)}
              for name in _files(step_dir)}
-    tmp = step_dir / f"{CHECKSUMS_FILE}.tmp"
+    tmp = epath.Path(temp_path(os.fspath(step_dir / CHECKSUMS_FILE)))  # epath's rename: also on object stores
     tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1, sort_keys=True))
     tmp.replace(step_dir / CHECKSUMS_FILE)
 

@@ -20,7 +20,7 @@ import os
 import re
 from collections.abc import Callable
 
-from t5_retrieval.data.records import DataError
+from t5_retrieval.data.records import DataError, write_text_atomic
 from t5_retrieval.results.overlap import overlap_table, read_overlap
 from t5_retrieval.results.records import read_records
 from t5_retrieval.results.rows import CONTROLS, TITLES
@@ -80,8 +80,5 @@ def refresh_page(page_path: str) -> int:
     if not count:
         raise DataError(f"{page_path}: no `<!-- records: KIND DIR -->` markers; nothing to print")
     new = refreshed(page, page_path)
-    tmp = f"{page_path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(new)
-    os.replace(tmp, page_path)
+    write_text_atomic(page_path, new)
     return count

@@ -27,9 +27,9 @@ import gin
 import numpy as np
 
 from t5_retrieval import checksums
-from t5_retrieval.data.stores.passages import ids_digest
 from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
-from t5_retrieval.errors import ConfigError, UserError, disk_full, remove_stale_temporaries, temp_path
+from t5_retrieval.data.stores.passages import ids_digest
+from t5_retrieval.errors import ConfigError, UserError, disk_full, remove_stale_temporaries, replaced_on_success
 
 FORMAT = "t5r-embeddings-v1"
 MANIFEST = "manifest.json"
@@ -262,18 +262,14 @@ def write_embeddings(
             offset += len(batch)
             bar.update(len(batch))
         path = os.path.join(directory, manifest.shard_name(shard))
-        tmp = temp_path(path, ".npy")
-        try:
-            np.save(tmp, out)
-        except BaseException as e:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            if isinstance(e, OSError):  # numpy reports a full disk as "N requested and M written"
+        with replaced_on_success(path, ".npy") as tmp:
+            try:
+                np.save(tmp, out)
+            except OSError as e:  # numpy reports a full disk as "N requested and M written"
                 raise disk_full(path, e) from e
-            raise
-        checksums.record_file(tmp)  # the sidecar names the shard's final path once both are renamed
-        os.replace(tmp + checksums.SIDECAR_SUFFIX, path + checksums.SIDECAR_SUFFIX)
-        os.replace(tmp, path)
+            # The sidecar (itself written whole) is renamed first, so a shard never stands without it.
+            checksums.record_file(tmp)
+            os.replace(tmp + checksums.SIDECAR_SUFFIX, path + checksums.SIDECAR_SUFFIX)
         log.info("process %d: wrote %s (rows [%d, %d))", process_index, manifest.shard_name(shard), start, stop)
     bar.close()
     return EncodeReport(tuple(todo), skipped, complete=not missing_shards(directory, manifest))
