@@ -105,7 +105,7 @@ def _wait_for_writer_threads(mngr: ocp.CheckpointManager, seconds: float = 2.0) 
     printing) before the caller reports, so nothing trails its one-line message."""
     try:
         mngr.close()
-    except Exception:  # noqa: BLE001  (the save already failed; this only drains it)
+    except Exception:  # the save already failed; this only drains it
         pass
     deadline = time.monotonic() + seconds
     for thread in threading.enumerate():

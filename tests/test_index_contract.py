@@ -9,12 +9,12 @@ import os
 import gin
 import numpy as np
 import pytest
+from test_retrieval_index import MatrixEncoder, clustered, write
 
 from t5_retrieval import checksums, cli
 from t5_retrieval.commands import index as index_command
 from t5_retrieval.retrieval import exact_index, index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
-from test_retrieval_index import MatrixEncoder, clustered, write
 
 BACKENDS = ("scann", "exact")
 IDS_FILE = "passage_ids.txt"

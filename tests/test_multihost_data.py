@@ -5,7 +5,6 @@ import json
 
 import numpy as np
 import pytest
-
 from test_data_batches import _iterator, data_dir, vocab  # noqa: F401 (fixtures)
 
 

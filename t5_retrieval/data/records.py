@@ -52,7 +52,7 @@ class Example:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, row: dict[str, Any]) -> "Example":
+    def from_json(cls, row: dict[str, Any]) -> Example:
         return cls(
             id=str(row["id"]), task=str(row["task"]), query=str(row["query"]),
             gold_pages=tuple(tuple(str(p) for p in s) for s in row["gold_pages"]),

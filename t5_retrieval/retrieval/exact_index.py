@@ -110,7 +110,7 @@ class ExactIndex(StoredIndex):
         return {"exact": {"matrix": MATRIX_FILE}}
 
     @classmethod
-    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> "ExactIndex":
+    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> ExactIndex:
         path = os.path.join(directory, MATRIX_FILE)
         expected = (len(passage_ids), int(record["dim"]))
         try:

@@ -90,7 +90,7 @@ class Manifest:
         return {"format": FORMAT, **dataclasses.asdict(self), "num_shards": self.num_shards, "ids_file": IDS_FILE}
 
     @classmethod
-    def from_json(cls, row: dict[str, Any], path: str) -> "Manifest":
+    def from_json(cls, row: dict[str, Any], path: str) -> Manifest:
         if row.get("format") != FORMAT:
             raise EmbeddingsError(f"{path}: field 'format' is {row.get('format')!r}, expected {FORMAT!r}")
         try:
@@ -286,9 +286,10 @@ def check_complete(directory: str, manifest: Manifest | None = None) -> Manifest
             f"{directory}: {len(problems)} of {manifest.num_shards} shards missing ({names}"
             f"{', ...' if len(problems) > 5 else ''}); finish `t5r encode` on every process first")
     shard, problem = next((s, p) for s, p in problems.items() if p != "missing")
+    how_many = f" ({len(problems)} shards need it)" if len(problems) > 1 else ""
     raise EmbeddingsError(
         f"{os.path.join(directory, manifest.shard_name(shard))}: {problem}; rerun the `t5r encode` that wrote "
-        f"{directory} (it rewrites the shards that are not whole and keeps the others){f' ({len(problems)} shards need it)' if len(problems) > 1 else ''}")
+        f"{directory} (it rewrites the shards that are not whole and keeps the others){how_many}")
 
 
 def iter_shards(directory: str, manifest: Manifest | None = None) -> Iterator[tuple[int, np.ndarray]]:

@@ -91,7 +91,7 @@ def describe(obj: Any) -> Any:
 
 def _has_contents(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        cell.cell_contents  # noqa: B018  (reading an empty cell raises ValueError)
     except ValueError:
         return False
     return True
