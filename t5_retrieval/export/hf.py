@@ -186,9 +186,11 @@ def load_networks(checkpoint_dir: str, step: int | None) -> Networks:
         model = load_dual_encoder(checkpoint_dir, step, batch_size=1)
         return Networks(model, model, model, query_side=False)
     encoder = load_encoder(checkpoint_dir, step, batch_size=1)  # checks the base's fingerprint
+    assert isinstance(encoder, QuerySideEncoder)  # is_query_side_dir
     passage = encoder.passage_encoder
     while isinstance(passage, QuerySideEncoder):  # the base of a query-side base
         passage = passage.passage_encoder
+    assert isinstance(passage, DualEncoderInference)  # the first base that is not query-side
     return Networks(encoder, encoder.query_encoder, passage, query_side=True)
 
 

@@ -47,6 +47,7 @@ from t5_retrieval.errors import ConfigError, UserError, replaced_on_success
 from t5_retrieval.export import preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
 from t5_retrieval.inference import DualEncoderInference
+from t5_retrieval.models.build import apply_params
 from t5_retrieval.retrieval.index import INDEX_JSON, load_index
 from t5_retrieval.retrieval.scann_index import SCANN_DIR, ScannIndex
 
@@ -80,8 +81,8 @@ def _jax_embed(encoder: DualEncoderInference):
 
     def embed(params: Any, tokens: jax.Array, tower_ids: jax.Array) -> jax.Array:
         if not towers:  # one encoder for every task's queries: the shared one or the separate query tower
-            return model.apply({"params": params}, tokens, tower=config.query_tower(0))
-        every = jnp.stack([model.apply({"params": params}, tokens, tower=k) for k in range(towers)])
+            return apply_params(model, params, tokens, tower=config.query_tower(0))
+        every = jnp.stack([apply_params(model, params, tokens, tower=k) for k in range(towers)])
         return jnp.take_along_axis(every, tower_ids[None, :, None], axis=0)[0]
 
     return embed

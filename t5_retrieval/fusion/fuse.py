@@ -31,16 +31,17 @@ import gin
 import numpy as np
 
 from t5_retrieval.data.records import Example
+from t5_retrieval.data.stores.passages import PassageLookup
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.fusion import experts as experts_lib
 from t5_retrieval.fusion import muf
 from t5_retrieval.retrieval.evaluate import EvalResult, RankingScorer
-from t5_retrieval.data.stores.passages import PassageLookup
 
 Ranking = tuple[list[str], np.ndarray]  # passage ids and scores, best first
+Scored = tuple[Sequence[str], Sequence[float] | np.ndarray]  # a ranking as a caller may give it
 
 
-def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: Sequence[float]) -> Ranking:
+def fuse_lists(lists: Sequence[Scored], weights: Sequence[float]) -> Ranking:
     """sum_i w_i * s_i(p) over the union of the lists, s_i(p) = min(list i) when p is not in list i.
 
     Ties keep the order of first appearance (list by list, best first). An empty list adds nothing.
@@ -52,8 +53,8 @@ def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: 
         for pid in ids:
             position.setdefault(pid, len(position))
     total = np.zeros(len(position), np.float64)
-    for (ids, scores), weight in zip(lists, weights):
-        scores = np.asarray(scores, np.float64)
+    for (ids, given), weight in zip(lists, weights):
+        scores = np.asarray(given, np.float64)
         if len(ids) != len(scores):
             raise ValueError(f"a list has {len(ids)} ids but {len(scores)} scores")
         if not len(ids):
@@ -66,8 +67,7 @@ def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: 
     return [ids[i] for i in order], total[order]
 
 
-def hybrid(dense: tuple[Sequence[str], Sequence[float]], sparse: tuple[Sequence[str], Sequence[float]],
-           weight: float) -> Ranking:
+def hybrid(dense: Scored, sparse: Scored, weight: float) -> Ranking:
     """(1 - weight) * dense + weight * sparse over the union, missing scores = the list's minimum."""
     if not 0.0 <= weight <= 1.0:
         raise ConfigError(f"FuseConfig.hybrid_weight must be in [0, 1], got {weight}")

@@ -19,7 +19,7 @@ runs `build_index`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import gin
 import numpy as np
@@ -28,10 +28,11 @@ from t5_retrieval.errors import UserError
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.exact_index import ExactIndex, build_exact_index
 from t5_retrieval.retrieval.scann_index import ScannIndex, build_scann_index
-# Re-exported: callers name the index module for its errors and its directory's commit file.
-from t5_retrieval.retrieval.stored_index import INDEX_JSON, IndexMismatchError, read_record  # noqa: F401
 
-BACKENDS = {"scann": ScannIndex, "exact": ExactIndex}
+# Re-exported: callers name the index module for its errors and its directory's commit file.
+from t5_retrieval.retrieval.stored_index import INDEX_JSON, IndexMismatchError, StoredIndex, read_record
+
+BACKENDS: dict[str, type[StoredIndex]] = {"scann": ScannIndex, "exact": ExactIndex}
 
 
 @runtime_checkable
@@ -45,7 +46,7 @@ class Index(Protocol):
     or a KB with other passage ids; `save` writes a directory that `load_index` reads back.
     """
 
-    backend: str  # the name index.json records: "scann" or "exact"
+    backend: ClassVar[str]  # the name index.json records: "scann" or "exact"
     passage_ids: list[str]
     fingerprint: str  # the model that embedded the passages
     dim: int

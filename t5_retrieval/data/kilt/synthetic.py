@@ -49,7 +49,7 @@ def _word(rng: random.Random, n: int) -> str:
 
 
 def _unique_words(rng: random.Random, count: int, taken: set[str]) -> list[str]:
-    out = []
+    out: list[str] = []
     while len(out) < count:
         w = _word(rng, rng.randint(2, 3))
         if w not in taken:
@@ -61,7 +61,7 @@ def _unique_words(rng: random.Random, count: int, taken: set[str]) -> list[str]:
 def make_pages(rng: random.Random, num_pages: int) -> list[dict[str, Any]]:
     """Invented entities with a name, category, year, neighbour and three unique keywords."""
     taken: set[str] = set()
-    pages = []
+    pages: list[dict[str, Any]] = []
     for i in range(num_pages):
         first, last, *keywords = _unique_words(rng, 5, taken)
         pages.append({"wikipedia_id": f"demo{i:05d}", "name": f"{first.title()} {last.title()}",

@@ -102,7 +102,8 @@ class _UniqueKeys:
     Only the keys are held; the earlier line is found by reading the file again, on the error path."""
 
     def __init__(self, path: str, what: str, key_of: Callable[[Any], str | None]):
-        self.path, self.what, self.key_of, self.seen = path, what, key_of, set()
+        self.path, self.what, self.key_of = path, what, key_of
+        self.seen: set[str] = set()
 
     def add(self, key: str, line_no: int) -> None:
         if key in self.seen:
@@ -306,7 +307,7 @@ class PassageStore:
         self._shard_starts: np.ndarray | None = None
 
     @classmethod
-    def open(cls, directory: str | os.PathLike[str]) -> "PassageStore":
+    def open(cls, directory: str | os.PathLike[str]) -> PassageStore:
         directory = os.fspath(directory)
         path = os.path.join(directory, MANIFEST)
         if not os.path.isdir(directory):
