@@ -224,7 +224,9 @@ def test_taco_bfloat16_state_follows_float32_at_the_default_beta():
 
     def final_ema(state_dtype):
         tx = multitask.taco(k, total_steps=10, burn_in_fraction=0.0, beta=0.999, state_dtype=state_dtype)
-        body = lambda state, _: (tx.update(grads, state, params)[1], None)  # noqa: E731
+        def body(state, _):
+            return tx.update(grads, state, params)[1], None
+
         ema = jax.jit(lambda: jax.lax.scan(body, tx.init(params), None, length=steps)[0])().ema["w"]
         assert ema.dtype == jnp.dtype(state_dtype)
         return np.asarray(ema, np.float64)

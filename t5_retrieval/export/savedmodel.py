@@ -183,7 +183,10 @@ class RetrievalModule(tf.Module):
         rows, scores = self._searcher.search(self._embeddings(query, task), k, pre_reorder)
         rows = tf.cast(rows, tf.int64)
         found = tf.logical_not(tf.math.is_nan(scores))  # ScaNN pads short result lists with NaN scores.
-        lookup = lambda table: tf.where(found, table.lookup(rows), "")  # noqa: E731
+
+        def lookup(table: tf.lookup.StaticHashTable) -> tf.Tensor:
+            return tf.where(found, table.lookup(rows), "")
+
         return {"passage_ids": lookup(self._passage_ids), "page_ids": lookup(self._page_ids),
                 "titles": lookup(self._titles), "scores": scores}
 
