@@ -12,7 +12,7 @@ RESULTS ?= results_out
 # Test processes: CI has 2 cores; each worker holds its own JAX + TensorFlow (~2 GB).
 TEST_WORKERS ?= 2
 
-.PHONY: install test demo results bench clean
+.PHONY: install lint test demo results bench clean
 
 install: $(STAMP)
 
@@ -25,7 +25,13 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-test: $(STAMP)
+# ruff (lint and import order; config in pyproject.toml) over the code and tests, then mypy over the
+# package: a few seconds with mypy's cache in .mypy_cache/, under a minute without it.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check t5_retrieval tests
+	$(PY) -m mypy
+
+test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 demo: $(STAMP)

@@ -3,9 +3,10 @@
 The recipe: warm up on BM25 negatives; then each episode mines new hard negatives with the
 current model (top-k minus gold), trains from the current weights with a fresh optimiser (so a
 fresh multi-task state, in the episodes the config gives a multi-task transform), re-encodes the
-KB (unless the passage tower does not train: `passage_index`), and evaluates. Every stage writes into its own directory under `work_dir` and is marked finished by a
-`DONE` file written last, so a rerun skips finished stages; an interrupted training stage resumes
-from its last checkpoint and an interrupted encoding from its last shard.
+KB (unless the passage tower does not train: `passage_index`), and evaluates. Every stage writes
+into its own directory under `work_dir` and is marked finished by a `DONE` file written last, so a
+rerun skips finished stages; an interrupted training stage resumes from its last checkpoint and an
+interrupted encoding from its last shard.
 
     work_dir/warmup/{model,embeddings,index,eval}
     work_dir/episode_1/{negatives,model,embeddings,index,eval} ...
@@ -16,6 +17,7 @@ mixture), e.g. `warmup/make_optimizer.learning_rate = 1e-5`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -70,7 +72,7 @@ def ance(work_dir: str,
         model_dir = os.path.join(stage_dir, "model")
         if number == 0:
             with gin.config_scope("warmup"):
-                stage(model_dir, "warm-up training", lambda: _train(model_dir))
+                stage(model_dir, "warm-up training", functools.partial(_train, model_dir))
         else:
             previous = os.path.join(work_dir, stages[number - 1])
             negatives = os.path.join(stage_dir, "negatives")
@@ -79,8 +81,8 @@ def ance(work_dir: str,
             multitask = episode_multitask if number in multitask_episodes else None
             with gin.config_scope("episode"):
                 stage(model_dir, f"episode {number} training",
-                      lambda: _train(model_dir, init_from=os.path.join(previous, "model"), multitask=multitask,
-                                     data_overrides={"negatives": negatives}))
+                      functools.partial(_train, model_dir, init_from=os.path.join(previous, "model"),
+                                        multitask=multitask, data_overrides={"negatives": negatives}))
         index_and_evaluate(stage_dir, model_dir, data_dir, eval_split, index_dir=passage_index)
     with open(os.path.join(work_dir, stages[-1], "eval", "results.json")) as f:
         return json.load(f)

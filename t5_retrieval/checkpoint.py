@@ -39,8 +39,8 @@ from jax.experimental import multihost_utils
 
 from t5_retrieval import checksums
 from t5_retrieval.data.records import write_json_atomic
-from t5_retrieval.gin_utils import OPERATIVE_CONFIG
 from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded
+from t5_retrieval.gin_utils import OPERATIVE_CONFIG
 
 CONFIG_FILE = "model_config.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
@@ -108,7 +108,7 @@ def _wait_for_writer_threads(mngr: ocp.CheckpointManager, seconds: float = 2.0) 
     printing) before the caller reports, so nothing trails its one-line message."""
     try:
         mngr.close()
-    except Exception:  # noqa: BLE001  (the save already failed; this only drains it)
+    except Exception:  # the save already failed; this only drains it
         pass
     deadline = time.monotonic() + seconds
     for thread in threading.enumerate():

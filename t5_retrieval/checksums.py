@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from t5_retrieval.errors import UserError
+from t5_retrieval.errors import UserError, open_replaced_on_success
 
 CHECKSUMS_FILE = "t5r_checksums.json"
 STAMP_FILE = "t5r_verified.json"
@@ -118,10 +118,8 @@ def artefact_files(directory: str) -> list[str]:
 
 
 def _write_json(path: str, doc: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open_replaced_on_success(path) as f:
         json.dump(doc, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
 
 
 def begin(directory: str) -> None:

@@ -147,7 +147,7 @@ def _run_command(argv: list[str], debug: bool) -> int:
     function = getattr(importlib.import_module(module_name), function_name)
     try:
         return int(function(rest) or 0)
-    except Exception as e:  # noqa: BLE001  (re-raised unless it is the user's to fix)
+    except Exception as e:  # re-raised unless it is the user's to fix
         message = None if debug else user_message(e)
         if message is None:
             raise

@@ -29,12 +29,11 @@ SUMMARY_COLUMNS = ("n", "Rprec", "recall@5", "recall@20")
 def real_data_demo(data: str, out: str) -> str:
     """Runs (or resumes) the REAL_ROWS on `data` ("slice" or a KILT-format directory); returns the table."""
     from t5_retrieval.data.kilt.demo_slice import SHIPPED, extract
+    from t5_retrieval.models.pretrained import minilm_l6_dir
     from t5_retrieval.results.common import prepare_data
     from t5_retrieval.results.minilm_rows import TACO_BINDINGS, bm25_row, minilm_zeroshot_row, trained_row
     from t5_retrieval.results.records import record_run
     from t5_retrieval.results.tables import markdown_table
-
-    from t5_retrieval.models.pretrained import minilm_l6_dir
 
     minilm_l6_dir()  # the MiniLM rows need the installed weights: say so before BM25, not after it
     steps = f"TRAIN_STEPS = {DEMO_STEPS}"
@@ -66,8 +65,8 @@ def _tasks_in(raw_dir: str) -> list[str]:
 def prepare_synthetic(out: str) -> tuple[str, str]:
     """Writes the synthetic data, its data directory and vocabulary; returns (data_dir, vocabulary path)."""
     from t5_retrieval.data import layout
-    from t5_retrieval.data.kilt.synthetic import write_demo
     from t5_retrieval.data.kilt.prepare import prepare_missing
+    from t5_retrieval.data.kilt.synthetic import write_demo
     from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 
     raw_dir = os.path.join(out, "raw")

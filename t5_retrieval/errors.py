@@ -17,7 +17,8 @@ import shutil
 import socket
 import sys
 import tempfile
-
+from collections.abc import Iterator
+from typing import IO, Any
 
 DEBUG_ENV = "T5R_DEBUG"  # set (or `t5r --debug`): tracebacks and every library message are shown
 
@@ -117,6 +118,43 @@ def shell_command(words: list[str]) -> str:
     return " ".join(out)
 
 
+@contextlib.contextmanager
+def replaced_on_success(path: str | os.PathLike[str], suffix: str = "") -> Iterator[str]:
+    """Yields `temp_path(path, suffix)` for the block to write (a file or a directory); when the block
+    ends without error it is renamed onto `path`, else it is removed. So a reader sees the old output or
+    the whole new one, and a crash leaves only a name `remove_stale_temporaries` finds. A full disk is
+    raised as `DiskFullError` naming `path`. Like rename(2), the rename replaces a file or an empty
+    directory: a caller replacing a full directory removes it first."""
+    path = os.fspath(path)
+    tmp = temp_path(path, suffix)
+    _remove(tmp)  # a leftover of an earlier process that had this pid
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as e:
+        _remove(tmp)
+        if is_disk_full(e):
+            raise disk_full(path, e) from e
+        raise
+
+
+@contextlib.contextmanager
+def open_replaced_on_success(path: str | os.PathLike[str], mode: str = "w") -> Iterator[IO[Any]]:
+    """`open(path, mode)` (UTF-8 for text) through `replaced_on_success`: the file appears whole or not at
+    all."""
+    encoding = None if "b" in mode else "utf-8"
+    with replaced_on_success(path) as tmp, open(tmp, mode, encoding=encoding) as f:
+        yield f
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
 def temp_path(path: str, suffix: str = "") -> str:
     """Where to write `path` before renaming it into place: `<path>.tmp-<host>-<pid><suffix>`, so the
     next run can tell a crashed writer's leftovers (this host, process gone) from a live one's."""
@@ -146,13 +184,7 @@ def remove_stale_temporaries(directory: str, pattern: str = "*.tmp-*") -> list[s
         match = _TEMP_NAME.search(os.path.basename(path))
         if not match or match.group("host") not in (None, _HOST) or _alive(int(match.group("pid"))):
             continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
+        _remove(path)
         removed.append(path)
     return removed
 

@@ -203,7 +203,7 @@ def operative_values(config_path: str, configurable: str, parameter: str) -> lis
     pattern = re.compile(rf"^(?:\S+/)?(?:{names})\.{re.escape(parameter)}\s*=\s*(.+?)\s*$")
     with open(config_path) as f:
         lines = _statements(f.read())
-    macros = dict(m.groups() for line in lines if (m := re.match(r"^([A-Z_][A-Z0-9_]*)\s*=\s*(.+?)\s*$", line)))
+    macros: dict[str, str] = dict((m[1], m[2]) for line in lines if (m := re.match(r"^([A-Z_][A-Z0-9_]*)\s*=\s*(.+?)\s*$", line)))
 
     def literal(text: str) -> Any:
         text = macros.get(text[1:], text) if text.startswith("%") else text

@@ -3,8 +3,9 @@
 Every command that embeds text (encode, eval, mine, serve, export, fuse, query-side) opens its
 model with `load_encoder`, so every stage formats queries
 (task prefix, `[SEP]` -> `</s>`), tokenizes, cuts them to their task's length and pads exactly as
-training did (`data.query_inputs`): the features recorded with the checkpoint say how. Batches are sharded over the mesh's data axis; the last partial batch
-is padded so one compiled shape serves the whole corpus.
+training did (`data.query_inputs`): the features recorded with the checkpoint say how. Batches are
+sharded over the mesh's data axis; the last partial batch is padded so one compiled shape serves the
+whole corpus.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import numpy as np
 
 from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.records import Passage, write_json_atomic
-from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens, recorded_query_input
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
+from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens, recorded_query_input
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, tokenize, vocabulary_digest
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder

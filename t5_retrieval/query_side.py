@@ -44,9 +44,9 @@ from t5_retrieval import checkpoint
 from t5_retrieval.data.kilt.answers import AnswerTexts, recall_at_ks
 from t5_retrieval.data.kilt.qa_open import QATask, read_qa_task
 from t5_retrieval.data.records import DataError, write_json_atomic
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.tokenizers.query_inputs import query_tokens
-from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.inference import bucketed_width, load_dual_encoder, token_lengths, write_base_record
 from t5_retrieval.retrieval.index import Index, IndexMismatchError, load_index
@@ -132,7 +132,7 @@ def make_step(model: Any, optimizer: optax.GradientTransformation):
 
 def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_texts: AnswerTexts,
              tasks: Sequence[QATask], as_task: str, config: QuerySideConfig,
-             progress: bool = True) -> tuple[Any, list[dict[str, float]]]:
+             progress: bool = True) -> tuple[Any, list[dict[str, Any]]]:
     """Fine-tunes `encoder`'s query path (a `DualEncoderInference`, updated in place between rounds)
     on the union of `tasks`' questions, all queried with `as_task`'s prefix.
 
@@ -150,7 +150,7 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_text
     opt_state = optimizer.init(params)
     step = make_step(encoder.model, optimizer)
     rng = np.random.default_rng(config.seed)
-    history: list[dict[str, float]] = []
+    history: list[dict[str, Any]] = []
     for round_index in range(config.rounds):
         encoder.params = params
         data = Candidates.union([retrieve_candidates(encoder, index, answer_texts, task, as_task, config.top_k)
@@ -183,7 +183,7 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_text
 
 
 def save(output_dir: str, encoder: Any, params: Any, base_dir: str, as_task: str, new_tasks: Sequence[str],
-         history: list[dict[str, float]]) -> None:
+         history: list[dict[str, Any]]) -> None:
     """A model directory: the base's config (each new task -> as_task's prefix, its own dataset), the
     params, and its base."""
     config = json.loads(json.dumps(encoder.config))

@@ -34,7 +34,7 @@ class Searcher:
         self._warned: set[str] = set()  # tasks whose rewritten training text was warned about
 
     @classmethod
-    def open(cls, model_dir: str, index_dir: str, kb_dir: str) -> "Searcher":
+    def open(cls, model_dir: str, index_dir: str, kb_dir: str) -> Searcher:
         """From the directories `t5r train`, `t5r index` and `t5r data kb` write."""
         return cls(load_encoder(model_dir), load_index(index_dir), PassageStore.open(kb_dir))
 

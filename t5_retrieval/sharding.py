@@ -76,7 +76,7 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, pa
     axis, mapped by `rules`. Every other leaf (step counts, PRNG keys, [K] task weights) is
     replicated.
     """
-    tasks_axis = nn.logical_to_mesh_axes(("tasks",), rules)[0]
+    tasks_axis = (nn.logical_to_mesh_axes(("tasks",), rules) or (None,))[0]  # None only for no names
 
     def mirror(leaf: Any, param: Any, param_sharding: NamedSharding) -> Any:
         if isinstance(leaf, optax.MaskedNode):  # a parameter this part of the state leaves out (frozen)

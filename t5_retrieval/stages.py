@@ -89,10 +89,10 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
     `index_dir`: score against this existing index instead (a query-side model searches its base's
     index, which `Index.check` verifies through the fingerprint); nothing is encoded then. The index's
     backend is gin's `build_index.backend` (ScaNN by default)."""
-    from t5_retrieval.data.stores import embedding_store
     from t5_retrieval.data import layout
-    from t5_retrieval.data.tasks import task_names
+    from t5_retrieval.data.stores import embedding_store
     from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.data.tasks import task_names
     from t5_retrieval.data.tasks.retrieval_tasks import split_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.encoder import recorded_tasks
@@ -101,6 +101,7 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
 
     store = PassageStore.open(layout.kb_dir(data_dir))
     emb_dir, eval_dir = os.path.join(stage_dir, "embeddings"), os.path.join(stage_dir, "eval")
+    index_path = index_dir or os.path.join(stage_dir, "index")
 
     def encode() -> dict[str, Any]:
         encoder = load_encoder(model_dir)
@@ -112,12 +113,12 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
 
     def build() -> dict[str, Any]:
         index = build_index(emb_dir)
-        index.save(index_dir)
+        index.save(index_path)
         return {"fingerprint": index.fingerprint, "passages": len(index)}
 
     def score() -> dict[str, Any]:
         encoder = load_encoder(model_dir)
-        index = load_index(index_dir)
+        index = load_index(index_path)
         index.check(encoder, store.ids())
         tasks = recorded_tasks(encoder)
         # Tables are keyed by the model's task names, as the results tables read them.
@@ -127,12 +128,11 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
         result = evaluate(encoder, index, examples, store)
         result.tables = {task: result.tables[task] for task in sorted(result.tables)}
         write_results(result, eval_dir)
-        return {"tables": result.tables, "index": index_dir}
+        return {"tables": result.tables, "index": index_path}
 
     if index_dir is None:
-        index_dir = os.path.join(stage_dir, "index")
         stage(emb_dir, "encode", encode)
-        stage(index_dir, "index", build, leader_only=True)
+        stage(index_path, "index", build, leader_only=True)
     stage(eval_dir, "evaluate", score, leader_only=True)
 
 
@@ -143,9 +143,9 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
     minus gold pages and, for the datasets in `answer_checkable` (where an answer string means
     relevance: QA, slot filling), minus answer-holding passages, MT-DPR's confounders."""
     from t5_retrieval.data import layout
-    from t5_retrieval.data.tasks import task_names
-    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.records import write_negatives
+    from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.data.tasks import task_names
     from t5_retrieval.data.tasks.retrieval_tasks import split_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.encoder import recorded_tasks

@@ -15,7 +15,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import flax.linen as nn
 import gin
@@ -27,9 +28,10 @@ from tqdm import tqdm
 
 import t5_retrieval.tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
 from t5_retrieval import checkpoint, gin_utils, sharding
-from t5_retrieval.errors import ConfigError, UserError
-from t5_retrieval.data.batching import batches as _batches, random_batches as _random_batches  # noqa: F401 (gin)
+from t5_retrieval.data.batching import batches as _batches  # noqa: F401  (registers its gin configurables)
+from t5_retrieval.data.batching import random_batches as _random_batches  # noqa: F401  (the same)
 from t5_retrieval.data.records import write_text_atomic
+from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.inference import load_encoder, write_base_record
 from t5_retrieval.models.build import build_model, init_params, initial_params, model_config, upgraded_config
 from t5_retrieval.multitask import exported_state, multitask_metrics, multitask_problems, multitask_statistics
@@ -68,7 +70,7 @@ DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "t5_
 def use_compilation_cache(directory: str | None) -> None:
     """Points JAX's persistent compilation cache at `directory` unless one is configured already
     (JAX_COMPILATION_CACHE_DIR, or a caller's `jax.config`)."""
-    if directory and not jax.config.jax_compilation_cache_dir:
+    if directory and not jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]  # a runtime flag
         jax.config.update("jax_compilation_cache_dir", directory)
         log.info("compilation cache: %s", directory)
 
@@ -82,6 +84,7 @@ class BatchIterator(Protocol):
 
     task_names: list[str]
     features: dict[str, Any]  # vocabulary, lengths, task prefixes: recorded for inference
+    steps_per_epoch: int  # what `num_epochs` counts in
 
     def __next__(self) -> dict[str, dict[str, np.ndarray]]: ...
     def state(self) -> dict[str, Any]: ...
@@ -184,6 +187,8 @@ def train(model_dir: str,
         raise ConfigError(f"train.max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
     if (num_steps is None) == (num_epochs is None):
         raise ConfigError(f"train: set exactly one of num_steps ({num_steps}) and num_epochs ({num_epochs})")
+    if num_steps is not None and num_steps < 1:
+        raise ConfigError(f"train.num_steps must be >= 1, got {num_steps}")
     use_compilation_cache(compilation_cache_dir)
     mesh = sharding.make_mesh()
     rules = sharding.logical_axis_rules()
@@ -191,7 +196,9 @@ def train(model_dir: str,
                    host_index=jax.process_index(), host_count=jax.process_count(), seed=seed,
                    **(data_overrides or {}))
     task_names = list(data.task_names)
-    num_steps = num_steps or max(1, int(round(num_epochs * data.steps_per_epoch)))
+    if num_epochs is not None:
+        num_steps = max(1, int(round(num_epochs * data.steps_per_epoch)))
+    assert num_steps is not None  # exactly one of the two is set (checked above)
     config = {**model_config(), "features": data.features}
     towers = config["dual_encoder"]["query_towers"]
     if towers and towers != len(task_names):
@@ -420,7 +427,7 @@ def _loop(step_fn: Callable, state: TrainState, data: BatchIterator, first_batch
     last_time, last_step = time.time(), start
     log_only_metrics = jax.jit(multitask_statistics)  # a pass over the multi-task state: logging steps only
     preemption = PreemptionNotice()
-    metrics = None
+    metrics: Any = None
     try:
         for step in range(start + 1, num_steps + 1):
             previous = metrics

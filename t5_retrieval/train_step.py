@@ -19,8 +19,8 @@ Two ways to get gradients, same losses:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -31,6 +31,7 @@ import optax
 from t5_retrieval.data.batching.batches import Batch
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.losses import in_batch_softmax_loss, positive_rows, token_cross_entropy
+from t5_retrieval.models.build import apply_params
 
 Params = Any
 
@@ -69,7 +70,7 @@ def passage_embeddings(model: nn.Module, params: Params, task_batch: dict[str, j
     the batch carries them, else the model's embeddings of the passage tokens."""
     if "passage_embeddings" in task_batch:
         return task_batch["passage_embeddings"]
-    passages = model.apply({"params": params}, task_batch["passage_tokens"], deterministic=False,
+    passages = apply_params(model, params, task_batch["passage_tokens"], deterministic=False,
                            rngs={"dropout": rng})
     return jax.lax.stop_gradient(passages) if stop_gradient else passages
 
@@ -79,7 +80,7 @@ def task_loss_fn(model: nn.Module, logit_scale: float, stop_passage_gradient: bo
 
     def loss_fn(params: Params, task_batch: dict[str, jax.Array], rng: jax.Array, task_index: int = 0):
         query_rng, passage_rng = jax.random.split(rng)
-        queries = model.apply({"params": params}, task_batch["query_tokens"], deterministic=False,
+        queries = apply_params(model, params, task_batch["query_tokens"], deterministic=False,
                               rngs={"dropout": query_rng}, tower=query_tower(model, task_index))
         passages = passage_embeddings(model, params, task_batch, passage_rng, stop_passage_gradient)
         return in_batch_softmax_loss(queries, passages, logit_scale)
@@ -166,14 +167,14 @@ def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_
         passages = {key: jnp.concatenate([batch[t][key] for t in task_names])}
         if model.config.query_towers:  # each task's queries through its own tower
             query_emb = jnp.concatenate([
-                model.apply({"params": params}, batch[t]["query_tokens"], deterministic=False,
+                apply_params(model, params, batch[t]["query_tokens"], deterministic=False,
                             rngs={"dropout": jax.random.fold_in(query_rng, k)}, tower=k)
                 for k, t in enumerate(task_names)])
         else:  # one call per query length, the embeddings put back in task order
-            by_task = {}
+            by_task: dict[str, jax.Array] = {}
             for g, names in enumerate(query_shape_groups(batch, task_names)):
                 queries = jnp.concatenate([batch[t]["query_tokens"] for t in names])
-                embedded = model.apply({"params": params}, queries, deterministic=False,
+                embedded = apply_params(model, params, queries, deterministic=False,
                                        rngs={"dropout": jax.random.fold_in(query_rng, g) if g else query_rng},
                                        tower=query_tower(model, 0))
                 rows = [batch[t]["query_tokens"].shape[0] for t in names]
@@ -190,8 +191,8 @@ def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_
             losses.append(loss)
             metrics[f"loss/{name}"] = loss
             metrics.update({f"{key}/{name}": value for key, value in aux.items()})
-        losses = jnp.stack(losses)
-        return jnp.sum(losses), (losses, metrics)
+        stacked = jnp.stack(losses)
+        return jnp.sum(stacked), (stacked, metrics)
 
     return total_loss
 
@@ -221,11 +222,11 @@ def retrieval_and_generation_gradients(model: nn.Module, logit_scale: float, par
 
     def objectives(params: Params):
         retrieval, (task_losses, metrics) = retrieval_loss(params)
-        generation = []
+        generation: list[jax.Array] = []
         for name in task_names:
-            queries = batch[name]["query_tokens"]
-            positives = positive_rows(batch[name]["passage_tokens"], queries.shape[0])
-            logits = model.apply({"params": params}, positives, queries, deterministic=False,
+            queries = jnp.asarray(batch[name]["query_tokens"])
+            positives = positive_rows(jnp.asarray(batch[name]["passage_tokens"]), queries.shape[0])
+            logits = apply_params(model, params, positives, queries, deterministic=False,
                                  rngs={"dropout": jax.random.fold_in(generation_rng, len(generation))},
                                  method=model.query_generation_logits)
             generation.append(token_cross_entropy(logits, queries))
@@ -242,7 +243,7 @@ def all_finite(*trees: Any) -> jax.Array:
     """True iff every value of every tree is finite: sum(x * 0) is 0 then and NaN otherwise (one
     float reduction per leaf, cheaper on XLA:CPU than and-reducing isfinite)."""
     leaves = [x for tree in trees for x in jax.tree.leaves(tree)]
-    return sum(jnp.sum(x * 0, dtype=jnp.float32) for x in leaves) == 0
+    return jnp.asarray(sum(jnp.sum(x * 0, dtype=jnp.float32) for x in leaves) == 0)
 
 
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:

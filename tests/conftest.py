@@ -27,8 +27,8 @@ def clean_gin():
 def prepare_small_demo(root, tasks) -> str:
     """A 30-page synthetic KB with 8 train queries per task and BM25 negatives, prepared as
     `t5r data` would (`<root>/data`), for the tests that train a tiny model on real files."""
-    from t5_retrieval.data.kilt.synthetic import write_demo
     from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
+    from t5_retrieval.data.kilt.synthetic import write_demo
 
     write_demo(str(root / "raw"), num_pages=30, train_per_task=8, dev_per_task=2)
     out = str(root / "data")

@@ -10,8 +10,8 @@ import pytest
 from t5_retrieval import cli, gin_utils
 from t5_retrieval.ance import ance
 from t5_retrieval.data import layout
-from t5_retrieval.data.kilt.synthetic import write_demo
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
+from t5_retrieval.data.kilt.synthetic import write_demo
 from t5_retrieval.data.records import read_negatives
 from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 
@@ -57,8 +57,8 @@ def test_every_stage_is_marked_done(ance_run):
 
 def test_episode_trains_on_model_mined_negatives_without_gold_pages(ance_run):
     work_dir, data_dir, _ = ance_run
-    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.records import read_examples
+    from t5_retrieval.data.stores.kb import PassageStore
     store = PassageStore.open(layout.kb_dir(data_dir))
     mined = read_negatives(layout.negatives_path(os.path.join(work_dir, "episode_1", "negatives"), "fever"))
     bm25 = read_negatives(layout.negatives_path(layout.negatives_dir(data_dir), "fever"))
@@ -110,9 +110,9 @@ def test_rerun_resumes_with_every_stage_done(ance_run):
 
 
 def test_answer_checks_apply_only_to_the_answer_checkable_datasets(ance_run, tmp_path):
-    from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.data.records import read_examples
     from t5_retrieval.data.kilt.answers import has_answer
+    from t5_retrieval.data.records import read_examples
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.stages import mine_stage
 
     work_dir, data_dir, _ = ance_run

@@ -6,9 +6,8 @@ import os
 
 import pytest
 import seqio
-from test_benchmarks_smoke import assert_positive_timing, run_benchmark
-
 from conftest import SHARED_DATA
+from test_benchmarks_smoke import assert_positive_timing, run_benchmark
 
 SPM = os.path.join(os.path.dirname(seqio.__file__), "test_data", "sentencepiece", "sentencepiece.model")
 

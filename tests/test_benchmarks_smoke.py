@@ -55,8 +55,8 @@ def test_encode_benchmark_writes_throughputs_of_matching_embeddings_and_profiles
 
 
 def test_kb_encode_benchmark_compares_minilm_with_the_sentence_transformers_recipe(tmp_path):
-    from t5_retrieval.data.kilt.synthetic import write_demo
     from t5_retrieval.data.kilt.prepare import prepare_kb
+    from t5_retrieval.data.kilt.synthetic import write_demo
 
     write_demo(str(tmp_path / "raw"), num_pages=12, train_per_task=1, dev_per_task=1)
     prepare_kb(str(tmp_path / "raw" / "kb" / "pages.jsonl"), str(tmp_path / "data"))

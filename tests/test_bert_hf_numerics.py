@@ -116,9 +116,9 @@ def test_missing_and_unexpected_tensors_are_named(hf_dir):
 
 def test_init_from_a_bert_directory_refuses_a_t5_model(hf_dir):
     from t5_retrieval.checkpoint import CheckpointError
+    from t5_retrieval.models.build import initial_params
     from t5_retrieval.models.dual_encoder import DualEncoder
     from t5_retrieval.models.t5 import T5Config
-    from t5_retrieval.models.build import initial_params
 
     t5 = DualEncoder(T5Config(vocab_size=99, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_encoder_layers=1,
                               num_decoder_layers=1))

@@ -7,14 +7,14 @@ import os
 import gin
 import numpy as np
 import pytest
-
 from conftest import prepare_small_demo
+
 from t5_retrieval import checkpoint, gin_utils
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.tokenizers.tokenize import tokenize
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.models.pretrained import minilm_l6_dir
 from t5_retrieval.models.build import build_model
+from t5_retrieval.models.pretrained import minilm_l6_dir
 from t5_retrieval.train import train
 
 TASKS = ("fever", "trex")

@@ -153,7 +153,8 @@ def test_config_gin_is_covered_by_the_step_record_and_a_changed_one_is_refused(t
     config = os.path.join(directory, OPERATIVE_CONFIG)
     with open(config, "a") as f:
         f.write("make_train_iterator.task_module_path = ['/tmp/elsewhere']\n")  # would import other code
-    with pytest.raises(checkpoint.CheckpointError, match=f"{config}: .*; it differs from the one this checkpoint was trained with") as raised:
+    differs = f"{config}: .*; it differs from the one this checkpoint was trained with"
+    with pytest.raises(checkpoint.CheckpointError, match=differs) as raised:
         checkpoint.restore_params(directory, checkpoint.abstract_like(first["params"]))
     step_dir = os.path.join(directory, "2")
     assert cli.main(["checksum", step_dir]) == 2

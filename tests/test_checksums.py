@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from t5_retrieval import checksums, cli
+from t5_retrieval.data.records import Passage
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore, build_kb
-from t5_retrieval.data.records import Passage
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
 

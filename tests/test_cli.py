@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from t5_retrieval import cli, gin_utils
-from t5_retrieval.errors import ConfigError
 from t5_retrieval.commands import gin_flags
+from t5_retrieval.errors import ConfigError
 
 
 def test_every_command_resolves_to_an_importable_main():

@@ -15,8 +15,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import prepare_small_demo
+
 from t5_retrieval import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

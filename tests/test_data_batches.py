@@ -8,12 +8,12 @@ import pytest
 import seqio
 
 from t5_retrieval.data import layout
-from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.batching.batches import choose_negatives, make_train_iterator
-from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
-from t5_retrieval.data.stores.kb import PassageStore, passage_text
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
+from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
 from t5_retrieval.data.records import Negatives, read_examples, write_negatives
+from t5_retrieval.data.stores.kb import PassageStore, passage_text
+from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenizers.tokenize import encode_with_eos_markers, to_fixed_length, tokenize
 
@@ -129,7 +129,7 @@ def test_seqio_task_tokenizes_queries_like_the_batcher(data_dir, vocab, monkeypa
 
 
 def test_mixtures_and_unknown_names(data_dir, vocab):
-    import t5_retrieval.tasks  # noqa: F401
+    import t5_retrieval.tasks  # noqa: F401  (registers the mixtures)
 
     def described(name):
         return retrieval_tasks.describe(seqio.get_mixture_or_task(name))

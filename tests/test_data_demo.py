@@ -7,12 +7,12 @@ import os
 import seqio
 
 from t5_retrieval.data import layout
-from t5_retrieval.data.stores.bm25 import BM25Index
-from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
-from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.kilt.negatives import bm25_query
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_tasks
+from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
 from t5_retrieval.data.records import read_examples
+from t5_retrieval.data.stores.bm25 import BM25Index
+from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 
 

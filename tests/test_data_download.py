@@ -15,7 +15,7 @@ BODY = bytes(range(256)) * 400
 class _RangeHandler(http.server.BaseHTTPRequestHandler):
     requests: list = []
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         if self.path != "/KILT/fever-dev-kilt.jsonl":
             self.send_error(404)
             return

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from t5_retrieval.data.stores.kb import PassageStore, build_kb, chunk_page, passage_text, write_passage_store
 from t5_retrieval.data.records import DataError, Passage
+from t5_retrieval.data.stores.kb import PassageStore, build_kb, chunk_page, passage_text, write_passage_store
 
 
 def _words(prefix, n):

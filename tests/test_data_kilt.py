@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from t5_retrieval.data.stores.bm25 import BM25Index
-from t5_retrieval.data.stores.kb import PassageStore, build_kb
 from t5_retrieval.data.kilt.examples import convert_task_file, kilt_file
-from t5_retrieval.data.tasks.mixing import subbatch_sizes, temperature_rates
 from t5_retrieval.data.kilt.negatives import mine_bm25_negatives
 from t5_retrieval.data.kilt.prepare import _LazyBM25
 from t5_retrieval.data.records import DataError, Example, read_examples, read_negatives
+from t5_retrieval.data.stores.bm25 import BM25Index
+from t5_retrieval.data.stores.kb import PassageStore, build_kb
+from t5_retrieval.data.tasks.mixing import subbatch_sizes, temperature_rates
 from t5_retrieval.data.text import format_query
 
 PAGES = [

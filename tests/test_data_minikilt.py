@@ -6,11 +6,11 @@ import os
 import pytest
 
 from t5_retrieval.data import layout
-from t5_retrieval.data.stores.bm25 import BM25Index
-from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.kilt.negatives import bm25_query
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_tasks
 from t5_retrieval.data.records import read_examples
+from t5_retrieval.data.stores.bm25 import BM25Index
+from t5_retrieval.data.stores.kb import PassageStore
 
 MINI_KILT = "/work/shared/data/mini_kilt"
 TASKS = ["fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking"]

@@ -5,8 +5,8 @@ demo's first row runs on it and lands in the demo's table with its wall time."""
 import os
 
 import pytest
-
 from conftest import SHARED_DATA
+
 from t5_retrieval.commands import data as data_command
 from t5_retrieval.data.kilt import demo_slice as kilt_slice
 
@@ -42,8 +42,8 @@ def bm25_demo(tmp_path_factory):
 
 def test_every_gold_page_of_the_slice_is_in_its_kb(bm25_demo):
     from t5_retrieval.data import layout
-    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.records import read_examples
+    from t5_retrieval.data.stores.kb import PassageStore
 
     data_dir, _ = bm25_demo
     pages = set(PassageStore.open(layout.kb_dir(data_dir)).passages_by_page())

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from t5_retrieval import cli, errors
+from t5_retrieval.data.records import Passage
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import write_passage_store
-from t5_retrieval.data.records import Passage
 from t5_retrieval.retrieval import index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 

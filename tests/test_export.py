@@ -185,8 +185,8 @@ def test_query_preprocessing_ops_tokenize_like_the_python_path(exported):
     import tensorflow as tf
     import tensorflow_text as tf_text
 
-    from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens
     from t5_retrieval.data.text import format_query
+    from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens
     from t5_retrieval.export import preprocess
 
     run = exported[0]

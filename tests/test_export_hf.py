@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import prepare_small_demo
 from safetensors.numpy import load_file
 from sentence_transformers import SentenceTransformer
 
-from conftest import prepare_small_demo
 from t5_retrieval import checkpoint, gin_utils
 from t5_retrieval.cli import main as t5r
 from t5_retrieval.data import layout

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import prepare_small_demo
+
 from t5_retrieval import checkpoint, cli, gin_utils
+from t5_retrieval.inference import load_dual_encoder
 from t5_retrieval.multitask import taco
 from t5_retrieval.multitask.analysis import STATE_FILE, load_state_npz
-from t5_retrieval.inference import load_dual_encoder
 from t5_retrieval.optim import freeze, make_optimizer
 from t5_retrieval.sharding import param_path
 from t5_retrieval.train import train

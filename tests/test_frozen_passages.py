@@ -9,22 +9,22 @@ import gin
 import jax
 import numpy as np
 import pytest
+from tiny_model import TASKS, _bindings, build_tiny_run
 
 from t5_retrieval import gin_utils
 from t5_retrieval.data import layout
 from t5_retrieval.data.batching.batches import make_train_iterator, passage_table
-from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.data.records import DataError
+from t5_retrieval.data.stores import embedding_store
+from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.inference import QuerySideEncoder, load_encoder
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
-from t5_retrieval.data.stores import embedding_store
-from t5_retrieval.inference import QuerySideEncoder, load_encoder
 from t5_retrieval.retrieval.index import load_index
 from t5_retrieval.stages import index_and_evaluate
 from t5_retrieval.train import train
 from t5_retrieval.train_step import per_task_gradients, summed_gradient, task_loss_fn
-from tiny_model import TASKS, _bindings, build_tiny_run
 
 STEP_TASKS = ["a", "b"]
 
@@ -130,7 +130,13 @@ def test_training_over_stored_passages_gives_a_query_side_model_of_the_base(tiny
 
 
 def test_fusion_experts_read_the_stored_embeddings_behind_their_index(tiny, tmp_path):
-    from t5_retrieval.fusion.experts import ExpertSpec, PassageVectors, StoredPassageVectors, load_expert, passage_vectors
+    from t5_retrieval.fusion.experts import (
+        ExpertSpec,
+        PassageVectors,
+        StoredPassageVectors,
+        load_expert,
+        passage_vectors,
+    )
 
     root, run = tiny
     store = PassageStore.open(layout.kb_dir(run.data_dir))

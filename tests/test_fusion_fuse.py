@@ -9,13 +9,13 @@ import pytest
 
 from t5_retrieval import cli
 from t5_retrieval.data import layout
-from t5_retrieval.data.stores.bm25 import BM25Index
-from t5_retrieval.data.kilt.synthetic import write_demo
-from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_tasks
+from t5_retrieval.data.kilt.synthetic import write_demo
 from t5_retrieval.data.records import read_jsonl
-from t5_retrieval.fusion import experts, fuse, muf
 from t5_retrieval.data.stores import embedding_store
+from t5_retrieval.data.stores.bm25 import BM25Index
+from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.fusion import experts, fuse, muf
 from t5_retrieval.retrieval import evaluate, index, scann_index, search
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 

@@ -73,19 +73,19 @@ def test_temperature_calibration_lowers_calibration_error():
     assert abs(conf.mean() - correct.mean()) < 0.1, "calibrated confidence should match the accuracy on average"
 
 
-def synthetic_training_set(n: int = 96, dim: int = 8, l: int = 5, seed: int = 0) -> muf.TrainingSet:
+def synthetic_training_set(n: int = 96, dim: int = 8, width: int = 5, seed: int = 0) -> muf.TrainingSet:
     """The gold candidate is a fixed rotation of the query: the raw dot product does not find it."""
     rng = np.random.default_rng(seed)
     rotation = np.linalg.qr(rng.normal(size=(dim, dim)))[0]
     queries = rng.normal(size=(n, dim))
     queries /= np.linalg.norm(queries, axis=1, keepdims=True)
-    candidates = rng.normal(size=(n, l, dim))
+    candidates = rng.normal(size=(n, width, dim))
     candidates /= np.linalg.norm(candidates, axis=2, keepdims=True)
-    position = rng.integers(0, l, n)
+    position = rng.integers(0, width, n)
     candidates[np.arange(n), position] = queries @ rotation.T
-    gold = np.zeros((n, l), bool)
+    gold = np.zeros((n, width), bool)
     gold[np.arange(n), position] = True
-    return muf.TrainingSet(queries.astype(np.float32), candidates.astype(np.float32), np.ones((n, l), bool), gold)
+    return muf.TrainingSet(queries.astype(np.float32), candidates.astype(np.float32), np.ones((n, width), bool), gold)
 
 
 def test_mlp_ensemble_training_lowers_the_loss_and_roundtrips(tmp_path):

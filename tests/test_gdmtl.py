@@ -1,9 +1,9 @@
 """GDMTL: query generation from the positive passage as a second objective on the same T5."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import flax.linen as nn
 import optax
 import pytest
 

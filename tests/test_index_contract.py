@@ -13,6 +13,7 @@ import os
 import gin
 import numpy as np
 import pytest
+from test_retrieval_index import MatrixEncoder, clustered, write
 
 from t5_retrieval import checksums, cli
 from t5_retrieval.commands import index as index_command
@@ -21,7 +22,6 @@ from t5_retrieval.data.stores import bm25
 from t5_retrieval.data.stores.passages import PassageTable
 from t5_retrieval.retrieval import bm25_index, exact_index, index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
-from test_retrieval_index import MatrixEncoder, clustered, write
 
 BACKENDS = ("scann", "exact")  # built from embeddings, searched with embeddings
 ALL_BACKENDS = (*BACKENDS, "bm25")

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from t5_retrieval.data.stores.kb import PassageStore, build_kb
 from t5_retrieval.data.kilt.examples import convert_task_file
 from t5_retrieval.data.kilt.prepare import _LazyBM25, prepare_tasks
 from t5_retrieval.data.records import read_examples
+from t5_retrieval.data.stores.kb import PassageStore, build_kb
 from t5_retrieval.retrieval.evaluate import RankingScorer
 
 # One single-paragraph page per id, so page "X" has the one passage "X_0".

@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import SHARED_DATA
 
 import t5_retrieval.train  # noqa: F401  (registers the configurables models/minilm_l6.gin binds, as `t5r` does)
-from conftest import SHARED_DATA
 from t5_retrieval import checkpoint, gin_utils, sharding
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data.text import format_passage, format_query
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.models import hf_bert_import
-from t5_retrieval.models.pretrained import minilm_l6_dir
 from t5_retrieval.models.build import build_model, init_params, initial_params, model_config
+from t5_retrieval.models.pretrained import minilm_l6_dir
 
 QUERY_LEN, PASSAGE_LEN = 32, 128
 TEXTS = ["Who wrote the novel Frankenstein?", "Aleister Crowley was born on June 12, 1875.",

@@ -17,7 +17,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
 from process_harness import TIMEOUT_S, job_flags, run_processes, start
 
 TRAIN_STEPS, CHECKPOINT_EVERY = 8, 4

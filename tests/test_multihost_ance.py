@@ -16,7 +16,6 @@ import shutil
 
 import numpy as np
 import pytest
-
 from process_harness import job_flags, run_processes
 from test_ance import TASKS, ance_data
 
@@ -67,9 +66,9 @@ def test_only_process_0_indexes_mines_and_evaluates(job):
 
 def test_every_stage_equals_one_process_computing_it_from_the_same_models(job, tmp_path):
     """Re-runs encode, index, mine and eval in this one process from the job's trained models."""
-    from t5_retrieval.data.stores import embedding_store
     from t5_retrieval.data import layout
     from t5_retrieval.data.records import read_negatives
+    from t5_retrieval.data.stores import embedding_store
     from t5_retrieval.stages import index_and_evaluate, mine_stage
 
     work_dir, data_dir = job["work_dir"], job["data_dir"]

@@ -5,11 +5,10 @@ import json
 
 import numpy as np
 import pytest
-
 from test_data_batches import _iterator, data_dir, vocab  # noqa: F401 (fixtures)
 
 
-def test_host_1_resumes_its_own_shard_from_the_state_saved_by_host_0(data_dir, vocab):  # noqa: F811
+def test_host_1_resumes_its_own_shard_from_the_state_saved_by_host_0(data_dir, vocab):  # noqa: F811  (the fixtures imported above)
     hosts = [_iterator(data_dir, vocab, host_index=h, host_count=2) for h in range(2)]
     for it in hosts:
         for _ in range(5):

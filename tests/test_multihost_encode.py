@@ -12,7 +12,6 @@ import re
 
 import numpy as np
 import pytest
-
 from process_harness import job_flags, run_processes
 from tiny_model import build_tiny_run
 
@@ -33,8 +32,8 @@ def shard_files(directory: str) -> dict[str, tuple[int, int]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from t5_retrieval.data import layout
-    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.stores import embedding_store
+    from t5_retrieval.data.stores.kb import PassageStore
 
     root = tmp_path_factory.mktemp("multihost_encode")
     tiny = build_tiny_run(str(root))  # a model dir, its KB and a single-process encode of that KB

@@ -13,7 +13,8 @@ trainer reads without knowing the algorithm. A new algorithm adds its case to TR
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -6,6 +6,7 @@ import os
 import gin
 import jax
 import numpy as np
+from tiny_model import _bindings, build_tiny_run
 
 from t5_retrieval import gin_utils, sharding
 from t5_retrieval.data.batching.batches import make_train_iterator
@@ -13,7 +14,6 @@ from t5_retrieval.inference import load_encoder
 from t5_retrieval.multitask.analysis import STATE_FILE, load_state_npz
 from t5_retrieval.probe import probe_sensitivities
 from t5_retrieval.train import train
-from tiny_model import _bindings, build_tiny_run
 
 STEPS, BETA = 4, 0.5
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import gin
 import jax
 import jax.numpy as jnp
@@ -197,7 +199,7 @@ def test_taco_median_over_nonzero_is_each_tasks_lower_median_of_its_nonzero_valu
     expected = [np.sort(row[row > 0])[(np.count_nonzero(row) - 1) // 2] if row.any() else 0.0 for row in flat]
     assert expected[0] > 0 and np.sort(flat[0])[(flat.shape[1] - 1) // 2] == 0, "case must separate the two"
     for mode, kw in (("exact", {}), ("approx", {"num_samples": flat.shape[1]})):  # a full sample is exact
-        median = jax.jit(lambda x: taco_global_median(x, mode, over="nonzero", **kw))
+        median = jax.jit(functools.partial(taco_global_median, mode=mode, over="nonzero", **kw))
         np.testing.assert_array_equal(np.asarray(median(leaves)), np.float32(expected), err_msg=mode)
     with pytest.raises(ValueError, match="median_over"):
         multitask.taco(num_tasks=3, total_steps=10, burn_in_fraction=0.0, median_over="touched")
@@ -244,7 +246,9 @@ def test_taco_bfloat16_state_follows_float32_at_the_default_beta():
 
     def final_ema(state_dtype):
         tx = multitask.taco(k, total_steps=10, burn_in_fraction=0.0, beta=0.999, state_dtype=state_dtype)
-        body = lambda state, _: (tx.update(grads, state, params)[1], None)  # noqa: E731
+        def body(state, _):
+            return tx.update(grads, state, params)[1], None
+
         ema = jax.jit(lambda: jax.lax.scan(body, tx.init(params), None, length=steps)[0])().ema["w"]
         assert ema.dtype == jnp.dtype(state_dtype)
         return np.asarray(ema, np.float64)
@@ -311,8 +315,8 @@ def test_taco_approx_median_weights_agree_with_exact():
     """2^14 sampled positions of P = 120k heavy-tailed values, EMA at full scale (beta 0.5).
 
     Measured over seeds 8, 1, 2: median error 3.1-3.8%, mean |dW| 2.5-2.9e-3, 99.9th percentile
-    |dW| 0.05-0.07 (max 0.3-0.7); the bounds below leave about 2x margin. Parameters with extreme sensitivity (saturated softmax) see the
-    largest differences, hence the bound on the 99.9th percentile rather than the max.
+    |dW| 0.05-0.07 (max 0.3-0.7); the bounds below leave about 2x margin. Parameters with extreme
+    sensitivity (saturated softmax) see the largest differences, hence the bound on the 99.9th percentile rather than the max.
     """
     rng = np.random.default_rng(8)
     k, steps = 4, 2

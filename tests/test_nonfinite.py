@@ -8,7 +8,6 @@ with NaN, so the loss and every gradient become NaN as they would after a real o
 import json
 import os
 
-import gin
 import jax
 import numpy as np
 import pytest

@@ -68,6 +68,7 @@ def expected_param_bytes(layout: str, mesh: dict[str, int]) -> int:
     dimension of the same parameter took that mesh axis."""
     import flax.linen as nn
     import gin
+
     from t5_retrieval import gin_utils, sharding
     from t5_retrieval.models.build import build_model, model_config
 
@@ -126,11 +127,12 @@ def test_v4_topology_compiles_per_tensor_core():
 
 def test_parameters_a_rule_set_leaves_unsharded_are_reported():
     from jax.sharding import Mesh
+
     from t5_retrieval import sharding
-    from t5_retrieval.plan import planner
-    from t5_retrieval.plan.steps import abstract_params
     from t5_retrieval.models.dual_encoder import DualEncoder
     from t5_retrieval.models.t5 import T5Config
+    from t5_retrieval.plan import planner
+    from t5_retrieval.plan.steps import abstract_params
 
     model = DualEncoder(T5Config(vocab_size=512, d_model=32, d_ff=64, num_heads=4, d_kv=16, num_encoder_layers=1,
                                  num_decoder_layers=1))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -145,7 +145,7 @@ def test_run_killed_mid_step_and_mid_checkpoint_resumes_bit_identical(tmp_path, 
         proc = start(resumed_dir, variant)
         newest = completed_steps(resumed_dir)[-1]
 
-        def writing_newer() -> list[str]:
+        def writing_newer(newest: int = newest) -> list[str]:
             return [n for n in os.listdir(resumed_dir)
                     if TMP_MARKER in n and n.split(".")[0].isdigit() and int(n.split(".")[0]) > newest]
 

@@ -11,13 +11,21 @@ import seqio
 
 from t5_retrieval import sharding
 from t5_retrieval.data import layout
-from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.kilt.demo_slice import SHIPPED, extract
-from t5_retrieval.data.tasks.materialize import materialize
-from t5_retrieval.data.tokenizers.query_inputs import (KEEP_BEGINNING, MENTION_WINDOW, QueryInput, mention_window, query_ids,
-                                            query_tokens, recorded_query_input, split_mention)
 from t5_retrieval.data.records import read_examples
+from t5_retrieval.data.tasks import retrieval_tasks
+from t5_retrieval.data.tasks.materialize import materialize
 from t5_retrieval.data.text import END_ENT, START_ENT, format_query, normalize_query
+from t5_retrieval.data.tokenizers.query_inputs import (
+    KEEP_BEGINNING,
+    MENTION_WINDOW,
+    QueryInput,
+    mention_window,
+    query_ids,
+    query_tokens,
+    recorded_query_input,
+    split_mention,
+)
 from t5_retrieval.data.tokenizers.tokenize import encode_batch, load_vocabulary, tokenize
 from t5_retrieval.models.pretrained import minilm_l6_dir
 from t5_retrieval.results.common import TASKS

@@ -7,22 +7,22 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import SHARED_DATA
+from tiny_model import build_tiny_run
+
 from t5_retrieval import query_side
+from t5_retrieval.commands import query_side as query_side_command
+from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
 from t5_retrieval.data import layout
-from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.kilt.answers import AnswerMatcher, AnswerTexts
 from t5_retrieval.data.kilt.qa_open import QATask, read_qa_task
 from t5_retrieval.data.records import DataError, Example, read_examples
-from t5_retrieval.inference import QuerySideEncoder, load_encoder, token_lengths
 from t5_retrieval.data.stores import embedding_store
-from t5_retrieval.commands import query_side as query_side_command
-from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
+from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.inference import QuerySideEncoder, load_encoder, token_lengths
 from t5_retrieval.retrieval.encoder import model_task_name
 from t5_retrieval.retrieval.index import load_index
 from t5_retrieval.stages import index_and_evaluate
-from tiny_model import build_tiny_run
 
 
 def test_loss_is_minus_log_of_the_softmax_mass_on_the_positive_set():

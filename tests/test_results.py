@@ -7,8 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import SHARED_DATA
+
 from t5_retrieval import cli
 from t5_retrieval.results.analysis import analysis_table
 from t5_retrieval.results.common import TASKS

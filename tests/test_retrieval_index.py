@@ -6,8 +6,8 @@ import gin
 import numpy as np
 import pytest
 
-from t5_retrieval.data.records import Passage
 from t5_retrieval.commands import index as index_command
+from t5_retrieval.data.records import Passage
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.retrieval import index, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder

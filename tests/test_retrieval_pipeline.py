@@ -8,16 +8,18 @@ import numpy as np
 import pytest
 
 from t5_retrieval import cli
-from t5_retrieval.data.kilt import answers
+from t5_retrieval.commands import encode as encode_command
+from t5_retrieval.commands import evaluate as eval_command
+from t5_retrieval.commands import index as index_command
+from t5_retrieval.commands import mine as mine_command
 from t5_retrieval.data import layout
-from t5_retrieval.data.stores.kb import PassageStore, write_passage_store
+from t5_retrieval.data.kilt import answers
 from t5_retrieval.data.records import Example, Passage, read_jsonl, read_negatives
 from t5_retrieval.data.stores import embedding_store
-from t5_retrieval.commands import encode as encode_command, evaluate as eval_command, index as index_command
-from t5_retrieval.commands import mine as mine_command
-from t5_retrieval.retrieval import evaluate, index, metrics, mine, scann_index
-from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
+from t5_retrieval.data.stores.kb import PassageStore, write_passage_store
 from t5_retrieval.data.stores.passages import PassageTable
+from t5_retrieval.retrieval import evaluate, metrics, mine, scann_index
+from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
 MINI_KILT = "/work/shared/data/mini_kilt"
 

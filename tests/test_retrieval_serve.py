@@ -18,12 +18,12 @@ import pytest
 import uvicorn
 
 from t5_retrieval import cli
+from t5_retrieval.commands import serve as serve_command
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data.stores import embedding_store
-from t5_retrieval.commands import serve as serve_command
+from t5_retrieval.data.stores.passages import PassageTable
 from t5_retrieval.retrieval import http_server, index, scann_index, serve
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
-from t5_retrieval.data.stores.passages import PassageTable
 
 KB = [
     Passage("paris_0", "paris", "Paris", "Paris is the capital and largest city of France."),

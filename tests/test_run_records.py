@@ -8,9 +8,9 @@ import pytest
 
 from t5_retrieval import cli
 from t5_retrieval.results.common import TASKS
-from t5_retrieval.results.records import METRICS, read_records
-from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED, TITLES
 from t5_retrieval.results.page import MARKED, refreshed
+from t5_retrieval.results.records import METRICS, read_records
+from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED
 from t5_retrieval.results.tables import markdown_table
 
 DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs")

@@ -19,12 +19,11 @@ import sys
 import gin
 import pytest
 
-from t5_retrieval.errors import UserError
-
 from t5_retrieval import cli, gin_utils
 from t5_retrieval.commands import gin_flags
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import read_examples, read_negatives
+from t5_retrieval.errors import UserError
 
 USER_MODULE = '''
 """A user's Tasks: their own jsonl rows, their own field names, a query rewrite."""
@@ -95,8 +94,8 @@ STEPS, CHECKPOINT_EVERY, BATCH = 4, 2, 8
 def user_setup(tmp_path_factory):
     """Demo data (KB, examples, BM25 negatives), a vocabulary, and the user's rows written from the
     demo's fever and nq examples in the user's own format."""
-    from t5_retrieval.data.kilt.synthetic import write_demo
     from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
+    from t5_retrieval.data.kilt.synthetic import write_demo
     from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 
     root = tmp_path_factory.mktemp("seqio_path")
@@ -541,7 +540,7 @@ def test_a_task_without_negatives_names_the_command_that_writes_them(user_setup,
     for part in ("kb", "examples"):
         os.symlink(os.path.join(user_setup["data_dir"], part), os.path.join(data_dir, part))
     for task in ("demo_fever", "bare_nq"):
-        def iterator():
+        def iterator(task: str = task):
             return make_train_iterator(task, data_dir, None, user_setup["vocabulary"], 24, 32, 1, per_device_batch=4,
                                        cache_dir="", task_module=MODULE_NAME)
 

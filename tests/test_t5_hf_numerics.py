@@ -107,7 +107,8 @@ def test_missing_tensor_is_named(tmp_path):
     cfg, target = _flat_target(str(tmp_path))
     tensors = hf_import.read_safetensors(str(tmp_path))
     del tensors["encoder.block.1.layer.1.DenseReluDense.wi_0.weight"]
-    with pytest.raises(hf_import.HFImportError, match=r"missing tensor 'encoder\.block\.1\.layer\.1\.DenseReluDense\.wi_0\.weight'"):
+    missing = r"missing tensor 'encoder\.block\.1\.layer\.1\.DenseReluDense\.wi_0\.weight'"
+    with pytest.raises(hf_import.HFImportError, match=missing):
         hf_import.convert(tensors, cfg, target)
 
 

@@ -18,13 +18,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 import seqio
-
 from conftest import SHARED_DATA
+from wordpiece_reference import encoder
+
 from t5_retrieval.data.text import PASSAGE_TEMPLATES, T5_EOS_TEXT, format_passage, format_query
 from t5_retrieval.data.tokenizers.conventions import TokenConventions, conventions_of
 from t5_retrieval.data.tokenizers.tokenize import encode_batch, tokenize
 from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary
-from wordpiece_reference import encoder
 
 SPM = os.path.join(os.path.dirname(seqio.__file__), "test_data", "sentencepiece", "sentencepiece.model")
 LENGTHS = (16, 256)  # truncating nearly every text, and the passage length (most texts fit)

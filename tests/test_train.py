@@ -152,3 +152,9 @@ def test_a_config_recorded_before_vocabulary_digests_resumes_with_the_current_di
     assert upgraded_config(stored, current) == current, "a run started before digests were recorded must resume"
     changed = {"features": {**current["features"], "vocabulary_digest": "fedcba9876543210"}}
     assert upgraded_config(changed, current) != current, "a recorded digest is never overwritten"
+
+
+def test_zero_steps_is_refused_naming_the_binding(tmp_path):
+    """num_steps=0 once counted as unset and the run died computing None epochs x steps per epoch."""
+    with pytest.raises(UserError, match=r"^train.num_steps must be >= 1, got 0\n"):
+        train(str(tmp_path / "model"), batches=RandomBatches, num_steps=0)

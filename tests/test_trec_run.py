@@ -2,8 +2,8 @@
 
 import pytest
 
-from t5_retrieval.data.stores.passages import PassageTable
 from t5_retrieval.data.records import Example, Passage
+from t5_retrieval.data.stores.passages import PassageTable
 from t5_retrieval.retrieval.evaluate import Ranking, RankingScorer, trec_run, write_results
 
 PASSAGES = PassageTable([Passage(f"p{i}_{j}", f"p{i}", f"Page {i}", f"text {i} {j} answer{i}") for i in range(4)

@@ -60,6 +60,7 @@ print(json.dumps(out))
 
 def test_every_writing_command_refuses_a_read_only_output_in_one_line(tmp_path, small_filesystems_work):
     from conftest import prepare_small_demo
+
     from t5_retrieval import cli
 
     data = prepare_small_demo(tmp_path, ["fever", "nq"])

@@ -25,8 +25,8 @@ import pytest
 
 from t5_retrieval import cli
 from t5_retrieval.data import layout
-from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.records import read_examples, read_negatives
+from t5_retrieval.data.stores.kb import PassageStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README_PORT = "8080"

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 import seqio
-
 from conftest import SHARED_DATA
+
 from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenizers.tokenize import encode_text, load_vocabulary, tokenize

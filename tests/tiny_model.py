@@ -61,13 +61,13 @@ def build_tiny_run(root: str, models: tuple[tuple[int, tuple[str, ...]], ...] = 
     """Demo data -> sentencepiece vocab -> per (seed, extra gin bindings): a model dir, KB embeddings
     and a brute-force index."""
     from t5_retrieval.data import layout
-    from t5_retrieval.data.kilt.synthetic import write_demo
-    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
+    from t5_retrieval.data.kilt.synthetic import write_demo
+    from t5_retrieval.data.stores import embedding_store
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
     from t5_retrieval.inference import load_encoder
-    from t5_retrieval.data.stores import embedding_store
-    from t5_retrieval.retrieval import index, scann_index
+    from t5_retrieval.retrieval import scann_index
 
     raw, data_dir = os.path.join(root, "raw"), os.path.join(root, "data")
     write_demo(raw, num_pages=num_pages, train_per_task=8, dev_per_task=4)

@@ -12,14 +12,20 @@ from typing import Any
 from t5_retrieval import checksums, gin_utils
 from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import rerun
-from t5_retrieval.errors import UserError
 from t5_retrieval.data import layout
-from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.records import DataError, Example
+from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.tasks.retrieval_tasks import has_split, registered_task, split_examples
+from t5_retrieval.errors import UserError
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.retrieval.encoder import (Encoder, HashedBagOfWordsEncoder, dataset_of, model_task_name,
-                                            recorded_tasks, warn_if_trained_on_rewritten_text)
+from t5_retrieval.retrieval.encoder import (
+    Encoder,
+    HashedBagOfWordsEncoder,
+    dataset_of,
+    model_task_name,
+    recorded_tasks,
+    warn_if_trained_on_rewritten_text,
+)
 from t5_retrieval.retrieval.evaluate import load_task_examples
 from t5_retrieval.retrieval.index import Index, load_index
 
@@ -149,7 +155,8 @@ def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[s
 def _missing_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str], missing: Sequence[str],
                       datasets: dict[str, str], rerun: Callable[..., str]) -> str:
     """Which tasks lack `split` examples and why, then each command that scores what can be scored."""
-    reasons, on_split = [], {}
+    reasons: list[str] = []
+    on_split: dict[str, list[str]] = {}
     for name in missing:
         task = model_task_name(encoder, name)
         registered = registered_task(task)

@@ -28,7 +28,8 @@ def _settings() -> Any:
     """`TrainSettings` from the bindings of `train` and `make_train_iterator` (defaults where unbound)."""
     import gin
 
-    from t5_retrieval import gin_utils, train as trainer
+    from t5_retrieval import gin_utils
+    from t5_retrieval import train as trainer
     from t5_retrieval.data.batching.batches import make_train_iterator
     from t5_retrieval.errors import ConfigError
     from t5_retrieval.plan.steps import TrainSettings
@@ -52,8 +53,11 @@ def _settings() -> Any:
 
 
 def main(argv: list[str]) -> int:
-    from t5_retrieval import logs, sharding
-    from t5_retrieval import train  # noqa: F401  (its configurables, which the run files bind)
+    from t5_retrieval import (
+        logs,
+        sharding,
+        train,  # noqa: F401  (its configurables, which the run files bind)
+    )
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.errors import UserError
     from t5_retrieval.models.build import model_config

@@ -13,13 +13,17 @@ import socket
 from t5_retrieval import checksums, logs
 from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
-from t5_retrieval.commands.inputs import (add_encoder_flags, encoder_from_flags, import_task_modules,
-                                         register_named_mixtures)
+from t5_retrieval.commands.inputs import (
+    add_encoder_flags,
+    encoder_from_flags,
+    import_task_modules,
+    register_named_mixtures,
+)
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.retrieval.encoder import recorded_tasks
-from t5_retrieval.retrieval.index import load_index
 from t5_retrieval.retrieval.http_app import bearer_token
 from t5_retrieval.retrieval.http_server import TOKEN_ENV, ServerOptions, bind_address, make_server
+from t5_retrieval.retrieval.index import load_index
 from t5_retrieval.retrieval.serve import SearchService, ServeLimits
 
 

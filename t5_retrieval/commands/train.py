@@ -6,7 +6,8 @@ import argparse
 import os
 import shutil
 
-from t5_retrieval import checkpoint, logs, train as trainer
+from t5_retrieval import checkpoint, logs
+from t5_retrieval import train as trainer
 from t5_retrieval.commands.gin_flags import TRAIN_MACROS, parse_args
 from t5_retrieval.errors import check_writable_dir
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from t5_retrieval.data.text import normalize_query
-from t5_retrieval.errors import UserError, disk_full, is_disk_full, temp_path
+from t5_retrieval.errors import UserError, open_replaced_on_success
 
 
 class DataError(UserError, ValueError):
@@ -52,7 +52,7 @@ class Example:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, row: dict[str, Any]) -> "Example":
+    def from_json(cls, row: dict[str, Any]) -> Example:
         return cls(
             id=str(row["id"]), task=str(row["task"]), query=str(row["query"]),
             gold_pages=tuple(tuple(str(p) for p in s) for s in row["gold_pages"]),
@@ -98,41 +98,18 @@ def require(obj: dict[str, Any], field: str, path: str | os.PathLike[str], line_
 
 def write_jsonl_atomic(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> int:
     """Writes rows to path via a temporary file and a rename, so a crash never leaves a half file."""
-    tmp = temp_path(str(path))
     count = 0
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                count += 1
-    except BaseException as e:
-        _discard(tmp)
-        if is_disk_full(e):
-            raise disk_full(str(path), e) from e
-        raise
-    os.replace(tmp, path)
+    with open_replaced_on_success(path) as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            count += 1
     return count
-
-
-def _discard(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Writes text like `write_jsonl_atomic`: whole or not at all."""
-    tmp = temp_path(str(path))
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-    except BaseException as e:
-        _discard(tmp)
-        if is_disk_full(e):
-            raise disk_full(str(path), e) from e
-        raise
-    os.replace(tmp, path)
+    with open_replaced_on_success(path) as f:
+        f.write(text)
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any, sort_keys: bool = False) -> None:

@@ -25,8 +25,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,15 +37,28 @@ from t5_retrieval import checkpoint, checksums
 from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
 from t5_retrieval.data.tokenizers.query_inputs import recorded_query_input
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path
-from t5_retrieval.errors import UserError
+from t5_retrieval.errors import UserError, replaced_on_success
 from t5_retrieval.export import t5r_query_ids
 from t5_retrieval.export.hf_tokenizers import write_bert_tokenizer, write_json, write_t5_tokenizer
 from t5_retrieval.export.model_card import model_card
-from t5_retrieval.export.sentence_transformers_files import (POOLING_MODES, QUERY_IDS_FILE, ROLE_BOTH, ROLE_PASSAGE,
-                                                             ROLE_QUERY, copy_source, write_router,
-                                                             write_sentence_transformers, write_transformer_config)
-from t5_retrieval.inference import (DualEncoderInference, QuerySideEncoder, is_query_side_dir, load_dual_encoder,
-                                    load_encoder)
+from t5_retrieval.export.sentence_transformers_files import (
+    POOLING_MODES,
+    QUERY_IDS_FILE,
+    ROLE_BOTH,
+    ROLE_PASSAGE,
+    ROLE_QUERY,
+    copy_source,
+    write_router,
+    write_sentence_transformers,
+    write_transformer_config,
+)
+from t5_retrieval.inference import (
+    DualEncoderInference,
+    QuerySideEncoder,
+    is_query_side_dir,
+    load_dual_encoder,
+    load_encoder,
+)
 from t5_retrieval.models import hf_bert_import, hf_import
 from t5_retrieval.models.bert import BertConfig
 from t5_retrieval.models.t5 import T5Config
@@ -175,9 +186,11 @@ def load_networks(checkpoint_dir: str, step: int | None) -> Networks:
         model = load_dual_encoder(checkpoint_dir, step, batch_size=1)
         return Networks(model, model, model, query_side=False)
     encoder = load_encoder(checkpoint_dir, step, batch_size=1)  # checks the base's fingerprint
+    assert isinstance(encoder, QuerySideEncoder)  # is_query_side_dir
     passage = encoder.passage_encoder
     while isinstance(passage, QuerySideEncoder):  # the base of a query-side base
         passage = passage.passage_encoder
+    assert isinstance(passage, DualEncoderInference)  # the first base that is not query-side
     return Networks(encoder, encoder.query_encoder, passage, query_side=True)
 
 
@@ -256,8 +269,8 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
     st, tasks = record["sentence_transformers"], record["tasks"]
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
-    partial = tempfile.mkdtemp(prefix=".t5r-export-hf-", dir=parent)
-    try:
+    with replaced_on_success(os.path.abspath(output_dir)) as partial:  # replaces an empty output_dir
+        os.makedirs(partial)
         query_params = jax_to_numpy(networks.query.params[networks.query_params_key])
         passage_params = jax_to_numpy(networks.passage.params[family])
         if networks.two_networks:
@@ -279,9 +292,6 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
         with open(os.path.join(partial, "README.md"), "w", encoding="utf-8") as f:
             f.write(model_card(record))
         checksums.record(partial)  # `t5r checksum <dir>` verifies a copy of the export
-        os.replace(partial, output_dir)  # rename(2) also replaces an empty directory
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     return record
 
 

@@ -59,7 +59,7 @@ def t5_tokenizer(spm_path: str) -> tokenizers.Tokenizer:
     """T5Tokenizer's pipeline over a sentencepiece model, with seqio's sentinels."""
     from sentencepiece import sentencepiece_model_pb2
 
-    proto = sentencepiece_model_pb2.ModelProto()
+    proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]  # generated protobuf class
     with open(spm_path, "rb") as f:
         proto.ParseFromString(f.read())
     vocab = [(piece.piece, piece.score) for piece in proto.pieces]

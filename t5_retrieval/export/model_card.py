@@ -71,7 +71,7 @@ def describe_model(record: dict[str, Any]) -> str:
     if record["family"] == "bert":
         what = f"a BERT dual encoder (`BertModel`, {record['pooling']} pooling"
     else:
-        what = (f"a Sentence-T5 dual encoder (`T5Model`, "
+        what = ("a Sentence-T5 dual encoder (`T5Model`, "
                 + ("ST5-EncDec: one decoder step from id 0" if record["pooling"] == "encdec" else "ST5-Enc: mean pooling"))
     what += ", L2-normalised)" if record["l2_normalize"] else ")"
     if record["query_encoder"] == record["passage_encoder"]:

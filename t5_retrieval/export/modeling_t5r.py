@@ -17,7 +17,7 @@ from typing import Any
 try:  # sentence-transformers 5.7's name
     from sentence_transformers.sentence_transformer.modules import Transformer
 except ImportError:  # 5.0 to 5.6
-    from sentence_transformers.models import Transformer
+    from sentence_transformers.models import Transformer  # type: ignore[no-redef]
 
 from .t5r_query_ids import query_ids
 
@@ -41,15 +41,16 @@ class T5rTransformer(Transformer):
         self.tasks = tasks or {}
         self.task_of_prompt = {spec["prompt"]: name for name, spec in self.tasks.items()}
 
-    def preprocess(self, inputs: list[Any], prompt: str | None = None, task: str | None = None,
+    def preprocess(self, inputs: list[Any], prompt: str | None = None, *args: Any, task: str | None = None,
                    **kwargs: Any) -> dict[str, Any]:
-        """Queries as t5r's ids of their task; passages as `Transformer` tokenises them."""
+        """Queries as t5r's ids of their task; passages as `Transformer` tokenises them (with the
+        base's further arguments, such as 5.7's `processing_kwargs`)."""
         if self.is_query(prompt, task):
             return self.preprocess_queries(inputs, self.task_named_by(prompt))
         if prompt:
             raise ValueError("passages take no prompt: call encode_document(passages) without prompt_name "
                              "(a prompt here names a query's task)")
-        return super().preprocess(inputs, **kwargs)
+        return super().preprocess(inputs, None, *args, **kwargs)
 
     def is_query(self, prompt: str | None, task: str | None) -> bool:
         """`task` is sentence-transformers' "query"/"document" (one network only; a Router keeps it)."""
@@ -70,6 +71,9 @@ class T5rTransformer(Transformer):
     def preprocess_queries(self, queries: list[Any], task: str) -> dict[str, Any]:
         if not all(isinstance(q, str) for q in queries):
             raise TypeError(f"pass each query of {task} as one string (not a pair, dict or image)")
-        ids = [query_ids(self.tokenizer, q, self.tasks[task]) for q in queries]
-        batch = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt")
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{type(self).__name__}: the model directory has no tokenizer")
+        ids = [query_ids(tokenizer, q, self.tasks[task]) for q in queries]
+        batch = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "modality": "text"}

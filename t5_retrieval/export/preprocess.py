@@ -84,8 +84,9 @@ def _mention_windows(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, budgets: 
     _, left, mention, right = _mention_parts(texts)
     prefix, left, mention, right = (encode(tokenizer, s) for s in (prefixes, left, mention, right))
     batch = tf.shape(texts, out_type=tf.int64)[:1]
-    start_marker, end_marker = (tf.RaggedTensor.from_tensor(tf.tile(encode(tokenizer, tf.constant([m])).to_tensor(), [batch[0], 1]))
-                                for m in (START_ENT, END_ENT))
+    start_marker, end_marker = (
+        tf.RaggedTensor.from_tensor(tf.tile(encode(tokenizer, tf.constant([m])).to_tensor(), [batch[0], 1]))
+        for m in (START_ENT, END_ENT))
     markers = start_marker.row_lengths() + end_marker.row_lengths()
     budget = budgets - prefix.row_lengths()
     mention_kept = tf.minimum(mention.row_lengths(), tf.maximum(budget - markers, 0))

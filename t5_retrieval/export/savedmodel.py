@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -39,15 +38,16 @@ import numpy as np
 import tensorflow as tf
 
 from t5_retrieval import checkpoint, checksums
-from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.records import DataError
+from t5_retrieval.data.stores import embedding_store
+from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.data.tasks import task_names
+from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW, recorded_query_input
+from t5_retrieval.errors import ConfigError, UserError, replaced_on_success
 from t5_retrieval.export import preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
-from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW, recorded_query_input
 from t5_retrieval.inference import DualEncoderInference
-from t5_retrieval.data.stores import embedding_store
-from t5_retrieval.data.tasks import task_names
-from t5_retrieval.errors import ConfigError, UserError
+from t5_retrieval.models.build import apply_params
 from t5_retrieval.retrieval.index import INDEX_JSON, load_index
 from t5_retrieval.retrieval.scann_index import SCANN_DIR, ScannIndex
 
@@ -81,8 +81,8 @@ def _jax_embed(encoder: DualEncoderInference):
 
     def embed(params: Any, tokens: jax.Array, tower_ids: jax.Array) -> jax.Array:
         if not towers:  # one encoder for every task's queries: the shared one or the separate query tower
-            return model.apply({"params": params}, tokens, tower=config.query_tower(0))
-        every = jnp.stack([model.apply({"params": params}, tokens, tower=k) for k in range(towers)])
+            return apply_params(model, params, tokens, tower=config.query_tower(0))
+        every = jnp.stack([apply_params(model, params, tokens, tower=k) for k in range(towers)])
         return jnp.take_along_axis(every, tower_ids[None, :, None], axis=0)[0]
 
     return embed
@@ -102,8 +102,8 @@ class RetrievalModule(tf.Module):
     def __init__(self, encoder: DualEncoderInference, index: ScannIndex, index_dir: str, store: PassageStore,
                  staging: str):
         super().__init__()
-        from jax.experimental import jax2tf
         import tensorflow_text as tf_text
+        from jax.experimental import jax2tf
 
         features = encoder.features
         # The query tower of a task is its position here, as in `DualEncoderInference.encode_queries`.
@@ -183,7 +183,10 @@ class RetrievalModule(tf.Module):
         rows, scores = self._searcher.search(self._embeddings(query, task), k, pre_reorder)
         rows = tf.cast(rows, tf.int64)
         found = tf.logical_not(tf.math.is_nan(scores))  # ScaNN pads short result lists with NaN scores.
-        lookup = lambda table: tf.where(found, table.lookup(rows), "")  # noqa: E731
+
+        def lookup(table: tf.lookup.StaticHashTable) -> tf.Tensor:
+            return tf.where(found, table.lookup(rows), "")
+
         return {"passage_ids": lookup(self._passage_ids), "page_ids": lookup(self._page_ids),
                 "titles": lookup(self._titles), "scores": scores}
 
@@ -222,9 +225,8 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
               "index": index_manifest}
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix="t5r-export-")
-    partial = tempfile.mkdtemp(prefix=".t5r-export-", dir=parent)
-    try:
+    with (tempfile.TemporaryDirectory(prefix="t5r-export-", ignore_cleanup_errors=True) as staging,
+          replaced_on_success(os.path.abspath(output_dir)) as partial):  # replaces an empty output_dir
         with open(os.path.join(staging, EXPORT_JSON), "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)
         with open(os.path.join(staging, checkpoint.CONFIG_FILE), "w", encoding="utf-8") as f:
@@ -234,9 +236,5 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
         tf.saved_model.save(module, partial, signatures={"search": module.search, "encode": module.encode,
                                                          "serving_default": module.search})
         checksums.record(partial)  # `t5r checksum <dir>` verifies a copy before TF Serving loads it
-        os.replace(partial, output_dir)
-        log.info("export: wrote %s in %.1fs", output_dir, time.time() - start)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(partial, ignore_errors=True)
+    log.info("export: wrote %s in %.1fs", output_dir, time.time() - start)
     return record

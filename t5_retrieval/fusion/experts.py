@@ -16,14 +16,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from t5_retrieval.data.records import DataError, Example
+from t5_retrieval.data.stores.passages import PassageLookup
+from t5_retrieval.data.tasks.task_names import UnknownTaskError
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.fusion import muf
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.data.tasks.task_names import UnknownTaskError
 from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder, model_task_name
 from t5_retrieval.retrieval.index import Index, load_index
 from t5_retrieval.retrieval.search import PassageSearcher, Ranked, dense_searcher
-from t5_retrieval.data.stores.passages import PassageLookup
 
 LEXICAL = "lexical:"  # checkpoint spec for the hashed bag-of-words baseline: "lexical:<dim>"
 
@@ -41,7 +41,7 @@ class ExpertSpec:
     index_dir: str
 
     @classmethod
-    def parse(cls, text: str | Sequence[str]) -> "ExpertSpec":
+    def parse(cls, text: str | Sequence[str]) -> ExpertSpec:
         """From "task,checkpoint,index_dir" (CLI) or a 3-tuple (gin)."""
         parts = [p.strip() for p in (text.split(",") if isinstance(text, str) else text)]
         if len(parts) != 3 or not all(parts):

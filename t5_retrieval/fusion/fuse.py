@@ -31,12 +31,12 @@ import gin
 import numpy as np
 
 from t5_retrieval.data.records import Example
+from t5_retrieval.data.stores.passages import PassageLookup
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.fusion import experts as experts_lib
 from t5_retrieval.fusion import muf
 from t5_retrieval.retrieval.evaluate import EvalResult, RankingScorer
 from t5_retrieval.retrieval.search import PassageSearcher, Ranked, bm25_searcher
-from t5_retrieval.data.stores.passages import PassageLookup
 
 
 def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: Sequence[float]) -> Ranked:
@@ -51,8 +51,8 @@ def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: 
         for pid in ids:
             position.setdefault(pid, len(position))
     total = np.zeros(len(position), np.float64)
-    for (ids, scores), weight in zip(lists, weights):
-        scores = np.asarray(scores, np.float64)
+    for (ids, given), weight in zip(lists, weights):
+        scores = np.asarray(given, np.float64)
         if len(ids) != len(scores):
             raise ValueError(f"a list has {len(ids)} ids but {len(scores)} scores")
         if not len(ids):
@@ -135,7 +135,7 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
             weights.append(conf)
         second = hybrid_with.search(queries, config.depth) if config.hybrid_weight is not None else []
         rankings: dict[str, list[list[str]]] = {m: [] for m in methods}
-        for i, example in enumerate(examples):
+        for i in range(len(examples)):
             per_query = [expert_lists[i] for expert_lists in lists]
             fused = fuse_lists(per_query, [float(w[i]) for w in weights])
             rankings["muf"].append(fused[0][:config.depth])

@@ -120,7 +120,7 @@ class MemberMLP(nn.Module):
 # Uncertainty: member distributions, mutual information, confidence, calibration error
 
 
-def member_probs(scores: jax.Array, valid: jax.Array, temperature: float) -> jax.Array:
+def member_probs(scores: jax.Array, valid: jax.Array, temperature: float | jax.Array) -> jax.Array:
     """softmax(scores / T) over the valid candidates: scores [..., E, L], valid [..., L] -> [..., E, L]."""
     logits = jnp.where(valid[..., None, :], scores / temperature, -jnp.inf)
     return jax.nn.softmax(logits, axis=-1)
@@ -181,7 +181,7 @@ class Calibration:
 
 
 def calibrate_temperature(scores: np.ndarray, valid: np.ndarray, correct: np.ndarray,
-                          temperatures: Sequence[float], start: float, num_bins: int = 10) -> Calibration:
+                          temperatures: Sequence[float] | np.ndarray, start: float, num_bins: int = 10) -> Calibration:
     """The grid temperature with the lowest ECE of `confidence` against `correct` (ties: closest to start)."""
     start_ece = expected_calibration_error(confidence_of_scores(scores, valid, start), correct, num_bins)
     grid = [(float(t), expected_calibration_error(confidence_of_scores(scores, valid, t), correct, num_bins))
@@ -210,8 +210,8 @@ class TrainingSet:
     gold: np.ndarray
 
     def __post_init__(self):
-        n, l, d = self.candidates.shape
-        if self.queries.shape != (n, d) or self.valid.shape != (n, l) or self.gold.shape != (n, l):
+        n, width, d = self.candidates.shape
+        if self.queries.shape != (n, d) or self.valid.shape != (n, width) or self.gold.shape != (n, width):
             raise ValueError(f"TrainingSet shapes disagree: queries {self.queries.shape}, candidates "
                              f"{self.candidates.shape}, valid {self.valid.shape}, gold {self.gold.shape}")
         if n and not np.all(np.any(self.gold & self.valid, axis=1)):
@@ -281,8 +281,8 @@ def train_members(data: TrainingSet, config: EnsembleConfig) -> tuple[Any, list[
 def mean_member_loss(params: Any, data: TrainingSet, config: EnsembleConfig) -> float:
     """The members' mean training loss on all of `data` (for reporting and tests)."""
     model = MemberMLP(data.candidates.shape[-1], config.hidden_dim)
-    losses = jax.vmap(lambda p: _member_nll(model, p, *(jnp.asarray(a) for a in (
-        data.queries, data.candidates, data.valid, data.gold)), config.train_temperature))(params)
+    queries, candidates, valid, gold = (jnp.asarray(a) for a in (data.queries, data.candidates, data.valid, data.gold))
+    losses = jax.vmap(lambda p: _member_nll(model, p, queries, candidates, valid, gold, config.train_temperature))(params)
     return float(jnp.mean(losses))
 
 
@@ -322,7 +322,7 @@ class Ensemble:
             json.dump(meta, f, indent=1)
 
     @classmethod
-    def load(cls, directory: str) -> "Ensemble":
+    def load(cls, directory: str) -> Ensemble:
         path = os.path.join(directory, ENSEMBLE_JSON)
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: not an ensemble directory (no {ENSEMBLE_JSON})")

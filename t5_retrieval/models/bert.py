@@ -121,7 +121,8 @@ class SelfAttention(nn.Module):
                    for n in names]
         biases = [self._param(f"{n}_bias", (h, dk), _zeros(("heads", "kv"))) for n in names]
         qkv = jnp.einsum("bld,dnhk->blnhk", x, jnp.stack(kernels, 1)) + jnp.stack(biases)
-        return tuple(with_constraint(qkv[:, :, i], ("batch", "length", "heads", "kv")) for i in range(3))
+        q, k, v = (with_constraint(qkv[:, :, i], ("batch", "length", "heads", "kv")) for i in range(3))
+        return q, k, v
 
     @nn.compact
     def __call__(self, x: Array, bias: Array, deterministic: bool) -> Array:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -18,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from t5_retrieval import checkpoint, sharding
-from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING
 from t5_retrieval.data.text import PASSAGE_TEMPLATE
+from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.models import pretrained  # noqa: F401 (gin: @minilm_l6_dir)
 from t5_retrieval.models.bert import BertConfig
@@ -99,6 +100,12 @@ def build_model(config: dict[str, Any]) -> DualEncoder | BertDualEncoder:
     return DualEncoder(T5Config(**config["t5"]), DualEncoderConfig(**config["dual_encoder"]))
 
 
+def apply_params(model: nn.Module, params: Any, *args: Any, **kwargs: Any) -> jax.Array:
+    """`model.apply({"params": params}, ...)`: the output alone (flax types `apply` as maybe returning
+    mutated collections too, which a call without `mutable` never does)."""
+    return model.apply({"params": params}, *args, **kwargs)  # type: ignore[return-value]
+
+
 def init_params(model: nn.Module, rng: jax.Array, mesh: jax.sharding.Mesh, rules: sharding.Rules
                 ) -> tuple[Any, Any]:
     """Initialises parameters directly into their shardings; returns (params, shardings)."""
@@ -124,6 +131,7 @@ def initial_params(source: str, like: Any, config: dict[str, Any]) -> Any:
         return params
     if os.path.exists(os.path.join(source, "config.json")):
         from t5_retrieval.models import hf_bert_import, hf_import
+        load: Callable[[str, Any, Any], Any]
         if hf_bert_import.is_bert_config(hf_bert_import.read_hf_config(source)):
             family, load = "bert", hf_bert_import.load_bert
         else:

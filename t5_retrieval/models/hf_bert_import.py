@@ -17,8 +17,18 @@ from typing import Any
 import numpy as np
 
 from t5_retrieval.models.bert import BertConfig
-from t5_retrieval.models.hf_import import (Converter, HFImportError, check_config, dense_in, dense_out, fill_target,
-                                          identity, read_hf_config, read_safetensors, transpose)
+from t5_retrieval.models.hf_import import (
+    Converter,
+    HFImportError,
+    check_config,
+    dense_in,
+    dense_out,
+    fill_target,
+    identity,
+    read_hf_config,
+    read_safetensors,
+    transpose,
+)
 
 # Tensors a BERT checkpoint may hold that our encoder does not use.
 UNUSED_PREFIXES = ("pooler.", "cls.")
@@ -73,8 +83,8 @@ def name_map(cfg: BertConfig) -> Iterator[tuple[str, tuple[str, ...], Converter]
         yield f"{hf_prefix}.weight", (*ours, "kernel"), transpose
         yield f"{hf_prefix}.bias", (*ours, "bias"), identity
 
-    for table, ours in (("word", "word"), ("position", "position"), ("token_type", "token_type")):
-        yield f"embeddings.{table}_embeddings.weight", ("embeddings", ours, "embedding"), identity
+    for table in ("word", "position", "token_type"):
+        yield f"embeddings.{table}_embeddings.weight", ("embeddings", table, "embedding"), identity
     yield from norm("embeddings.LayerNorm", ("embeddings", "layer_norm"))
     for i in range(cfg.num_layers):
         layer, ours = f"encoder.layer.{i}", (f"layers_{i}",)

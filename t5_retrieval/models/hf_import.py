@@ -25,8 +25,8 @@ import numpy as np
 from flax import traverse_util
 from safetensors.numpy import load_file
 
-from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.errors import UserError
+from t5_retrieval.models.t5 import T5Config
 
 log = logging.getLogger(__name__)
 # Tied copies of `shared.weight` that HF may or may not write.

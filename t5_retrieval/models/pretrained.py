@@ -15,6 +15,7 @@ import gin
 
 from t5_retrieval.errors import UserError
 
+
 class PretrainedWeightsMissing(UserError):
     """A pretrained model the run needs is not installed (nothing is downloaded at run time)."""
 

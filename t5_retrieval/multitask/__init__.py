@@ -22,16 +22,28 @@ keeps (hyperparameters, metrics, exported arrays, reset), by which the trainer r
 The transforms are pure: skipping a step with non-finite values is the train step's job.
 """
 
-from t5_retrieval.multitask.state import (
-    ExportedState, MultitaskProblem, MultitaskState, exported_state, multitask_metrics, multitask_problems,
-    multitask_states, multitask_statistics,
-    reset_multitask,
-)
-
 # One line per algorithm (importing its module registers its factory with gin).
 from t5_retrieval.multitask.cgd import CGDState, cgd
 from t5_retrieval.multitask.gradnorm import GradNormState, gradnorm
 from t5_retrieval.multitask.naive import naive_sum
 from t5_retrieval.multitask.pcgrad import PCGradState, pcgrad
+from t5_retrieval.multitask.state import (
+    ExportedState,
+    MultitaskProblem,
+    MultitaskState,
+    exported_state,
+    multitask_metrics,
+    multitask_problems,
+    multitask_states,
+    multitask_statistics,
+    reset_multitask,
+)
 from t5_retrieval.multitask.taco import TacoState, taco
 from t5_retrieval.multitask.uncertainty import UncertaintyState, uncertainty_weighting
+
+__all__ = [
+    "CGDState", "ExportedState", "GradNormState", "MultitaskProblem", "MultitaskState", "PCGradState", "TacoState",
+    "UncertaintyState", "cgd", "exported_state", "gradnorm", "multitask_metrics", "multitask_problems",
+    "multitask_states", "multitask_statistics", "naive_sum", "pcgrad", "reset_multitask", "taco",
+    "uncertainty_weighting",
+]

@@ -76,7 +76,8 @@ def save_state_npz(arrays: Any, task_names: Sequence[str], path: str,
                              f"of {len(task_names)} ({', '.join(task_names)})")
     numbers = {k: np.asarray(v).item() for k, v in (hyperparams or {}).items()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    np.savez(path, **named, **{TASK_NAMES_KEY: np.array(list(task_names)), HYPERPARAMS_KEY: json.dumps(numbers)})
+    arrays = {**named, TASK_NAMES_KEY: np.array(list(task_names)), HYPERPARAMS_KEY: np.array(json.dumps(numbers))}
+    np.savez(path, **arrays)
 
 
 def load_state_npz(path: str) -> SavedState:
@@ -199,7 +200,7 @@ def write_analysis(ema: Any, task_names: Sequence[str], tau: float, out_dir: str
 
     fig, ax = plt.subplots(figsize=(6, 4))
     edges = np.asarray(summary["entropy_histogram"]["edges"])
-    ax.hist([entropy[~inactive], entropy[inactive]], bins=edges, stacked=True,
+    ax.hist([entropy[~inactive], entropy[inactive]], bins=edges.tolist(), stacked=True,
             label=["activated", "not activated"], color=["tab:blue", "tab:gray"])
     ax.axvline(entropy_threshold, color="tab:red", linestyle="--",
                label=f"task specific (< {entropy_threshold:g}): "

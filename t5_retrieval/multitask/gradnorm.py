@@ -31,7 +31,14 @@ import optax
 
 from t5_retrieval.multitask.state import MultitaskProblem, hyperparameter_arrays
 from t5_retrieval.multitask.task_axis import (
-    gram, num_tasks as task_count, task_losses as checked_losses, weighted_sum,
+    gram,
+    weighted_sum,
+)
+from t5_retrieval.multitask.task_axis import (
+    num_tasks as task_count,
+)
+from t5_retrieval.multitask.task_axis import (
+    task_losses as checked_losses,
 )
 
 WEIGHT_FLOOR = 1e-6

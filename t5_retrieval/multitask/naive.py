@@ -8,7 +8,8 @@ import gin
 import jax
 import optax
 
-from t5_retrieval.multitask.task_axis import num_tasks as task_count, sum_tasks
+from t5_retrieval.multitask.task_axis import num_tasks as task_count
+from t5_retrieval.multitask.task_axis import sum_tasks
 
 
 @gin.register(module="multitask")

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import optax
 
 from t5_retrieval.multitask.state import MultitaskProblem, hyperparameter_arrays
-from t5_retrieval.multitask.task_axis import gram, num_tasks as task_count, weighted_sum
+from t5_retrieval.multitask.task_axis import gram, weighted_sum
+from t5_retrieval.multitask.task_axis import num_tasks as task_count
 
 
 class PCGradState(NamedTuple):

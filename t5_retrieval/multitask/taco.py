@@ -19,8 +19,8 @@ default to the paper's behaviour.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import gin
 import jax
@@ -32,7 +32,8 @@ from t5_retrieval.errors import ConfigError
 from t5_retrieval.multitask.bf16 import stochastic_round_bfloat16
 from t5_retrieval.multitask.median import MEDIAN_OVER, taco_global_median, zero_fraction
 from t5_retrieval.multitask.state import MultitaskProblem, hyperparameter_arrays
-from t5_retrieval.multitask.task_axis import num_tasks as task_count, softmax_tasks, sum_tasks
+from t5_retrieval.multitask.task_axis import num_tasks as task_count
+from t5_retrieval.multitask.task_axis import softmax_tasks, sum_tasks
 
 MEDIAN_EPS = 1e-12  # added to the global median before dividing (reference value)
 DEFAULT_TAU = 2.0  # the paper's softmax temperature, `taco`'s default
@@ -89,7 +90,7 @@ class TacoState(NamedTuple):
         a pass over the K x P state, so the trainer computes them at logging steps, not in the update.
         """
         k = jax.tree_util.tree_leaves(self.ema)[0].shape[0]
-        total, entropy, weight_mean = 0, 0.0, 0.0
+        total, entropy, weight_mean = 0, jnp.zeros([]), jnp.zeros([k])
         for e in jax.tree_util.tree_leaves(self.ema):
             w, log_w = softmax_tasks(e.astype(jnp.float32) / self.hyperparams["tau"])
             total += e[0].size
@@ -190,8 +191,9 @@ def taco(
         if k != num_tasks:
             raise ValueError(f"taco was built for {num_tasks} tasks, got gradients with K={k}")
         grad_leaves, treedef = jax.tree_util.tree_flatten(updates)
-        param_leaves = treedef.flatten_up_to(params)
-        ema_leaves = treedef.flatten_up_to(state.ema)
+        # jaxlib's PyTreeDef has no type stub: mypy does not know its methods.
+        param_leaves = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
+        ema_leaves = treedef.flatten_up_to(state.ema)  # type: ignore[attr-defined]
 
         # S_k = |theta * G_k| / (median_k + eps). |theta * G| is recomputed wherever it is needed
         # (XLA fuses it into each consumer) rather than materialised as a K x P array.

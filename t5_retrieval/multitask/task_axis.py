@@ -19,7 +19,7 @@ def num_tasks(task_grads: Any) -> int:
     leaves = jax.tree_util.tree_leaves(task_grads)
     if not leaves:
         raise ValueError("per-task gradients are an empty pytree")
-    k = leaves[0].shape[0] if leaves[0].ndim else None
+    k = leaves[0].shape[0] if leaves[0].ndim else 0
     for leaf in leaves:
         if leaf.ndim == 0 or leaf.shape[0] != k:
             raise ValueError(

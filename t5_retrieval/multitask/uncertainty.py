@@ -21,7 +21,13 @@ import optax
 
 from t5_retrieval.multitask.state import MultitaskProblem, hyperparameter_arrays
 from t5_retrieval.multitask.task_axis import (
-    num_tasks as task_count, task_losses as checked_losses, weighted_sum,
+    num_tasks as task_count,
+)
+from t5_retrieval.multitask.task_axis import (
+    task_losses as checked_losses,
+)
+from t5_retrieval.multitask.task_axis import (
+    weighted_sum,
 )
 
 

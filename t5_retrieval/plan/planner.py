@@ -26,8 +26,17 @@ from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.models.build import build_model
 from t5_retrieval.plan import hlo
 from t5_retrieval.plan.chips import Chip, parse_topology
-from t5_retrieval.plan.steps import (LoweredStep, TaskShape, TrainSettings, abstract_batch, abstract_params,
-                                     encode_batch_rows, lower_encode_step, lower_train_step, task_shapes)
+from t5_retrieval.plan.steps import (
+    LoweredStep,
+    TaskShape,
+    TrainSettings,
+    abstract_batch,
+    abstract_params,
+    encode_batch_rows,
+    lower_encode_step,
+    lower_train_step,
+    task_shapes,
+)
 from t5_retrieval.sharding import param_path
 
 MIB = 1024 ** 2
@@ -53,7 +62,7 @@ def topology_devices(name: str, num_slices: int) -> tuple[Chip, list[Any]]:
     from jax.experimental import topologies
     try:
         topology = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=num_slices)
-    except Exception as e:  # noqa: BLE001  (libtpu's error for a shape it does not know)
+    except Exception as e:  # libtpu's error for a shape it does not know
         reason = " ".join(str(e).split())[:200]
         raise ConfigError(f"--topology={name!r}: libtpu cannot describe it ({reason})") from None
     return chip, list(topology.devices)

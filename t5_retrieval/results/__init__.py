@@ -69,12 +69,16 @@ from t5_retrieval.results.analysis import analysis_table, sensitivity_analysis
 from t5_retrieval.results.common import prepare_data
 from t5_retrieval.results.overlap import overlap_table, read_overlap, write_overlap
 from t5_retrieval.results.qa_open import qa_open_table
-from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED, TITLES
 from t5_retrieval.results.records import read_records, record_run, seed_dir, write_record
-from t5_retrieval.results.significance import (bonferroni_sentence, differences_count, differences_table, inputs_count,
-                                               inputs_table)
+from t5_retrieval.results.rows import CONTROLS, ROWS, SEEDED, TITLES
+from t5_retrieval.results.significance import (
+    bonferroni_sentence,
+    differences_count,
+    differences_table,
+    inputs_count,
+    inputs_table,
+)
 from t5_retrieval.results.tables import markdown_table
-
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,8 @@ def run_rows(work_dir: str, rows: Sequence[str], seeds: Sequence[int] = (0,), da
         raise ConfigError(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
     records_dir = records_dir or os.path.join(work_dir, "records")
     if rows:
+        if data is None:
+            raise ConfigError("run_rows: `data` (the mini-KILT directory, or \"slice\") is needed to run rows")
         data_dir = os.path.join(work_dir, "data")
         raw_dir = extract(SHIPPED, work_dir) if data == "slice" else os.path.abspath(data)
         prepare_data(raw_dir, data_dir)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
 
 from t5_retrieval.results.rows import ROWS
 from t5_retrieval.stages import DONE
-
 
 # The specialisation analysis compares these (with all parameters trained, and with the embedding tables frozen).
 PROBE_ROWS = ("naive_noprefix", "naive_prefix", "taco", "naive_prefix_frozen_embeddings", "taco_frozen_embeddings")
@@ -34,12 +34,12 @@ def sensitivity_analysis(work_dir: str) -> None:
         model_dir = os.path.join(work_dir, name, "model")
         if is_done(model_dir):
             out = os.path.join(work_dir, "analysis", name)
-            stage(out, f"sensitivity probe {name}", lambda: probe_model(model_dir, out))
+            stage(out, f"sensitivity probe {name}", functools.partial(probe_model, model_dir, out))
     for name, model in TRAINING_EMA_ROWS.items():
         saved = state_file(os.path.join(work_dir, name, model))
         if saved is not None:
             out = os.path.join(work_dir, "analysis", f"{name}_training")
-            stage(out, f"{name} training state analysis", lambda: analyse_saved_state(saved, out))
+            stage(out, f"{name} training state analysis", functools.partial(analyse_saved_state, saved, out))
 
 
 def analyse_saved_state(path: str, out_dir: str) -> dict[str, Any]:
@@ -54,8 +54,8 @@ def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
     """Probes a row's trained model on batches of its own training data (seed PROBE_SEED)."""
     import gin
 
-    from t5_retrieval import gin_utils, sharding
     import t5_retrieval.tasks  # noqa: F401  (registers the mixtures the rows train on)
+    from t5_retrieval import gin_utils, sharding
     from t5_retrieval.data.batching.batches import make_train_iterator
     from t5_retrieval.inference import load_dual_encoder
     from t5_retrieval.multitask.analysis import save_state_npz

@@ -15,13 +15,13 @@ from t5_retrieval.results.common import TASKS, configured, dataset_name, dataset
 
 def bm25_row(row_dir: str, data_dir: str) -> None:
     """BM25's top-100 passages per dev query, scored like `t5r eval`."""
-    from t5_retrieval.stages import stage
     from t5_retrieval.data import layout
-    from t5_retrieval.data.stores.bm25 import BM25Index
-    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.kilt.negatives import bm25_query
     from t5_retrieval.data.records import read_examples
+    from t5_retrieval.data.stores.bm25 import BM25Index
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.retrieval.evaluate import RankingScorer, write_results
+    from t5_retrieval.stages import stage
 
     def run() -> dict[str, Any]:
         store = PassageStore.open(layout.kb_dir(data_dir))
@@ -55,8 +55,8 @@ def write_minilm_model_dir(model_dir: str) -> dict[str, Any]:
 
     import t5_retrieval.train  # noqa: F401  (registers train.*, which models/minilm_l6.gin binds)
     from t5_retrieval import checkpoint, gin_utils, sharding
-    from t5_retrieval.models.pretrained import minilm_l6_dir
     from t5_retrieval.models.build import build_model, init_params, initial_params, model_config
+    from t5_retrieval.models.pretrained import minilm_l6_dir
 
     gin.clear_config()
     try:

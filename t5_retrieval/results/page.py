@@ -24,12 +24,17 @@ import os
 import re
 from collections.abc import Callable
 
-from t5_retrieval.data.records import DataError
+from t5_retrieval.data.records import DataError, write_text_atomic
 from t5_retrieval.results.overlap import overlap_table, read_overlap
 from t5_retrieval.results.records import read_records
 from t5_retrieval.results.rows import CONTROLS, TITLES
-from t5_retrieval.results.significance import (bonferroni_sentence, differences_count, differences_table, inputs_count,
-                                               inputs_table)
+from t5_retrieval.results.significance import (
+    bonferroni_sentence,
+    differences_count,
+    differences_table,
+    inputs_count,
+    inputs_table,
+)
 from t5_retrieval.results.tables import markdown_table
 
 # A marker is a whole line, so one quoted in the prose (`<!-- records: ... -->`) is left alone.
@@ -117,8 +122,5 @@ def refresh_page(page_path: str) -> int:
     if not count:
         raise DataError(f"{page_path}: no `<!-- records: KIND DIR -->` markers; nothing to print")
     new = refreshed(page, page_path)
-    tmp = f"{page_path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(new)
-    os.replace(tmp, page_path)
+    write_text_atomic(page_path, new)
     return count

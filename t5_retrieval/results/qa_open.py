@@ -10,7 +10,6 @@ from t5_retrieval.results.common import TASKS, configured
 from t5_retrieval.results.minilm_rows import minilm_zeroshot_row
 from t5_retrieval.stages import DONE
 
-
 QA_OPEN_TASKS = ("nq_open", "triviaqa_open", "webq", "curatedtrec")
 
 
@@ -65,10 +64,10 @@ def qa_open_dir(data_dir: str) -> str:
 def bm25_answer_recall(data_dir: str, qa_dir: str, tasks: tuple[str, ...] = QA_OPEN_TASKS) -> dict[str, Any]:
     """BM25's answer-in-passage recall@QA_OPEN_KS on each task's dev questions (as the data's reference)."""
     from t5_retrieval.data import layout
-    from t5_retrieval.data.stores.bm25 import BM25Index
-    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.kilt.answers import AnswerTexts
     from t5_retrieval.data.kilt.qa_open import read_qa_task
+    from t5_retrieval.data.stores.bm25 import BM25Index
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.query_side import ranking_answer_recall
 
     store = PassageStore.open(layout.kb_dir(data_dir))

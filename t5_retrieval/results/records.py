@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from t5_retrieval.data.records import DataError
+from t5_retrieval.errors import open_replaced_on_success
 from t5_retrieval.results.common import TASKS, dataset_name, dataset_table
 from t5_retrieval.stages import DONE
-
 
 FORMAT = 1
 METRICS = (("Rprec", "R-prec"), ("recall@20", "R@20"))  # key in the KILT table, column label
@@ -121,11 +121,10 @@ def write_record(record: RunRecord, records_dir: str) -> str:
            "queries": {t: {"id": record.query_ids[t], **{k: record.per_query[t][k].tolist() for k, _ in METRICS}}
                        for t in TASKS}}
     path = os.path.join(records_dir, record.file_name)
-    tmp = path + ".tmp"
     # mtime=0 and sorted keys: the same run always gives the same bytes.
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
-        f.write(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
-    os.replace(tmp, path)
+    with open_replaced_on_success(path, "wb") as raw:
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
+            f.write(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
     return path
 
 

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from t5_retrieval.results.minilm_rows import (BOTH_TOWERS_STEPS, COLLAPSED_MEDIAN, FROZEN_EMBEDDINGS, PAPER_MEDIAN,
-                                              TACO_BINDINGS, THREE_EPOCHS, bm25_row, confounders_row, dpr_muf_row,
-                                              minilm_zeroshot_row, recipe_pair_row, recipe_row, task_specific_row,
-                                              trained_row)
+from t5_retrieval.results.minilm_rows import (
+                                              BOTH_TOWERS_STEPS,
+                                              COLLAPSED_MEDIAN,
+                                              FROZEN_EMBEDDINGS,
+                                              PAPER_MEDIAN,
+                                              TACO_BINDINGS,
+                                              THREE_EPOCHS,
+                                              bm25_row,
+                                              confounders_row,
+                                              dpr_muf_row,
+                                              minilm_zeroshot_row,
+                                              recipe_pair_row,
+                                              recipe_row,
+                                              task_specific_row,
+                                              trained_row,
+)
 from t5_retrieval.results.qa_open import query_side_row
 from t5_retrieval.results.t5_rows import t5_scratch_row
-
 
 ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "bm25": ("BM25", bm25_row),

@@ -8,7 +8,6 @@ from typing import Any
 
 from t5_retrieval.results.common import train_model
 
-
 # No pretrained T5 can be had offline, so the T5 rows start from scratch: t5_tiny shapes (2 layers,
 # d_model 64) over a 4k sentencepiece vocabulary trained on the KB. Both sides train (ST5-EncDec
 # shares one T5), so each row encodes the KB with its own model. They measure GDMTL against the same

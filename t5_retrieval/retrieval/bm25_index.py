@@ -71,7 +71,7 @@ class BM25TextIndex(StoredIndex):
         return {"bm25": {"k1": self.retriever.k1, "b": self.retriever.b, "retriever": RETRIEVER_DIR}}
 
     @classmethod
-    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> "BM25TextIndex":
+    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> BM25TextIndex:
         from t5_retrieval.data.stores import bm25
 
         path = os.path.join(directory, RETRIEVER_DIR)

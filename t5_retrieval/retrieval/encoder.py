@@ -18,9 +18,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from t5_retrieval.data.tasks import task_names
-from t5_retrieval.data.stores.kb import passage_text
 from t5_retrieval.data.records import Passage
+from t5_retrieval.data.stores.kb import passage_text
+from t5_retrieval.data.tasks import task_names
 from t5_retrieval.errors import ConfigError
 
 

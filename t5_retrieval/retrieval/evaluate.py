@@ -20,15 +20,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gin
+import numpy as np
 
 from t5_retrieval.data.kilt import answers
 from t5_retrieval.data.records import DataError, Example, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from t5_retrieval.data.stores.passages import PassageLookup
+from t5_retrieval.data.tasks import task_names
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval import metrics, search
-from t5_retrieval.data.tasks import task_names
 from t5_retrieval.retrieval.encoder import Encoder, recorded_tasks
 from t5_retrieval.retrieval.index import Index
-from t5_retrieval.data.stores.passages import PassageLookup
 
 
 def kilt_prediction(example: Example, pages: Sequence[str]) -> dict[str, Any]:
@@ -107,7 +108,7 @@ class RankingScorer:
         return self._tokens[pid]
 
     def add_task(self, task: str, examples: Sequence[Example], rankings: Sequence[Sequence[str]],
-                 scores: Sequence[Sequence[float]] | None = None, dataset: str | None = None) -> None:
+                 scores: Sequence[Sequence[float] | np.ndarray] | None = None, dataset: str | None = None) -> None:
         """Scores one task: `rankings[i]` is the ranked passage ids of `examples[i]`; `scores[i]`, when
         given, their retrieval scores (kept for the TREC run only: no metric reads them). `dataset`
         (default: `task`) decides whether answer recall means anything: `skip_answer_recall` names

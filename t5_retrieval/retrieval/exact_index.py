@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from t5_retrieval.data.stores import embedding_store
-from t5_retrieval.errors import temp_path
+from t5_retrieval.errors import replaced_on_success
 from t5_retrieval.retrieval.stored_index import IndexMismatchError, StoredIndex, read_complete_store
 
 MATRIX_FILE = "embeddings.npy"
@@ -103,19 +103,14 @@ class ExactIndex(StoredIndex):
     def _write_assets(self, directory: str) -> None:
         path = os.path.join(directory, MATRIX_FILE)
         # A new file renamed into place: an index loaded from here keeps reading its own (memory-mapped) copy.
-        tmp = temp_path(path, ".npy")
-        try:
+        with replaced_on_success(path, ".npy") as tmp:
             np.save(tmp, np.asarray(self.matrix, np.float32))
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
 
     def _parameters(self) -> dict[str, Any]:
         return {"exact": {"matrix": MATRIX_FILE}}
 
     @classmethod
-    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> "ExactIndex":
+    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> ExactIndex:
         path = os.path.join(directory, MATRIX_FILE)
         expected = (len(passage_ids), int(record["dim"]))
         try:

@@ -51,8 +51,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.retrieval.http_app import (MAX_HEAD_BYTES, RETRY_AFTER, BodyBudget, WorkerPool, bearer_token,
-                                             search_app)
+from t5_retrieval.retrieval.http_app import (
+    MAX_HEAD_BYTES,
+    RETRY_AFTER,
+    BodyBudget,
+    WorkerPool,
+    bearer_token,
+    search_app,
+)
 from t5_retrieval.retrieval.serve import SearchService
 
 LISTEN_BACKLOG = 1024  # connections the kernel queues before accept (capped by net.core.somaxconn)
@@ -377,7 +383,7 @@ def bind_address(host: str, port: int, auth_token: str | None) -> tuple[socket.A
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise ConfigError(f"--host {host!r} does not resolve: {e}") from None
-    loopback = all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    loopback = all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
     if not loopback and auth_token is None:
         raise ConfigError(f"--host {host!r} is reachable beyond this machine: give a token with --auth_token_file "
                          f"or the {TOKEN_ENV} environment variable, or bind 127.0.0.1")
@@ -404,7 +410,8 @@ class SearchServer:
             log_config=None, access_log=False, proxy_headers=False, server_header=False,
             headers=[("Server", "t5r-serve")], backlog=LISTEN_BACKLOG,
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-            timeout_keep_alive=self.options.read_timeout_s))  # an idle connection's deadline too
+            # An idle connection's deadline too; uvicorn hands it to call_later, which takes a float.
+            timeout_keep_alive=self.options.read_timeout_s))  # type: ignore[arg-type]
         self._stopped = threading.Event()
 
     def serve_forever(self) -> None:

@@ -33,8 +33,7 @@ from t5_retrieval.retrieval.bm25_index import BM25TextIndex, build_bm25_index  #
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.exact_index import ExactIndex, build_exact_index
 from t5_retrieval.retrieval.scann_index import ScannIndex, build_scann_index
-# Re-exported: callers name the index module for its errors and its directory's commit file.
-from t5_retrieval.retrieval.stored_index import INDEX_JSON, IndexMismatchError, read_record  # noqa: F401
+from t5_retrieval.retrieval.stored_index import INDEX_JSON, IndexMismatchError, read_record
 
 BACKENDS = {"scann": ScannIndex, "exact": ExactIndex, "bm25": BM25TextIndex}
 EMBEDDING_BACKENDS = ("scann", "exact")  # what `build_index` builds from an embedding store

@@ -14,10 +14,10 @@ import gin
 
 from t5_retrieval.data.kilt import answers
 from t5_retrieval.data.records import Example, Negatives
+from t5_retrieval.data.stores.passages import PassageLookup
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.retrieval.search import dense_searcher
-from t5_retrieval.data.stores.passages import PassageLookup
 
 
 @gin.configurable(denylist=["encoder", "index", "examples", "passages"])

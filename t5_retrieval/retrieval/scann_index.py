@@ -64,7 +64,7 @@ class ScannConfig:
     num_neighbors: int = 100
     training_threads: int = 0
 
-    def resolved(self, n: int) -> "ScannConfig":
+    def resolved(self, n: int) -> ScannConfig:
         """Fills the size-dependent defaults for a set of n points and picks the mode."""
         if self.mode not in ("auto", "tree_ah", "brute_force"):
             raise ConfigError(f"ScannConfig.mode must be auto, tree_ah or brute_force, got {self.mode!r}")
@@ -162,7 +162,7 @@ class ScannIndex(StoredIndex):
         return {"scann": dataclasses.asdict(self.config)}
 
     @classmethod
-    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> "ScannIndex":
+    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> ScannIndex:
         try:
             searcher = _scann().load_searcher(os.path.join(directory, SCANN_DIR))
         except Exception as e:  # ScaNN says "File too short" etc. without naming a file

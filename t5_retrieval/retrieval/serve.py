@@ -26,13 +26,13 @@ from typing import Any
 
 import gin
 
+from t5_retrieval.data.stores.passages import PassageLookup
 from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.tasks.task_names import UnknownTaskError
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_tasks, warn_if_trained_on_rewritten_text
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.retrieval.search import dense_searcher
-from t5_retrieval.data.stores.passages import PassageLookup
 
 
 @gin.configurable

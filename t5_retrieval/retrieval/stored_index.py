@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from t5_retrieval import checksums
+from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.passages import ids_digest
-from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full
 from t5_retrieval.retrieval.encoder import Encoder
 
@@ -146,7 +146,7 @@ class StoredIndex(abc.ABC):
         checksums.record(directory)  # every file, index.json included: verified by `load`
 
     @classmethod
-    def load(cls, directory: str) -> "StoredIndex":
+    def load(cls, directory: str) -> StoredIndex:
         """The index saved in `directory`; IndexMismatchError if it is damaged or another backend's."""
         record = read_record(directory)
         if record["backend"] != cls.backend:
@@ -185,5 +185,5 @@ class StoredIndex(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> "StoredIndex":
+    def _load(cls, directory: str, record: dict[str, Any], passage_ids: list[str]) -> StoredIndex:
         """The backend's index from its assets in `directory`, given the checked record and ids."""

@@ -12,9 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from t5_retrieval.data.tasks.retrieval_tasks import (
+    TASK_TYPES,
+    add_retrieval_task,
+    add_temperature_mixture,
+    kilt_examples_source,
+)
 from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING
-from t5_retrieval.data.tasks.retrieval_tasks import (TASK_TYPES, add_retrieval_task, add_temperature_mixture,
-                                               kilt_examples_source)
 
 # TACO's maximum query lengths (its Table 5, T5 tokens) by task type.
 PAPER_QUERY_LEN = {"QA": 32, "SF": 32, "FC": 64, "EL": 128, "DIAL": 256}

@@ -1,7 +1,8 @@
 """The built-in SYNTHETIC demo (`t5r data demo`): KILT-shaped tasks, 160 train / 40 dev each, with
 KILT's query lengths (TACO's Table 5)."""
 
-from t5_retrieval.tasks.common import PAPER_QUERY_LEN as LEN, Dataset, register_family
+from t5_retrieval.tasks.common import PAPER_QUERY_LEN as LEN
+from t5_retrieval.tasks.common import Dataset, register_family
 
 register_family("demo", [
     Dataset("fever", "FEVER", "FC", 160, 40, LEN["FC"]),

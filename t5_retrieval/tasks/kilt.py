@@ -1,7 +1,8 @@
 """The 8 KILT datasets of TACO. Sizes: KILT train/dev files (Petroni et al. 2021, Table 1). Query
 lengths: TACO's Table 5, in T5 tokens (the family is trained with T5, as in the paper)."""
 
-from t5_retrieval.tasks.common import PAPER_QUERY_LEN as LEN, Dataset, register_family
+from t5_retrieval.tasks.common import PAPER_QUERY_LEN as LEN
+from t5_retrieval.tasks.common import Dataset, register_family
 
 register_family("kilt", [
     Dataset("fever", "FEVER", "FC", 104_966, 10_444, LEN["FC"]),

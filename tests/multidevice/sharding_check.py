@@ -11,17 +11,17 @@ import sys
 
 assert "--xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS", ""), "needs 8 CPU devices"
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
 
-from t5_retrieval import multitask, sharding  # noqa: E402
-from t5_retrieval.data.batching.random_batches import RandomBatches  # noqa: E402
-from t5_retrieval.models.dual_encoder import DualEncoder  # noqa: E402
-from t5_retrieval.models.t5 import T5Config  # noqa: E402
-from t5_retrieval.models.build import init_params  # noqa: E402
-from t5_retrieval.train_step import TrainState, make_train_step  # noqa: E402
+from t5_retrieval import multitask, sharding
+from t5_retrieval.data.batching.random_batches import RandomBatches
+from t5_retrieval.models.build import init_params
+from t5_retrieval.models.dual_encoder import DualEncoder
+from t5_retrieval.models.t5 import T5Config
+from t5_retrieval.train_step import TrainState, make_train_step
 
 CFG = T5Config(vocab_size=128, d_model=32, num_heads=4, d_kv=8, d_ff=64, num_encoder_layers=1,
                num_decoder_layers=1, dropout_rate=0.0)

@@ -12,13 +12,14 @@ import sys
 assert "xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS", ""), \
     "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from t5_retrieval import sharding  # noqa: E402
-from t5_retrieval.multitask import taco  # noqa: E402
+from t5_retrieval import sharding
+from t5_retrieval.multitask import taco
 
 K, STEPS = 3, 3
 SPECS = {"embed": P("model", None), "kernel": P("data", "model"), "bias": P(None), "scale": P("data")}

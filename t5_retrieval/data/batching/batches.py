@@ -19,28 +19,30 @@ import logging
 import os
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import gin
 import numpy as np
-from numpy.typing import ArrayLike
 
 from t5_retrieval import gin_utils
 from t5_retrieval.data import layout
+from t5_retrieval.data.records import DataError, read_negatives
 from t5_retrieval.data.stores.kb import PassageStore, passage_text
 from t5_retrieval.data.tasks.materialize import TaskExamples
 from t5_retrieval.data.tasks.mixing import sizes_from_rates
-from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_ids
-from t5_retrieval.data.records import DataError, read_negatives
 from t5_retrieval.data.tasks.retrieval_tasks import DEFAULT_QUERY_LEN, TaskInfo
 from t5_retrieval.data.text import END_ENT, PASSAGE_TEMPLATE, START_ENT
 from t5_retrieval.data.tokenizers.conventions import TokenConventions, conventions_of
+from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_ids
 from t5_retrieval.data.tokenizers.tokenize import Vocabulary, encode_text, load_vocabulary, vocabulary_digest
 from t5_retrieval.errors import ConfigError, UserError, shell_command
 
 log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import jax
+
 # {task: {feature: rows}}: numpy arrays on the host, jax.Arrays (global, sharded) inside the step.
-Batch = dict[str, dict[str, ArrayLike]]
+Batch: TypeAlias = "Mapping[str, Mapping[str, np.ndarray | jax.Array]]"
 _FILL_STREAM = 7919  # separates the random-negative RNG stream from the permutation streams
 _SAMPLE_STREAM = 104729  # and the stream that samples hard negatives from an example's list
 HARD_NEGATIVES = ("first", "sampled")
@@ -102,7 +104,7 @@ class TrainIterator:
         """
         mine = self.state()
         for key in ("seed", "tasks", "sizes", "host_count"):
-            if list(np.atleast_1d(state.get(key))) != list(np.atleast_1d(mine[key])):
+            if list(np.atleast_1d(state.get(key, []))) != list(np.atleast_1d(mine[key])):
                 raise ConfigError(f"iterator state has {key}={state.get(key)!r}, this iterator has {mine[key]!r}; "
                                   "restore with the same tasks, batch sizes, seed and host layout")
         self.step = int(state["step"])
@@ -112,7 +114,7 @@ class TrainIterator:
         return self.step // self.steps_per_epoch
 
     # -- batches -------------------------------------------------------------------------------
-    def __iter__(self) -> "TrainIterator":
+    def __iter__(self) -> TrainIterator:
         return self
 
     def __next__(self) -> Batch:
@@ -240,7 +242,7 @@ def _task_data(info: TaskInfo, examples: TaskExamples, negatives: dict[str, tupl
         size=size, skipped=len(examples) - len(usable), missing_negatives=missing)
 
 
-def _subset(examples: TaskExamples, keep: Sequence[int]) -> TaskExamples:
+def _subset(examples: TaskExamples, keep: Sequence[int] | np.ndarray) -> TaskExamples:
     return TaskExamples([examples.ids[i] for i in keep], [examples.queries[i] for i in keep],
                         [examples.positives[i] for i in keep],
                         None if examples.negatives is None else [examples.negatives[i] for i in keep],
@@ -278,7 +280,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     is used. `hard_negatives` picks `num_negatives` of each example's list for the whole run: the
     first ones (``"first"``, best first) or a uniform sample of the whole list (``"sampled"``, seeded
     by `seed` and the example id: `choose_negatives`); when an example has fewer, the rest are
-    random KB passages outside its gold pages, drawn deterministically from (seed, task, host, step). Examples without a positive passage in the KB are skipped and counted (logged).
+    random KB passages outside its gold pages, drawn deterministically from (seed, task, host, step).
+    Examples without a positive passage in the KB are skipped and counted (logged).
     Each host reads examples i with i % host_count == host_index (seqio.ShardInfo style).
     `passage_template` is how a passage becomes text (`text.PASSAGE_TEMPLATES`; recorded in the
     features). `max_examples_per_task` keeps a fixed random subset of each task (MT-DPR's few-shot
@@ -332,7 +335,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
             logging.warning("task %s: skipped %d examples without a positive in the KB; %d negative slots "
                             "will be filled with random passages", info.name, data.skipped, data.missing_negatives)
         task_data.append(data)
-    features = {"vocabulary": os.path.abspath(vocabulary) if isinstance(vocabulary, str) else None,
+    features: dict[str, Any] = {"vocabulary": os.path.abspath(vocabulary) if isinstance(vocabulary, str) else None,
                 # Its content: loading the model refuses a vocabulary changed since (a path is no identity).
                 "vocabulary_digest": vocabulary_digest(vocabulary) if isinstance(vocabulary, str) else None,
                 # The longest task's query length; each task's own (and its truncation) is under "tasks".

@@ -57,7 +57,7 @@ class RandomBatches:
         tokens[np.arange(rows), lengths - 1] = 1  # EOS
         return tokens
 
-    def __iter__(self) -> "RandomBatches":
+    def __iter__(self) -> RandomBatches:
         return self
 
     def __next__(self) -> dict[str, dict[str, np.ndarray]]:

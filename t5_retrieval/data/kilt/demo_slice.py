@@ -19,14 +19,13 @@ import io
 import json
 import os
 import random
-import shutil
 import tarfile
 from collections.abc import Iterable
 
 import t5_retrieval
 from t5_retrieval import checksums
 from t5_retrieval.data.records import DataError, read_jsonl
-from t5_retrieval.errors import temp_path
+from t5_retrieval.errors import open_replaced_on_success, replaced_on_success
 
 TASKS = ("fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking")
 TRAIN_FRACTION = 0.2
@@ -94,10 +93,9 @@ def write_archive(files: dict[str, bytes], path: str) -> None:
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             tar.addfile(info, io.BytesIO(files[name]))
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
-        gz.write(buffer.getvalue())
-    os.replace(tmp, path)
+    with open_replaced_on_success(path, "wb") as raw:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
+            gz.write(buffer.getvalue())
     checksums.record_file(path)
 
 
@@ -114,13 +112,18 @@ def extract(archive: str, out_dir: str) -> str:
     checksums.verify_file(archive, "demo slice archive",
                           "reinstall t5-retrieval, or rebuild it: t5r data slice --mini_kilt=<mini-KILT dir> "
                           f"--out={archive}")
-    tmp = temp_path(target)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    with tarfile.open(archive, "r:gz") as tar:
-        tar.extractall(tmp, filter="data")
-    unpacked = os.path.join(tmp, ROOT)
-    checksums.record(unpacked)
-    os.replace(unpacked, target)
-    shutil.rmtree(tmp, ignore_errors=True)
+    with replaced_on_success(target) as tmp:
+        os.makedirs(tmp)
+        with tarfile.open(archive, "r:gz") as tar:
+            tar.extractall(tmp, filter=_below_root)
+        checksums.record(tmp)
     return target
+
+
+def _below_root(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """Extracts `<ROOT>/x` as `x` (with the "data" filter's checks): the archive's one top directory
+    is the target itself."""
+    name = member.name.removeprefix(f"{ROOT}/")
+    if name == member.name:
+        return None  # ROOT's own entry
+    return tarfile.data_filter(member.replace(name=name, deep=False), dest)

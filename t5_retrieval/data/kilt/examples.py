@@ -1,12 +1,13 @@
 """KILT task files -> `Example`s: query, gold pages per evidence set, positive passages, answers.
 
 Gold labels are read as the official scorer (`kilt/eval_retrieval.py`) reads them, so that our
-metrics are its metrics: an example id is `str(id).strip()` and a page id `str(wikipedia_id).strip()`; every `output` entry that has a
-`provenance` key is one evidence set, even an empty one (it can never be found, but it counts);
-an example none of whose outputs has provenance is kept and scores 0. A line without `output` and
-an example id used twice in a file (after stripping) are errors naming the file and the line(s):
-negatives are joined to examples by id, so a repeated id would train with another example's
-negatives. An empty file is an error too: it would evaluate as n=0 and look like a result.
+metrics are its metrics: an example id is `str(id).strip()` and a page id
+`str(wikipedia_id).strip()`; every `output` entry that has a `provenance` key is one evidence set,
+even an empty one (it can never be found, but it counts); an example none of whose outputs has
+provenance is kept and scores 0. A line without `output` and an example id used twice in a file
+(after stripping) are errors naming the file and the line(s): negatives are joined to examples by
+id, so a repeated id would train with another example's negatives. An empty file is an error too: it
+would evaluate as n=0 and look like a result.
 
 Positives: where a provenance entry gives a paragraph span, the KB passage covering its first
 paragraph; where only the page is known (or the span falls outside the KB's text), the gold page's
@@ -24,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.records import DataError, Example, check_unique_id, read_jsonl, require
+from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.text import normalize_query
 
 # Chooses the best passage of a page for a query: (query, candidate passage ids) -> passage id.

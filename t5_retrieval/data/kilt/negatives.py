@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from t5_retrieval.data.stores.bm25 import BM25Index
 from t5_retrieval.data.records import Example, Negatives
+from t5_retrieval.data.stores.bm25 import BM25Index
 
 
 def bm25_query(text: str) -> str:

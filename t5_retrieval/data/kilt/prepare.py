@@ -13,11 +13,11 @@ from typing import Any
 import gin
 
 from t5_retrieval.data import layout
-from t5_retrieval.data.stores.bm25 import BM25Index
-from t5_retrieval.data.stores.kb import PassageStore, build_kb
 from t5_retrieval.data.kilt.examples import ConversionStats, convert_task_file, kilt_file
 from t5_retrieval.data.kilt.negatives import bm25_query, mine_bm25_negatives
 from t5_retrieval.data.records import Example, read_examples, write_jsonl_atomic, write_negatives
+from t5_retrieval.data.stores.bm25 import BM25Index
+from t5_retrieval.data.stores.kb import PassageStore, build_kb
 from t5_retrieval.errors import ConfigError
 
 
@@ -32,7 +32,8 @@ class _LazyBM25:
     """Builds the BM25 index only if some example needs a page-only positive on a multi-passage page."""
 
     def __init__(self, store: PassageStore):
-        self.store, self._index = store, None
+        self.store = store
+        self._index: BM25Index | None = None
 
     @property
     def index(self) -> BM25Index:

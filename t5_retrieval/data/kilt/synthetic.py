@@ -15,7 +15,7 @@ import random
 import shutil
 from typing import Any
 
-from t5_retrieval.errors import ConfigError
+from t5_retrieval.errors import ConfigError, replaced_on_success
 
 SYLLABLES = ["ka", "lo", "mi", "ren", "tu", "vas", "zor", "bel", "qui", "dan", "fey", "gor", "hal", "jin",
              "kor", "lum", "nor", "pel", "ros", "sil", "tam", "ul", "ver", "wyn", "xen", "yar", "zel", "bri"]
@@ -49,7 +49,7 @@ def _word(rng: random.Random, n: int) -> str:
 
 
 def _unique_words(rng: random.Random, count: int, taken: set[str]) -> list[str]:
-    out = []
+    out: list[str] = []
     while len(out) < count:
         w = _word(rng, rng.randint(2, 3))
         if w not in taken:
@@ -61,7 +61,7 @@ def _unique_words(rng: random.Random, count: int, taken: set[str]) -> list[str]:
 def make_pages(rng: random.Random, num_pages: int) -> list[dict[str, Any]]:
     """Invented entities with a name, category, year, neighbour and three unique keywords."""
     taken: set[str] = set()
-    pages = []
+    pages: list[dict[str, Any]] = []
     for i in range(num_pages):
         first, last, *keywords = _unique_words(rng, 5, taken)
         pages.append({"wikipedia_id": f"demo{i:05d}", "name": f"{first.title()} {last.title()}",
@@ -139,12 +139,20 @@ def write_demo(out_dir: str, *, num_pages: int = 300, train_per_task: int = 160,
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass --overwrite to replace it)")
+    with replaced_on_success(out_dir) as tmp:
+        counts = _write_files(tmp, num_pages, train_per_task, dev_per_task, seed)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)  # the rename replaces only an empty directory
+    return counts
+
+
+def _write_files(directory: str, num_pages: int, train_per_task: int, dev_per_task: int,
+                 seed: int) -> dict[str, Any]:
+    """The benchmark's files in `directory` (new); returns the counts."""
     rng = random.Random(seed)
     pages = make_pages(rng, num_pages)
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.join(tmp, "kb"))
-    with open(os.path.join(tmp, "kb", "pages.jsonl"), "w", encoding="utf-8") as f:
+    os.makedirs(os.path.join(directory, "kb"))
+    with open(os.path.join(directory, "kb", "pages.jsonl"), "w", encoding="utf-8") as f:
         for page in pages:
             f.write(json.dumps({"wikipedia_id": page["wikipedia_id"], "wikipedia_title": page["name"],
                                 "text": page["text"], "sources": ["synthetic_demo"]}) + "\n")
@@ -152,17 +160,14 @@ def write_demo(out_dir: str, *, num_pages: int = 300, train_per_task: int = 160,
     for task in TASKS:
         counts["tasks"][task] = {}
         for split, n in (("train", train_per_task), ("dev", dev_per_task)):
-            with open(os.path.join(tmp, f"{task}-{split}-kilt.jsonl"), "w", encoding="utf-8") as f:
+            with open(os.path.join(directory, f"{task}-{split}-kilt.jsonl"), "w", encoding="utf-8") as f:
                 for i in range(n):
                     page = pages[rng.randrange(num_pages)]
                     row = make_example(task, page, pages, rng, f"{task}-{split}-{i}")
                     f.write(json.dumps(row) + "\n")
             counts["tasks"][task][split] = n
-    with open(os.path.join(tmp, "stats.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(directory, "stats.json"), "w", encoding="utf-8") as f:
         json.dump({"synthetic": True, "seed": seed, **counts}, f, indent=1)
-    with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
         f.write(README.format(seed=seed, pages=num_pages, tasks=", ".join(TASKS)))
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
     return counts

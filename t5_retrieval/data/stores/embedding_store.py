@@ -12,8 +12,9 @@ Layout of an embeddings directory:
 Shard i always holds rows [i * shard_size, (i + 1) * shard_size), so every process can compute the
 plan alone: process p of P writes its own contiguous range of shards (`process_shards`). A shard is
 written to a temporary file and renamed, so a shard file that exists is complete; resuming skips
-those whose checksum matches and encodes again the others (damaged, or without their sidecar). A manifest that disagrees with the run (another model, another KB,
-another dim or shard size) is refused instead of mixing embeddings.
+those whose checksum matches and encodes again the others (damaged, or without their sidecar). A
+manifest that disagrees with the run (another model, another KB, another dim or shard size) is
+refused instead of mixing embeddings.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ import gin
 import numpy as np
 
 from t5_retrieval import checksums
-from t5_retrieval.data.stores.passages import ids_digest
 from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
-from t5_retrieval.errors import ConfigError, UserError, disk_full, remove_stale_temporaries, temp_path
+from t5_retrieval.data.stores.passages import ids_digest
+from t5_retrieval.errors import ConfigError, UserError, disk_full, remove_stale_temporaries, replaced_on_success
 
 FORMAT = "t5r-embeddings-v1"
 MANIFEST = "manifest.json"
@@ -92,7 +93,7 @@ class Manifest:
         return {"format": FORMAT, **dataclasses.asdict(self), "num_shards": self.num_shards, "ids_file": IDS_FILE}
 
     @classmethod
-    def from_json(cls, row: dict[str, Any], path: str) -> "Manifest":
+    def from_json(cls, row: dict[str, Any], path: str) -> Manifest:
         if row.get("format") != FORMAT:
             raise EmbeddingsError(f"{path}: field 'format' is {row.get('format')!r}, expected {FORMAT!r}")
         try:
@@ -286,18 +287,14 @@ def write_embeddings(
             offset += len(batch)
             bar.update(len(batch))
         path = os.path.join(directory, manifest.shard_name(shard))
-        tmp = temp_path(path, ".npy")
-        try:
-            np.save(tmp, out)
-        except BaseException as e:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            if isinstance(e, OSError):  # numpy reports a full disk as "N requested and M written"
+        with replaced_on_success(path, ".npy") as tmp:
+            try:
+                np.save(tmp, out)
+            except OSError as e:  # numpy reports a full disk as "N requested and M written"
                 raise disk_full(path, e) from e
-            raise
-        checksums.record_file(tmp)  # the sidecar names the shard's final path once both are renamed
-        os.replace(tmp + checksums.SIDECAR_SUFFIX, path + checksums.SIDECAR_SUFFIX)
-        os.replace(tmp, path)
+            # The sidecar (itself written whole) is renamed first, so a shard never stands without it.
+            checksums.record_file(tmp)
+            os.replace(tmp + checksums.SIDECAR_SUFFIX, path + checksums.SIDECAR_SUFFIX)
         log.info("process %d: wrote %s (rows [%d, %d))", process_index, manifest.shard_name(shard), start, stop)
     bar.close()
     return EncodeReport(tuple(todo), skipped, complete=not missing_shards(directory, manifest))
@@ -322,9 +319,10 @@ def check_complete(directory: str, manifest: Manifest | None = None) -> Manifest
             f"{directory}: {len(problems)} of {manifest.num_shards} shards missing ({names}"
             f"{', ...' if len(problems) > 5 else ''}); finish `t5r encode` on every process first")
     shard, problem = next((s, p) for s, p in problems.items() if p != "missing")
+    how_many = f" ({len(problems)} shards need it)" if len(problems) > 1 else ""
     raise EmbeddingsError(
         f"{os.path.join(directory, manifest.shard_name(shard))}: {problem}; rerun the `t5r encode` that wrote "
-        f"{directory} (it rewrites the shards that are not whole and keeps the others){f' ({len(problems)} shards need it)' if len(problems) > 1 else ''}")
+        f"{directory} (it rewrites the shards that are not whole and keeps the others){how_many}")
 
 
 def iter_shards(directory: str, manifest: Manifest | None = None) -> Iterator[tuple[int, np.ndarray]]:

@@ -31,7 +31,7 @@ import numpy as np
 from t5_retrieval import checksums
 from t5_retrieval.data.records import DataError, Passage, read_jsonl, require
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
-from t5_retrieval.errors import ConfigError, disk_full, is_disk_full, remove_stale_temporaries, temp_path
+from t5_retrieval.errors import ConfigError, remove_stale_temporaries, replaced_on_success
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,8 @@ class _UniqueKeys:
     Only the keys are held; the earlier line is found by reading the file again, on the error path."""
 
     def __init__(self, path: str, what: str, key_of: Callable[[Any], str | None]):
-        self.path, self.what, self.key_of, self.seen = path, what, key_of, set()
+        self.path, self.what, self.key_of = path, what, key_of
+        self.seen: set[str] = set()
 
     def add(self, key: str, line_no: int) -> None:
         if key in self.seen:
@@ -205,21 +206,13 @@ def write_passage_store(passages: Iterable[tuple[Passage, Span | None]], out_dir
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True / --overwrite to replace it)")
-    tmp = temp_path(out_dir)
     for path in remove_stale_temporaries(os.path.dirname(out_dir), f"{glob.escape(os.path.basename(out_dir))}.tmp-*"):
         log.info("removed %s, left by a crashed build", path)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    with replaced_on_success(out_dir) as tmp:
+        os.makedirs(tmp)
         manifest = _write_store(passages, tmp, passages_per_shard, metadata)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(e):
-            raise disk_full(out_dir, e) from e
-        raise
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)  # the rename replaces only an empty directory
     return manifest
 
 
@@ -314,7 +307,7 @@ class PassageStore:
         self._shard_starts: np.ndarray | None = None
 
     @classmethod
-    def open(cls, directory: str | os.PathLike[str]) -> "PassageStore":
+    def open(cls, directory: str | os.PathLike[str]) -> PassageStore:
         directory = os.fspath(directory)
         path = os.path.join(directory, MANIFEST)
         if not os.path.isdir(directory):

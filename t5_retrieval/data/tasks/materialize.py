@@ -28,7 +28,7 @@ import numpy as np
 
 from t5_retrieval.data.records import DataError
 from t5_retrieval.data.tasks.retrieval_tasks import vocabulary_identity
-from t5_retrieval.errors import disk_full, is_disk_full, remove_stale_temporaries, temp_path
+from t5_retrieval.errors import remove_stale_temporaries, replaced_on_success
 
 FORMAT_VERSION = 1
 REQUIRED_FEATURES = ("id", "query", "positive")
@@ -91,7 +91,7 @@ def describe(obj: Any) -> Any:
 
 def _has_contents(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        cell.cell_contents  # noqa: B018  (reading an empty cell raises ValueError)
     except ValueError:
         return False
     return True
@@ -182,17 +182,9 @@ def _save(examples: TaskExamples, path: str) -> None:
     lengths = np.array([len(q) for q in examples.queries], np.int64)
     strings = {"ids": examples.ids, "positives": examples.positives, "gold_pages": examples.gold_pages,
                "negatives": examples.negatives}
-    tmp = temp_path(path, ".npz")
-    try:
+    with replaced_on_success(path, ".npz") as tmp:
         np.savez(tmp, query_tokens=np.concatenate(examples.queries or [np.zeros(0, np.int32)]),
                  query_lengths=lengths, strings=np.array(json.dumps(strings)))
-        os.replace(tmp, path)
-    except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if is_disk_full(e):
-            raise disk_full(path, e) from None
-        raise
 
 
 def _load(path: str) -> TaskExamples:

@@ -37,8 +37,8 @@ from typing import Any
 import gin
 
 from t5_retrieval.data import layout
-from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING, QueryInput, query_ids
 from t5_retrieval.data.records import read_examples
+from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING, QueryInput, query_ids
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, vocabulary_digest
 from t5_retrieval.errors import ConfigError, UserError
 
@@ -482,7 +482,7 @@ def split_examples(data_dir: str, dataset: str, task_name: str, split: str) -> l
     if os.path.exists(path):
         examples = [dataclasses.replace(e, task=task_name) for e in read_examples(path)]
         rewriting = text_preprocessors(task) if task is not None else []
-        if not rewriting:
+        if task is None or not rewriting:
             return examples
         if split not in task.splits:
             log.warning("task %s: %s is scored as written, but the model trained on the query text seqio Task %s's "

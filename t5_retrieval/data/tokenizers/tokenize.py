@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -40,9 +40,10 @@ def _encode_strings(vocab: Vocabulary, strings: list[str]) -> list[list[int]]:
     encoded directly."""
     if hasattr(vocab, "encode_batch"):
         return vocab.encode_batch(strings)
+    processor = cast(Any, vocab).tokenizer  # a SentencePieceVocabulary's
     if len(strings) == 1:
-        return [vocab.tokenizer.EncodeAsIds(strings[0])]
-    return vocab.tokenizer.encode(strings, out_type=int)
+        return [processor.EncodeAsIds(strings[0])]
+    return processor.encode(strings, out_type=int)
 
 
 def encode_batch(vocab: Vocabulary, texts: Sequence[str]) -> list[list[int]]:

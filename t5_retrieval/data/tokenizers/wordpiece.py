@@ -180,7 +180,7 @@ class WordPieceVocabulary(seqio.Vocabulary):
         super().__init__(extra_ids=extra_ids)
 
     @classmethod
-    def from_path(cls, path: str) -> "WordPieceVocabulary":
+    def from_path(cls, path: str) -> WordPieceVocabulary:
         """A `vocab.txt` or a model directory holding one; lower-casing follows a
         `tokenizer_config.json` next to it (`do_lower_case`, default True: uncased BERT)."""
         vocab_file = os.path.join(path, "vocab.txt") if os.path.isdir(path) else path
