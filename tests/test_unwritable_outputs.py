@@ -103,3 +103,30 @@ def test_the_write_probe_of_a_full_output_directory_is_not_left_behind(tmp_path,
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"ERROR {mount / 'eval'}: no space left on the device"), result.stdout + result.stderr
     assert lines[1] == "[]", "the probe file stayed behind"
+
+
+def test_a_failed_command_leaves_no_output_directory_it_created(tmp_path, clean_gin, capsys):
+    """eval, encode, index and mine check their output directory first (creating it, parents too);
+    when they then fail on a bad input, the directories they created, still empty, are gone."""
+    from conftest import prepare_small_demo
+    from t5_retrieval import cli
+
+    data = prepare_small_demo(tmp_path, ["fever"])
+    emb, index = str(tmp_path / "emb"), str(tmp_path / "index")
+    lexical = ["--lexical_baseline_dim", "32"]
+    assert cli.main(["encode", *lexical, f"--kb_dir={data}/kb", f"--output_dir={emb}", "--no_progress"]) == 0
+    assert cli.main(["index", f"--embeddings_dir={emb}", f"--output_dir={index}"]) == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    new = tmp_path / "new"
+    commands = {
+        "eval": [*lexical, f"--index_dir={index}", f"--data_dir={data}", "--split=train", "--tasks=nosuch",
+                 f"--output_dir={new}/eval"],
+        "encode": [*lexical, f"--kb_dir={empty}", f"--output_dir={new}/emb"],
+        "index": [f"--embeddings_dir={empty}", f"--output_dir={new}/index"],
+        "mine": [*lexical, f"--index_dir={empty}", f"--data_dir={new}/data", "--source=ance-1"],
+    }
+    for name, argv in commands.items():
+        assert cli.main([name, *argv]) == 2, name
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1, name
+        assert not new.exists(), f"t5r {name} failed and left {sorted(str(p) for p in new.rglob('*'))}"
