@@ -130,3 +130,35 @@ def test_a_failed_command_leaves_no_output_directory_it_created(tmp_path, clean_
         assert cli.main([name, *argv]) == 2, name
         assert len(capsys.readouterr().err.strip().splitlines()) == 1, name
         assert not new.exists(), f"t5r {name} failed and left {sorted(str(p) for p in new.rglob('*'))}"
+
+
+# A command that fails as a full disk fails while a library's teardown is still pending: an exit
+# handler here, like orbax's and tensorstore's callbacks for the writes still in flight.
+FULL_DISK_COMMAND = """
+import atexit
+import sys
+
+from t5_retrieval import cli, errors
+
+
+def main(argv):
+    atexit.register(lambda: open(argv[0], "w").write("the interpreter finalized"))
+    raise errors.disk_full(argv[1])
+
+
+cli.COMMANDS["fill"] = ("__main__:main", "")
+cli.run()
+"""
+
+
+def test_after_a_full_disk_is_reported_no_teardown_can_change_the_exit(tmp_path):
+    """The report ends the process without interpreter finalization: nothing left running in a
+    library (tensorstore's callbacks for a failed save's other writes) can race it and turn status
+    2 into 1 with a traceback (an import while `sys.meta_path` is None)."""
+    marker = tmp_path / "finalized"
+    result = subprocess.run([sys.executable, "-c", FULL_DISK_COMMAND, "fill", str(marker), str(tmp_path / "model")],
+                            capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"t5r fill: error: {tmp_path / 'model'}: no space left on the device"), lines
+    assert not marker.exists(), "exit handlers ran after the report: teardown can still race the exit"
