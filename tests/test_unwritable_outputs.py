@@ -19,8 +19,10 @@ TRAIN = ["train", "--gin_file=models/t5_tiny.gin", "--gin.VOCAB_SIZE=128", "--gi
 def in_small_filesystem(mount: str, size: str, argv: list[str]) -> subprocess.CompletedProcess:
     """Runs argv with a tmpfs of `size` at `mount`, visible to it alone (unprivileged: a user namespace)."""
     script = f'mount -t tmpfs -o size={size} none "{mount}" && exec "$@"'
+    # CPU, as the other subprocess tests: else jax probes for a TPU through libtpu, which under load
+    # times out and prints an "INVALID_ARGUMENT: Error" line of its own before any work starts.
     return subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *argv], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
 @pytest.fixture(scope="module")
