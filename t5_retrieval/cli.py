@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import logging
 import os
 import re
 import sys
@@ -98,16 +99,24 @@ _TEARDOWN_NOISE: list[str] = []
 
 
 def run() -> None:
-    """The `t5r` executable: `main`, then exit. After a full disk has been reported in one line, the
-    libraries' writer threads and exit handlers (orbax, tensorboard) fail to flush on their way out,
-    each with a traceback; they are not shown (`--debug` shows them)."""
+    """The `t5r` executable: `main`, then exit.
+
+    After a full disk has been reported in one line, the process ends without interpreter
+    finalization (`os._exit`, once output and logs are flushed). A failed orbax save leaves
+    tensorstore writes in flight that orbax gives no handle to wait for; their completion callbacks
+    run Python from tensorstore's threads whenever the writes finish, and one arriving while the
+    interpreter finalizes imports with `sys.meta_path` None, which fails the exit (status 1, a
+    traceback). Without finalization there is nothing for them to race; the status is the report's.
+    What the libraries' threads still print is not shown (`--debug` shows it, and finalizes)."""
     code = main()
     if _TEARDOWN_NOISE:  # only a one-line report (never `--debug`) adds to it
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.close(devnull)
+        os._exit(code)
     sys.exit(code)
 
 

@@ -96,6 +96,27 @@ def check_writable_dir(path: str, flag: str) -> None:
                         "write to") from e
 
 
+@contextlib.contextmanager
+def writable_output_dir(path: str, flag: str):
+    """`check_writable_dir` for a command's output directory; when the block fails, the directories
+    it created that are still empty are removed, so a failed command leaves no empty output behind
+    (a resumable one's finished files, and the directory holding them, stay)."""
+    created, parent = [], os.path.abspath(path)
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        created.append(parent)
+        parent = os.path.dirname(parent)
+    check_writable_dir(path, flag)
+    try:
+        yield
+    except BaseException:
+        for directory in created:  # the deepest first; stops at the first that holds something
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+        raise
+
+
 _PLAIN_WORD = re.compile(r"[\w@%+=:,./-]*")
 
 

@@ -7,6 +7,7 @@ import contextlib
 import difflib
 import logging
 import os
+import re
 import tokenize
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -258,22 +259,55 @@ def parse_gin(gin_files: Sequence[str], bindings: Sequence[str], search_paths: S
 
 @contextlib.contextmanager
 def _naming(source: str):
-    """Turns what gin's reader raises for a file it cannot read into a ConfigError naming the file
-    (and the line where gin knows it): syntax errors, unbalanced brackets (gin's tokenizer raises
-    `tokenize.TokenError`), bytes that are not UTF-8."""
+    """Turns what gin's reader raises for a file it cannot read into a one-line ConfigError naming
+    `source:line:column` (the column where gin or the tokenizer stopped): syntax errors, a bare word
+    where a value belongs, unbalanced brackets (gin's tokenizer raises `tokenize.TokenError`), bytes
+    that are not UTF-8, and an unknown configurable or parameter."""
     try:
         yield
+    except ConfigError:
+        raise
     except SyntaxError as e:
-        where = f"{e.filename or source}:{e.lineno}" if e.lineno else (e.filename or source)
-        raise ConfigError(f"gin: {where}: {e.msg} ({(e.text or '').strip()!r})") from None
+        where = f"{e.filename or source}:{e.lineno}:{(e.offset or 0) + 1}" if e.lineno else (e.filename or source)
+        raise ConfigError(f"gin: {where}: {_syntax_message(e.msg)} ({(e.text or '').strip()!r})") from None
     except tokenize.TokenError as e:
-        message, (line, _) = e.args
-        raise ConfigError(f"gin: {source}:{line}: {message}") from None
+        message, (line, column) = e.args
+        raise ConfigError(f"gin: {source}:{line}:{column + 1}: {message}") from None
     except UnicodeDecodeError as e:
         before = e.object[:e.start]
         line, column = before.count(b"\n") + 1, e.start - (before.rfind(b"\n") + 1) + 1
-        raise ConfigError(f"gin: {source}:{line}: not UTF-8 (byte 0x{e.object[e.start]:02x} at column {column}); "
+        raise ConfigError(f"gin: {source}:{line}:{column}: not UTF-8 (byte 0x{e.object[e.start]:02x}); "
                           "gin files are UTF-8 text") from None
+    except ValueError as e:
+        raise ConfigError(_located(str(e), source)) from None
+
+
+_BARE_WORD = re.compile(r"Failed to parse token '(?P<token>[A-Za-z_]\w*)'")
+# What gin appends to an error raised while it applies a binding (`gin.utils._format_location`).
+_GIN_LOCATION = re.compile(r'\n\s*In (?:file "(?P<file>.*)",|bindings string) line (?P<line>\d+)\n {4}(?P<text>.*)'
+                           r'(?:\n {4}(?P<caret> *)\^)?\s*$')
+
+
+def _syntax_message(message: str) -> str:
+    """gin's parse error in one line; a bare word (`= foo`, which gin hands to `ast.literal_eval`)
+    says what value it could have been meant as."""
+    bare = _BARE_WORD.search(message)
+    if bare:
+        word = bare.group("token")
+        return (f"{word!r} is a bare word, not a gin value: quote a string ('{word}'), or write @{word} for a "
+                f"configurable, %{word} for a macro")
+    return " ".join(message.split())
+
+
+def _located(message: str, source: str) -> str:
+    """A gin error with gin's location lines (file, line, the statement, a caret) as one line:
+    `gin: file:line:column: what ('statement')`."""
+    found = _GIN_LOCATION.search(message)
+    if not found:
+        return f"gin: {source}: {' '.join(message.split())}"
+    column = len(found.group("caret") or "") + 1
+    what = " ".join(message[:found.start()].split()).rstrip(".")
+    return f"gin: {found.group('file') or source}:{found.group('line')}:{column}: {what} ({found.group('text').strip()!r})"
 
 
 def _macro_references(value: Any, out: set[str]) -> None:

@@ -112,8 +112,8 @@ def test_a_macro_the_gin_files_need_is_an_error_naming_it_before_any_work(clean_
 def test_a_binding_gin_cannot_apply_is_one_line_naming_it(clean_gin, capsys, tmp_path):
     assert cli.main(["train", f"--model_dir={tmp_path / 'm'}", "--gin.no_such_configurable.x=1"]) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["t5r train: error: gin: No configurable matching 'no_such_configurable'. "
-                                        "In bindings string line 1 no_such_configurable.x = 1"], err
+    assert err.strip().splitlines() == ["t5r train: error: gin: the --gin. bindings:1:1: No configurable matching "
+                                        "'no_such_configurable' ('no_such_configurable.x = 1')"], err
 
 
 def test_help_of_the_entry_point_and_of_train():

@@ -125,3 +125,35 @@ def test_a_knowledge_source_without_text_is_an_error_naming_it(tmp_path):
     (tmp_path / "empty.tsv").write_text("")
     with pytest.raises(DataError, match=r"empty.tsv: no passages"):
         build_kb(str(tmp_path / "empty.tsv"), str(tmp_path / "kb"))
+
+
+def test_page_and_passage_ids_are_stripped_as_the_kilt_scorer_strips_them(tmp_path):
+    src = tmp_path / "pages.jsonl"
+    rows = [{"wikipedia_id": w, "wikipedia_title": t, "text": [f"{t} text."]} for w, t in [(" 1", "A"), ("1 ", "B")]]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"pages.jsonl:2: page \(wikipedia_id\) '1' is also on line 1"):
+        build_kb(str(src), str(tmp_path / "kb"))
+    passages = tmp_path / "passages.jsonl"
+    passages.write_text(json.dumps({"id": " a\t", "wikipedia_id": "demo00002 ", "title": "T", "text": "x"}) + "\n")
+    build_kb(str(passages), str(tmp_path / "kb"))
+    store = PassageStore.open(tmp_path / "kb")
+    assert store.ids() == ["a"] and store.page_of("a") == "demo00002", (store.ids(), store.num_pages)
+    tsv = tmp_path / "psgs.tsv"
+    tsv.write_text("id\ttext\ttitle\n 7 \tx\tT\n")
+    build_kb(str(tsv), str(tmp_path / "kb_tsv"))
+    assert PassageStore.open(tmp_path / "kb_tsv").ids() == ["7"]
+
+
+@pytest.mark.parametrize("name, content, field", [
+    ("pages.jsonl", {"wikipedia_id": "  ", "wikipedia_title": "A", "text": ["A text."]}, "wikipedia_id"),
+    ("passages.jsonl", {"id": "", "wikipedia_id": "p", "title": "T", "text": "x"}, "id"),
+    ("passages.jsonl", {"id": "a", "wikipedia_id": " ", "title": "T", "text": "x"}, "wikipedia_id"),
+    ("psgs.tsv", "id\ttext\ttitle\n1\tx\tT\n \ty\tT\n", "id"),
+])
+def test_an_empty_page_or_passage_id_is_refused_naming_file_line_and_field(tmp_path, name, content, field):
+    src = tmp_path / name
+    src.write_text(content if isinstance(content, str) else json.dumps(content) + "\n")
+    line = 3 if name.endswith(".tsv") else 1
+    with pytest.raises(DataError, match=rf"{name}:{line}: field '{field}' is empty"):
+        build_kb(str(src), str(tmp_path / "kb"))
+    assert not (tmp_path / "kb").exists()

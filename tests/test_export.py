@@ -152,6 +152,27 @@ def test_export_records_fingerprint_index_manifest_and_vocabulary(exported, pyth
         assert a.read() == b.read(), "the vocabulary asset is not the model's sentencepiece file"
 
 
+def test_the_export_is_readable_by_others_and_names_no_path_of_this_machine(exported):
+    """Directories with the umask's permissions (not mkdtemp's 0700), no verification stamp (inodes and
+    mtimes of this disk), and a model_config.json whose vocabulary is the asset the export ships."""
+    from t5_retrieval import checksums
+
+    run, savedmodel, _, _ = exported
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, _, files in os.walk(savedmodel):
+        assert oct(os.stat(root).st_mode & 0o777) == oct(0o777 & ~umask), f"{root}: mode under umask {umask:o}"
+        for name in files:
+            assert os.stat(os.path.join(root, name)).st_mode & 0o444 == 0o444 & ~umask, os.path.join(root, name)
+        assert checksums.STAMP_FILE not in files, f"{root}: ships a stamp of this filesystem"
+    with open(os.path.join(savedmodel, "assets", "model_config.json")) as f:
+        config = json.load(f)
+    assert config["features"]["vocabulary"] == f"assets/{os.path.basename(run.vocabulary)}", config["features"]
+    assert os.path.exists(os.path.join(savedmodel, config["features"]["vocabulary"]))
+    paths = [v for v in json.dumps(config).split('"') if os.path.isabs(v)]
+    assert not paths, f"assets/model_config.json names paths of this machine: {paths}"
+
+
 def test_export_refuses_an_index_built_by_another_model(exported, tmp_path, capsys):
     run = exported[0]
     out = str(tmp_path / "t5r" / "1")

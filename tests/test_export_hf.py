@@ -180,6 +180,8 @@ def check_refuses_queries_without_their_task(model: SentenceTransformer, task_na
     with pytest.raises(ValueError, match=needs_task) as error:
         model.encode_query(["who wrote Frankenstein?"])
     assert all(name in str(error.value) for name in task_names), error.value
+    with pytest.raises(ValueError, match=needs_task):
+        model.encode(["who wrote Frankenstein?"])  # one network or two: never silently embedded as a passage
     with pytest.raises(ValueError, match="names no task of this model"):
         model.encode_query(["who wrote Frankenstein?"], prompt="query: ")
     with pytest.raises(ValueError, match="passages take no prompt"):
@@ -228,7 +230,7 @@ def test_zero_shot_minilm_export_is_the_original_model_with_a_tokenizer_json(min
     texts = ["Who wrote the novel Frankenstein?", "Morse code: a method used in telecommunication to encode text."]
     ours, theirs = load_sentence_transformer(out), SentenceTransformer(minilm_l6_dir(), device="cpu")
     assert ours.tokenizer(texts)["input_ids"] == theirs.tokenizer(texts)["input_ids"]
-    diff = np.abs(ours.encode(texts) - theirs.encode(texts)).max()
+    diff = np.abs(ours.encode_document(texts) - theirs.encode(texts)).max()
     assert diff == 0.0, f"the exported MiniLM embeds {diff} away from the original"
 
 
@@ -448,7 +450,7 @@ def test_refuses_query_towers_projection_and_a_non_empty_output(t5_run, capsys):
             hf.check_exportable({**config, "dual_encoder": {**config["dual_encoder"], field: value}})
     assert t5r(["export-hf", f"--checkpoint_dir={model_dir}", f"--output_dir={out}"]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
-    assert not [n for n in os.listdir(os.path.dirname(out)) if n.startswith(".t5r-export-hf-")], "temp dir left behind"
+    assert not [n for n in os.listdir(os.path.dirname(out)) if ".tmp-" in n], "temp dir left behind"
 
 
 def test_the_export_directory_carries_checksums_of_every_file(minilm_zero_shot):
@@ -458,3 +460,55 @@ def test_the_export_directory_carries_checksums_of_every_file(minilm_zero_shot):
     files = json.load(open(os.path.join(out, checksums.CHECKSUMS_FILE)))["files"]
     assert "model.safetensors" in files and "tokenizer.json" in files, sorted(files)
     assert checksums.verify_all(out)[0] == len(files)
+
+
+def test_a_task_is_named_by_its_dataset_as_by_its_registered_name(bert_runs, slice_dir, data_dir):
+    """`prompt_name="fever"` (t5r's commands name tasks so) embeds as `prompt_name="demo_fever"`, with one
+    network and with a Router, and so does the card's transformers code with `TASKS["fever"]`."""
+    texts = [format_passage(p.title, p.text) for p in passages_of(data_dir, 4)]
+    queries = slice_queries(slice_dir, "fever")
+    for model_dir, out in bert_runs:
+        assert read_json(out, hf.RETRIEVAL_JSON)["task_aliases"]["fever"] == "demo_fever"
+        model = load_sentence_transformer(out)
+        want = load_encoder(model_dir).encode_queries(queries, "demo_fever")
+        assert_close(model.encode_query(queries, prompt_name="fever"), want, f"{out}: prompt_name='fever'")
+        assert_close(model.encode(queries, prompt_name="fever"), want, f"{out}: encode(prompt_name='fever')")
+        for card_q, _ in run_card(out, texts, queries, "fever"):
+            assert_close(card_q, want, f"{out}: the card's code with 'fever'")
+
+
+def test_exports_are_readable_by_others_and_name_no_path_of_this_machine(minilm_zero_shot, bert_runs):
+    """Directories with the umask's permissions (not mkdtemp's 0700), no verification stamp (inodes and
+    mtimes of this disk), and a model_config.json whose vocabulary is the shipped copy."""
+    from t5_retrieval import checksums
+
+    umask = os.umask(0)
+    os.umask(umask)
+    exports = {minilm_zero_shot[1]: "vocab.txt", bert_runs[1][1]: "query_encoder/vocab.txt"}
+    for out, vocabulary in exports.items():
+        for root, _, files in os.walk(out):
+            assert oct(os.stat(root).st_mode & 0o777) == oct(0o777 & ~umask), f"{root}: mode under umask {umask:o}"
+            for name in files:
+                assert os.stat(os.path.join(root, name)).st_mode & 0o444 == 0o444 & ~umask, os.path.join(root, name)
+            assert checksums.STAMP_FILE not in files, f"{root}: ships a stamp of this filesystem"
+        config = read_json(out, "model_config.json")
+        assert config["features"]["vocabulary"] == vocabulary, config["features"]
+        assert os.path.exists(os.path.join(out, vocabulary))
+        paths = [v for v in json.dumps(config).split('"') if os.path.isabs(v)]
+        assert not paths, f"{out}/model_config.json names paths of this machine: {paths}"
+
+
+def test_running_the_cards_code_as_a_user_writes_nothing_into_the_export(minilm_zero_shot, tmp_path):
+    """Each code block of the card, run as a script in a fresh interpreter (as a user pastes it),
+    leaves the export's files as they were: no __pycache__/ of the code it imports from there."""
+    _, out = minilm_zero_shot
+    before = sorted(os.path.relpath(os.path.join(r, n), out) for r, ds, fs in os.walk(out) for n in ds + fs)
+    inputs = 'passages = ["Frankenstein / a novel by Mary Shelley"]\nqueries = ["who wrote Frankenstein?"]\n'
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    for block in card_blocks(out):
+        run = subprocess.run([sys.executable, "-c", inputs + block + "\nprint(scores.shape)"], capture_output=True,
+                             text=True, env=env, cwd=tmp_path, timeout=300)
+        assert run.returncode == 0 and run.stdout.strip().endswith("(1, 1)"), run.stderr[-2000:]
+    after = sorted(os.path.relpath(os.path.join(r, n), out) for r, ds, fs in os.walk(out) for n in ds + fs)
+    assert after == before, f"the card's code wrote {sorted(set(after) - set(before))} into the export"

@@ -19,8 +19,10 @@ TRAIN = ["train", "--gin_file=models/t5_tiny.gin", "--gin.VOCAB_SIZE=128", "--gi
 def in_small_filesystem(mount: str, size: str, argv: list[str]) -> subprocess.CompletedProcess:
     """Runs argv with a tmpfs of `size` at `mount`, visible to it alone (unprivileged: a user namespace)."""
     script = f'mount -t tmpfs -o size={size} none "{mount}" && exec "$@"'
+    # CPU, as the other subprocess tests: else jax probes for a TPU through libtpu, which under load
+    # times out and prints an "INVALID_ARGUMENT: Error" line of its own before any work starts.
     return subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *argv], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +106,63 @@ def test_the_write_probe_of_a_full_output_directory_is_not_left_behind(tmp_path,
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"ERROR {mount / 'eval'}: no space left on the device"), result.stdout + result.stderr
     assert lines[1] == "[]", "the probe file stayed behind"
+
+
+def test_a_failed_command_leaves_no_output_directory_it_created(tmp_path, clean_gin, capsys):
+    """eval, encode, index and mine check their output directory first (creating it, parents too);
+    when they then fail on a bad input, the directories they created, still empty, are gone."""
+    from conftest import prepare_small_demo
+
+    from t5_retrieval import cli
+
+    data = prepare_small_demo(tmp_path, ["fever"])
+    emb, index = str(tmp_path / "emb"), str(tmp_path / "index")
+    lexical = ["--lexical_baseline_dim", "32"]
+    assert cli.main(["encode", *lexical, f"--kb_dir={data}/kb", f"--output_dir={emb}", "--no_progress"]) == 0
+    assert cli.main(["index", f"--embeddings_dir={emb}", f"--output_dir={index}"]) == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    new = tmp_path / "new"
+    commands = {
+        "eval": [*lexical, f"--index_dir={index}", f"--data_dir={data}", "--split=train", "--tasks=nosuch",
+                 f"--output_dir={new}/eval"],
+        "encode": [*lexical, f"--kb_dir={empty}", f"--output_dir={new}/emb"],
+        "index": [f"--embeddings_dir={empty}", f"--output_dir={new}/index"],
+        "mine": [*lexical, f"--index_dir={empty}", f"--data_dir={new}/data", "--source=ance-1"],
+    }
+    for name, argv in commands.items():
+        assert cli.main([name, *argv]) == 2, name
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1, name
+        assert not new.exists(), f"t5r {name} failed and left {sorted(str(p) for p in new.rglob('*'))}"
+
+
+# A command that fails as a full disk fails while a library's teardown is still pending: an exit
+# handler here, like orbax's and tensorstore's callbacks for the writes still in flight.
+FULL_DISK_COMMAND = """
+import atexit
+import sys
+
+from t5_retrieval import cli, errors
+
+
+def main(argv):
+    atexit.register(lambda: open(argv[0], "w").write("the interpreter finalized"))
+    raise errors.disk_full(argv[1])
+
+
+cli.COMMANDS["fill"] = ("__main__:main", "")
+cli.run()
+"""
+
+
+def test_after_a_full_disk_is_reported_no_teardown_can_change_the_exit(tmp_path):
+    """The report ends the process without interpreter finalization: nothing left running in a
+    library (tensorstore's callbacks for a failed save's other writes) can race it and turn status
+    2 into 1 with a traceback (an import while `sys.meta_path` is None)."""
+    marker = tmp_path / "finalized"
+    result = subprocess.run([sys.executable, "-c", FULL_DISK_COMMAND, "fill", str(marker), str(tmp_path / "model")],
+                            capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"t5r fill: error: {tmp_path / 'model'}: no space left on the device"), lines
+    assert not marker.exists(), "exit handlers ran after the report: teardown can still race the exit"

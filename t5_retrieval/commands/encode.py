@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.errors import check_writable_dir
+    from t5_retrieval.errors import writable_output_dir
 
     parser = argparse.ArgumentParser(prog="t5r encode", description=__doc__.splitlines()[0])
     add_encoder_flags(parser)
@@ -33,17 +33,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output_dir", required=True, help="embeddings directory (resumed if it exists)")
     parser.add_argument("--no_progress", action="store_true", help="hide the progress bar")
     args = parse_args(parser, argv, reads=TASK_MODULE)
-    check_writable_dir(args.output_dir, "--output_dir")
-    store = PassageStore.open(args.kb_dir)
-    encoder = encoder_from_flags(args)
-    process_index, process_count = _process()
-    report = embedding_store.write_embeddings(
-        encoder, store, store.ids(), args.output_dir, process_index=process_index,
-        process_count=process_count, progress=not args.no_progress,
-        # The step restored, which is older than --step's absent default when the newest is unreadable.
-        meta={"kb_dir": args.kb_dir, "checkpoint_dir": args.checkpoint_dir, "step": encoder.step,
-              "lexical_baseline_dim": args.lexical_baseline_dim},
-        **embedding_store.encode_settings())
+    with writable_output_dir(args.output_dir, "--output_dir"):
+        store = PassageStore.open(args.kb_dir)
+        encoder = encoder_from_flags(args)
+        process_index, process_count = _process()
+        report = embedding_store.write_embeddings(
+            encoder, store, store.ids(), args.output_dir, process_index=process_index,
+            process_count=process_count, progress=not args.no_progress,
+            # The step restored, which is older than --step's absent default when the newest is unreadable.
+            meta={"kb_dir": args.kb_dir, "checkpoint_dir": args.checkpoint_dir, "step": encoder.step,
+                  "lexical_baseline_dim": args.lexical_baseline_dim},
+            **embedding_store.encode_settings())
     state = "complete" if report.complete else "waiting for other processes' shards"
     print(f"t5r encode: process {process_index}/{process_count}: wrote {len(report.shards_written)} shards, "
           f"skipped {len(report.shards_skipped)} already on disk; {state}: {args.output_dir}")

@@ -8,7 +8,7 @@ import argparse
 from t5_retrieval import checksums, logs
 from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import parse_args
-from t5_retrieval.errors import check_writable_dir
+from t5_retrieval.errors import writable_output_dir
 from t5_retrieval.retrieval import index as index_lib
 
 
@@ -24,10 +24,9 @@ def main(argv: list[str]) -> int:
     add_verify_flag(parser)  # the shards are hashed in full anyway; `full` adds the manifest and ids
     args = parse_args(parser, argv)
     logs.setup()
-    check_writable_dir(args.output_dir, "--output_dir")
     backend = {} if args.backend is None else {"backend": args.backend}
-    with checksums.verification(args.verify):
+    with checksums.verification(args.verify), writable_output_dir(args.output_dir, "--output_dir"):
         index = index_lib.build_index(args.embeddings_dir, staging_dir=args.staging_dir, **backend)
-    index.save(args.output_dir)
+        index.save(args.output_dir)
     print(f"t5r index: {len(index)} passages, backend={index.backend}, wrote {args.output_dir}")
     return 0

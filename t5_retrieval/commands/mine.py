@@ -17,17 +17,17 @@ def main(argv: list[str]) -> int:
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.data import layout
     from t5_retrieval.data.records import write_negatives
-    from t5_retrieval.errors import check_writable_dir
+    from t5_retrieval.errors import writable_output_dir
 
     parser = argparse.ArgumentParser(prog="t5r mine", description=__doc__.splitlines()[0])
     add_search_flags(parser, default_split="train")
     parser.add_argument("--source", required=True, help="negatives name, e.g. ance-1 (bm25 is the data stage's)")
     args = parse_args(parser, argv, reads=TASK_MODULE)
     out_dir = layout.negatives_dir(args.data_dir, args.source)
-    check_writable_dir(out_dir, "--data_dir/negatives/--source")
-    inputs = load_search_inputs(args)
-    for task, task_examples in inputs.examples.items():
-        path = layout.negatives_path(out_dir, inputs.datasets[task], args.split)
-        count = write_negatives(path, mine_negatives(inputs.encoder, inputs.index, task_examples, inputs.store))
-        print(f"t5r mine: {task}: {count} queries -> {path}")
+    with writable_output_dir(out_dir, "--data_dir/negatives/--source"):
+        inputs = load_search_inputs(args)
+        for task, task_examples in inputs.examples.items():
+            path = layout.negatives_path(out_dir, inputs.datasets[task], args.split)
+            count = write_negatives(path, mine_negatives(inputs.encoder, inputs.index, task_examples, inputs.store))
+            print(f"t5r mine: {task}: {count} queries -> {path}")
     return 0

@@ -33,13 +33,20 @@ import numpy as np
 from flax import traverse_util
 from safetensors.numpy import save_file
 
-from t5_retrieval import checkpoint, checksums
+from t5_retrieval import checkpoint
+from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
 from t5_retrieval.data.tokenizers.query_inputs import recorded_query_input
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path
 from t5_retrieval.errors import UserError, replaced_on_success
-from t5_retrieval.export import t5r_query_ids
-from t5_retrieval.export.hf_tokenizers import write_bert_tokenizer, write_json, write_t5_tokenizer
+from t5_retrieval.export import portable, t5r_query_ids
+from t5_retrieval.export.hf_tokenizers import (
+    BERT_VOCAB_FILE,
+    T5_VOCAB_FILE,
+    write_bert_tokenizer,
+    write_json,
+    write_t5_tokenizer,
+)
 from t5_retrieval.export.model_card import model_card
 from t5_retrieval.export.sentence_transformers_files import (
     POOLING_MODES,
@@ -67,6 +74,7 @@ from t5_retrieval.retrieval.encoder import Encoder
 FORMAT = "t5r-hf-export/2"
 RETRIEVAL_JSON = t5r_query_ids.RETRIEVAL_JSON  # tasks, prefixes, lengths, pooling: what the model card explains
 QUERY_ENCODER_DIR, PASSAGE_ENCODER_DIR = "query_encoder", "passage_encoder"  # when there are two networks
+VOCABULARY_FILE = {"bert": BERT_VOCAB_FILE, "t5": T5_VOCAB_FILE}  # the vocabulary each network directory ships
 BERT_SENTINEL = "[unused1]"  # what `<extra_id_1>` in a task prefix becomes in a WordPiece vocabulary
 
 
@@ -224,6 +232,9 @@ def retrieval_record(networks: Networks) -> dict[str, Any]:
     two = networks.two_networks
     return {"format": FORMAT, "family": family, "fingerprint": networks.encoder.fingerprint,
             "dim": networks.encoder.dim, "pooling": dual["pooling"], "l2_normalize": dual["l2_normalize"],
+            # A dataset's name for the one task that reads it (`fever` for `kilt_fever`), as t5r's commands take.
+            "task_aliases": {alias: task for alias, task in task_names.aliases(features.get("tasks", {})).items()
+                             if alias != task},
             # The longest task's query length (the query encoder's max_length); each task's is in "tasks".
             "query_len": query_len, "passage_len": passage_features["passage_len"],
             "passage_template": passage_features.get("passage_template", PASSAGE_TEMPLATE), "tasks": tasks,
@@ -285,13 +296,15 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
                           ROLE_BOTH if st else None, tasks)
         if st:
             write_sentence_transformers(partial, networks.two_networks, networks.encoder.dim, record["pooling"],
-                                        record["l2_normalize"], tasks)
+                                        record["l2_normalize"], tasks, record["task_aliases"])
         write_json(os.path.join(partial, RETRIEVAL_JSON), record)
         copy_source(partial, QUERY_IDS_FILE)  # t5r's query ids, for the card's code and modeling_t5r.py
-        write_json(os.path.join(partial, "model_config.json"), networks.query.config)
+        vocabulary = os.path.join(record["query_encoder"], VOCABULARY_FILE[family])
+        write_json(os.path.join(partial, "model_config.json"),
+                   portable.portable_config(networks.query.config, os.path.normpath(vocabulary)))
         with open(os.path.join(partial, "README.md"), "w", encoding="utf-8") as f:
             f.write(model_card(record))
-        checksums.record(partial)  # `t5r checksum <dir>` verifies a copy of the export
+        portable.finish(partial)  # `t5r checksum <dir>` verifies a copy of the export
     return record
 
 

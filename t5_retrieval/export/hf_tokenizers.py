@@ -30,6 +30,7 @@ from t5_retrieval.data.tokenizers.wordpiece import CONTINUATION, MAX_CHARS_PER_W
 T5_EXTRA_IDS = 100  # seqio's sentinels, `<extra_id_0>` the last id of the vocabulary
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 T5_SPECIALS = ("<pad>", "</s>", "<unk>")
+BERT_VOCAB_FILE, T5_VOCAB_FILE = "vocab.txt", "spiece.model"  # the vocabulary as the export ships it
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -81,7 +82,7 @@ def t5_tokenizer(spm_path: str) -> tokenizers.Tokenizer:
 def write_bert_tokenizer(directory: str, vocabulary: str, max_length: int, markers: Sequence[str]) -> None:
     """vocab.txt, tokenizer.json and the BertTokenizer settings our WordPiece tokenisation uses."""
     vocab = WordPieceVocabulary.from_path(vocabulary)
-    shutil.copyfile(vocab.vocab_file, os.path.join(directory, "vocab.txt"))
+    shutil.copyfile(vocab.vocab_file, os.path.join(directory, BERT_VOCAB_FILE))
     bert_tokenizer(vocab, markers).save(os.path.join(directory, "tokenizer.json"))
     write_json(os.path.join(directory, "tokenizer_config.json"), {
         "tokenizer_class": "BertTokenizer", "do_lower_case": vocab.lower_case, "do_basic_tokenize": True,
@@ -92,7 +93,7 @@ def write_bert_tokenizer(directory: str, vocabulary: str, max_length: int, marke
 
 def write_t5_tokenizer(directory: str, vocabulary: str, max_length: int) -> None:
     """spiece.model, tokenizer.json and the T5Tokenizer settings (seqio's 100 sentinels)."""
-    shutil.copyfile(vocabulary, os.path.join(directory, "spiece.model"))
+    shutil.copyfile(vocabulary, os.path.join(directory, T5_VOCAB_FILE))
     t5_tokenizer(vocabulary).save(os.path.join(directory, "tokenizer.json"))
     write_json(os.path.join(directory, "tokenizer_config.json"), {
         "tokenizer_class": "T5Tokenizer", "extra_ids": T5_EXTRA_IDS, "eos_token": "</s>", "unk_token": "<unk>",

@@ -28,7 +28,10 @@ import transformers
 
 d = "path/to/this/directory"
 sys.path.insert(0, d)
+dont_write_before, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__/ in this directory
 from t5r_query_ids import query_ids, read_tasks  # noqa: E402  t5r's token ids of a query of a task
+
+sys.dont_write_bytecode = dont_write_before
 
 TASKS = read_tasks(d)  # each task's prefix, query length and truncation
 tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(d, "{query_dir}"))
@@ -110,9 +113,10 @@ embeddings; use the transformers code below.
 run `modeling_t5r.py` from this directory (a short file worth reading first: a sentence-transformers
 `Transformer` that builds t5r's token ids of a query with `t5r_query_ids.py`). A prompt here is a
 task name tag: `encode_query(queries, prompt_name=task)` (or `encode(queries, prompt_name=task)`)
-reads each query as t5r reads that task's: its prefix, its length, its truncation. A query without
-a task prompt is an error naming the tasks.
-`encode_document(passages)` embeds passages at the passage length.
+reads each query as t5r reads that task's: its prefix, its length, its truncation. `task` is a
+task's name or its dataset's (the table). `encode_document(passages)` embeds passages at the
+passage length. A query without a task prompt is an error naming the tasks, and so is
+`encode(texts)` without `prompt_name`: it cannot tell a query from a passage.
 
 ```python
 {SENTENCE_TRANSFORMERS_CODE.format(template=record['passage_template'], task=example_task)}
@@ -122,7 +126,9 @@ a task prompt is an error naming the tasks.
 
 def model_card(record: dict[str, Any]) -> str:
     """README.md for the export described by `record` (t5r_retrieval.json)."""
-    tasks = "\n".join(f"| `{name}` | `{spec['query_prefix'] or '(none)'}` | {spec['query_len']} | {spec['truncation']} |"
+    also = {task: alias for alias, task in record["task_aliases"].items()}
+    tasks = "\n".join(f"| `{name}`{f' or `{also[name]}`' if name in also else ''} "
+                      f"| `{spec['query_prefix'] or '(none)'}` | {spec['query_len']} | {spec['truncation']} |"
                       for name, spec in record["tasks"].items())
     example_task = next(iter(record["tasks"]), "")
     mention = [name for name, spec in record["tasks"].items() if spec["truncation"] == MENTION_WINDOW]

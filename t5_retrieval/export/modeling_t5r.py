@@ -5,9 +5,11 @@
 Why a module of its own: sentence-transformers cuts every text of a route at one `max_seq_length`
 after putting the prompt before it, while t5r reads each task's queries at the task's own length
 and keeps an entity-linking query's window around its mention (`t5r_query_ids.query_ids`). Here a
-prompt is a task name tag (`config_sentence_transformers.json`: `{"fever": "<t5r-task:fever>"}`):
+prompt is a task name tag (`config_sentence_transformers.json`: `{"kilt_fever": "<t5r-task:kilt_fever>",
+"fever": "<t5r-task:kilt_fever>"}`, a task by its name or its dataset's):
 `encode_query(queries, prompt_name=task)` gives t5r's ids for the task, its real prefix included;
-passages are tokenised as sentence-transformers does, at the passage length.
+`encode_document(passages)` tokenises passages as sentence-transformers does, at the passage length;
+`encode(texts)` without a task prompt is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ except ImportError:  # 5.0 to 5.6
 from .t5r_query_ids import query_ids
 
 QUERY, PASSAGE, BOTH = "query", "passage", "both"  # what a network embeds: `role`
+DOCUMENT = "document"  # sentence-transformers' task of `encode_document`
 
 
 class T5rTransformer(Transformer):
@@ -53,16 +56,19 @@ class T5rTransformer(Transformer):
         return super().preprocess(inputs, None, *args, **kwargs)
 
     def is_query(self, prompt: str | None, task: str | None) -> bool:
-        """`task` is sentence-transformers' "query"/"document" (one network only; a Router keeps it)."""
+        """`task` is sentence-transformers' "query"/"document" (one network only; a Router keeps it).
+        Without one (`encode`), one network takes the text as a query as a Router's default route
+        does, so `encode(texts)` without `prompt_name` is refused by both, never read as passages."""
         if self.role != BOTH:
             return self.role == QUERY
-        return task == QUERY or (task is None and bool(prompt))
+        return task != DOCUMENT
 
     def task_named_by(self, prompt: str | None) -> str:
         names = ", ".join(sorted(self.tasks))
         if not prompt:
             raise ValueError(f"a query needs its task: encode_query(queries, prompt_name=TASK), TASK one of {names} "
-                             "(passages: encode_document)")
+                             "or its dataset; passages: encode_document(passages) (encode() without prompt_name "
+                             "cannot tell a query from a passage)")
         if prompt not in self.task_of_prompt:
             raise ValueError(f"prompt {prompt!r} names no task of this model: pass prompt_name=one of {names} "
                              "(a prompt here is a task tag, replaced by the task's own prefix)")

@@ -15,9 +15,10 @@
   initialised from asset files. An index of another backend (`t5r index --backend=exact`) is
   refused: the graph holds ScaNN's searcher, not the index's Python code.
 - Provenance travels as assets: `t5r_export.json` (model fingerprint, tasks with their prefixes,
-  query lengths and truncations, the index manifest), the index's `index.json`, the model's `model_config.json` and the
-  sentencepiece `.model` file. `export_savedmodel` refuses a model and an index that do not belong
-  together (different fingerprint or dimension) and an index whose passage ids are not the KB's.
+  query lengths and truncations, the index manifest), the index's `index.json`, the model's
+  `model_config.json` (its paths made portable: `export.portable`) and the sentencepiece `.model`
+  file. `export_savedmodel` refuses a model and an index that do not belong together (different
+  fingerprint or dimension) and an index whose passage ids are not the KB's.
 
 Unknown task names, empty queries and k < 1 fail inside the graph with InvalidArgumentError.
 """
@@ -37,14 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 import tensorflow as tf
 
-from t5_retrieval import checkpoint, checksums
+from t5_retrieval import checkpoint
 from t5_retrieval.data.records import DataError
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW, recorded_query_input
 from t5_retrieval.errors import ConfigError, UserError, replaced_on_success
-from t5_retrieval.export import preprocess
+from t5_retrieval.export import portable, preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
 from t5_retrieval.inference import DualEncoderInference
 from t5_retrieval.models.build import apply_params
@@ -230,11 +231,12 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
         with open(os.path.join(staging, EXPORT_JSON), "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)
         with open(os.path.join(staging, checkpoint.CONFIG_FILE), "w", encoding="utf-8") as f:
-            json.dump(encoder.config, f, indent=1, sort_keys=True)
+            json.dump(portable.portable_config(encoder.config, f"assets/{record['vocabulary_file']}"), f, indent=1,
+                      sort_keys=True)
         start = time.time()
         module = RetrievalModule(encoder, index, index_dir, store, staging)
         tf.saved_model.save(module, partial, signatures={"search": module.search, "encode": module.encode,
                                                          "serving_default": module.search})
-        checksums.record(partial)  # `t5r checksum <dir>` verifies a copy before TF Serving loads it
+        portable.finish(partial)  # `t5r checksum <dir>` verifies a copy before TF Serving loads it
     log.info("export: wrote %s in %.1fs", output_dir, time.time() - start)
     return record

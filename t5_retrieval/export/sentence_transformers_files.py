@@ -12,8 +12,11 @@
   "document" route is `passage_encoder/` (role "passage"), then the shared `Pooling` -> [`Normalize`].
   The default route is "query": `encode(q, prompt_name=task)` embeds a query as `encode_query` does,
   and `encode` without a task prompt is an error naming the tasks, never a silent choice of tower.
+  One network behaves the same: `encode` without `prompt_name` is refused rather than read as passages.
 - `prompts`: one task name tag per task (`task_prompt`), which the module replaces by the task's
-  own prefix; a tag is unambiguous where the prefix is not (no-prefix models have "" for all).
+  own prefix; a tag is unambiguous where the prefix is not (no-prefix models have "" for all). A
+  dataset only one task reads is a prompt name too, with that task's tag (`fever` for
+  `kilt_fever`), so `prompt_name` takes the names t5r's commands take.
 """
 
 from __future__ import annotations
@@ -65,11 +68,11 @@ def write_router(directory: str, query_dir: str, passage_dir: str) -> None:
 
 
 def write_sentence_transformers(directory: str, router: bool, hidden_size: int, pooling: str, l2_normalize: bool,
-                                tasks: dict[str, dict[str, Any]]) -> None:
+                                tasks: dict[str, dict[str, Any]], aliases: dict[str, str]) -> None:
     """modules.json (the input module or a `router` over two -> Pooling -> [Normalize]), the module's
     source (it imports QUERY_IDS_FILE, which the caller writes), the pooling config and
     config_sentence_transformers.json (task prompts, similarity).
-    `pooling` is one of POOLING_MODES."""
+    `pooling` is one of POOLING_MODES; `aliases` (a dataset's name -> its task) are prompt names too."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": ROUTER if router else INPUT_MODULE},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if l2_normalize:
@@ -81,6 +84,7 @@ def write_sentence_transformers(directory: str, router: bool, hidden_size: int, 
         "word_embedding_dimension": hidden_size, "pooling_mode_cls_token": pooling == "cls",
         "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
         "pooling_mode_mean_sqrt_len_tokens": False})
+    prompts = {name: task_prompt(aliases.get(name, name)) for name in [*tasks, *aliases]}
     write_json(os.path.join(directory, "config_sentence_transformers.json"), {
-        "model_type": "SentenceTransformer", "prompts": {name: task_prompt(name) for name in tasks},
-        "default_prompt_name": None, "similarity_fn_name": "cosine" if l2_normalize else "dot"})
+        "model_type": "SentenceTransformer", "prompts": prompts, "default_prompt_name": None,
+        "similarity_fn_name": "cosine" if l2_normalize else "dot"})

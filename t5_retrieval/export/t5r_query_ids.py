@@ -22,9 +22,12 @@ KILT_SEP = "[SEP]"
 
 
 def read_tasks(directory: str) -> dict[str, dict[str, Any]]:
-    """Each task's spec, from an export directory's t5r_retrieval.json."""
+    """Each task's spec by its name and by its dataset's (`fever` for `kilt_fever`, where only that
+    task reads the dataset), from an export directory's t5r_retrieval.json."""
     with open(os.path.join(directory, RETRIEVAL_JSON), encoding="utf-8") as f:
-        return json.load(f)["tasks"]
+        record = json.load(f)
+    tasks = record["tasks"]
+    return {**tasks, **{alias: tasks[task] for alias, task in record.get("task_aliases", {}).items()}}
 
 
 def query_ids(tokenizer: Any, query: str, spec: Mapping[str, Any]) -> list[int]:

@@ -120,11 +120,20 @@ class _UniqueKeys:
             yield from read_jsonl(self.path)
 
 
+def _id(value: Any, field: str, path: str, line_no: int) -> str:
+    """A page or passage id as the KILT scorer compares ids: `str(value).strip()`, so `"demo00002 "`
+    is the page `demo00002` (not a second page), and never empty."""
+    key = str(value).strip()
+    if not key:
+        raise DataError(f"{path}:{line_no}: field {field!r} is empty; every passage and page needs an id")
+    return key
+
+
 def iter_knowledge_source(path: str, words_per_passage: int = 100) -> Iterator[tuple[Passage, Span]]:
     """Streams passages from a KILT knowledge source (jsonl: wikipedia_id, wikipedia_title, text)."""
-    pages = _UniqueKeys(path, "page (wikipedia_id)", lambda row: str(row.get("wikipedia_id")))
+    pages = _UniqueKeys(path, "page (wikipedia_id)", lambda row: str(row.get("wikipedia_id")).strip())
     for line_no, row in read_jsonl(path):
-        wikipedia_id = str(require(row, "wikipedia_id", path, line_no))
+        wikipedia_id = _id(require(row, "wikipedia_id", path, line_no), "wikipedia_id", path, line_no)
         pages.add(wikipedia_id, line_no)
         title = str(require(row, "wikipedia_title", path, line_no))
         text = require(row, "text", path, line_no)
@@ -139,7 +148,7 @@ def iter_dpr_tsv(path: str) -> Iterator[tuple[Passage, Span | None]]:
     DPR passages carry no page id: the title is the page key, as in DPR's own evaluation.
     """
     csv.field_size_limit(sys.maxsize)
-    ids = _UniqueKeys(path, "passage id", lambda fields: fields[0] if fields else None)
+    ids = _UniqueKeys(path, "passage id", lambda fields: fields[0].strip() if fields else None)
     with open(path, encoding="utf-8", newline="") as f:
         for line_no, fields in enumerate(csv.reader(f, delimiter="\t"), start=1):
             if line_no == 1 and fields[:3] == ["id", "text", "title"]:
@@ -150,6 +159,7 @@ def iter_dpr_tsv(path: str) -> Iterator[tuple[Passage, Span | None]]:
                 raise DataError(f"{path}:{line_no}: expected 3 tab-separated fields (id, text, title), "
                                 f"got {len(fields)}")
             pid, text, title = fields
+            pid = _id(pid, "id", path, line_no)
             ids.add(pid, line_no)
             if text.startswith('"') and text.endswith('"'):
                 text = text[1:-1].replace('""', '"')
@@ -159,9 +169,10 @@ def iter_dpr_tsv(path: str) -> Iterator[tuple[Passage, Span | None]]:
 def iter_passages_jsonl(path: str) -> Iterator[tuple[Passage, Span | None]]:
     """Streams already-chunked passages (jsonl: id, wikipedia_id, title, text), e.g. mini-KILT's
     `kb/passages.jsonl`; they are stored as they are."""
-    ids = _UniqueKeys(path, "passage id", lambda row: str(row.get("id")))
+    ids = _UniqueKeys(path, "passage id", lambda row: str(row.get("id")).strip())
     for line_no, row in read_jsonl(path):
-        fields = [str(require(row, f, path, line_no)) for f in ("id", "wikipedia_id", "title", "text")]
+        fields = [_id(require(row, f, path, line_no), f, path, line_no) for f in ("id", "wikipedia_id")]
+        fields += [str(require(row, f, path, line_no)) for f in ("title", "text")]
         ids.add(fields[0], line_no)
         span = row.get("span")
         yield Passage(*fields), (int(span[0]), int(span[1])) if isinstance(span, list) else None
