@@ -12,8 +12,8 @@ import socket
 
 from t5_retrieval import logs
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
-from t5_retrieval.commands.inputs import (add_encoder_flags, encoder_from_flags, import_task_modules,
-                                         register_named_mixtures)
+from t5_retrieval.commands.inputs import (add_encoder_flags, add_task_module_flag, encoder_from_flags,
+                                          import_task_modules, register_named_mixtures)
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.retrieval.encoder import recorded_tasks
 from t5_retrieval.retrieval.index import load_index
@@ -57,6 +57,7 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="t5r serve", description=__doc__.splitlines()[0])
     add_encoder_flags(parser)
+    add_task_module_flag(parser)
     parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
     parser.add_argument("--kb_dir", required=True, help="passage store the index was built from")
     parser.add_argument("--tasks", default="",
