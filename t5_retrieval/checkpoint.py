@@ -311,8 +311,8 @@ def vocabulary_file(directory: str, features: dict[str, Any]) -> str | None:
         return None
     path = os.path.join(directory, recorded)  # an absolute `recorded` stays as it is
     if os.path.isabs(recorded) and not os.path.exists(path):
-        copy = os.path.join(directory, stored_vocabulary_name(recorded))
-        return copy if os.path.exists(copy) else path
+        copies = [os.path.join(directory, VOCABULARY_DIR, name) for name in (SENTENCEPIECE_FILE, WORDPIECE_FILE)]
+        return next((copy for copy in copies if os.path.exists(copy)), path)
     return path
 
 

@@ -33,7 +33,7 @@ from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_ta
 from t5_retrieval.retrieval.index import IndexMismatchError
 
 
-def fingerprint_of(config: dict[str, Any], params: Any, step: int, vocabulary: str | None = None) -> str:
+def fingerprint_of(config: dict[str, Any], params: Any, step: int, vocabulary: str | None) -> str:
     """Identifies a model: its config as stored, the content of its vocabulary (the file at
     `vocabulary`), its checkpoint step and a cheap digest of every weight.
 
@@ -175,10 +175,12 @@ def check_vocabulary(stored: dict[str, Any], checkpoint_dir: str) -> None:
         return
     if not os.path.exists(path):
         if os.path.isabs(stored["vocabulary"]):  # an older model directory, recording where it was read from
-            copy = os.path.join(checkpoint_dir, checkpoint.stored_vocabulary_name(path))
+            place = os.path.join(checkpoint_dir, checkpoint.VOCABULARY_DIR)
             raise checkpoint.CheckpointError(
                 f"{checkpoint_dir}: the model's vocabulary {path} (features.vocabulary, recorded by an older "
-                f"version) does not exist; copy that vocabulary (digest {recorded or 'not recorded'}) to {copy}")
+                f"version) does not exist; copy that vocabulary (digest {recorded or 'not recorded'}) to "
+                f"{place}/{checkpoint.SENTENCEPIECE_FILE}, or a WordPiece one to {place}/{checkpoint.WORDPIECE_FILE} "
+                "with its tokenizer_config.json")
         raise checkpoint.CheckpointError(f"{checkpoint_dir}: the model's vocabulary {path} (features.vocabulary) "
                                          "does not exist; copy the whole model directory, vocabulary/ with it")
     current = vocabulary_digest(path)

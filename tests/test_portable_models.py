@@ -74,24 +74,44 @@ def test_a_copied_model_index_and_embeddings_work_with_their_original_place_gone
     assert passage_table(f"{moved}/emb_0", store)[1] == passage_table(f"{tmp_path}/emb_copy", store)[1]
 
 
-def test_an_older_model_directory_loads_from_its_absolute_path_and_is_upgraded_when_written(tiny, tmp_path):
-    from t5_retrieval.inference import load_encoder
-
-    model_dir = str(tmp_path / "v1")
+def v1_model_dir(tiny, model_dir: str, vocabulary: str) -> str:
+    """A copy of the tiny model as an older version wrote it: no `version`, the vocabulary by the
+    absolute path it was read from, no copy inside."""
     shutil.copytree(tiny.model_dirs[0], model_dir)
     stored = checkpoint.read_config(model_dir)
     v1 = {key: value for key, value in stored.items() if key != "version"}
-    v1["features"] = {**stored["features"], "vocabulary": tiny.vocabulary}  # as version 1 recorded it
+    v1["features"] = {**stored["features"], "vocabulary": vocabulary}
     with open(os.path.join(model_dir, checkpoint.CONFIG_FILE), "w") as f:
         json.dump(v1, f)
     shutil.rmtree(os.path.join(model_dir, checkpoint.VOCABULARY_DIR))
-    assert load_encoder(model_dir).vocabulary is not None, "the absolute path exists: it loads"
+    return model_dir
 
-    checkpoint.write_config(model_dir, v1)  # a resumed run writes its config: the directory is upgraded
+
+def test_an_older_model_directory_loads_from_its_absolute_path_and_is_upgraded_when_written(tiny, tmp_path):
+    from t5_retrieval.inference import load_encoder
+
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    vocabulary = str(venv / "spm.model")
+    shutil.copyfile(tiny.vocabulary, vocabulary)
+    model_dir = v1_model_dir(tiny, str(tmp_path / "v1"), vocabulary)
+    assert load_encoder(model_dir).vocabulary is not None, "the absolute path exists: it loads"
+    checkpoint.write_config(model_dir, checkpoint.read_config(model_dir))  # as a resumed run: upgraded on disk
     upgraded = checkpoint.read_config(model_dir)
     assert upgraded["version"] == checkpoint.CONFIG_VERSION
     assert upgraded["features"]["vocabulary"] == "vocabulary/spiece.model"
-    assert vocabulary_digest(os.path.join(model_dir, "vocabulary", "spiece.model")) == vocabulary_digest(tiny.vocabulary)
+    assert vocabulary_digest(os.path.join(model_dir, "vocabulary", "spiece.model")) == vocabulary_digest(vocabulary)
+
+    # Another older directory whose venv is gone: the error says where a copy goes, and with it, it loads.
+    gone = v1_model_dir(tiny, str(tmp_path / "v1_gone"), vocabulary)
+    fingerprint = load_encoder(gone).fingerprint
+    os.remove(vocabulary)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{vocabulary} .*does not exist; copy that vocabulary "
+                                                         f".* to {gone}/vocabulary/spiece.model"):
+        load_encoder(gone)
+    os.makedirs(f"{gone}/vocabulary")
+    shutil.copyfile(tiny.vocabulary, f"{gone}/vocabulary/spiece.model")
+    assert load_encoder(gone).fingerprint == fingerprint, "the same model: its indexes still match"
 
 
 def test_a_model_config_names_the_sub_field_that_differs_and_not_where_its_inputs_lived(tiny, tmp_path):
