@@ -54,6 +54,8 @@ def test_a_copied_model_index_and_embeddings_work_with_their_original_place_gone
     from t5_retrieval.data.batching.batches import passage_table
     from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.inference import load_encoder
+    from t5_retrieval.retrieval.index import load_index
+    from t5_retrieval.retrieval.serve import SearchService
 
     assert not os.path.exists(tiny.vocabulary), "precondition: the vocabulary the model was written with is gone"
     encoder = load_encoder(f"{moved}/model_0")
@@ -67,9 +69,13 @@ def test_a_copied_model_index_and_embeddings_work_with_their_original_place_gone
         assert cli.main(eval_argv(moved, model, f"{tmp_path}/eval_{model}")) == 0
         assert "demo_fever" in json.load(open(f"{tmp_path}/eval_{model}/results.json"))
 
+    # The search service (what `t5r serve` runs) over the moved model and index.
+    store = PassageStore.open(layout.kb_dir(f"{moved}/data"))
+    service = SearchService(encoder, load_index(f"{moved}/index_0"), store, ["demo_fever"])
+    assert len(service.search(["who wrote it"], 3, task="demo_fever")[0]) == 3
+
     # Training over the copied embeddings is the same model as over the originals: their identity
     # is their writer and content, not their directory.
-    store = PassageStore.open(layout.kb_dir(f"{moved}/data"))
     shutil.copytree(f"{moved}/emb_0", f"{tmp_path}/emb_copy")
     assert passage_table(f"{moved}/emb_0", store)[1] == passage_table(f"{tmp_path}/emb_copy", store)[1]
 
@@ -202,3 +208,6 @@ def test_an_in_process_run_records_absolute_paths_and_restarts_from_another_dire
                         "init_from": [str(work / "base")]}, recorded
     monkeypatch.chdir(elsewhere)
     assert cli.main(["train", f"--gin_file={config}", f"--model_dir={work / 'model'}"]) == 0
+    # A copy of the model directory resumes too: its stored config is the same model wherever it lies.
+    shutil.copytree(work / "model", elsewhere / "copy")
+    assert cli.main(["train", f"--gin_file={elsewhere / 'copy' / 'config.gin'}", "--model_dir=copy"]) == 0
