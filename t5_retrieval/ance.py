@@ -29,7 +29,7 @@ import optax
 
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.stages import index_and_evaluate, mine_stage, stage
-from t5_retrieval.train import train
+from t5_retrieval.train import portable_bindings, train
 
 log = logging.getLogger(__name__)
 
@@ -89,5 +89,6 @@ def ance(work_dir: str,
 
 
 def _train(model_dir: str, **kwargs: Any) -> dict[str, Any]:
+    portable_bindings()  # config.gin records its paths absolute, as `t5r train` does
     state = train(model_dir, **kwargs)
     return {"steps": int(state.step)}

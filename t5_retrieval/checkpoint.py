@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from jax.experimental import multihost_utils
 
 from t5_retrieval import checksums
 from t5_retrieval.data.records import write_json_atomic
+from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path, vocabulary_digest, vocabulary_files
 from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded
 from t5_retrieval.gin_utils import OPERATIVE_CONFIG
 
@@ -284,30 +286,119 @@ def abstract_like(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+# model_config.json's layout. Version 1 (no field) named the vocabulary by the absolute path it was
+# read from (a venv's site-packages, say) and the passage embeddings by their directory, so a model
+# directory broke when either moved. Version 2 names the vocabulary by its copy inside the model
+# directory and the embeddings by their content: the directory stands alone. `upgrade_config`.
+CONFIG_VERSION = 2
+VOCABULARY_DIR = "vocabulary"  # in a model directory: a copy of the vocabulary its token ids are of
+SENTENCEPIECE_FILE, WORDPIECE_FILE = "spiece.model", "vocab.txt"  # their names there (T5's, BERT's)
+
+
+def stored_vocabulary_name(source: str) -> str:
+    """Where a model directory keeps its copy of the vocabulary at `source`, relative to it."""
+    return os.path.join(VOCABULARY_DIR, WORDPIECE_FILE if is_wordpiece_path(source) else SENTENCEPIECE_FILE)
+
+
+def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A model config in this version's layout (CONFIG_VERSION), without touching any file.
+
+    A vocabulary named by an absolute path (version 1, or a config about to be written: training
+    records where it read it) becomes its copy inside the model directory, with its content digest
+    when the file is there to read; the passage embeddings lose their directory and keep their
+    identity (the fingerprint of the model that wrote them, their content digest). What the model
+    is stays the same; where its inputs lived is no part of it."""
+    out = {**config, "version": CONFIG_VERSION}
+    features = dict(config.get("features") or {})
+    source = features.get("vocabulary")
+    if source and os.path.isabs(source):
+        features["vocabulary"] = stored_vocabulary_name(source)
+        if not features.get("vocabulary_digest") and os.path.exists(source):
+            features["vocabulary_digest"] = vocabulary_digest(source)
+    if isinstance(features.get("passage_embeddings"), dict):
+        features["passage_embeddings"] = {k: v for k, v in features["passage_embeddings"].items() if k != "directory"}
+    if "features" in config:
+        out["features"] = features
+    return out
+
+
+def vocabulary_file(directory: str, features: dict[str, Any]) -> str | None:
+    """The path of the vocabulary of the model in `directory` (None if it records none): its copy
+    there (recorded relative to it), or the absolute path a version-1 directory records; when that
+    path is gone, a copy put at the version-2 place is used (the fix the missing-file error names)."""
+    recorded = features.get("vocabulary")
+    if not recorded:
+        return None
+    path = os.path.join(directory, recorded)  # an absolute `recorded` stays as it is
+    if os.path.isabs(recorded) and not os.path.exists(path):
+        copies = [os.path.join(directory, VOCABULARY_DIR, name) for name in (SENTENCEPIECE_FILE, WORDPIECE_FILE)]
+        return next((copy for copy in copies if os.path.exists(copy)), path)
+    return path
+
+
+def located_config(directory: str, config: dict[str, Any]) -> dict[str, Any]:
+    """`config` of the model in `directory` with its vocabulary named by a path that opens from the
+    working directory (what code that reads the vocabulary, or copies it on, needs)."""
+    if not (config.get("features") or {}).get("vocabulary"):
+        return config
+    return {**config, "features": {**config["features"], "vocabulary": vocabulary_file(directory, config["features"])}}
+
+
+def _copy_vocabulary(source: str, directory: str) -> None:
+    """Copies the vocabulary files at `source` into `directory`'s VOCABULARY_DIR (each file whole or
+    not at all), unless `source` is that copy already."""
+    target = os.path.join(directory, VOCABULARY_DIR)
+    os.makedirs(target, exist_ok=True)
+    for i, path in enumerate(vocabulary_files(source)):
+        name = os.path.basename(stored_vocabulary_name(source)) if i == 0 else os.path.basename(path)
+        destination = os.path.join(target, name)
+        if os.path.abspath(path) == os.path.abspath(destination):
+            continue
+        tmp = f"{destination}.tmp"
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, destination)
+
+
+def differing_fields(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The dotted names of the fields where two configs differ (`features.passage_embeddings.digest`),
+    down to the first level where one is not a dict."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return [] if a == b else [prefix]
+    return [name for key in sorted(set(a) | set(b), key=str)
+            for name in differing_fields(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))]
+
+
 def write_config(directory: str, config: dict[str, Any],
                  upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
-    """Records the model config; a different config in an existing directory is an error.
+    """Records the model config, its vocabulary copied in (`upgrade_config`); a different model in
+    an existing directory is an error naming the fields that differ.
 
     `upgrade` maps a stored config to what this version would write for the same model (fields
     added since, at their defaults); a stored config that upgrades to `config` is rewritten as it.
     """
     os.makedirs(directory, exist_ok=True)
+    source = (config.get("features") or {}).get("vocabulary")
+    config = upgrade_config(config)
     path = os.path.join(directory, CONFIG_FILE)
-    if os.path.exists(path):
-        existing = read_config(directory)
+    stored = read_config(directory) if os.path.exists(path) else None
+    if stored is not None:
+        existing = upgrade_config(stored)
         if upgrade is not None and existing != config:
             existing = upgrade(existing)
         if existing != config:
-            changed = sorted(k for k in set(existing) | set(config) if existing.get(k) != config.get(k))
-            raise CheckpointError(f"{path}: the model config differs from this run's in {changed}; "
-                                  f"use a new model_dir or the same config")
-        if read_config(directory) == config:
-            return
+            raise CheckpointError(f"{path}: the model config differs from this run's in "
+                                  f"{', '.join(differing_fields(existing, config))}; use a new model_dir or the "
+                                  "same config")
     if jax.process_index() == 0:
-        write_json_atomic(path, config, sort_keys=True)
+        if source and os.path.isabs(source):
+            _copy_vocabulary(source, directory)
+        if stored != config:
+            write_json_atomic(path, config, sort_keys=True)
 
 
 def read_config(directory: str) -> dict[str, Any]:
+    """The model config as stored (its layout version may be older: `upgrade_config`,
+    `located_config`)."""
     path = os.path.join(directory, CONFIG_FILE)
     if not os.path.exists(path):
         raise CheckpointError(f"{directory}: no {CONFIG_FILE}; is this a t5r model directory?")

@@ -34,15 +34,16 @@ from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_ta
 from t5_retrieval.retrieval.index import IndexMismatchError
 
 
-def fingerprint_of(config: dict[str, Any], params: Any, step: int) -> str:
-    """Identifies a model: its config, its vocabulary's content, its checkpoint step and a cheap
-    digest of every weight.
+def fingerprint_of(config: dict[str, Any], params: Any, step: int, vocabulary: str | None) -> str:
+    """Identifies a model: its config as stored, the content of its vocabulary (the file at
+    `vocabulary`), its checkpoint step and a cheap digest of every weight.
 
     The config names the vocabulary by path only, and other token ids through the same weights
-    are another model: an index built before the file changed must not match after.
+    are another model: an index built before the file changed must not match after. A config of
+    this version names the path relative to the model directory, so the model keeps its
+    fingerprint (and its indexes) when the directory moves.
     """
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    vocabulary = config.get("features", {}).get("vocabulary")
     if vocabulary:
         digest.update(f"vocabulary={vocabulary_digest(vocabulary)}".encode())
     digest.update(str(step).encode())
@@ -166,15 +167,23 @@ def bucketed_width(lengths: np.ndarray, max_width: int) -> int:
     return min(max_width, -(-int(lengths.max()) // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
-def check_vocabulary(features: dict[str, Any], checkpoint_dir: str) -> None:
+def check_vocabulary(stored: dict[str, Any], checkpoint_dir: str) -> None:
     """Refuses a vocabulary that is missing, or whose content differs from the one the model was
     trained with (its digest, recorded with the features; models trained before it was recorded
-    carry none and are not checked)."""
-    path, recorded = features.get("vocabulary"), features.get("vocabulary_digest")
+    carry none and are not checked). `stored`: the features as recorded."""
+    path, recorded = checkpoint.vocabulary_file(checkpoint_dir, stored), stored.get("vocabulary_digest")
     if not path:
         return
     if not os.path.exists(path):
-        raise checkpoint.CheckpointError(f"{checkpoint_dir}: the model's vocabulary {path} does not exist")
+        if os.path.isabs(stored["vocabulary"]):  # an older model directory, recording where it was read from
+            place = os.path.join(checkpoint_dir, checkpoint.VOCABULARY_DIR)
+            raise checkpoint.CheckpointError(
+                f"{checkpoint_dir}: the model's vocabulary {path} (features.vocabulary, recorded by an older "
+                f"version) does not exist; copy that vocabulary (digest {recorded or 'not recorded'}) to "
+                f"{place}/{checkpoint.SENTENCEPIECE_FILE}, or a WordPiece one to {place}/{checkpoint.WORDPIECE_FILE} "
+                "with its tokenizer_config.json")
+        raise checkpoint.CheckpointError(f"{checkpoint_dir}: the model's vocabulary {path} (features.vocabulary) "
+                                         "does not exist; copy the whole model directory, vocabulary/ with it")
     current = vocabulary_digest(path)
     if recorded and current != recorded:
         raise checkpoint.CheckpointError(
@@ -194,10 +203,14 @@ def load_encoder(model_dir: str, step: int | None = None, batch_size: int | None
         return load_dual_encoder(model_dir, step, batch_size)
     if step is not None:
         raise ConfigError(f"step={step}: {model_dir} is a query-side model; it is used at its latest step")
-    record = read_base_record(model_dir)
-    base = load_encoder(record["base_checkpoint"], batch_size=batch_size)
+    record, base_dir = read_base_record(model_dir), base_dir_of(model_dir)
+    if not os.path.exists(os.path.join(base_dir, checkpoint.CONFIG_FILE)):
+        raise checkpoint.CheckpointError(
+            f"{model_dir}/{QUERY_SIDE_FILE}: its base model {base_dir} (base_checkpoint {record['base_checkpoint']!r}, "
+            "relative to this directory) is not a t5r model directory; copy or move the base model along with it")
+    base = load_encoder(base_dir, batch_size=batch_size)
     if base.fingerprint != record["base_fingerprint"]:
-        raise IndexMismatchError(f"{model_dir}/{QUERY_SIDE_FILE}: base checkpoint {record['base_checkpoint']} now "
+        raise IndexMismatchError(f"{model_dir}/{QUERY_SIDE_FILE}: base checkpoint {base_dir} now "
                                  f"has fingerprint {base.fingerprint!r}, fine-tuned against {record['base_fingerprint']!r}")
     return QuerySideEncoder(load_dual_encoder(model_dir, batch_size=batch_size), base)
 
@@ -206,8 +219,9 @@ def load_dual_encoder(model_dir: str, step: int | None = None, batch_size: int |
                       ) -> DualEncoderInference:
     """A model directory's own network and parameters (what training, export and analysis need);
     retrieval uses `load_encoder`, which also resolves a query-side model's passage encoder."""
-    config = checkpoint.read_config(model_dir)
-    check_vocabulary(config.get("features", {}), model_dir)
+    stored = checkpoint.read_config(model_dir)
+    check_vocabulary(stored.get("features", {}), model_dir)
+    config = checkpoint.located_config(model_dir, stored)  # its vocabulary by a path that opens from here
     model = build_model(config)
     # This process's devices only: in a multi-process job each process encodes its own texts (its
     # shards of the KB, its queries), different ones and different numbers of them, so an encode
@@ -219,8 +233,8 @@ def load_dual_encoder(model_dir: str, step: int | None = None, batch_size: int |
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             nn.unbox(boxed), shardings)
     params, restored_step = checkpoint.restore_params(model_dir, abstract, step)
-    return DualEncoderInference(model, params, config, fingerprint_of(config, params, restored_step), mesh,
-                                batch_size, step=restored_step)
+    fingerprint = fingerprint_of(stored, params, restored_step, config.get("features", {}).get("vocabulary"))
+    return DualEncoderInference(model, params, config, fingerprint, mesh, batch_size, step=restored_step)
 
 
 class QuerySideEncoder:
@@ -263,8 +277,10 @@ QUERY_SIDE_FILE = "query_side.json"  # in a query-side model directory: its base
 
 def write_base_record(model_dir: str, base_dir: str, base_fingerprint: str, **info: Any) -> None:
     """Marks `model_dir` as a query-side model: its passages are encoded by `base_dir`'s model
-    (fingerprint `base_fingerprint`), and its indexes are the base's."""
-    record = {"base_checkpoint": os.path.abspath(base_dir), "base_fingerprint": base_fingerprint, **info}
+    (fingerprint `base_fingerprint`), and its indexes are the base's. The base is recorded relative
+    to `model_dir`, so the two move together (the fingerprint, not the path, says it is the same)."""
+    record = {"base_checkpoint": os.path.relpath(os.path.abspath(base_dir), os.path.abspath(model_dir)),
+              "base_fingerprint": base_fingerprint, **info}
     write_json_atomic(os.path.join(model_dir, QUERY_SIDE_FILE), record)
 
 
@@ -273,8 +289,14 @@ def read_base_record(model_dir: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def base_dir_of(model_dir: str) -> str:
+    """A query-side model's base model directory: recorded relative to it (absolute by older versions)."""
+    return os.path.normpath(os.path.join(model_dir, read_base_record(model_dir)["base_checkpoint"]))
+
+
 def is_query_side_dir(directory: str) -> bool:
     return os.path.exists(os.path.join(directory, QUERY_SIDE_FILE))
 
 
-__all__ = ["DualEncoderInference", "QuerySideEncoder", "load_encoder", "load_dual_encoder", "fingerprint_of"]
+__all__ = ["DualEncoderInference", "QuerySideEncoder", "base_dir_of", "load_encoder", "load_dual_encoder",
+           "fingerprint_of"]

@@ -284,15 +284,17 @@ def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, 
     if config["dual_encoder"].get("query_generation"):
         raise ConfigError("make_train_iterator.passage_embeddings: GDMTL's query generation needs passage tokens")
     if not init_from or not os.path.exists(os.path.join(init_from, checkpoint.CONFIG_FILE)):
-        raise ConfigError(f"make_train_iterator.passage_embeddings={table['directory']!r} needs train.init_from to be "
-                          f"the t5r model directory that wrote them (got {init_from!r})")
+        raise ConfigError(f"make_train_iterator.passage_embeddings (written by the model with fingerprint "
+                          f"{table['fingerprint']!r}) needs train.init_from to be the t5r model directory that "
+                          f"wrote them (got {init_from!r})")
     base = load_encoder(init_from)
     if base.fingerprint != table["fingerprint"]:
-        raise ConfigError(f"{table['directory']}: written by the model with fingerprint {table['fingerprint']!r}, but "
-                          f"train.init_from={init_from!r} has fingerprint {base.fingerprint!r}")
+        raise ConfigError(f"make_train_iterator.passage_embeddings: written by the model with fingerprint "
+                          f"{table['fingerprint']!r}, but train.init_from={init_from!r} has fingerprint "
+                          f"{base.fingerprint!r}")
     if jax.process_index() == 0:
         write_base_record(model_dir, init_from, base.fingerprint, trained_by="t5r train",
-                                     passage_embeddings=table["directory"])
+                          passage_embeddings_digest=table["digest"])
 
 
 def export_multitask_state(opt_state: Any, task_names: list[str], model_dir: str) -> None:

@@ -11,7 +11,7 @@ from conftest import prepare_small_demo
 
 from t5_retrieval import checkpoint, gin_utils
 from t5_retrieval.data.stores.kb import PassageStore
-from t5_retrieval.data.tokenizers.tokenize import tokenize
+from t5_retrieval.data.tokenizers.tokenize import tokenize, vocabulary_digest
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.models.build import build_model
 from t5_retrieval.models.pretrained import minilm_l6_dir
@@ -50,7 +50,8 @@ def test_trained_config_records_the_bert_family_and_wordpiece_vocabulary(trained
     config = checkpoint.read_config(trained_dir)
     assert config["family"] == "bert" and config["bert"]["hidden_size"] == 32
     assert config["dual_encoder"]["separate_query_encoder"] is True
-    assert config["features"]["vocabulary"] == minilm_l6_dir()
+    assert config["features"]["vocabulary"] == "vocabulary/vocab.txt", "a copy inside the model directory"
+    assert config["features"]["vocabulary_digest"] == vocabulary_digest(minilm_l6_dir())
     assert type(build_model(config)).__name__ == "BertDualEncoder"
 
 

@@ -374,7 +374,7 @@ def test_st5_enc_with_a_query_encoder_is_a_sentence_transformers_router_that_emb
         t5_run, slice_dir, data_dir, tmp_path):
     from tiny_model import write_model_dir
 
-    vocabulary = checkpoint.read_config(t5_run[0])["features"]["vocabulary"]
+    vocabulary = checkpoint.vocabulary_file(t5_run[0], checkpoint.read_config(t5_run[0])["features"])
     model_dir = str(tmp_path / "model")
     write_model_dir(model_dir, data_dir, vocabulary, seed=3, extra_bindings=(
         "DualEncoderConfig.pooling = 'mean'", "DualEncoderConfig.l2_normalize = True",

@@ -63,6 +63,8 @@ def _model_dir(tmp_path, features):
 
 
 def test_a_vocabulary_changed_since_training_is_refused_naming_both_digests(tmp_path):
+    import pathlib
+
     import pytest
 
     from t5_retrieval.data.tokenizers.tokenize import vocabulary_digest
@@ -73,18 +75,29 @@ def test_a_vocabulary_changed_since_training_is_refused_naming_both_digests(tmp_
     model_dir = _model_dir(tmp_path, {"vocabulary": vocab, "vocabulary_digest": trained, "query_len": 8,
                                       "passage_len": 8, "tasks": {}})
     load_encoder(model_dir)  # the unchanged vocabulary loads
-    _wordpiece(tmp_path / "vocab.txt", ["berlin", "paris"])  # same path, other ids
-    now = vocabulary_digest(vocab)
+    copy = checkpoint.vocabulary_file(model_dir, checkpoint.read_config(model_dir)["features"])
+    _wordpiece(pathlib.Path(copy), ["berlin", "paris"])  # the model's own copy, other ids
+    now = vocabulary_digest(copy)
     assert now != trained
     with pytest.raises(checkpoint.CheckpointError, match=f"content digest {now}.*trained with digest {trained}"):
         load_encoder(model_dir)
 
 
 def test_a_model_without_a_recorded_digest_loads_and_its_fingerprint_follows_the_vocabulary_content(tmp_path):
+    """An older model directory (layout version 1): the vocabulary by absolute path, no digest."""
+    import json
+    import shutil
+
     from t5_retrieval.inference import load_encoder
 
     vocab = _wordpiece(tmp_path / "vocab.txt", ["paris", "berlin"])
     model_dir = _model_dir(tmp_path, {"vocabulary": vocab, "query_len": 8, "passage_len": 8, "tasks": {}})
+    config = checkpoint.read_config(model_dir)
+    config.pop("version")
+    config["features"] = {"vocabulary": vocab, "query_len": 8, "passage_len": 8, "tasks": {}}
+    with open(f"{model_dir}/{checkpoint.CONFIG_FILE}", "w") as f:
+        json.dump(config, f)
+    shutil.rmtree(f"{model_dir}/{checkpoint.VOCABULARY_DIR}")
     before = load_encoder(model_dir).fingerprint
     assert load_encoder(model_dir).fingerprint == before, "the fingerprint is a function of the model"
     _wordpiece(tmp_path / "vocab.txt", ["berlin", "paris"])

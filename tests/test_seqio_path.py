@@ -415,8 +415,9 @@ def forget_user_module() -> None:
 
 
 def search_argv(command: str, model: dict, *extra: str) -> list[str]:
+    """`command` over the model, trusting the Task module its config.gin records (`--task_module`)."""
     return [command, f"--checkpoint_dir={model['model_dir']}", f"--index_dir={model['index']}",
-            f"--data_dir={model['data_dir']}", *extra]
+            f"--data_dir={model['data_dir']}", f"--task_module={MODULE_NAME}", *extra]
 
 
 def test_a_plain_seqio_task_is_evaluated_mined_and_searched_as_it_trained(plain_model, user_setup, monkeypatch,
@@ -434,7 +435,8 @@ def test_a_plain_seqio_task_is_evaluated_mined_and_searched_as_it_trained(plain_
                                                           f"{MODULE_NAME}.rewrite_query"], tasks
     root, data_dir = plain_model["root"], plain_model["data_dir"]
 
-    # t5r eval imports the module the model's config.gin records, and embeds each Task's own text:
+    # t5r eval imports the module the model's config.gin records (named by --task_module), and embeds
+    # each Task's own text:
     # "query" as seqio's tokenize receives it, after the rewrite.
     forget_user_module()
     assert t5r(search_argv("eval", plain_model, "--split=validation", f"--output_dir={root}/plain_eval")) == 0

@@ -26,7 +26,8 @@ MACROS = {
     "MIXTURE_OR_TASK_NAME": "a registered seqio Task or Mixture to train on",
     "MIXTURE_OR_TASK_MODULE": "module(s) registering your own seqio Tasks and Mixtures, imported before tasks "
                               "are named (--gin.MIXTURE_OR_TASK_MODULE=\"'my_tasks'\"); eval, mine and serve "
-                              "import the one the model's config.gin records unless this names another",
+                              "import the one the model's config.gin records when --task_module names it, "
+                              "or the one this names instead",
     "DATA_DIR": "processed data directory (t5r data ...)",
     "VOCABULARY": "sentencepiece .model or WordPiece vocab.txt",
     "TRAIN_STEPS": "training steps",

@@ -60,9 +60,17 @@ class SearchInputs:
     encoder: Encoder
 
 
+def add_task_module_flag(parser: argparse.ArgumentParser) -> None:
+    """`--task_module`: the user's consent to run the Task module a model's config.gin names."""
+    parser.add_argument("--task_module", action="append", default=[], metavar="NAME",
+                        help="import this seqio Task module that the model's config.gin records (repeatable); "
+                             "it runs as Python code, so a model directory alone never imports one")
+
+
 def add_search_flags(parser: argparse.ArgumentParser, default_split: str) -> None:
     """Flags shared by the CLIs that search an index with a query encoder over task examples."""
     add_encoder_flags(parser)
+    add_task_module_flag(parser)
     parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
     parser.add_argument("--data_dir", required=True, help="processed data (examples/, kb/, negatives/)")
     parser.add_argument("--kb_dir", default=None, help="passage store (default: <data_dir>/kb)")
@@ -94,17 +102,26 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
 def import_task_modules(args: argparse.Namespace) -> None:
     """Imports the modules that registered the model's own seqio Tasks, as the config.gin of
     `--checkpoint_dir` (or of a query-side model's base) records them (t5x's MIXTURE_OR_TASK_MODULE
-    and the directory it came from), unless --gin.MIXTURE_OR_TASK_MODULE names the modules to use."""
-    from t5_retrieval.inference import is_query_side_dir, read_base_record
+    and the directory it came from), unless --gin.MIXTURE_OR_TASK_MODULE names the modules to use.
+
+    A model directory is data someone handed over: a module it records is imported only when
+    `--task_module` names it (as transformers' `trust_remote_code`); otherwise a UserError says
+    which flag to pass."""
+    from t5_retrieval.inference import base_dir_of, is_query_side_dir
 
     if args.checkpoint_dir is None or gin_utils.macro_is_set("MIXTURE_OR_TASK_MODULE"):
         return
     model_dir = args.checkpoint_dir
     if is_query_side_dir(model_dir) and not os.path.exists(os.path.join(model_dir, gin_utils.OPERATIVE_CONFIG)):
-        model_dir = read_base_record(model_dir)["base_checkpoint"]
+        model_dir = base_dir_of(model_dir)
     config = os.path.join(model_dir, gin_utils.OPERATIVE_CONFIG)
     modules, path = gin_utils.recorded_task_modules(config)
-    gin_utils.import_modules(modules, path, recorded_in=config)
+    unnamed = [m for m in modules if m not in args.task_module]
+    if unnamed:
+        raise UserError(f"{config}: the model's Tasks are registered by the module(s) {', '.join(unnamed)} it records "
+                        "(make_train_iterator.task_module), and loading a model runs no code it names; if you "
+                        "trust them, pass " + " ".join(f"--task_module={m}" for m in unnamed))
+    gin_utils.import_modules(args.task_module, path, recorded_in=config)
 
 
 def register_named_mixtures(tasks: task_names.Tasks, names: Sequence[str]) -> None:

@@ -15,6 +15,7 @@ from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
 from t5_retrieval.commands.inputs import (
     add_encoder_flags,
+    add_task_module_flag,
     encoder_from_flags,
     import_task_modules,
     register_named_mixtures,
@@ -62,6 +63,7 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="t5r serve", description=__doc__.splitlines()[0])
     add_encoder_flags(parser)
+    add_task_module_flag(parser)
     parser.add_argument("--index_dir", required=True, help="output of `t5r index` for this model")
     parser.add_argument("--kb_dir", required=True, help="passage store the index was built from")
     parser.add_argument("--tasks", default="",

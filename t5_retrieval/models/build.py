@@ -62,7 +62,8 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
     """A config stored by an earlier version as this version writes it, so that its run resumes.
 
     Architecture fields added since take their dataclass defaults (the same model), the passage
-    template its only former value, the vocabulary digest the current one, the tasks' step
+    template its only former value, the vocabulary digest and the passage embeddings' content
+    digest the current ones (not recorded before: nothing to compare), the tasks' step
     order (`index`, once implied by the mixture) the current run's, and (when the current run
     records them) each task's query length and truncation what every task had before tasks stated
     their own: the one `query_len`, cut at the end; the preprocessors that rewrite a task's query
@@ -78,6 +79,9 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
             features.setdefault("passage_template", PASSAGE_TEMPLATE)
         if "vocabulary_digest" in current.get("features", {}):  # not recorded before: nothing to compare
             features.setdefault("vocabulary_digest", current["features"]["vocabulary_digest"])
+        current_table = current.get("features", {}).get("passage_embeddings")
+        if isinstance(features.get("passage_embeddings"), dict) and current_table and "digest" in current_table:
+            features["passage_embeddings"] = {"digest": current_table["digest"], **features["passage_embeddings"]}
         order = current.get("features", {}).get("tasks", {})
         features["tasks"] = {name: {"index": order[name]["index"], **spec} if name in order and "index" not in spec
                              else spec for name, spec in features.get("tasks", {}).items()}

@@ -52,7 +52,11 @@ def configured(gin_files: Sequence[str], bindings: Sequence[str], run: Callable[
 
 def train_model(model_dir: str, gin_files: list[str], bindings: list[str]) -> dict[str, Any]:
     """`t5r train --gin_file=<gin files> --gin.<bindings>` in-process."""
-    from t5_retrieval.train import train
+    from t5_retrieval.train import portable_bindings, train
 
-    state = configured(gin_files, bindings, lambda: train(model_dir))
+    def run() -> Any:
+        portable_bindings()  # config.gin records its paths absolute, as `t5r train` does
+        return train(model_dir)
+
+    state = configured(gin_files, bindings, run)
     return {"steps": int(state.step), "gin_files": gin_files, "bindings": bindings}

@@ -15,6 +15,7 @@ exact and TensorFlow out of the training loop.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import zlib
@@ -290,7 +291,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     `passage_embeddings`: an embeddings directory of this KB (`t5r encode`) whose vectors stand in
     for the passages, so the passage side is frozen and costs nothing per step (query-side
     training over a fixed index; `train` then requires `init_from` to be the model that wrote
-    them). Its fingerprint is recorded in the features.
+    them). Its identity (`passage_table`) is recorded in the features.
     """
     from t5_retrieval.data.tasks import retrieval_tasks
     from t5_retrieval.data.tasks.materialize import materialize
@@ -413,7 +414,9 @@ def _check_vocabulary(task: Any, vocab: Vocabulary) -> None:
 
 
 def passage_table(directory: str, store: PassageStore) -> tuple[np.ndarray, dict[str, str]]:
-    """The stored embeddings of every KB passage in store order, and {directory, fingerprint}."""
+    """The stored embeddings of every KB passage in store order, and their identity: the fingerprint
+    of the model that wrote them and a digest of the table (not their directory: a copy of the
+    embeddings elsewhere trains the same model)."""
     from t5_retrieval.data.stores import embedding_store
 
     manifest = embedding_store.read_manifest(directory)
@@ -424,4 +427,5 @@ def passage_table(directory: str, store: PassageStore) -> tuple[np.ndarray, dict
     matrix = embedding_store.load_matrix(directory)
     row_of = {pid: r for r, pid in enumerate(ids)}
     table = matrix[[row_of[pid] for pid in store.ids()]]
-    return table, {"directory": os.path.abspath(directory), "fingerprint": manifest.fingerprint}
+    digest = hashlib.sha256(np.ascontiguousarray(table).tobytes()).hexdigest()[:16]
+    return table, {"fingerprint": manifest.fingerprint, "digest": digest}

@@ -113,6 +113,16 @@ def load_vocabulary(path: str) -> Any:
     return seqio.SentencePieceVocabulary(path, extra_ids=100)
 
 
+def vocabulary_files(path: str) -> list[str]:
+    """The files `load_vocabulary(path)` reads: a sentencepiece model, or a WordPiece `vocab.txt`
+    with the `tokenizer_config.json` beside it when there is one (its lower-casing)."""
+    if not is_wordpiece_path(path):
+        return [path]
+    vocab_file = os.path.join(path, "vocab.txt") if os.path.isdir(path) else path
+    config_file = os.path.join(os.path.dirname(vocab_file), "tokenizer_config.json")
+    return [vocab_file, *([config_file] if os.path.exists(config_file) else [])]
+
+
 def vocabulary_digest(path: str) -> str:
     """A digest of the content `load_vocabulary(path)` reads (16 hex digits of sha256).
 
