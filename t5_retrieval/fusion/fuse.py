@@ -38,8 +38,11 @@ from t5_retrieval.fusion import muf
 from t5_retrieval.retrieval.evaluate import EvalResult, RankingScorer
 from t5_retrieval.retrieval.search import PassageSearcher, Ranked, bm25_searcher
 
+# One ranked list: passage ids best first and their scores (a `search.Ranked`, or plain sequences).
+Scored = tuple[Sequence[str], Sequence[float] | np.ndarray]
 
-def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: Sequence[float]) -> Ranked:
+
+def fuse_lists(lists: Sequence[Scored], weights: Sequence[float]) -> Ranked:
     """sum_i w_i * s_i(p) over the union of the lists, s_i(p) = min(list i) when p is not in list i.
 
     Ties keep the order of first appearance (list by list, best first). An empty list adds nothing.
@@ -65,7 +68,7 @@ def fuse_lists(lists: Sequence[tuple[Sequence[str], Sequence[float]]], weights: 
     return Ranked([ids[i] for i in order], total[order])
 
 
-def hybrid(dense: tuple[Sequence[str], Sequence[float]], sparse: tuple[Sequence[str], Sequence[float]],
+def hybrid(dense: Scored, sparse: Scored,
            weight: float) -> Ranked:
     """(1 - weight) * dense + weight * sparse over the union, missing scores = the list's minimum."""
     if not 0.0 <= weight <= 1.0:
@@ -133,7 +136,7 @@ def fuse_and_evaluate(experts: Sequence[experts_lib.Expert], train_examples: Map
             confidence[x.task][task] = float(conf.mean()) if len(conf) else float("nan")
             lists.append(hits)
             weights.append(conf)
-        second = hybrid_with.search(queries, config.depth) if config.hybrid_weight is not None else []
+        second = hybrid_with.search(queries, config.depth) if hybrid_with is not None else []
         rankings: dict[str, list[list[str]]] = {m: [] for m in methods}
         for i in range(len(examples)):
             per_query = [expert_lists[i] for expert_lists in lists]

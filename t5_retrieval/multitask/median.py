@@ -108,7 +108,8 @@ def zero_fraction(sensitivity: Any) -> jax.Array:
     leaves = jax.tree_util.tree_leaves(sensitivity)
     k = leaves[0].shape[0]
     total = sum(x[0].size for x in leaves)
-    zeros = sum(jnp.sum((x.reshape(k, -1) == 0).astype(jnp.int32), axis=1) for x in leaves)
+    zeros = sum((jnp.sum((x.reshape(k, -1) == 0).astype(jnp.int32), axis=1) for x in leaves),
+                start=jnp.zeros([k], jnp.int32))
     return zeros.astype(jnp.float32) / total
 
 

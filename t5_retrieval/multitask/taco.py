@@ -208,8 +208,8 @@ def taco(
             plain_sum = sum_tasks(g.astype(jnp.float32)) * burn_in_scale
             combined.append(jnp.where(active, weighted_sum * active_scale, plain_sum).astype(g.dtype))
             new_ema.append(write_ema(ema, state.step, leaf))
-        return treedef.unflatten(combined), TacoState(
-            step=state.step + 1, ema=treedef.unflatten(new_ema), active=active, median=medians,
+        return jax.tree_util.tree_unflatten(treedef, combined), TacoState(
+            step=state.step + 1, ema=jax.tree_util.tree_unflatten(treedef, new_ema), active=active, median=medians,
             zero_fraction=zero_fraction(sensitivity), hyperparams=recorded())
 
     return optax.GradientTransformation(init_fn, update_fn)

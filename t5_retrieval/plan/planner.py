@@ -131,7 +131,7 @@ def compile_timed(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled | No
     """(compiled program or None, seconds, the compiler's out-of-HBM message or None)."""
     # A TPU program compiled for a described topology cannot be loaded back from JAX's persistent
     # cache without a TPU client: keep it out of the cache (reading it only warns and recompiles).
-    cache_was = jax.config.jax_enable_compilation_cache
+    cache_was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # a flag the stubs lack
     jax.config.update("jax_enable_compilation_cache", False)
     start = time.perf_counter()
     try:

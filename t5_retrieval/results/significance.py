@@ -118,7 +118,9 @@ def _endpoint(ranked: np.ndarray, q: float) -> tuple[float, float, float]:
     about sqrt(B q (1 - q)); the band is EDGE_SIGMAS of those either side."""
     last = ranked.size - 1
     spread = EDGE_SIGMAS * np.sqrt(ranked.size * q * (1 - q))
-    return tuple(_order_statistic(ranked, float(np.clip(q * last + shift, 0, last))) for shift in (0, -spread, spread))
+    estimate, low, high = (_order_statistic(ranked, float(np.clip(q * last + shift, 0, last)))
+                           for shift in (0, -spread, spread))
+    return estimate, low, high
 
 
 def interval(ranked: np.ndarray, observed: float, alpha: float) -> Difference:

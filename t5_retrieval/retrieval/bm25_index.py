@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from t5_retrieval.data.stores.passages import PassageLookup
+from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.stored_index import IndexMismatchError, StoredIndex
 
@@ -40,7 +40,8 @@ class BM25TextIndex(StoredIndex):
         super().__init__(passage_ids, f"bm25-k1={retriever.k1}-b={retriever.b}", 0, source, meta)
         self.retriever = retriever
 
-    def search(self, queries: Sequence[str], k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def search(self, queries: Sequence[str], k: int  # type: ignore[override]  # texts, not vectors: its one difference
+               ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Top-min(k, n) rows (int64) and BM25 scores (float32) per query text, best first; ties in row order."""
         from t5_retrieval.data.stores import bm25  # bm25s imports jax: only where BM25 is used
 
@@ -88,7 +89,7 @@ class BM25TextIndex(StoredIndex):
         return f"rebuild it from {kb} with retrieval.bm25_index.build_bm25_index"
 
 
-def build_bm25_index(passages: PassageLookup, kb_dir: str = "") -> BM25TextIndex:
+def build_bm25_index(passages: PassageStore, kb_dir: str = "") -> BM25TextIndex:
     """BM25 over `passages` ("title text"; k1 and b as gin binds `BM25Index`); `kb_dir` is recorded as its source."""
     from t5_retrieval.data.stores.bm25 import BM25Index
 

@@ -250,7 +250,9 @@ class GuardedProtocol(asyncio.Protocol):
             self._refuse_malformed()
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self.admitted else None
+        if self.admitted:
+            self._inner.eof_received()
+        return None  # close the transport, as uvicorn's protocol does
 
     def pause_writing(self) -> None:
         self._write_paused = True

@@ -23,7 +23,7 @@ runs `build_index`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import gin
 import numpy as np
@@ -33,9 +33,9 @@ from t5_retrieval.retrieval.bm25_index import BM25TextIndex, build_bm25_index  #
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.exact_index import ExactIndex, build_exact_index
 from t5_retrieval.retrieval.scann_index import ScannIndex, build_scann_index
-from t5_retrieval.retrieval.stored_index import INDEX_JSON, IndexMismatchError, read_record
+from t5_retrieval.retrieval.stored_index import INDEX_JSON, IndexMismatchError, StoredIndex, read_record
 
-BACKENDS = {"scann": ScannIndex, "exact": ExactIndex, "bm25": BM25TextIndex}
+BACKENDS: dict[str, type[StoredIndex]] = {"scann": ScannIndex, "exact": ExactIndex, "bm25": BM25TextIndex}
 EMBEDDING_BACKENDS = ("scann", "exact")  # what `build_index` builds from an embedding store
 
 
@@ -51,7 +51,7 @@ class Index(Protocol):
     encoder) or a KB with other passage ids; `save` writes a directory that `load_index` reads back.
     """
 
-    backend: str  # the name index.json records: "scann", "exact" or "bm25"
+    backend: ClassVar[str]  # the name index.json records: "scann", "exact" or "bm25"
     passage_ids: list[str]
     fingerprint: str  # the model that embedded the passages ("bm25-k1=...-b=..." for bm25)
     dim: int  # 0 for bm25
