@@ -24,6 +24,20 @@ def clean_gin():
     gin.clear_config()
 
 
+@pytest.fixture
+def artefact(tmp_path) -> str:
+    """A small artefact directory (a binary file and a text file in a subdirectory) with its checksum
+    record, for the tests of checksum records."""
+    from t5_retrieval import checksums
+
+    directory = tmp_path / "artefact"
+    (directory / "sub").mkdir(parents=True)
+    (directory / "a.bin").write_bytes(os.urandom(5000))
+    (directory / "sub" / "b.txt").write_text("hello")
+    checksums.record(str(directory))
+    return str(directory)
+
+
 def prepare_small_demo(root, tasks) -> str:
     """A 30-page synthetic KB with 8 train queries per task and BM25 negatives, prepared as
     `t5r data` would (`<root>/data`), for the tests that train a tiny model on real files."""

@@ -38,16 +38,6 @@ def one_error_line(capsys, command: str) -> str:
     return err
 
 
-@pytest.fixture
-def artefact(tmp_path) -> str:
-    directory = tmp_path / "artefact"
-    (directory / "sub").mkdir(parents=True)
-    (directory / "a.bin").write_bytes(os.urandom(5000))
-    (directory / "sub" / "b.txt").write_text("hello")
-    checksums.record(str(directory))
-    return str(directory)
-
-
 def edit_record(directory: str, change) -> None:
     path = os.path.join(directory, checksums.CHECKSUMS_FILE)
     with open(path) as f:

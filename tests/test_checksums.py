@@ -24,16 +24,6 @@ def flip_byte(path: str, offset: int = -1) -> None:
         f.write(bytes([byte[0] ^ 0x40]))
 
 
-@pytest.fixture
-def artefact(tmp_path) -> str:
-    directory = tmp_path / "artefact"
-    (directory / "sub").mkdir(parents=True)
-    (directory / "a.bin").write_bytes(os.urandom(5000))
-    (directory / "sub" / "b.txt").write_text("hello")
-    checksums.record(str(directory))
-    return str(directory)
-
-
 def test_a_recorded_artefact_verifies_and_every_kind_of_damage_names_the_file(artefact):
     checksums.verify(artefact, "test artefact", "rebuild it", full=True)
     original = open(os.path.join(artefact, "a.bin"), "rb").read()

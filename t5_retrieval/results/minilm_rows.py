@@ -236,6 +236,19 @@ RECIPE_STEPS = 200
 RECIPE_EPISODE_LEARNING_RATE = 1e-5
 
 
+def publish_last_episode(row_dir: str, ance_dir: str) -> None:
+    """A recipe row's table is its last ANCE episode's: copied to `<row_dir>/eval`, as a stage."""
+    from t5_retrieval.stages import stage
+
+    last = os.path.join(ance_dir, f"episode_{RECIPE_EPISODES}", "eval")
+
+    def publish() -> dict[str, Any]:
+        shutil.copytree(last, os.path.join(row_dir, "eval"), dirs_exist_ok=True)
+        return {"from": last}
+
+    stage(os.path.join(row_dir, "eval"), "the last episode's table", publish)
+
+
 def recipe_bindings(data_dir: str, base_dir: str, seed: int, num_episodes: int) -> list[str]:
     """The gin bindings every stage of a recipe row shares (query side over MiniLM's index)."""
     return [f"DATA_DIR = '{data_dir}'", "MIXTURE_OR_TASK_NAME = 'mini_kilt'", *TRAIN_BINDINGS,
@@ -275,7 +288,6 @@ def recipe_pair_row(taco_last: bool) -> Callable[..., None]:
     def row(row_dir: str, data_dir: str, seed: int = 0) -> None:
         from t5_retrieval.ance import ance
         from t5_retrieval.results.records import seed_dir
-        from t5_retrieval.stages import stage
 
         work_dir = os.path.dirname(row_dir)
         base_dir = os.path.join(work_dir, "minilm_zeroshot")
@@ -294,13 +306,7 @@ def recipe_pair_row(taco_last: bool) -> Callable[..., None]:
                    [*recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES), *RECIPE_FROZEN,
                     *(TACO_LAST_EPISODE if taco_last else NAIVE_TRACKING_TACO)],
                    lambda: ance(ance_dir))
-        last = os.path.join(ance_dir, f"episode_{RECIPE_EPISODES}", "eval")
-
-        def publish() -> dict[str, Any]:
-            shutil.copytree(last, os.path.join(row_dir, "eval"), dirs_exist_ok=True)
-            return {"from": last}
-
-        stage(os.path.join(row_dir, "eval"), "the last episode's table", publish)
+        publish_last_episode(row_dir, ance_dir)
 
     return row
 
@@ -314,7 +320,6 @@ def recipe_row(taco_last: bool) -> Callable[..., None]:
 
     def row(row_dir: str, data_dir: str, seed: int = 0) -> None:
         from t5_retrieval.ance import ance
-        from t5_retrieval.stages import stage
 
         base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
         minilm_zeroshot_row(base_dir, data_dir)
@@ -323,12 +328,6 @@ def recipe_row(taco_last: bool) -> Callable[..., None]:
         if taco_last:  # as recorded: over all parameters, embedding tables trained, so the median was 0
             bindings += [*TACO_LAST_EPISODE, *COLLAPSED_MEDIAN]
         configured(["models/minilm_l6.gin", "runs/no_adaptive.gin"], bindings, lambda: ance(ance_dir))
-        last = os.path.join(ance_dir, f"episode_{RECIPE_EPISODES}", "eval")
-
-        def publish() -> dict[str, Any]:
-            shutil.copytree(last, os.path.join(row_dir, "eval"), dirs_exist_ok=True)
-            return {"from": last}
-
-        stage(os.path.join(row_dir, "eval"), "the last episode's table", publish)
+        publish_last_episode(row_dir, ance_dir)
 
     return row
