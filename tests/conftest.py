@@ -38,6 +38,15 @@ def artefact(tmp_path) -> str:
     return str(directory)
 
 
+def flip_byte(path: str, offset: int = -1) -> None:
+    """Flips one bit of the byte at `offset` (from the end when negative): what a damaged disk does."""
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
 def prepare_small_demo(root, tasks) -> str:
     """A 30-page synthetic KB with 8 train queries per task and BM25 negatives, prepared as
     `t5r data` would (`<root>/data`), for the tests that train a tiny model on real files."""

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import flip_byte
 
 from t5_retrieval import checksums, cli
 from t5_retrieval.data.records import Passage
@@ -22,14 +23,6 @@ from t5_retrieval.retrieval.index import build_index, load_index
 KB = [Passage(str(i), f"page{i}", f"Title {i}", f"passage number {i} about topic {i % 3}") for i in range(12)]
 EXAMPLE = {"id": "q1", "task": "nq", "query": "topic 1", "gold_pages": [["page1"]], "answers": ["x"],
            "positive_passages": ["1"]}
-
-
-def flip_byte(path: str, offset: int = -1) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x40]))
 
 
 def one_error_line(capsys, command: str) -> str:

@@ -8,20 +8,13 @@ import os
 
 import numpy as np
 import pytest
+from conftest import flip_byte
 
 from t5_retrieval import checksums, cli
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore, build_kb
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
-
-
-def flip_byte(path: str, offset: int = -1) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x40]))
 
 
 def test_a_recorded_artefact_verifies_and_every_kind_of_damage_names_the_file(artefact):
