@@ -41,7 +41,8 @@ from jax.experimental import multihost_utils
 from t5_retrieval import checksums
 from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path, vocabulary_digest, vocabulary_files
-from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded
+from t5_retrieval.errors import (UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded,
+                                 temp_path)
 from t5_retrieval.gin_utils import OPERATIVE_CONFIG
 
 CONFIG_FILE = "model_config.json"
@@ -142,7 +143,7 @@ def write_checksums(step_dir: epath.Path) -> None:
     doc = checksums.record_doc({name: checksums.entry(step_dir / name) for name in _files(step_dir)})
     if (step_dir.parent / OPERATIVE_CONFIG).exists():
         doc[MODEL_FILES] = {OPERATIVE_CONFIG: checksums.entry(step_dir.parent / OPERATIVE_CONFIG)}
-    tmp = step_dir / f"{checksums.CHECKSUMS_FILE}.tmp"
+    tmp = epath.Path(temp_path(os.fspath(step_dir / checksums.CHECKSUMS_FILE)))  # epath's rename: object stores too
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
     tmp.replace(step_dir / checksums.CHECKSUMS_FILE)
 

@@ -57,7 +57,7 @@ def test_save_and_load_npz_round_trip_a_taco_state_with_its_hyperparameters(tmp_
     assert set(saved.arrays) == {"a", "b/c"}
     np.testing.assert_allclose(saved.arrays["b/c"], np.asarray(state.ema["b"]["c"]))
     assert saved.hyperparams == {"beta": pytest.approx(0.999), "burn_in_steps": 0, "median_samples": 1 << 18,
-                                 "median_seed": 0, "tau": 0.5}
+                                 "median_seed": 0, "tau": 0.5, "zero_median_fatal": 1}
     assert analysis.saved_tau(path, saved) == 0.5
 
 

@@ -172,6 +172,14 @@ def test_eval_and_serve_import_no_task_module_a_model_records_unless_the_flag_na
             f"--data_dir={tiny.data_dir}", "--tasks=demo_fever", "--split=dev", f"--output_dir={root}/eval_injected"]
     serve = ["serve", f"--checkpoint_dir={model_dir}", f"--index_dir={tiny.index_dirs[0]}",
              f"--kb_dir={tiny.data_dir}/kb", "--port=0"]
+    # The appended lines fail config.gin's checksum first; a user who trusts them records them.
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.gin" in err[0] and "t5r checksum --accept" in err[0], err
+    assert not marker.exists(), "t5r eval imported a module from an altered config.gin"
+    (step,) = [name for name in os.listdir(model_dir) if name.isdigit()]
+    assert cli.main(["checksum", "--accept", os.path.join(model_dir, step)]) == 0
+    capsys.readouterr()
     for command in (argv, serve):
         assert cli.main(command) == 2
         err = capsys.readouterr().err.strip().splitlines()
