@@ -148,7 +148,8 @@ def test_export_records_fingerprint_index_manifest_and_vocabulary(exported, pyth
     assert (record["query_lens"], record["query_len"]) == ({"demo_fever": 16, "demo_trex": 12}, 16), record
     with open(os.path.join(assets, "index.json")) as f:
         assert json.load(f) == manifest
-    with open(os.path.join(assets, os.path.basename(run.vocabulary)), "rb") as a, open(run.vocabulary, "rb") as b:
+    # The model directory holds its own copy of the vocabulary; the export ships it under the name recorded.
+    with open(os.path.join(assets, record["vocabulary_file"]), "rb") as a, open(run.vocabulary, "rb") as b:
         assert a.read() == b.read(), "the vocabulary asset is not the model's sentencepiece file"
 
 
@@ -167,7 +168,9 @@ def test_the_export_is_readable_by_others_and_names_no_path_of_this_machine(expo
         assert checksums.STAMP_FILE not in files, f"{root}: ships a stamp of this filesystem"
     with open(os.path.join(savedmodel, "assets", "model_config.json")) as f:
         config = json.load(f)
-    assert config["features"]["vocabulary"] == f"assets/{os.path.basename(run.vocabulary)}", config["features"]
+    with open(os.path.join(savedmodel, "assets", "t5r_export.json")) as f:
+        shipped = json.load(f)["vocabulary_file"]
+    assert config["features"]["vocabulary"] == f"assets/{shipped}", config["features"]
     assert os.path.exists(os.path.join(savedmodel, config["features"]["vocabulary"]))
     paths = [v for v in json.dumps(config).split('"') if os.path.isabs(v)]
     assert not paths, f"assets/model_config.json names paths of this machine: {paths}"
