@@ -41,8 +41,7 @@ from jax.experimental import multihost_utils
 from t5_retrieval import checksums
 from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path, vocabulary_digest, vocabulary_files
-from t5_retrieval.errors import (UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded,
-                                 temp_path)
+from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded, temp_path
 from t5_retrieval.gin_utils import OPERATIVE_CONFIG
 
 CONFIG_FILE = "model_config.json"
