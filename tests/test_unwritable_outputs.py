@@ -60,16 +60,26 @@ print(json.dumps(out))
 """
 
 
-def test_every_writing_command_refuses_a_read_only_output_in_one_line(tmp_path, small_filesystems_work):
+LEXICAL = ["--lexical_baseline_dim", "32"]  # a model-free encoder: the commands' I/O is what is tested
+
+
+def lexical_index(tmp_path, tasks: list[str]) -> tuple[str, str, str]:
+    """The small demo's data, its lexical embeddings and their index, made by `t5r encode` and `t5r index`."""
     from conftest import prepare_small_demo
 
     from t5_retrieval import cli
 
-    data = prepare_small_demo(tmp_path, ["fever", "nq"])
+    data = prepare_small_demo(tmp_path, tasks)
     emb, index = str(tmp_path / "emb"), str(tmp_path / "index")
-    lexical = ["--lexical_baseline_dim", "32"]
-    assert cli.main(["encode", *lexical, f"--kb_dir={data}/kb", f"--output_dir={emb}", "--no_progress"]) == 0
+    assert cli.main(["encode", *LEXICAL, f"--kb_dir={data}/kb", f"--output_dir={emb}", "--no_progress"]) == 0
     assert cli.main(["index", f"--embeddings_dir={emb}", f"--output_dir={index}"]) == 0
+    return data, emb, index
+
+
+def test_every_writing_command_refuses_a_read_only_output_in_one_line(tmp_path, small_filesystems_work):
+
+    data, emb, index = lexical_index(tmp_path, ["fever", "nq"])
+    lexical = LEXICAL
     ro = tmp_path / "read_only"
     ro.mkdir()
     commands = {
@@ -111,15 +121,10 @@ def test_the_write_probe_of_a_full_output_directory_is_not_left_behind(tmp_path,
 def test_a_failed_command_leaves_no_output_directory_it_created(tmp_path, clean_gin, capsys):
     """eval, encode, index and mine check their output directory first (creating it, parents too);
     when they then fail on a bad input, the directories they created, still empty, are gone."""
-    from conftest import prepare_small_demo
-
     from t5_retrieval import cli
 
-    data = prepare_small_demo(tmp_path, ["fever"])
-    emb, index = str(tmp_path / "emb"), str(tmp_path / "index")
-    lexical = ["--lexical_baseline_dim", "32"]
-    assert cli.main(["encode", *lexical, f"--kb_dir={data}/kb", f"--output_dir={emb}", "--no_progress"]) == 0
-    assert cli.main(["index", f"--embeddings_dir={emb}", f"--output_dir={index}"]) == 0
+    data, _, index = lexical_index(tmp_path, ["fever"])
+    lexical = LEXICAL
     empty = tmp_path / "empty"
     empty.mkdir()
     new = tmp_path / "new"
