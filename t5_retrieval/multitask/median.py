@@ -95,8 +95,15 @@ def _median_rank(leaves: list[jax.Array], over: str) -> jax.Array:
     total = sum(x[0].size for x in leaves)
     if over == "all":
         return jnp.full([k], (total - 1) // 2, jnp.int32)
-    zeros = sum(jnp.sum((x.reshape(k, -1) == 0).astype(jnp.int32), axis=1) for x in leaves)
+    zeros = _zero_counts(leaves)
     return jnp.minimum(zeros + (total - zeros - 1) // 2, total - 1)  # all zero: the median is 0
+
+
+def _zero_counts(leaves: list[jax.Array]) -> jax.Array:
+    """[K] how many of each task's values over all leaves [K, ...] are exactly 0."""
+    k = leaves[0].shape[0]
+    return sum((jnp.sum((x.reshape(k, -1) == 0).astype(jnp.int32), axis=1) for x in leaves),
+               start=jnp.zeros([k], jnp.int32))
 
 
 def zero_fraction(sensitivity: Any) -> jax.Array:
@@ -106,11 +113,7 @@ def zero_fraction(sensitivity: Any) -> jax.Array:
     epsilon alone: what makes the softmax over tasks an argmax (a large, mostly untouched
     word-embedding table does it)."""
     leaves = jax.tree_util.tree_leaves(sensitivity)
-    k = leaves[0].shape[0]
-    total = sum(x[0].size for x in leaves)
-    zeros = sum((jnp.sum((x.reshape(k, -1) == 0).astype(jnp.int32), axis=1) for x in leaves),
-                start=jnp.zeros([k], jnp.int32))
-    return zeros.astype(jnp.float32) / total
+    return _zero_counts(leaves).astype(jnp.float32) / sum(x[0].size for x in leaves)
 
 
 def taco_global_median(sensitivity: Any, mode: str = "exact", num_samples: int = 1 << 18,
