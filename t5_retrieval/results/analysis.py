@@ -7,6 +7,7 @@ import json
 import os
 from typing import Any
 
+from t5_retrieval.results.minilm_rows import RECIPE_EPISODES
 from t5_retrieval.results.rows import ROWS
 from t5_retrieval.stages import DONE
 
@@ -14,11 +15,13 @@ from t5_retrieval.stages import DONE
 PROBE_ROWS = ("naive_noprefix", "naive_prefix", "taco", "naive_prefix_frozen_embeddings", "taco_frozen_embeddings")
 
 
+LAST_EPISODE_MODEL = os.path.join("ance", f"episode_{RECIPE_EPISODES}", "model")  # a recipe row's model
+
 # The rows whose training kept TACO's EMA (the TACO rows, and the recipe's naive control, which tracks it
 # without applying it) are analysed from that final EMA as well: {row: its model directory in the row's}.
 TRAINING_EMA_ROWS = {"taco": "model", "taco_nonzero_median": "model", "taco_frozen_embeddings": "model",
                      "taco_frozen_embeddings_both_towers": "model",
-                     "taco_recipe_frozen": "ance/episode_2/model", "naive_recipe_frozen": "ance/episode_2/model"}
+                     "taco_recipe_frozen": LAST_EPISODE_MODEL, "naive_recipe_frozen": LAST_EPISODE_MODEL}
 PROBE_BATCHES, PROBE_BETA, PROBE_SEED = 50, 0.98, 1  # EMA at 1 - 0.98^50 = 64% of its signal
 
 
