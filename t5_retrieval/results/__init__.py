@@ -32,7 +32,9 @@ Rows:
   gradient and TACO's global median is not 0.
 - ``naive_prefix_frozen_embeddings_both_towers``, ``taco_frozen_embeddings_both_towers``: the same two
   with the shared encoder trained on queries and passages (the papers' regime) for BOTH_TOWERS_STEPS
-  steps, the KB re-encoded with each trained model (about 1.5 hours a row on a 2-core CPU).
+  steps, the KB re-encoded with each trained model (about 1.5 hours a row on a 2-core CPU). The naive
+  row trains with TACO's EMA tracked but never applied (`TRACK_TACO_EMA`), so both rows' final EMAs
+  are analysed the same way.
 - ``mt_dpr_confounders_3_epochs``: the MT-DPR row trained for 3 epochs instead of 0.7.
 - ``taco_recipe``, ``naive_recipe``: TACO's training recipe (`ance`): naive multi-task with prefixes
   warms up on BM25 negatives, then RECIPE_EPISODES ANCE episodes train on negatives mined by the

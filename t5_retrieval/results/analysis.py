@@ -17,10 +17,11 @@ PROBE_ROWS = ("naive_noprefix", "naive_prefix", "taco", "naive_prefix_frozen_emb
 
 LAST_EPISODE_MODEL = os.path.join("ance", f"episode_{RECIPE_EPISODES}", "model")  # a recipe row's model
 
-# The rows whose training kept TACO's EMA (the TACO rows, and the recipe's naive control, which tracks it
-# without applying it) are analysed from that final EMA as well: {row: its model directory in the row's}.
+# The rows whose training kept TACO's EMA (the TACO rows, and the naive controls of the both-tower and
+# recipe rows, which track it without applying it) are analysed from that final EMA as well:
+# {row: its model directory in the row's}.
 TRAINING_EMA_ROWS = {"taco": "model", "taco_nonzero_median": "model", "taco_frozen_embeddings": "model",
-                     "taco_frozen_embeddings_both_towers": "model",
+                     "naive_prefix_frozen_embeddings_both_towers": "model", "taco_frozen_embeddings_both_towers": "model",
                      "taco_recipe_frozen": LAST_EPISODE_MODEL, "naive_recipe_frozen": LAST_EPISODE_MODEL}
 PROBE_BATCHES, PROBE_BETA, PROBE_SEED = 50, 0.98, 1  # EMA at 1 - 0.98^50 = 64% of its signal
 

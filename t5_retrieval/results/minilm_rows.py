@@ -272,11 +272,12 @@ TACO_LAST_EPISODE = (f"ance.multitask_episodes = [{RECIPE_EPISODES}]", "ance.epi
 RECIPE_FROZEN = (*FROZEN_EMBEDDINGS, *PAPER_MEDIAN, "warmup/make_train_iterator.mixture_or_task_names = 'mini_kilt_noprefix'",
                  "episode/make_train_iterator.hard_negatives = 'sampled'")
 
-# The naive control of the last episode keeps TACO's EMA without applying it: TACO whose burn-in lasts
-# the whole episode returns the plain sum of the task gradients (at the naive scale), so the control
-# trains as naive does and its specialisation is measured with TACO's own EMA (same beta, steps and
-# parameters).
-NAIVE_TRACKING_TACO = (*TACO_LAST_EPISODE, "multitask.taco.burn_in_fraction = 1.0", "multitask.taco.keep_naive_scale = True")
+# A naive control that keeps TACO's EMA without applying it: TACO whose burn-in lasts the whole run
+# returns the plain sum of the task gradients (at the naive scale: the same float32 adds as
+# `naive_sum`), so the control trains as naive does and its specialisation is measured with TACO's
+# own EMA (same beta, steps and parameters). Used by the recipe's last episode and the both-tower pair.
+TRACK_TACO_EMA = ("multitask.taco.burn_in_fraction = 1.0", "multitask.taco.keep_naive_scale = True")
+NAIVE_TRACKING_TACO = (*TACO_LAST_EPISODE, *TRACK_TACO_EMA)
 
 
 def recipe_pair_row(taco_last: bool) -> Callable[..., None]:

@@ -11,6 +11,7 @@ from t5_retrieval.results.minilm_rows import (
                                               PAPER_MEDIAN,
                                               TACO_BINDINGS,
                                               THREE_EPOCHS,
+                                              TRACK_TACO_EMA,
                                               bm25_row,
                                               confounders_row,
                                               dpr_muf_row,
@@ -42,9 +43,9 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "taco_frozen_embeddings": ("TACO, embedding tables frozen (median over the trained parameters)",
                                trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS, *PAPER_MEDIAN)),
     "naive_prefix_frozen_embeddings_both_towers": (
-        "naive multi-task, dataset prefixes, embedding tables frozen, both towers trained",
-        trained_row("no_adaptive.gin", "mini_kilt", *FROZEN_EMBEDDINGS, f"TRAIN_STEPS = {BOTH_TOWERS_STEPS}",
-                    both_towers=True)),
+        "naive multi-task, dataset prefixes, embedding tables frozen, both towers trained (TACO's EMA tracked)",
+        trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS, *PAPER_MEDIAN, *TRACK_TACO_EMA,
+                    f"TRAIN_STEPS = {BOTH_TOWERS_STEPS}", both_towers=True)),
     "taco_frozen_embeddings_both_towers": (
         "TACO, embedding tables frozen (median over the trained parameters), both towers trained",
         trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS, *PAPER_MEDIAN,
