@@ -278,8 +278,9 @@ QUERY_SIDE_FILE = "query_side.json"  # in a query-side model directory: its base
 def write_base_record(model_dir: str, base_dir: str, base_fingerprint: str, **info: Any) -> None:
     """Marks `model_dir` as a query-side model: its passages are encoded by `base_dir`'s model
     (fingerprint `base_fingerprint`), and its indexes are the base's. The base is recorded relative
-    to `model_dir`, so the two move together (the fingerprint, not the path, says it is the same)."""
-    record = {"base_checkpoint": os.path.relpath(os.path.abspath(base_dir), os.path.abspath(model_dir)),
+    to `model_dir`, so the two move together (the fingerprint, not the path, says it is the same).
+    Both are taken where they really are (symbolic links resolved), as `base_dir_of` reads it."""
+    record = {"base_checkpoint": os.path.relpath(os.path.realpath(base_dir), os.path.realpath(model_dir)),
               "base_fingerprint": base_fingerprint, **info}
     write_json_atomic(os.path.join(model_dir, QUERY_SIDE_FILE), record)
 
@@ -290,8 +291,11 @@ def read_base_record(model_dir: str) -> dict[str, Any]:
 
 
 def base_dir_of(model_dir: str) -> str:
-    """A query-side model's base model directory: recorded relative to it (absolute by older versions)."""
-    return os.path.normpath(os.path.join(model_dir, read_base_record(model_dir)["base_checkpoint"]))
+    """A query-side model's base model directory: recorded relative to it (absolute by older versions).
+
+    Relative to where `model_dir` really is: a model reached through a symbolic link (a stage shared
+    by two results rows) finds its base as the file system's `..` does, not by cutting path text."""
+    return os.path.normpath(os.path.join(os.path.realpath(model_dir), read_base_record(model_dir)["base_checkpoint"]))
 
 
 def is_query_side_dir(directory: str) -> bool:

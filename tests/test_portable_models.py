@@ -80,6 +80,19 @@ def test_a_copied_model_index_and_embeddings_work_with_their_original_place_gone
     assert passage_table(f"{moved}/emb_0", store)[1] == passage_table(f"{tmp_path}/emb_copy", store)[1]
 
 
+def test_a_query_side_model_reached_through_a_symbolic_link_finds_its_base(tiny, tmp_path):
+    """As a results row links a stage it shares with another row: `<row>/ance/episode_1 -> ../../shared/...`
+    puts the model's path text one level off from where its base really is."""
+    from t5_retrieval.inference import base_dir_of, load_encoder
+
+    root = os.path.dirname(tiny.data_dir)
+    row = tmp_path / "row" / "ance"
+    row.mkdir(parents=True)
+    (row / "model").symlink_to(os.path.join(root, "query_side"))  # its base is outside what the link names
+    assert base_dir_of(str(row / "model")) == os.path.realpath(tiny.model_dirs[0])
+    assert load_encoder(str(row / "model")).fingerprint == tiny.encoders[0].fingerprint
+
+
 def v1_model_dir(tiny, model_dir: str, vocabulary: str) -> str:
     """A copy of the tiny model as an older version wrote it: no `version`, the vocabulary by the
     absolute path it was read from, no copy inside."""
