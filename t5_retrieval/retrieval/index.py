@@ -22,7 +22,7 @@ runs `build_index`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import gin
@@ -36,7 +36,11 @@ from t5_retrieval.retrieval.scann_index import ScannIndex, build_scann_index
 from t5_retrieval.retrieval.stored_index import INDEX_JSON, IndexMismatchError, StoredIndex, read_record
 
 BACKENDS: dict[str, type[StoredIndex]] = {"scann": ScannIndex, "exact": ExactIndex, "bm25": BM25TextIndex}
-EMBEDDING_BACKENDS = ("scann", "exact")  # what `build_index` builds from an embedding store
+# The backends `build_index` builds from a complete embedding store: (embeddings_dir, staging_dir) -> index.
+BUILDERS: dict[str, Callable[[str, str | None], StoredIndex]] = {
+    "scann": lambda embeddings_dir, staging_dir: build_scann_index(embeddings_dir, staging_dir=staging_dir),
+    "exact": lambda embeddings_dir, staging_dir: build_exact_index(embeddings_dir),
+}
 
 
 @runtime_checkable
@@ -73,12 +77,10 @@ def build_index(embeddings_dir: str, backend: str = "scann", staging_dir: str | 
 
     `staging_dir`: disk for ScaNN's temporary matrix (default: the system temp dir).
     """
-    if backend == "scann":
-        return build_scann_index(embeddings_dir, staging_dir=staging_dir)
-    if backend == "exact":
-        return build_exact_index(embeddings_dir)
-    raise UserError(f"index backend {backend!r} (--backend or gin build_index.backend): "
-                    f"choose one of {', '.join(EMBEDDING_BACKENDS)}")
+    if backend not in BUILDERS:
+        raise UserError(f"index backend {backend!r} (--backend or gin build_index.backend): "
+                        f"choose one of {', '.join(BUILDERS)}")
+    return BUILDERS[backend](embeddings_dir, staging_dir)
 
 
 def load_index(directory: str) -> Index:

@@ -1,0 +1,150 @@
+"""docs/architecture.md, "Where to change what", holds: each common change touches only the files it names.
+
+Each test makes the change the page describes in a copy of the library (new modules and edits to the
+named files only), runs what a user then runs with it, in a fresh process on that copy, and checks
+that every file it changed is one the page names for that change.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.tiny_model import build_tiny_run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBRARY = "t5_retrieval"
+
+
+def named_files(change: str) -> list[str]:
+    """The files docs/architecture.md names for `change` (its bullet under "Where to change what"):
+    every backticked path, `<name>` standing for the new thing's name."""
+    with open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8") as f:
+        page = f.read()
+    bullet = re.search(rf"^- \*\*{re.escape(change)}\*\*(.*?)(?=^- |^#|\Z)", page, re.S | re.M)
+    assert bullet, f"docs/architecture.md has no bullet '- **{change}**'"
+    return [p for p in re.findall(r"`([^`\s]+)`", bullet.group(1)) if p.endswith((".py", ".gin", ".md"))]
+
+
+def changed_files(original: str, copy: str) -> list[str]:
+    """Paths (relative to the library's parent) of the files that differ between the two trees or are new."""
+    out = []
+    for root, dirs, files in os.walk(copy):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, os.path.dirname(copy))
+            before = os.path.join(os.path.dirname(original), relative)
+            if not os.path.exists(before) or not filecmp.cmp(before, path, shallow=False):
+                out.append(relative)
+    return sorted(out)
+
+
+def assert_only_named(changed: list[str], change: str, name: str) -> None:
+    named = [p.replace("<name>", name) for p in named_files(change)]
+    unnamed = [c for c in changed if not any(c == n or c.endswith("/" + n) for n in named)]
+    assert not unnamed, f"the change '{change}' touched {unnamed}, which docs/architecture.md does not name ({named})"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_run(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture
+def library_copy(tmp_path):
+    """A copy of the library beside nothing else: a process with it first on its path imports it."""
+    copy = tmp_path / "src" / LIBRARY
+    shutil.copytree(os.path.join(REPO, LIBRARY), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def run_on_copy(copy, script: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy.parent), REPO]), "JAX_PLATFORMS": "cpu"}
+    prologue = (f"import t5_retrieval\nassert t5_retrieval.__file__.startswith({str(copy)!r}), "
+                "t5_retrieval.__file__\nfrom t5_retrieval import cli\n")
+    result = subprocess.run([sys.executable, "-c", prologue + textwrap.dedent(script)], env=env, cwd=copy.parent,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+TOY_INDEX = '''\
+"""A toy backend: brute-force inner products in float64, its vectors in one .npy file."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from t5_retrieval.data.stores import embedding_store
+from t5_retrieval.retrieval.stored_index import StoredIndex, read_complete_store
+
+
+class ToyIndex(StoredIndex):
+    backend = "toy"
+
+    def __init__(self, vectors, passage_ids, fingerprint, source="", meta=None, embeddings_dir=""):
+        super().__init__(passage_ids, fingerprint, vectors.shape[1], source, meta, embeddings_dir)
+        self.vectors = np.asarray(vectors, np.float64)
+
+    def search(self, query_embeddings, k):
+        queries = self._queries(query_embeddings, k).astype(np.float64)
+        scores = queries @ self.vectors.T
+        rows = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        return list(rows), list(np.take_along_axis(scores, rows, axis=1).astype(np.float32))
+
+    def _write_assets(self, directory):
+        np.save(os.path.join(directory, "toy.npy"), self.vectors)
+
+    def _parameters(self) -> dict[str, Any]:
+        return {"toy": {"vectors": "toy.npy"}}
+
+    @classmethod
+    def _load(cls, directory, record, passage_ids):
+        return cls(np.load(os.path.join(directory, "toy.npy")), passage_ids, record["fingerprint"],
+                   source=directory, meta=record.get("meta", {}), embeddings_dir=record.get("embeddings_dir", ""))
+
+
+def build_toy_index(embeddings_dir: str) -> ToyIndex:
+    manifest, ids = read_complete_store(embeddings_dir)
+    return ToyIndex(embedding_store.load_matrix(embeddings_dir), ids, manifest.fingerprint, source=embeddings_dir,
+                    meta=manifest.meta, embeddings_dir=os.path.abspath(embeddings_dir))
+'''
+
+REGISTER_TOY_INDEX = '''
+from t5_retrieval.retrieval.toy_index import ToyIndex, build_toy_index  # noqa: E402
+
+BACKENDS["toy"] = ToyIndex
+BUILDERS["toy"] = lambda embeddings_dir, staging_dir: build_toy_index(embeddings_dir)
+'''
+
+
+def test_a_new_index_backend_touches_only_the_files_the_page_names(tiny, library_copy, tmp_path):
+    (library_copy / "retrieval" / "toy_index.py").write_text(TOY_INDEX)
+    with open(library_copy / "retrieval" / "index.py", "a") as f:
+        f.write(REGISTER_TOY_INDEX)
+
+    root, out = os.path.dirname(tiny.data_dir), tmp_path / "out"
+    run_on_copy(library_copy, f"""
+        for backend in ("toy", "exact"):
+            assert cli.main(["index", "--embeddings_dir={root}/emb_0", f"--output_dir={out}/index_{{backend}}",
+                             f"--backend={{backend}}"]) == 0
+            assert cli.main(["eval", "--checkpoint_dir={root}/model_0", f"--index_dir={out}/index_{{backend}}",
+                             "--data_dir={tiny.data_dir}", "--tasks=demo_fever,demo_trex", "--split=dev",
+                             f"--output_dir={out}/eval_{{backend}}"]) == 0
+    """)
+    toy, exact = (json.load(open(out / f"eval_{b}" / "results.json")) for b in ("toy", "exact"))
+    assert json.load(open(out / "index_toy" / "index.json"))["backend"] == "toy"
+    assert toy == exact, "a correct brute-force backend scores as the exact one does"
+    assert_only_named(changed_files(os.path.join(REPO, LIBRARY), str(library_copy)), "A new index backend", "toy")
