@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from tests.tiny_model import build_tiny_run
+from tests.tiny_model import TASKS, _bindings, build_tiny_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY = "t5_retrieval"
@@ -26,7 +26,7 @@ LIBRARY = "t5_retrieval"
 
 def named_files(change: str) -> list[str]:
     """The files docs/architecture.md names for `change` (its bullet under "Where to change what"):
-    every backticked path, `<name>` standing for the new thing's name."""
+    every backticked path (a placeholder such as `<name>` stands for the new thing's name)."""
     with open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8") as f:
         page = f.read()
     bullet = re.search(rf"^- \*\*{re.escape(change)}\*\*(.*?)(?=^- |^#|\Z)", page, re.S | re.M)
@@ -49,7 +49,7 @@ def changed_files(original: str, copy: str) -> list[str]:
 
 
 def assert_only_named(changed: list[str], change: str, name: str) -> None:
-    named = [p.replace("<name>", name) for p in named_files(change)]
+    named = [re.sub(r"<[^>]+>", name, p) for p in named_files(change)]  # `<name>`, `<family>`: the new one's name
     unnamed = [c for c in changed if not any(c == n or c.endswith("/" + n) for n in named)]
     assert not unnamed, f"the change '{change}' touched {unnamed}, which docs/architecture.md does not name ({named})"
 
@@ -148,3 +148,37 @@ def test_a_new_index_backend_touches_only_the_files_the_page_names(tiny, library
     assert json.load(open(out / "index_toy" / "index.json"))["backend"] == "toy"
     assert toy == exact, "a correct brute-force backend scores as the exact one does"
     assert_only_named(changed_files(os.path.join(REPO, LIBRARY), str(library_copy)), "A new index backend", "toy")
+
+
+TOY_FAMILY = """\
+from t5_retrieval.tasks.common import Dataset, register_family
+
+register_family("toy", [Dataset("fever", "FEVER", "FC", 8, 4, 12), Dataset("trex", "TREX", "SF", 8, 4, 10)])
+"""
+
+
+def test_a_new_task_family_touches_only_the_files_the_page_names(tiny, library_copy, tmp_path):
+    (library_copy / "tasks" / "toy.py").write_text(TOY_FAMILY)
+    registry = library_copy / "tasks" / "__init__.py"
+    text = registry.read_text()
+    assert "from t5_retrieval.tasks import demo, kilt, mini_kilt" in text
+    registry.write_text(text.replace("from t5_retrieval.tasks import demo, kilt, mini_kilt",
+                                     "from t5_retrieval.tasks import demo, kilt, mini_kilt, toy"))
+
+    # The family's own query lengths, not the tiny run's one QUERY_LEN for every task.
+    bindings = [b for b in _bindings(tiny.data_dir, tiny.vocabulary) if not b.startswith(("MIXTURE", "QUERY_LEN"))]
+    gin_flags = [f"--gin.{b.replace(' = ', '=')}" for b in [*bindings, "MIXTURE_OR_TASK_NAME = 'toy'", "TRAIN_STEPS = 2"]]
+    model, out = tmp_path / "model", tmp_path / "out"
+    run_on_copy(library_copy, f"""
+        assert cli.main(["train", "--model_dir={model}", "--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin",
+                         *{gin_flags!r}]) == 0
+        assert cli.main(["encode", "--checkpoint_dir={model}", "--kb_dir={tiny.data_dir}/kb",
+                         "--output_dir={out}/emb"]) == 0
+        assert cli.main(["index", "--embeddings_dir={out}/emb", "--output_dir={out}/index", "--backend=exact"]) == 0
+        assert cli.main(["eval", "--checkpoint_dir={model}", "--index_dir={out}/index", "--data_dir={tiny.data_dir}",
+                         "--tasks=toy", "--split=dev", "--output_dir={out}/eval"]) == 0
+    """)
+    results = json.load(open(out / "eval" / "results.json"))
+    assert sorted(results) == sorted(f"toy_{t}" for t in TASKS), results
+    assert json.load(open(model / "model_config.json"))["features"]["tasks"]["toy_trex"]["query_len"] == 10
+    assert_only_named(changed_files(os.path.join(REPO, LIBRARY), str(library_copy)), "A new retrieval dataset", "toy")
