@@ -43,7 +43,7 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "taco_frozen_embeddings": ("TACO, embedding tables frozen (median over the trained parameters)",
                                trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS, *PAPER_MEDIAN)),
     "naive_prefix_frozen_embeddings_both_towers": (
-        "naive multi-task, dataset prefixes, embedding tables frozen, both towers trained (TACO's EMA tracked)",
+        "naive multi-task, dataset prefixes, embedding tables frozen, both towers trained",
         trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS, *FROZEN_EMBEDDINGS, *PAPER_MEDIAN, *TRACK_TACO_EMA,
                     f"TRAIN_STEPS = {BOTH_TOWERS_STEPS}", both_towers=True)),
     "taco_frozen_embeddings_both_towers": (
