@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.models.t5 import attend, padding_bias, param_init, with_constraint
+from t5_retrieval.models.t5 import attend, padding_bias, param_init, scan_layers, with_constraint
 
 Array = jax.Array
 PAD_ID = 0
@@ -45,6 +45,7 @@ class BertConfig:
     initializer_range: float = 0.02
     dtype: str = "float32"  # compute dtype; "bfloat16" for bf16 activations (params stay fp32)
     remat: bool = False  # recompute each layer in the backward pass to save activation memory
+    scan_layers: bool = False  # one scanned layer body: compile time independent of depth, same params
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -182,6 +183,8 @@ class Bert(nn.Module):
         x = Embeddings(cfg, name="embeddings")(tokens, deterministic)
         # Only keys are masked (as in BERT); padded query rows are ignored by the pooling.
         bias = padding_bias(jnp.ones_like(mask), mask)
+        if cfg.scan_layers and not self.is_initializing():
+            return scan_layers(self, Layer(cfg, parent=None), cfg.num_layers, x, (bias,), deterministic, cfg.remat)
         # The `deterministic` flag (last argument) must stay static under rematerialisation.
         layer_cls = nn.remat(Layer, static_argnums=(-1,)) if cfg.remat else Layer
         for i in range(cfg.num_layers):

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 # Tied copies of `shared.weight` that HF may or may not write.
 TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 # Our T5Config fields that change what the network computes, with the config.json key of each
-# (dropout, compute dtype and remat are training choices and may differ).
+# (dropout, compute dtype, remat and scan_layers are training choices and may differ).
 T5_NUMERIC_FIELDS = {
     "vocab_size": "vocab_size", "d_model": "d_model", "num_heads": "num_heads", "d_kv": "d_kv", "d_ff": "d_ff",
     "num_encoder_layers": "num_layers", "num_decoder_layers": "num_decoder_layers",

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import cast
 
 import flax.linen as nn
 import gin
@@ -48,6 +49,7 @@ class T5Config:
     tie_word_embeddings: bool = False  # True in T5 v1.0
     dtype: str = "float32"  # compute dtype; "bfloat16" for bf16 activations (params stay fp32)
     remat: bool = False  # recompute each layer in the backward pass to save activation memory
+    scan_layers: bool = False  # one scanned layer body: compile time independent of depth, same params
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -234,6 +236,55 @@ def padding_bias(query_mask: Array, key_mask: Array) -> Array:
     return jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)
 
 
+def _stack_layers(params: dict, num_layers: int) -> dict:
+    """The `layers_{i}` subtrees stacked leaf-wise along a new leading layer axis."""
+    layers = [params[f"layers_{i}"] for i in range(num_layers)]
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def _constrain_stacked(layer: nn.Module, stacked: dict, inputs: tuple[Array, ...]) -> dict:
+    """Keeps the stacked parameters sharded like the per-layer ones (layer axis replicated), so
+    XLA slices each layer's shard inside the loop instead of gathering every layer up front."""
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inputs]
+    boxed = jax.eval_shape(lambda *a: layer.init(jax.random.PRNGKey(0), *a, True), *specs)["params"]
+
+    def constrain(box: object, value: Array) -> Array:
+        names = box.names if isinstance(box, nn.LogicallyPartitioned) else (None,) * (value.ndim - 1)
+        return with_constraint(value, (None, *names))
+
+    is_box = lambda v: isinstance(v, nn.meta.AxisMetadata)  # noqa: E731
+    return jax.tree_util.tree_map(constrain, boxed, stacked, is_leaf=is_box)
+
+
+def scan_layers(module: nn.Module, layer: nn.Module, num_layers: int, x: Array, args: tuple[Array, ...],
+                deterministic: bool, remat: bool) -> Array:
+    """Runs `module`'s `layers_{i}` children as one `lax.scan` over their stacked parameters.
+
+    The unrolled stack compiles a program that grows with depth; the scan compiles one layer body.
+    `layer` is an unbound copy of the layer module applied functionally to each layer's slice, so
+    the parameter tree (created unrolled at init) is unchanged. Each layer's dropout key is the
+    stack's key folded with the layer index.
+    """
+    params = nn.unbox(module.variables["params"])
+    stacked = _constrain_stacked(layer, _stack_layers(params, num_layers), (x, *args))
+    key = None if deterministic else module.make_rng("dropout")
+
+    def body(carry: Array, sliced: tuple[dict, Array]) -> tuple[Array, None]:
+        layer_params, index = sliced
+        rngs = {} if key is None else {"dropout": jax.random.fold_in(key, index)}
+        out = layer.apply({"params": layer_params}, carry, *args, deterministic, rngs=rngs)
+        return cast(Array, out), None
+
+    step = jax.checkpoint(body) if remat else body
+    x, _ = jax.lax.scan(step, x, (stacked, jnp.arange(num_layers)))
+    return x
+
+
+def _scanned(module: nn.Module, cfg: T5Config) -> bool:
+    """Scan only when applying: init creates the layers unrolled, which defines the parameter tree."""
+    return cfg.scan_layers and not module.is_initializing()
+
+
 def _layer(cls: type[nn.Module], cfg: T5Config) -> type[nn.Module]:
     # The `deterministic` flag (last argument) must stay static under rematerialisation.
     return nn.remat(cls, static_argnums=(-1,)) if cfg.remat else cls
@@ -252,9 +303,13 @@ class Encoder(nn.Module):
         length = tokens.shape[1]
         bias = RelativePositionBias(cfg, bidirectional=True, name="relpos_bias")(length, length)
         bias = bias + padding_bias(mask, mask)
-        layer_cls = _layer(EncoderLayer, cfg)
-        for i in range(cfg.num_encoder_layers):
-            x = layer_cls(cfg, name=f"layers_{i}")(x, bias, deterministic)
+        if _scanned(self, cfg):
+            x = scan_layers(self, EncoderLayer(cfg, parent=None), cfg.num_encoder_layers, x, (bias,),
+                            deterministic, cfg.remat)
+        else:
+            layer_cls = _layer(EncoderLayer, cfg)
+            for i in range(cfg.num_encoder_layers):
+                x = layer_cls(cfg, name=f"layers_{i}")(x, bias, deterministic)
         x = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="final_norm")(x)
         return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
 
@@ -275,9 +330,13 @@ class Decoder(nn.Module):
         self_bias = self_bias + jnp.where(causal, 0.0, NEG_INF)[None, None]
         decoder_mask = jnp.ones(tokens.shape, dtype=bool)
         cross_bias = padding_bias(decoder_mask, encoder_mask)
-        layer_cls = _layer(DecoderLayer, cfg)
-        for i in range(cfg.num_decoder_layers):
-            x = layer_cls(cfg, name=f"layers_{i}")(x, encoded, self_bias, cross_bias, deterministic)
+        if _scanned(self, cfg):
+            x = scan_layers(self, DecoderLayer(cfg, parent=None), cfg.num_decoder_layers, x,
+                            (encoded, self_bias, cross_bias), deterministic, cfg.remat)
+        else:
+            layer_cls = _layer(DecoderLayer, cfg)
+            for i in range(cfg.num_decoder_layers):
+                x = layer_cls(cfg, name=f"layers_{i}")(x, encoded, self_bias, cross_bias, deterministic)
         x = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="final_norm")(x)
         return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
 
