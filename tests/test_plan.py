@@ -27,7 +27,8 @@ TACO = ["--gin_file=runs/taco.gin", "--gin.MIXTURE_OR_TASK_NAME=['demo_fever', '
 REPORT_KEYS = {"topology", "num_slices", "devices", "mesh", "layout", "chip", "tasks", "per_device_batch",
                "passage_len", "num_negatives", "multitask", "steps", "replicated_params", "problems"}
 STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "fits", "compiler_refused",
-             "compiler_flops_per_device", "model_matmul_flops", "estimated_step_seconds", "collectives",
+             "compiler_flops_per_device", "model_matmul_flops", "estimated_step_seconds", "compiler_optimal_seconds",
+             "collectives",
              "items_per_step"}
 MEMORY_KEYS = {"params", "optimizer", "multitask", "batch", "arguments", "outputs_not_donated", "temporaries",
                "code", "peak", "hbm", "margin"}
@@ -185,3 +186,12 @@ def test_collectives_are_counted_by_type_and_bytes():
     assert hlo.collectives(text) == {"all-reduce": {"count": 2, "bytes": 64 * 32 * 4 + 4 + 8},
                                      "all-gather": {"count": 1, "bytes": (8 * 32 + 32 * 32) * 2}}
     assert hlo.program_size(text) == {"instructions": 5, "fusions": 1, "convolutions": 0}
+
+
+def test_a_compiler_estimate_that_is_no_time_is_reported_as_none():
+    from t5_retrieval.plan.planner import usable_estimate
+
+    assert usable_estimate(0.0012) == 0.0012
+    assert usable_estimate(0.0) is None
+    assert usable_estimate(-47.952) is None, "libtpu's estimate for a scanned T5-base train step"
+    assert usable_estimate(float("nan")) is None

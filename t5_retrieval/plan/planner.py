@@ -167,6 +167,13 @@ def compiled_memory(compiled: jax.stages.Compiled | None, refusal: str | None, p
             "temporaries": memory.temp_size_in_bytes, "code": memory.generated_code_size_in_bytes}
 
 
+def usable_estimate(optimal_seconds: float) -> float | None:
+    """The compiler's step-time estimate, or None when it gives none: libtpu's cost model returns 0 for
+    some programs and a negative time for a train step whose layers run in a `lax.scan` loop (seen on
+    T5-base, naive and TACO alike), which no rate or MFU can be computed from."""
+    return optimal_seconds if math.isfinite(optimal_seconds) and optimal_seconds > 0 else None
+
+
 def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal: str | None, lower_s: float,
                 compile_s: float, parts: dict[str, int], chip: Chip, devices_per_chip: float, num_devices: int,
                 model_flops: float, items: dict[str, int]) -> dict[str, Any]:
@@ -176,7 +183,7 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
     peak = sum(buffers.values())
     analysis = (compiled.cost_analysis() if compiled is not None else None) or {}
     analysis = analysis[0] if isinstance(analysis, list) else analysis
-    seconds = float(analysis.get("optimal_seconds", 0.0)) or None
+    seconds = usable_estimate(float(analysis.get("optimal_seconds", 0.0)))
     peak_flops = chip.peak_bf16_flops / devices_per_chip * num_devices
     text = (compiled.as_text() if compiled is not None else None) or ""
     report: dict[str, Any] = {
@@ -188,6 +195,7 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "compiler_flops_per_device": float(analysis.get("flops", 0.0)),
         "model_matmul_flops": model_flops,
         "estimated_step_seconds": seconds,
+        "compiler_optimal_seconds": float(analysis.get("optimal_seconds", 0.0)),
         "collectives": hlo.collectives(text),
         "program": hlo.program_size(text) if text else {},
         "items_per_step": items,
@@ -326,6 +334,8 @@ def format_text(report: dict[str, Any]) -> str:
             rates = ", ".join(f"{n:,.0f} {what}/s" for what, n in step["estimated_per_second"].items())
             lines.append(f"  compiler's estimate: {step['estimated_step_seconds'] * 1e3:,.3f} ms per step, {rates}, "
                          f"MFU {step['estimated_mfu']:.1%} ({step['model_matmul_flops'] / 1e12:,.3f} TFLOP matmuls)")
+        elif step["compiler_optimal_seconds"]:
+            lines.append(f"  compiler's estimate: unusable ({step['compiler_optimal_seconds']:.4g} s, not a time)")
         else:
             lines.append("  compiler's estimate: none given for this program")
         collectives = step["collectives"]
