@@ -31,12 +31,11 @@ class TaskSpec:
     # their output, not the text a user types.
     text_preprocessors: tuple[str, ...] = ()
 
-    def query_input(self, default_len: int | None = None) -> QueryInput:
-        """How the model reads this task's queries; `default_len` for a task that states no length."""
-        length = self.query_len if self.query_len is not None else default_len
-        if length is None:
+    def query_input(self) -> QueryInput:
+        """How the model reads this task's queries."""
+        if self.query_len is None:
             raise ValueError(f"task {self.name!r} states no query length")
-        return QueryInput(self.prefix, int(length), self.truncation)
+        return QueryInput(self.prefix, self.query_len, self.truncation)
 
     def to_record(self) -> dict[str, Any]:
         """The JSON a model records for this task under its name (`from_record` reads it back)."""
@@ -50,9 +49,18 @@ class TaskSpec:
 
     @classmethod
     def from_record(cls, name: str, record: Mapping[str, Any]) -> TaskSpec:
-        """The spec a model recorded as `record` under `name` (older records: `checkpoint.upgrade_config`
-        and `models.build.upgraded_config` bring them to this form; a lexical model's bare names are
-        their own dataset)."""
-        return cls(name, str(record.get("dataset", name)), record.get("prefix"),
+        """The spec a model recorded as `record` under `name`, in this version's form (`upgrade_records`
+        brings an older model's to it)."""
+        return cls(name, str(record["dataset"]), record["prefix"],
                    None if record.get("query_len") is None else int(record["query_len"]),
-                   str(record.get("truncation", KEEP_BEGINNING)), tuple(record.get("text_preprocessors", ())))
+                   str(record["truncation"]), tuple(record.get("text_preprocessors", ())))
+
+
+def upgrade_records(features: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """A model's recorded tasks (`features["tasks"]`) in this version's form: the one place older
+    model directories are read. A task recorded before tasks had their own query lengths reads the
+    model's one `query_len`, cut at its end (`KEEP_BEGINNING`); one recorded without a dataset or a
+    prefix reads its own name's examples, unprefixed."""
+    shared = {"query_len": features["query_len"]} if "query_len" in features else {}
+    return {name: {"dataset": name, "prefix": None, "truncation": KEEP_BEGINNING, **shared, **record}
+            for name, record in (features.get("tasks") or {}).items()}
