@@ -23,14 +23,15 @@ import numpy as np
 
 from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.records import Passage, write_json_atomic
+from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
-from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens, recorded_query_input
+from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, tokenize, vocabulary_digest
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.build import build_model
 from t5_retrieval.models.dual_encoder import DualEncoder
-from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_tasks
+from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.index import IndexMismatchError
 
 
@@ -75,6 +76,7 @@ class DualEncoderInference:
         self.params = params
         self.config = config
         self.features = config.get("features", {})
+        self.tasks = TaskSet.from_features(self.features)
         self.fingerprint = fingerprint
         self.dim = model.embedding_dim
         self._mesh = mesh
@@ -87,7 +89,7 @@ class DualEncoderInference:
 
     @property
     def task_names(self) -> list[str]:
-        return sorted(recorded_tasks(self))
+        return sorted(self.tasks)
 
     @property
     def training_task_order(self) -> list[str]:
@@ -109,19 +111,15 @@ class DualEncoderInference:
             self._vocab = load_vocabulary(path)  # sentencepiece (T5) or WordPiece (BERT), by the path
         return self._vocab
 
-    def task_name(self, name: str) -> str:
-        """The model's task for `name` in any form (`data.task_names.resolve`)."""
-        return model_task_name(self, name)
-
     def prefix_of(self, task: str) -> str | None:
-        return self.features["tasks"][self.task_name(task)]["prefix"]
+        return self.tasks.spec(task).prefix
 
     def query_input(self, task: str) -> QueryInput:
         """How `task`'s queries become token ids: its prefix, length and truncation, as trained."""
-        return recorded_query_input(self.features, self.task_name(task))
+        return self.tasks.query_input(task)
 
     def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
-        task = self.task_name(task)
+        task = self.tasks.resolve(task)
         for i, text in enumerate(texts):
             if not text or not text.strip():
                 raise ValueError(f"query {i} is empty")
@@ -264,6 +262,10 @@ class QuerySideEncoder:
     @property
     def task_names(self) -> list[str]:
         return self.query_encoder.task_names
+
+    @property
+    def tasks(self) -> TaskSet:
+        return self.query_encoder.tasks
 
     def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
         return self.query_encoder.encode_queries(texts, task)

@@ -232,7 +232,7 @@ def fine_tune_query_side(checkpoint_dir: str, index_dir: str, embeddings_dir: st
     index.check(encoder, store.ids())
     if embedding_store.read_ids(embeddings_dir) != index.passage_ids:
         raise IndexMismatchError(f"{embeddings_dir}: passage ids differ from the index at {index_dir}")
-    as_task = encoder.task_name(as_task)  # by registered name or dataset; recorded by name
+    as_task = encoder.tasks.resolve(as_task)  # by registered name or dataset; recorded by name
     texts = AnswerTexts(store)
     before = {t.name: answer_recall(encoder, index, texts, t, as_task) for t in dev_tasks}
     params, history = finetune(encoder, index, embedding_store.load_matrix(embeddings_dir), texts, train_tasks,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.retrieval.encoder import Encoder, model_task_name, warn_if_trained_on_rewritten_text
+from t5_retrieval.retrieval.encoder import Encoder, warn_if_trained_on_rewritten_text
 from t5_retrieval.retrieval.index import Index, load_index
 from t5_retrieval.retrieval.search import Hit, dense_searcher
 
@@ -46,7 +46,7 @@ class Searcher:
         Raises UnknownTaskError (listing the model's tasks) for a task the model was not trained on."""
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings, not one string")
-        task = model_task_name(self.encoder, task)
+        task = self.encoder.tasks.resolve(task)
         if task not in self._warned:
             warn_if_trained_on_rewritten_text(self.encoder, task, "Searcher.search embeds the text it is given: "
                                               "pass queries as those preprocessors would leave them")

@@ -92,10 +92,8 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
     from t5_retrieval.data import layout
     from t5_retrieval.data.stores import embedding_store
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.data.tasks import task_names
     from t5_retrieval.data.tasks.retrieval_tasks import split_examples
     from t5_retrieval.inference import load_encoder
-    from t5_retrieval.retrieval.encoder import recorded_tasks
     from t5_retrieval.retrieval.evaluate import evaluate, write_results
     from t5_retrieval.retrieval.index import build_index, load_index
 
@@ -120,11 +118,10 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
         encoder = load_encoder(model_dir)
         index = load_index(index_path)
         index.check(encoder, store.ids())
-        tasks = recorded_tasks(encoder)
+        tasks = encoder.tasks
         # Tables are keyed by the model's task names, as the results tables read them.
-        examples = {task_names.resolve(tasks, d): split_examples(
-            data_dir, task_names.dataset_of(tasks, d), task_names.resolve(tasks, d), eval_split)
-            for d in datasets or task_names.datasets(tasks)}
+        specs = [tasks.spec(d) for d in datasets or tasks.datasets()]
+        examples = {spec.name: split_examples(data_dir, spec.dataset, spec.name, eval_split) for spec in specs}
         result = evaluate(encoder, index, examples, store)
         result.tables = {task: result.tables[task] for task in sorted(result.tables)}
         write_results(result, eval_dir)
@@ -145,10 +142,8 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
     from t5_retrieval.data import layout
     from t5_retrieval.data.records import write_negatives
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.data.tasks import task_names
     from t5_retrieval.data.tasks.retrieval_tasks import split_examples
     from t5_retrieval.inference import load_encoder
-    from t5_retrieval.retrieval.encoder import recorded_tasks
     from t5_retrieval.retrieval.index import load_index
     from t5_retrieval.retrieval.mine import mine_negatives
 
@@ -157,9 +152,8 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
         encoder, index = load_encoder(model_dir), load_index(index_dir)
         index.check(encoder, store.ids())
         counts = {}
-        tasks = recorded_tasks(encoder)
-        for dataset in task_names.datasets(tasks):
-            task = task_names.resolve(tasks, dataset)
+        for dataset in encoder.tasks.datasets():
+            task = encoder.tasks.resolve(dataset)
             # Queries are encoded as the model's task for this dataset (its prefix).
             examples = split_examples(data_dir, dataset, task, "train")
             rows = mine_negatives(encoder, index, examples, store, k=depth,

@@ -14,6 +14,7 @@ from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
 from t5_retrieval.data.records import Negatives, read_examples, write_negatives
 from t5_retrieval.data.stores.kb import PassageStore, passage_text
 from t5_retrieval.data.tasks import retrieval_tasks
+from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenizers.tokenize import encode_with_eos_markers, to_fixed_length, tokenize
 
@@ -136,9 +137,9 @@ def test_mixtures_and_unknown_names(data_dir, vocab):
 
     assert [t.name for t, _ in retrieval_tasks.resolve("mini_kilt")][4] == "mini_kilt_entityquestions", \
         "a Mixture's Tasks in the order it declares them (seqio sorts them by name)"
-    assert described("mini_kilt_entityquestions") == retrieval_tasks.TaskInfo(
+    assert described("mini_kilt_entityquestions") == TaskSpec(
         "mini_kilt_entityquestions", "entityquestions", "ZSRE", 25, "beginning")
-    assert described("mini_kilt_entity_linking_typed") == retrieval_tasks.TaskInfo(
+    assert described("mini_kilt_entity_linking_typed") == TaskSpec(
         "mini_kilt_entity_linking_typed", "entity_linking", "EL", 109, "mention"), "every variant reads the same"
     assert described("kilt_wow").query_len == 256, "KILT's Tasks read TACO's Table 5 lengths"
     assert described("kilt_nq_noprefix").prefix is None

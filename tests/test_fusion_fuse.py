@@ -15,6 +15,7 @@ from t5_retrieval.data.records import read_jsonl
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.bm25 import BM25Index
 from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.fusion import experts, fuse, muf
 from t5_retrieval.retrieval import evaluate, index, scann_index, search
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
@@ -171,10 +172,12 @@ class RecordedTasksEncoder(HashedBagOfWordsEncoder):
     def __init__(self, tasks):
         super().__init__(dim=16)
         self.features = {"tasks": tasks}
+        self.tasks = TaskSet.from_features(self.features)
 
 
 def test_expert_queries_use_the_task_name_the_model_was_trained_with():
-    from t5_retrieval.retrieval.encoder import model_task_name
+    def model_task_name(encoder, name):
+        return encoder.tasks.resolve(name)
 
     assert model_task_name(HashedBagOfWordsEncoder(16), "nq") == "nq", "lexical: any name"
     assert model_task_name(RecordedTasksEncoder({"kilt_nq": {"dataset": "nq"}}), "nq") == "kilt_nq"

@@ -15,6 +15,7 @@ from t5_retrieval.data.kilt.demo_slice import SHIPPED, extract
 from t5_retrieval.data.records import read_examples
 from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.tasks.materialize import materialize
+from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.data.text import END_ENT, START_ENT, format_query, normalize_query
 from t5_retrieval.data.tokenizers.query_inputs import (
     KEEP_BEGINNING,
@@ -23,7 +24,6 @@ from t5_retrieval.data.tokenizers.query_inputs import (
     mention_window,
     query_ids,
     query_tokens,
-    recorded_query_input,
     split_mention,
 )
 from t5_retrieval.data.tokenizers.tokenize import encode_batch, load_vocabulary, tokenize
@@ -234,7 +234,7 @@ def test_a_model_trained_before_per_task_lengths_reads_every_task_at_its_one_len
 
     old = {"query_len": 64, "passage_len": 256,
            "tasks": {"mini_kilt_entity_linking": {"dataset": "entity_linking", "prefix": "AIDA", "index": 0}}}
-    assert recorded_query_input(old, "mini_kilt_entity_linking") == QueryInput("AIDA", 64, KEEP_BEGINNING)
+    assert TaskSet.from_features(old).query_input("mini_kilt_entity_linking") == QueryInput("AIDA", 64, KEEP_BEGINNING)
     now = {"features": {"tasks": {"mini_kilt_entity_linking": {"query_len": 109, "truncation": MENTION_WINDOW}}}}
     upgraded = upgraded_config({"features": old}, now)["features"]["tasks"]["mini_kilt_entity_linking"]
     assert (upgraded["query_len"], upgraded["truncation"]) == (64, KEEP_BEGINNING), \

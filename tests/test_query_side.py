@@ -20,7 +20,6 @@ from t5_retrieval.data.records import DataError, Example, read_examples
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.inference import QuerySideEncoder, load_encoder, token_lengths
-from t5_retrieval.retrieval.encoder import model_task_name
 from t5_retrieval.retrieval.index import load_index
 from t5_retrieval.stages import index_and_evaluate
 
@@ -171,7 +170,7 @@ def test_cli_adapts_to_several_qa_tasks_with_their_own_matching_and_reports_each
     assert report["history"][0]["questions"] == separately, "the round must train on the union of both tasks"
     loaded = load_encoder(out)
     assert {"plain", "regexy"} <= set(loaded.features["tasks"]), "each new task must be queryable"
-    assert model_task_name(loaded, "trex") == "demo_trex", "a new task must not claim its as_task's dataset"
+    assert loaded.tasks.resolve("trex") == "demo_trex", "a new task must not claim its as_task's dataset"
 
     # Scored like any row on the datasets it is asked for (the new tasks have no KILT dev files).
     index_and_evaluate(str(tmp_path / "eval_row"), out, run.data_dir, index_dir=run.index_dirs[0], datasets=["trex"])

@@ -314,7 +314,7 @@ def test_a_command_line_binding_the_run_never_reads_is_an_error(user_setup, monk
 def test_a_seqio_mixture_names_the_model_tasks_it_holds_in_every_command(user_setup, monkeypatch, capsys):
     import argparse
 
-    from t5_retrieval.data.tasks.task_names import UnknownTaskError, expand
+    from t5_retrieval.data.tasks.task_names import TaskSet, UnknownTaskError
 
     monkeypatch.syspath_prepend(user_setup["module_dir"])
     write_user_module(user_setup, "REWRITTEN")
@@ -329,10 +329,10 @@ def test_a_seqio_mixture_names_the_model_tasks_it_holds_in_every_command(user_se
 
     model = {"user_fever": {"dataset": "user_fever", "prefix": None, "index": 0},
              "user_nq": {"dataset": "user_nq", "prefix": None, "index": 1}}
-    assert expand(model, ["user_mix"]) == ["user_fever", "user_nq"]
-    assert expand(model, ["user_nq", "user_mix"]) == ["user_nq", "user_fever"], "each task once"
+    assert TaskSet.from_records(model).expand(["user_mix"]) == ["user_fever", "user_nq"]
+    assert TaskSet.from_records(model).expand(["user_nq", "user_mix"]) == ["user_nq", "user_fever"], "each task once"
     with pytest.raises(UnknownTaskError, match="Mixture 'user_mix' holds \\['user_nq'\\], which this model was not"):
-        expand({"user_fever": model["user_fever"]}, ["user_mix"])
+        TaskSet.from_records({"user_fever": model["user_fever"]}).expand(["user_mix"])
 
 
 def test_mixture_rates_are_the_mixtures_own_numbers_functions_and_temperatures():

@@ -2,33 +2,35 @@
 
 import pytest
 
-from t5_retrieval.data.tasks import task_names
-from t5_retrieval.data.tasks.task_names import UnknownTaskError
+from t5_retrieval.data.tasks.task_names import TaskSet, UnknownTaskError
+from t5_retrieval.data.tasks.task_spec import TaskSpec
 
-TASKS = {"demo_fever": {"dataset": "fever", "prefix": "fever", "index": 0},
-         "demo_nq": {"dataset": "nq", "prefix": "nq", "index": 1}}
+RECORDS = {"demo_fever": {"dataset": "fever", "prefix": "fever", "index": 0},
+           "demo_nq": {"dataset": "nq", "prefix": "nq", "index": 1}}
+TASKS = TaskSet.from_records(RECORDS)
+NONE = TaskSet(())
 
 
 def test_registered_name_and_dataset_both_resolve_to_the_registered_name():
-    assert task_names.resolve(TASKS, "demo_fever") == "demo_fever"
-    assert task_names.resolve(TASKS, "fever") == "demo_fever"
-    assert task_names.dataset_of(TASKS, "demo_nq") == task_names.dataset_of(TASKS, "nq") == "nq"
-    assert task_names.datasets(TASKS) == ["fever", "nq"]
+    assert TASKS.resolve("demo_fever") == "demo_fever"
+    assert TASKS.resolve("fever") == "demo_fever"
+    assert TASKS.dataset_of("demo_nq") == TASKS.dataset_of("nq") == "nq"
+    assert TASKS.datasets() == ["fever", "nq"]
 
 
 def test_unknown_name_lists_both_forms_of_every_task():
     with pytest.raises(UnknownTaskError) as caught:
-        task_names.resolve(TASKS, "wow")
+        TASKS.resolve("wow")
     assert str(caught.value) == ("unknown task 'wow'; this model was trained on: "
                                  "demo_fever (dataset fever), demo_nq (dataset nq)"), str(caught.value)
     assert isinstance(caught.value, KeyError) and isinstance(caught.value, ValueError)
 
 
 def test_a_dataset_read_by_two_tasks_is_ambiguous():
-    tasks = {**TASKS, "demo_fever_noprefix": {"dataset": "fever", "prefix": None}}
+    tasks = TaskSet.from_records({**RECORDS, "demo_fever_noprefix": {"dataset": "fever", "prefix": None}})
     with pytest.raises(UnknownTaskError, match=r"ambiguous.*\['demo_fever', 'demo_fever_noprefix'\]"):
-        task_names.resolve(tasks, "fever")
-    assert task_names.resolve(tasks, "demo_fever_noprefix") == "demo_fever_noprefix"
+        tasks.resolve("fever")
+    assert tasks.resolve("demo_fever_noprefix") == "demo_fever_noprefix"
 
 
 MIXTURES = {"only_fever": ["demo_fever"], "fever_and_nq": ["demo_fever", "demo_nq"],
@@ -50,44 +52,45 @@ def mixtures():
 
 
 def test_a_mixture_stands_for_the_model_tasks_it_holds(mixtures):
-    assert task_names.expand(TASKS, ["fever_and_nq"]) == ["demo_fever", "demo_nq"]
-    assert task_names.expand(TASKS, ["nq", "fever_and_nq"]) == ["nq", "demo_fever", "demo_nq"], \
+    assert TASKS.expand(["fever_and_nq"]) == ["demo_fever", "demo_nq"]
+    assert TASKS.expand(["nq", "fever_and_nq"]) == ["nq", "demo_fever", "demo_nq"], \
         "a name the model knows is kept as given; the Mixture adds its Tasks"
-    assert task_names.resolve(TASKS, "only_fever") == "demo_fever", "a Mixture of one Task names that task"
-    assert task_names.dataset_of(TASKS, "only_fever") == "fever"
+    assert TASKS.resolve("only_fever") == "demo_fever", "a Mixture of one Task names that task"
+    assert TASKS.dataset_of("only_fever") == "fever"
     with pytest.raises(UnknownTaskError, match=r"Mixture 'fever_and_nq' holds several .*\['demo_fever', 'demo_nq'\]"
                                                r".*name one of them"):
-        task_names.resolve(TASKS, "fever_and_nq")
+        TASKS.resolve("fever_and_nq")
 
 
 def test_a_mixture_of_tasks_the_model_was_not_trained_on_names_them(mixtures):
     expected = (r"seqio Mixture 'fever_and_nq' holds \['demo_nq'\], which this model was not trained on; "
                 r"it was trained on: demo_fever \(dataset fever\)$")
-    model = {"demo_fever": TASKS["demo_fever"]}
+    model = TaskSet.from_records({"demo_fever": RECORDS["demo_fever"]})
     with pytest.raises(UnknownTaskError, match=expected):
-        task_names.expand(model, ["fever_and_nq"])
+        model.expand(["fever_and_nq"])
     with pytest.raises(UnknownTaskError, match=expected):
-        task_names.resolve(model, "fever_and_nq")
+        model.resolve("fever_and_nq")
 
 
 def test_a_model_without_tasks_takes_every_name_as_its_own_task_and_dataset(mixtures):
-    assert task_names.resolve({}, "only_fever") == "only_fever" and task_names.dataset_of({}, "fever") == "fever"
-    assert task_names.expand({}, ["fever_and_nq", "x"]) == ["fever_and_nq", "x"]
+    assert NONE.resolve("only_fever") == "only_fever" and NONE.dataset_of("fever") == "fever"
+    assert NONE.expand(["fever_and_nq", "x"]) == ["fever_and_nq", "x"]
 
 
 def test_aliases_are_the_names_that_resolve_without_the_registry():
-    tasks = {**TASKS, "demo_fever_noprefix": {"dataset": "fever", "prefix": None}}
-    aliases = task_names.aliases(tasks)
+    tasks = TaskSet.from_records({**RECORDS, "demo_fever_noprefix": {"dataset": "fever", "prefix": None}})
+    aliases = tasks.aliases()
     assert aliases == {"demo_fever": "demo_fever", "demo_nq": "demo_nq", "demo_fever_noprefix": "demo_fever_noprefix",
                        "nq": "demo_nq"}, "fever is read by two tasks: not an alias"
-    assert all(task_names.resolve(tasks, name) == task for name, task in aliases.items())
+    assert all(tasks.resolve(name) == task for name, task in aliases.items())
 
 
 def test_registered_tasks_reads_datasets_from_the_registry_and_expands_mixtures(mixtures):
-    assert task_names.registered_tasks(["mini_kilt_trex_noprefix", "fever_and_nq", "wow"]) == {
-        "mini_kilt_trex_noprefix": {"dataset": "trex", "prefix": None},
-        "demo_fever": {"dataset": "fever", "prefix": "FEVER"}, "demo_nq": {"dataset": "nq", "prefix": "NQ"},
-        "wow": {"dataset": "wow"}}, "a name registered as nothing is a dataset"
+    registered = TaskSet.registered(["mini_kilt_trex_noprefix", "fever_and_nq", "wow"])
+    assert {name: (registered.spec(name).dataset, registered.spec(name).prefix) for name in registered} == {
+        "mini_kilt_trex_noprefix": ("trex", None), "demo_fever": ("fever", "FEVER"), "demo_nq": ("nq", "NQ"),
+        "wow": ("wow", None)}, "a name registered as nothing is a dataset"
+    assert registered.spec("wow") == TaskSpec("wow", "wow", None)
 
 
 def test_the_registry_module_does_not_import_the_resolver():

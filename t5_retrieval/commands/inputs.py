@@ -14,16 +14,13 @@ from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import rerun
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import DataError, Example
-from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.tasks.retrieval_tasks import has_split, registered_task, split_examples
+from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.errors import UserError
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import (
     Encoder,
     HashedBagOfWordsEncoder,
-    dataset_of,
-    model_task_name,
-    recorded_tasks,
     warn_if_trained_on_rewritten_text,
 )
 from t5_retrieval.retrieval.evaluate import load_task_examples
@@ -124,19 +121,19 @@ def import_task_modules(args: argparse.Namespace) -> None:
     gin_utils.import_modules(args.task_module, path, recorded_in=config)
 
 
-def register_named_mixtures(tasks: task_names.Tasks, names: Sequence[str]) -> None:
+def register_named_mixtures(tasks: TaskSet, names: Sequence[str]) -> None:
     """Registers the project's seqio Tasks and Mixtures when one of `names` is neither one of the
     model's tasks nor a dataset of one, so it may name one of the project's Mixtures (a
     MIXTURE_OR_TASK_MODULE's are registered by its flag)."""
-    if tasks and not all(task_names.knows(tasks, name) for name in names):
+    if tasks and not all(tasks.knows(name) for name in names):
         import t5_retrieval.tasks  # noqa: F401  (the project's Mixtures, by name)
 
 
-def expand_task_names(tasks: task_names.Tasks, names: Sequence[str]) -> list[str]:
+def expand_task_names(tasks: TaskSet, names: Sequence[str]) -> list[str]:
     """`names` with registered seqio Mixtures (the project's, or a MIXTURE_OR_TASK_MODULE's) replaced
     by the model's Tasks they hold."""
     register_named_mixtures(tasks, names)
-    return task_names.expand(tasks, names)
+    return tasks.expand(names)
 
 
 def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str],
@@ -147,20 +144,20 @@ def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[s
 
     Raises UnknownTaskError for a name the model does not know, DataError naming every task
     without examples for `split` (none is left out in silence) with the commands that work."""
-    tasks = recorded_tasks(encoder)
+    tasks = encoder.tasks
     if not tasks:
         examples = load_task_examples(data_dir, split, names)
         return examples, {name: name for name in examples}
     import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, read when a KILT file is missing)
 
-    names = expand_task_names(tasks, names) if names else task_names.datasets(tasks)
-    datasets = {name: dataset_of(encoder, name) for name in names}
-    missing = [name for name in names if not has_split(data_dir, datasets[name], model_task_name(encoder, name), split)]
+    names = expand_task_names(tasks, names) if names else tasks.datasets()
+    datasets = {name: tasks.dataset_of(name) for name in names}
+    missing = [name for name in names if not has_split(data_dir, datasets[name], tasks.resolve(name), split)]
     if missing:
         raise DataError(_missing_examples(encoder, data_dir, split, names, missing, datasets, rerun))
     examples = {}
     for name in names:
-        task = model_task_name(encoder, name)
+        task = tasks.resolve(name)
         if registered_task(task) is None:  # a KILT file's text as written, not the Task's preprocessed text
             warn_if_trained_on_rewritten_text(
                 encoder, task, f"{layout.examples_path(data_dir, datasets[name], split)} is scored as written: its "
@@ -175,7 +172,7 @@ def _missing_examples(encoder: Encoder, data_dir: str, split: str, names: Sequen
     reasons: list[str] = []
     on_split: dict[str, list[str]] = {}
     for name in missing:
-        task = model_task_name(encoder, name)
+        task = encoder.tasks.resolve(name)
         registered = registered_task(task)
         why = f"no {layout.examples_path(data_dir, datasets[name], split)}"
         if registered is None:

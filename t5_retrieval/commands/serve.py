@@ -21,7 +21,6 @@ from t5_retrieval.commands.inputs import (
     register_named_mixtures,
 )
 from t5_retrieval.errors import ConfigError, UserError
-from t5_retrieval.retrieval.encoder import recorded_tasks
 from t5_retrieval.retrieval.http_app import bearer_token
 from t5_retrieval.retrieval.http_server import TOKEN_ENV, ServerOptions, bind_address, make_server
 from t5_retrieval.retrieval.index import load_index
@@ -109,7 +108,7 @@ def main(argv: list[str]) -> int:
     index.check(encoder, store.ids())
     import_task_modules(args)
     tasks = [t for t in args.tasks.split(",") if t] or list(encoder.task_names)
-    register_named_mixtures(recorded_tasks(encoder), tasks)  # SearchService resolves every form
+    register_named_mixtures(encoder.tasks, tasks)  # SearchService resolves every form
     if not tasks:
         raise UserError("--tasks is required: this encoder does not list its task names")
     service = SearchService(encoder, index, store, tasks, ServeLimits())

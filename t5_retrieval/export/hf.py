@@ -34,9 +34,8 @@ from flax import traverse_util
 from safetensors.numpy import save_file
 
 from t5_retrieval import checkpoint
-from t5_retrieval.data.tasks import task_names
+from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
-from t5_retrieval.data.tokenizers.query_inputs import recorded_query_input
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path
 from t5_retrieval.errors import UserError, replaced_on_success
 from t5_retrieval.export import portable, t5r_query_ids
@@ -215,7 +214,8 @@ def check_same_embedding(networks: Networks) -> None:
 def task_specs(features: dict[str, Any], family: str) -> dict[str, dict[str, Any]]:
     """Each task's prefix (as the text to put before a query), query length and truncation."""
     sentinel = BERT_SENTINEL if family == "bert" else EXTRA_ID_1
-    queries = {name: recorded_query_input(features, name) for name in sorted(features.get("tasks", {}))}
+    tasks = TaskSet.from_features(features)
+    queries = {name: tasks.query_input(name) for name in sorted(tasks)}
     return {name: {"prefix": q.prefix,
                    "query_prefix": query_prefix(q.prefix).replace(EXTRA_ID_1, sentinel) + " " if q.prefix else "",
                    "query_len": q.length, "truncation": q.truncation}
@@ -233,8 +233,7 @@ def retrieval_record(networks: Networks) -> dict[str, Any]:
     return {"format": FORMAT, "family": family, "fingerprint": networks.encoder.fingerprint,
             "dim": networks.encoder.dim, "pooling": dual["pooling"], "l2_normalize": dual["l2_normalize"],
             # A dataset's name for the one task that reads it (`fever` for `kilt_fever`), as t5r's commands take.
-            "task_aliases": {alias: task for alias, task in task_names.aliases(features.get("tasks", {})).items()
-                             if alias != task},
+            "task_aliases": {alias: task for alias, task in networks.query.tasks.aliases().items() if alias != task},
             # The longest task's query length (the query encoder's max_length); each task's is in "tasks".
             "query_len": query_len, "passage_len": passage_features["passage_len"],
             "passage_template": passage_features.get("passage_template", PASSAGE_TEMPLATE), "tasks": tasks,

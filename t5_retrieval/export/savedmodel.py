@@ -42,8 +42,8 @@ from t5_retrieval import checkpoint
 from t5_retrieval.data.records import DataError
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore
-from t5_retrieval.data.tasks import task_names
-from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW, recorded_query_input
+from t5_retrieval.data.tasks.task_names import TaskSet
+from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW
 from t5_retrieval.errors import ConfigError, UserError, replaced_on_success
 from t5_retrieval.export import portable, preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
@@ -89,10 +89,10 @@ def _jax_embed(encoder: DualEncoderInference):
     return embed
 
 
-def task_lookup(tasks: task_names.Tasks, order: Sequence[str]) -> tuple[list[str], list[int]]:
+def task_lookup(tasks: TaskSet, order: Sequence[str]) -> tuple[list[str], list[int]]:
     """(name, position in `order`) for every name a query's task may have: each task's registered
-    name and, where no other task reads it, its dataset (`data.task_names.aliases`)."""
-    aliases = task_names.aliases(tasks)
+    name and, where no other task reads it, its dataset (`TaskSet.aliases`)."""
+    aliases = tasks.aliases()
     names = [*order, *(name for name in aliases if name not in order)]
     return names, [order.index(aliases[name]) for name in names]
 
@@ -109,14 +109,14 @@ class RetrievalModule(tf.Module):
         features = encoder.features
         # The query tower of a task is its position here, as in `DualEncoderInference.encode_queries`.
         self._task_names = encoder.training_task_order
-        queries = [recorded_query_input(features, t) for t in self._task_names]
+        queries = [encoder.tasks.query_input(t) for t in self._task_names]
         prefixes = preprocess.prefix_strings([q.prefix for q in queries])
         self._query_lens = tf.constant([q.length for q in queries], tf.int32)
         self._mention = tf.constant([q.truncation == MENTION_WINDOW for q in queries])
         self._query_len = max(q.length for q in queries)
         self._num_passages = len(index)
         self._reorder = index.config.reorder_num_neighbors if index.config.reorders else -1
-        names, positions = task_lookup(features["tasks"], self._task_names)
+        names, positions = task_lookup(encoder.tasks, self._task_names)
         self._task_table = tf.lookup.StaticHashTable(
             tf.lookup.KeyValueTensorInitializer(names, tf.constant(positions, dtype=tf.int32)), default_value=-1)
         self._prefixes = tf.constant(prefixes)
@@ -214,7 +214,7 @@ def export_savedmodel(encoder: DualEncoderInference, index_dir: str, store: Pass
     index.check(encoder, store.ids())
     with open(os.path.join(index_dir, INDEX_JSON), encoding="utf-8") as f:
         index_manifest = json.load(f)
-    queries = {t: recorded_query_input(encoder.features, t) for t in encoder.features["tasks"]}
+    queries = {t: encoder.tasks.query_input(t) for t in encoder.tasks}
     record = {"format": FORMAT, "fingerprint": encoder.fingerprint, "dim": encoder.dim,
               "query_len": max(q.length for q in queries.values()),
               "tasks": {t: q.prefix for t, q in queries.items()},

@@ -21,7 +21,7 @@ from t5_retrieval.data.tasks.task_names import UnknownTaskError
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.fusion import muf
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder, model_task_name
+from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder
 from t5_retrieval.retrieval.index import Index, load_index
 from t5_retrieval.retrieval.search import PassageSearcher, Ranked, dense_searcher
 
@@ -89,7 +89,7 @@ def load_expert(spec: ExpertSpec, passage_ids: Sequence[str] | None = None) -> E
     index = load_index(spec.index_dir)
     index.check(encoder, passage_ids)  # IndexMismatchError names the index dir and both fingerprints.
     try:
-        query_task = model_task_name(encoder, spec.task)
+        query_task = encoder.tasks.resolve(spec.task)
     except UnknownTaskError as e:
         raise ConfigError(f"expert {spec.task}: {spec.checkpoint}: {e}") from None
     return Expert(spec, encoder, index, query_task)

@@ -198,7 +198,6 @@ def fuse_experts(expert_specs: Sequence[str], data_dir: str, output_dir: str, kb
     """
     from t5_retrieval.data import layout
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.retrieval.encoder import dataset_of
     from t5_retrieval.retrieval.evaluate import load_task_examples
 
     config = FuseConfig()
@@ -207,7 +206,7 @@ def fuse_experts(expert_specs: Sequence[str], data_dir: str, output_dir: str, kb
     ids = store.ids()
     experts = [experts_lib.load_expert(spec, ids) for spec in specs]
     # An expert's task may be its model's registered name or its dataset; example files are by dataset.
-    datasets = {x.task: dataset_of(x.encoder, x.task) for x in experts}
+    datasets = {x.task: x.encoder.tasks.dataset_of(x.task) for x in experts}
 
     def examples(split: str, names: Sequence[str]) -> dict[str, list[Example]]:
         by_dataset = load_task_examples(data_dir, split, [datasets.get(n, n) for n in names])

@@ -26,9 +26,9 @@ def dataset_name(names: Iterable[str], dataset: str) -> str:
 
     Raises UnknownTaskError (a KeyError) when none of them, or several, read it."""
     import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, whose datasets the names are resolved by)
-    from t5_retrieval.data.tasks import task_names
+    from t5_retrieval.data.tasks.task_names import TaskSet
 
-    return task_names.resolve(task_names.registered_tasks(names), dataset)
+    return TaskSet.registered(names).resolve(dataset)
 
 
 def dataset_table(tables: dict[str, Any], dataset: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data.stores.kb import passage_text
-from t5_retrieval.data.tasks import task_names
+from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.errors import ConfigError
 
 
@@ -31,9 +31,10 @@ class Encoder(Protocol):
 
     `fingerprint` identifies the model (config + parameters): an index built with one fingerprint
     is refused for queries encoded by another. `features` is how the model reads text, as recorded
-    with it (`features["tasks"]`: its tasks, their datasets and query prefixes; `{}` for a model that
-    records none); `task_names` are its tasks' registered names, sorted; `step` is the checkpoint
-    step its parameters come from (None for a model without one). `encode_queries` applies the
+    with it; `tasks` is the `TaskSet` of its recorded tasks, built once, which resolves every name a
+    user gives a task (empty for a model that records none); `task_names` are its tasks' registered
+    names, sorted; `step` is the checkpoint step its parameters come from (None for a model without
+    one). `encode_queries` applies the
     task's query prefix. Both encode methods return float32 [n, dim] arrays whose dot products are
     the scores.
     """
@@ -51,6 +52,9 @@ class Encoder(Protocol):
     def task_names(self) -> Sequence[str]: ...
 
     @property
+    def tasks(self) -> TaskSet: ...
+
+    @property
     def step(self) -> int | None: ...
 
     def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray: ...
@@ -58,31 +62,15 @@ class Encoder(Protocol):
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray: ...
 
 
-def recorded_tasks(encoder: Encoder) -> task_names.Tasks:
-    """The tasks a model records with its features (`{}` for one that records none, e.g. the
-    lexical baseline, whose queries have no task prefix)."""
-    return encoder.features.get("tasks") or {}
-
-
-def model_task_name(encoder: Encoder, name: str) -> str:
-    """The encoder's own name for the task a user calls `name` (`data.task_names.resolve`)."""
-    return task_names.resolve(recorded_tasks(encoder), name)
-
-
 def warn_if_trained_on_rewritten_text(encoder: Encoder, task: str, but: str) -> None:
     """Warns, naming the task and its preprocessors, when the model trained on `task`'s query text as
     its seqio Task's preprocessors rewrote it (`features.tasks.<task>.text_preprocessors`), where
     text is embedded as given (`but` says where and what to do): a user's text is not what the
     model read."""
-    steps = recorded_tasks(encoder).get(task, {}).get("text_preprocessors")
+    steps = encoder.tasks.spec(task).text_preprocessors
     if steps:
         log.warning("task %s: the model trained on its query text as its seqio Task's preprocessors (%s) leave it, "
                     "but %s", task, ", ".join(steps), but)
-
-
-def dataset_of(encoder: Encoder, name: str) -> str:
-    """The dataset whose example files the task `name` reads (`data.task_names.dataset_of`)."""
-    return task_names.dataset_of(recorded_tasks(encoder), name)
 
 
 log = logging.getLogger(__name__)
@@ -107,6 +95,7 @@ class HashedBagOfWordsEncoder:
         self._dim = dim
         self._buckets: dict[str, tuple[int, float]] = {}
         self.features: dict[str, Any] = {}  # no tasks recorded: without a prefix, any task name is its own
+        self.tasks = TaskSet(())
         self.step: int | None = None  # nothing trained
 
     @property
@@ -115,7 +104,7 @@ class HashedBagOfWordsEncoder:
 
     @property
     def task_names(self) -> list[str]:
-        return sorted(recorded_tasks(self))
+        return sorted(self.tasks)
 
     @property
     def fingerprint(self) -> str:

@@ -25,10 +25,9 @@ import numpy as np
 from t5_retrieval.data.kilt import answers
 from t5_retrieval.data.records import DataError, Example, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from t5_retrieval.data.stores.passages import PassageLookup
-from t5_retrieval.data.tasks import task_names
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.retrieval import metrics, search
-from t5_retrieval.retrieval.encoder import Encoder, recorded_tasks
+from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.index import Index
 
 
@@ -75,11 +74,10 @@ def evaluate(
     if depth < 1:
         raise ConfigError(f"evaluate.depth must be >= 1, got {depth}")
     scorer = RankingScorer(passages, ks, skip_answer_recall)
-    tasks = recorded_tasks(encoder)
     for task, examples in examples_by_task.items():
         found = search.dense_searcher(encoder, index, task, batch_size).search([e.query for e in examples], depth)
         scorer.add_task(task, examples, [r.passage_ids for r in found], [r.scores for r in found],
-                        dataset=task_names.dataset_of(tasks, task))
+                        dataset=encoder.tasks.dataset_of(task))
     return scorer.result()
 
 

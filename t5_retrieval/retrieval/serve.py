@@ -27,10 +27,9 @@ from typing import Any
 import gin
 
 from t5_retrieval.data.stores.passages import PassageLookup
-from t5_retrieval.data.tasks import task_names
 from t5_retrieval.data.tasks.task_names import UnknownTaskError
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.retrieval.encoder import Encoder, model_task_name, recorded_tasks, warn_if_trained_on_rewritten_text
+from t5_retrieval.retrieval.encoder import Encoder, warn_if_trained_on_rewritten_text
 from t5_retrieval.retrieval.index import Index
 from t5_retrieval.retrieval.search import dense_searcher
 
@@ -87,7 +86,7 @@ class SearchService:
         if not tasks:
             raise ValueError("SearchService needs at least one task name")
         # Any form (registered name, dataset, seqio Mixture) -> the model's own names.
-        tasks = [model_task_name(encoder, t) for t in task_names.expand(recorded_tasks(encoder), tasks)]
+        tasks = [encoder.tasks.resolve(t) for t in encoder.tasks.expand(tasks)]
         # A model that names its tasks fails every query of another task: refuse them up front.
         known = encoder.task_names
         unknown = [t for t in tasks if known and t not in known]
@@ -131,7 +130,7 @@ class SearchService:
         if not isinstance(task, str):
             raise RequestError(HTTPStatus.BAD_REQUEST, "field 'task' is required and must be a string")
         try:
-            task = model_task_name(self.encoder, task)  # a dataset (fever) names the model's task for it
+            task = self.encoder.tasks.resolve(task)  # a dataset (fever) names the model's task for it
         except UnknownTaskError as e:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
         if task not in self.tasks:

@@ -31,7 +31,8 @@ from t5_retrieval.data.records import DataError, read_negatives
 from t5_retrieval.data.stores.kb import PassageStore, passage_text
 from t5_retrieval.data.tasks.materialize import TaskExamples
 from t5_retrieval.data.tasks.mixing import sizes_from_rates
-from t5_retrieval.data.tasks.retrieval_tasks import DEFAULT_QUERY_LEN, TaskInfo
+from t5_retrieval.data.tasks.retrieval_tasks import DEFAULT_QUERY_LEN
+from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.data.text import END_ENT, PASSAGE_TEMPLATE, START_ENT
 from t5_retrieval.data.tokenizers.conventions import TokenConventions, conventions_of
 from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_ids
@@ -207,7 +208,7 @@ def choose_negatives(ids: Sequence[str], count: int, hard_negatives: str, seed: 
     return [ids[i] for i in np.sort(rng.choice(len(ids), count, replace=False))]
 
 
-def _task_data(info: TaskInfo, examples: TaskExamples, negatives: dict[str, tuple[str, ...]] | None,
+def _task_data(info: TaskSpec, examples: TaskExamples, negatives: dict[str, tuple[str, ...]] | None,
                store: PassageStore, conventions: TokenConventions, query_len: int, num_negatives: int,
                size: int, negatives_source: str, hard_negatives: str, seed: int) -> _TaskData:
     usable = [i for i, positive in enumerate(examples.positives) if positive]
@@ -341,14 +342,9 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                 "vocabulary_digest": vocabulary_digest(vocabulary) if isinstance(vocabulary, str) else None,
                 # The longest task's query length; each task's own (and its truncation) is under "tasks".
                 "query_len": max(lengths), "passage_len": passage_len, "passage_template": passage_template,
-                # "index": the task's position in the step (and its query tower), explicit because
-                # the config is stored with sorted keys.
-                # "text_preprocessors" (when it has any): what rewrote the task's query text before
-                # tokenisation; a user's raw text is not what the model read.
-                "tasks": {info.name: {"dataset": info.dataset, "prefix": info.prefix, "index": i, "query_len": length,
-                                      "truncation": info.truncation,
-                                      **({"text_preprocessors": list(info.text_preprocessors)}
-                                         if info.text_preprocessors else {})}
+                # Each task's `TaskSpec` record at the length it trained at, and "index": its position
+                # in the step (and its query tower), explicit because the config is stored with sorted keys.
+                "tasks": {info.name: {**dataclasses.replace(info, query_len=length).to_record(), "index": i}
                           for i, (info, length) in enumerate(zip(infos, lengths))}}
     table = None
     if passage_embeddings is not None:
@@ -357,7 +353,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                          features, table)
 
 
-def _negatives_hint(data_dir: str, negatives_dir: str, info: TaskInfo, split: str,
+def _negatives_hint(data_dir: str, negatives_dir: str, info: TaskSpec, split: str,
                     task_module: str | Sequence[str] | None, task_module_path: Sequence[str]) -> str:
     """What to run for a Task without negatives: `t5r data negatives` over its KILT examples file,
     or over the Task itself with the module that registers it (BM25 negatives go to the default
@@ -375,7 +371,7 @@ def _negatives_hint(data_dir: str, negatives_dir: str, info: TaskInfo, split: st
     return f"write BM25 negatives for it with `{shell_command(command)}`"
 
 
-def task_query_lens(infos: Sequence[TaskInfo], query_len: int | Mapping[str, int] | None) -> list[int]:
+def task_query_lens(infos: Sequence[TaskSpec], query_len: int | Mapping[str, int] | None) -> list[int]:
     """Each Task's query length: its own, or what `query_len` (gin QUERY_LEN) sets for it (see
     `make_train_iterator`). A mapping key that names none of the Tasks is an error."""
     if isinstance(query_len, Mapping):
@@ -389,7 +385,7 @@ def task_query_lens(infos: Sequence[TaskInfo], query_len: int | Mapping[str, int
     return [int(query_len) if query_len is not None else info.query_len or DEFAULT_QUERY_LEN for info in infos]
 
 
-def _check_query_input(info: TaskInfo, length: int, vocab: Vocabulary) -> None:
+def _check_query_input(info: TaskSpec, length: int, vocab: Vocabulary) -> None:
     """A length too short for a Task's special tokens, prefix and entity markers fails here, naming
     the Task, rather than inside its seqio pipeline."""
     try:

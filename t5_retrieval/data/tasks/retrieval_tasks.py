@@ -13,8 +13,9 @@ features: the source and the user's preprocessors produce "id", "query" (text), 
 optional features; the helper appends the query prefix, tokenisation and truncation to the Task's
 query length (`query_inputs.py`), and the end id. The KILT, mini-KILT and demo Tasks
 (`t5_retrieval.tasks`) are registered with it over `kilt_examples_source`, each with its own query
-length. Nothing is kept beside the seqio registries: a Task's dataset, query prefix, length and
-truncation are read back from its source and preprocessors (`describe`).
+length. The helper registers a `RetrievalTask` carrying its `TaskSpec` (dataset, query prefix,
+length, truncation, text preprocessors); `describe` returns it, and a plain spec for a seqio Task
+registered otherwise.
 
 Evaluation, mining and BM25 negatives read a Task's query *text*: "query" as the Task's tokenising
 step receives it, after every preprocessor before that step (what seqio's `tokenize` keeps as
@@ -38,6 +39,7 @@ import gin
 
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import read_examples
+from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING, QueryInput, query_ids
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, vocabulary_digest
 from t5_retrieval.errors import ConfigError, UserError
@@ -87,20 +89,6 @@ class UnknownTaskError(KeyError, ValueError, UserError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskInfo:
-    """What a model records of a Task besides its name."""
-
-    name: str
-    dataset: str          # file stem of its examples / negatives files; the Task's name if not a KILT source
-    prefix: str | None    # the query prefix name the helper adds, or None
-    query_len: int | None = None      # the Task's query length (None: not registered with the helper)
-    truncation: str = KEEP_BEGINNING  # how the helper cuts a query to it (`query_inputs.TRUNCATIONS`)
-    # The preprocessors that run on its query text before tokenisation (`text_preprocessors`): a
-    # model trained on it read their output, not the text a user types.
-    text_preprocessors: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,14 +260,24 @@ def add_retrieval_task(name: str, source: Any, *, preprocessors: Sequence[Callab
     """
     import seqio
 
+    from t5_retrieval.data.tasks.retrieval_task import RetrievalTask
+
     QueryInput(prefix, query_len, truncation)  # refuses an unknown truncation now, not at the first read
+    steps = list(preprocessors)
+    text_steps = _text_steps(steps)
+    if text_steps is None:
+        text_steps = [s for s in steps if not isinstance(s, seqio.CacheDatasetPlaceholder)]
+    spec = TaskSpec(name, getattr(source, "dataset", name), prefix, query_len, truncation,
+                    tuple(_qualified_name(s) for s in text_steps))
     if name in seqio.TaskRegistry.names():
         seqio.TaskRegistry.remove(name)
     return seqio.TaskRegistry.add(
         name,
+        task_cls=RetrievalTask,
+        spec=spec,
         source=source,
-        preprocessors=[*preprocessors, functools.partial(tokenize_queries, prefix=prefix, query_len=query_len,
-                                                         truncation=truncation),
+        preprocessors=[*steps, functools.partial(tokenize_queries, prefix=prefix, query_len=query_len,
+                                                 truncation=truncation),
                        seqio.preprocessors.append_eos_after_trim],
         output_features={"query": seqio.Feature(vocabulary or run_vocabulary(), add_eos=True)},
     )
@@ -296,16 +294,15 @@ def add_temperature_mixture(name: str, task_names: Sequence[str], temperature: f
         default_rate=functools.partial(seqio.mixing_rate_num_examples, temperature=temperature))
 
 
-def describe(task: Any) -> TaskInfo:
-    """A Task's dataset (its KILT source's, else its name), and the query prefix, length and
-    truncation the helper gives it."""
-    helper = _helper_tokenization(task)
-    info = TaskInfo(task.name, getattr(task.source, "dataset", task.name), None,
+def describe(task: Any) -> TaskSpec:
+    """A registered Task's spec: a `RetrievalTask`'s own; for a plain seqio Task a user registered,
+    its dataset (its KILT source's, else its name) and its text preprocessors, with no prefix and no
+    query length of its own."""
+    spec = getattr(task, "spec", None)
+    if isinstance(spec, TaskSpec):
+        return spec
+    return TaskSpec(task.name, getattr(task.source, "dataset", task.name), None,
                     text_preprocessors=tuple(text_preprocessors(task)))
-    if helper is None:
-        return info
-    return dataclasses.replace(info, prefix=helper.keywords["prefix"], query_len=helper.keywords["query_len"],
-                               truncation=helper.keywords["truncation"])
 
 
 def _declared_order(mixture: Any) -> list[Any]:
@@ -359,16 +356,6 @@ def resolve(names: str | Sequence[str]) -> list[tuple[Any, float]]:
         absl_logger.setLevel(level)
 
 
-HELPER_STEPS = 2  # what `add_retrieval_task` appends: tokenize_queries, append_eos_after_trim
-
-
-def _helper_tokenization(task: Any) -> functools.partial | None:
-    """The `tokenize_queries` step `add_retrieval_task` appended to `task`, or None (a Task of its own)."""
-    steps = list(task.preprocessors)[-HELPER_STEPS:]
-    first = steps[0] if len(steps) == HELPER_STEPS else None
-    return first if isinstance(first, functools.partial) and first.func is tokenize_queries else None
-
-
 def _tokenising_steps() -> tuple[Callable, ...]:
     """The preprocessors that turn a Task's "query" text into token ids: the helper's, and seqio's."""
     import seqio
@@ -380,12 +367,11 @@ def _step_function(step: Any) -> Any:
     return step.func if isinstance(step, functools.partial) else step
 
 
-def _text_steps(task: Any) -> list[Any] | None:
-    """The Task's preprocessors that run before its query is tokenised (seqio's cache placeholder
-    left out), or None when none of its steps is a tokenising step this module knows."""
+def _text_steps(steps: Sequence[Any]) -> list[Any] | None:
+    """The preprocessors among `steps` that run before the query is tokenised (seqio's cache
+    placeholder left out), or None when none of them is a tokenising step this module knows."""
     import seqio
 
-    steps = list(task.preprocessors)
     tokenising = _tokenising_steps()
     for i, step in enumerate(steps):
         if _step_function(step) in tokenising:
@@ -404,7 +390,7 @@ def text_preprocessors(task: Any) -> list[str]:
     tokenised (all of its steps but seqio's end-id ones when it has no known tokenising step)."""
     import seqio
 
-    steps = _text_steps(task)
+    steps = _text_steps(list(task.preprocessors))
     if steps is None:
         known = {*_tokenising_steps(), seqio.preprocessors.append_eos, seqio.preprocessors.append_eos_after_trim}
         steps = [s for s in task.preprocessors
@@ -425,7 +411,7 @@ def text_examples(task: Any, split: str) -> list[Any]:
 
     from t5_retrieval.data.records import DataError, Example
 
-    steps = _text_steps(task)
+    steps = _text_steps(list(task.preprocessors))
     if steps is None:
         raise DataError(f"seqio Task {task.name!r}: evaluating it needs its query text, which is \"query\" as the "
                         "Task's tokenising step receives it, and none of its preprocessors is one t5r knows: tokenise "

@@ -5,7 +5,7 @@ tokenisation preprocessor (`retrieval_tasks.tokenize_queries`, so training), and
 (`t5r eval`, `mine`, `serve`, `Searcher`, query-side fine-tuning). The SavedModel export repeats it
 in TensorFlow ops (`export/preprocess.py`), checked id for id against it. A Task states its
 `QueryInput`; a model directory records it per task (`features.tasks.<task>.query_len` and
-`.truncation`) and inference reads it from there (`recorded_query_input`).
+`.truncation`) and inference reads it from there (`TaskSet.query_input`).
 
 Truncation:
 
@@ -24,8 +24,7 @@ Truncation:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -110,11 +109,3 @@ def query_tokens(vocab: Vocabulary, texts: Sequence[str], query: QueryInput) -> 
     for row, ids in zip(out, query_ids(vocab, texts, query)):
         row[: len(ids) + 1] = [*ids, end]
     return out
-
-
-def recorded_query_input(features: Mapping[str, Any], task: str) -> QueryInput:
-    """How a model reads task `task`'s queries, from its recorded features. A model trained before
-    tasks had their own lengths records one `query_len` for all and cut every query at its end."""
-    spec = features["tasks"][task]
-    return QueryInput(spec["prefix"], int(spec.get("query_len", features["query_len"])),
-                      spec.get("truncation", KEEP_BEGINNING))

@@ -1,0 +1,90 @@
+import functools
+
+import pytest
+
+from t5_retrieval.data.tasks.task_spec import TaskSpec
+from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW, QueryInput
+
+
+def test_spec_round_trips_through_its_record():
+    spec = TaskSpec("demo_el", "entity_linking", "EL", 109, MENTION_WINDOW, ("m.lower",))
+    assert TaskSpec.from_record(spec.name, spec.to_record()) == spec
+    assert spec.query_input() == QueryInput("EL", 109, MENTION_WINDOW)
+    bare = TaskSpec("fever", "fever", None)
+    assert TaskSpec.from_record("fever", bare.to_record()) == bare
+    with pytest.raises(ValueError, match="states no query length"):
+        bare.query_input()
+
+
+def test_describe_reads_the_spec_not_the_preprocessors(tmp_path):
+    import seqio
+
+    from t5_retrieval.data.tasks import retrieval_tasks
+
+    def lower(ds):
+        return ds
+
+    def upper(ds, output_features=None):
+        return ds
+
+    source = retrieval_tasks.kilt_examples_source("fever")
+    task = retrieval_tasks.add_retrieval_task(
+        "spec_test_fever", source, preprocessors=[lower, functools.partial(upper), seqio.CacheDatasetPlaceholder()],
+        prefix="FEVER", query_len=40)
+    spec = retrieval_tasks.describe(task)
+    assert spec == TaskSpec("spec_test_fever", "fever", "FEVER", 40, "beginning",
+                            (f"{__name__}.test_describe_reads_the_spec_not_the_preprocessors.<locals>.lower",
+                             f"{__name__}.test_describe_reads_the_spec_not_the_preprocessors.<locals>.upper"))
+    task._preprocessors = list(reversed(task.preprocessors))  # what describe() says is stated, not inferred
+    assert retrieval_tasks.describe(task) == spec
+    seqio.TaskRegistry.remove("spec_test_fever")
+
+
+def test_an_old_model_directory_still_loads_and_resolves(tmp_path):
+    """A config written before tasks recorded their lengths, truncation and preprocessors."""
+    import json
+    import shutil
+
+    from t5_retrieval.data.tasks.task_names import TaskSet
+    from t5_retrieval.data.tasks.task_spec import upgrade_records
+
+    old = {"query_len": 64, "tasks": {"kilt_fever": {"dataset": "fever", "prefix": "FEVER", "index": 0},
+                                      "kilt_wow": {"dataset": "wow", "prefix": "WOW", "index": 1}}}
+    assert upgrade_records(old)["kilt_fever"] == {"dataset": "fever", "prefix": "FEVER", "index": 0,
+                                                 "query_len": 64, "truncation": "beginning"}
+    tasks = TaskSet.from_features(old)
+    assert tasks.resolve("fever") == "kilt_fever" and tasks.dataset_of("kilt_wow") == "wow"
+    assert tasks.query_input("wow") == QueryInput("WOW", 64)
+
+    from tests.tiny_model import build_tiny_run  # a real directory, its config rewritten to the old form
+
+    run = build_tiny_run(str(tmp_path / "run"))
+    model_dir = str(tmp_path / "old_model")
+    shutil.copytree(run.model_dirs[0], model_dir)
+    path = tmp_path / "old_model" / "model_config.json"
+    config = json.loads(path.read_text())
+    config["features"]["tasks"] = {name: {k: v for k, v in record.items() if k in ("dataset", "prefix", "index")}
+                                   for name, record in config["features"]["tasks"].items()}
+    path.write_text(json.dumps(config))
+    from t5_retrieval.inference import load_encoder
+
+    encoder = load_encoder(model_dir)
+    assert encoder.tasks.resolve("fever") == "demo_fever"
+    assert encoder.tasks.query_input("fever").length == config["features"]["query_len"]
+    assert encoder.encode_queries(["who wrote it"], "fever").shape == (1, encoder.dim)
+
+
+def test_the_mixture_lookup_is_given_not_found_in_sys_modules():
+    from t5_retrieval.data.tasks.task_names import TaskSet
+
+    asked = []
+
+    def mixtures(name):
+        asked.append(name)
+        return ["a_fever"] if name == "only_fever" else None
+
+    tasks = TaskSet([TaskSpec("a_fever", "fever", None), TaskSpec("a_nq", "nq", None)], mixtures)
+    assert tasks.resolve("only_fever") == "a_fever" and tasks.resolve("nq") == "a_nq"
+    assert asked == ["only_fever"], "a task or dataset of the model asks no registry"
+    with pytest.raises(KeyError, match="unknown task 'wow'"):
+        tasks.resolve("wow")
