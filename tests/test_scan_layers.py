@@ -42,6 +42,16 @@ def _t5_params() -> dict:
     return T5(T5_CFG).init(jax.random.PRNGKey(0), TOKENS, DECODER_TOKENS)["params"]
 
 
+def _assert_scan_matches_unrolled(loss_fn, cfg, params) -> None:
+    """The loss and its gradients with the layers scanned, with and without remat, equal the unrolled ones."""
+    unrolled_loss, unrolled_grad = jax.value_and_grad(lambda p: loss_fn(cfg, p))(params)
+    for remat in (False, True):
+        scanned = dataclasses.replace(cfg, scan_layers=True, remat=remat)
+        loss, grad = jax.jit(jax.value_and_grad(lambda p, c=scanned: loss_fn(c, p)))(params)
+        np.testing.assert_allclose(float(loss), float(unrolled_loss), rtol=1e-6)
+        _assert_trees_close(grad, unrolled_grad)
+
+
 def test_scanned_t5_initialises_the_unrolled_parameter_tree():
     scanned = dataclasses.replace(T5_CFG, scan_layers=True)
     shapes = jax.eval_shape(lambda: T5(scanned).init(jax.random.PRNGKey(0), TOKENS, DECODER_TOKENS))["params"]
@@ -52,25 +62,14 @@ def test_scanned_t5_initialises_the_unrolled_parameter_tree():
 
 def test_scanned_t5_encode_decode_and_gradients_match_unrolled():
     params = _t5_params()
-    unrolled_loss, unrolled_grad = jax.value_and_grad(lambda p: _t5_loss(T5_CFG, p))(params)
-    for remat in (False, True):
-        cfg = dataclasses.replace(T5_CFG, scan_layers=True, remat=remat)
-        loss, grad = jax.jit(jax.value_and_grad(lambda p, c=cfg: _t5_loss(c, p)))(params)
-        np.testing.assert_allclose(float(loss), float(unrolled_loss), rtol=1e-6)
-        _assert_trees_close(grad, unrolled_grad)
+    _assert_scan_matches_unrolled(_t5_loss, T5_CFG, params)
     encoded = T5(T5_CFG).apply({"params": params}, TOKENS, method=T5.encode)
     scanned = T5(dataclasses.replace(T5_CFG, scan_layers=True)).apply({"params": params}, TOKENS, method=T5.encode)
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(encoded), atol=1e-5)
 
 
 def test_scanned_bert_outputs_and_gradients_match_unrolled():
-    params = Bert(BERT_CFG).init(jax.random.PRNGKey(0), TOKENS)["params"]
-    unrolled_loss, unrolled_grad = jax.value_and_grad(lambda p: _bert_loss(BERT_CFG, p))(params)
-    for remat in (False, True):
-        cfg = dataclasses.replace(BERT_CFG, scan_layers=True, remat=remat)
-        loss, grad = jax.jit(jax.value_and_grad(lambda p, c=cfg: _bert_loss(c, p)))(params)
-        np.testing.assert_allclose(float(loss), float(unrolled_loss), rtol=1e-6)
-        _assert_trees_close(grad, unrolled_grad)
+    _assert_scan_matches_unrolled(_bert_loss, BERT_CFG, Bert(BERT_CFG).init(jax.random.PRNGKey(0), TOKENS)["params"])
 
 
 def test_scanned_dropout_draws_a_different_mask_per_layer():
