@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import flax.linen as nn
 import gin
@@ -236,9 +236,15 @@ def padding_bias(query_mask: Array, key_mask: Array) -> Array:
     return jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)
 
 
-def _stack_layers(params: dict, num_layers: int) -> dict:
+def _plain(tree: Any) -> Any:
+    """`tree` with every mapping a dict: parameters handed in by TensorFlow (jax2tf, the SavedModel
+    export) come wrapped in its own dict type, which pytree functions do not match with a dict."""
+    return {k: _plain(v) for k, v in tree.items()} if isinstance(tree, Mapping) else tree
+
+
+def _stack_layers(params: Mapping[str, Any], num_layers: int) -> dict:
     """The `layers_{i}` subtrees stacked leaf-wise along a new leading layer axis."""
-    layers = [params[f"layers_{i}"] for i in range(num_layers)]
+    layers = [_plain(params[f"layers_{i}"]) for i in range(num_layers)]
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
 
 
