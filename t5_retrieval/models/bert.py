@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.models.t5 import attend, padding_bias, param_init, scan_layers, with_constraint
+from t5_retrieval.models.t5 import attend, padding_bias, param_init, scan_layers, scans_layers, with_constraint
 
 Array = jax.Array
 PAD_ID = 0
@@ -183,7 +183,7 @@ class Bert(nn.Module):
         x = Embeddings(cfg, name="embeddings")(tokens, deterministic)
         # Only keys are masked (as in BERT); padded query rows are ignored by the pooling.
         bias = padding_bias(jnp.ones_like(mask), mask)
-        if cfg.scan_layers and not self.is_initializing():
+        if scans_layers(self, cfg.scan_layers):
             return scan_layers(self, Layer(cfg, parent=None), cfg.num_layers, x, (bias,), deterministic, cfg.remat)
         # The `deterministic` flag (last argument) must stay static under rematerialisation.
         layer_cls = nn.remat(Layer, static_argnums=(-1,)) if cfg.remat else Layer

@@ -286,9 +286,9 @@ def scan_layers(module: nn.Module, layer: nn.Module, num_layers: int, x: Array, 
     return x
 
 
-def _scanned(module: nn.Module, cfg: T5Config) -> bool:
+def scans_layers(module: nn.Module, scan: bool) -> bool:
     """Scan only when applying: init creates the layers unrolled, which defines the parameter tree."""
-    return cfg.scan_layers and not module.is_initializing()
+    return scan and not module.is_initializing()
 
 
 def _layer(cls: type[nn.Module], cfg: T5Config) -> type[nn.Module]:
@@ -309,7 +309,7 @@ class Encoder(nn.Module):
         length = tokens.shape[1]
         bias = RelativePositionBias(cfg, bidirectional=True, name="relpos_bias")(length, length)
         bias = bias + padding_bias(mask, mask)
-        if _scanned(self, cfg):
+        if scans_layers(self, cfg.scan_layers):
             x = scan_layers(self, EncoderLayer(cfg, parent=None), cfg.num_encoder_layers, x, (bias,),
                             deterministic, cfg.remat)
         else:
@@ -336,7 +336,7 @@ class Decoder(nn.Module):
         self_bias = self_bias + jnp.where(causal, 0.0, NEG_INF)[None, None]
         decoder_mask = jnp.ones(tokens.shape, dtype=bool)
         cross_bias = padding_bias(decoder_mask, encoder_mask)
-        if _scanned(self, cfg):
+        if scans_layers(self, cfg.scan_layers):
             x = scan_layers(self, DecoderLayer(cfg, parent=None), cfg.num_decoder_layers, x,
                             (encoded, self_bias, cross_bias), deterministic, cfg.remat)
         else:
