@@ -183,7 +183,8 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
     peak = sum(buffers.values())
     analysis = (compiled.cost_analysis() if compiled is not None else None) or {}
     analysis = analysis[0] if isinstance(analysis, list) else analysis
-    seconds = usable_estimate(float(analysis.get("optimal_seconds", 0.0)))
+    optimal_seconds = float(analysis.get("optimal_seconds", 0.0))
+    seconds = usable_estimate(optimal_seconds)
     peak_flops = chip.peak_bf16_flops / devices_per_chip * num_devices
     text = (compiled.as_text() if compiled is not None else None) or ""
     report: dict[str, Any] = {
@@ -195,7 +196,7 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "compiler_flops_per_device": float(analysis.get("flops", 0.0)),
         "model_matmul_flops": model_flops,
         "estimated_step_seconds": seconds,
-        "compiler_optimal_seconds": float(analysis.get("optimal_seconds", 0.0)),
+        "compiler_optimal_seconds": optimal_seconds,
         "collectives": hlo.collectives(text),
         "program": hlo.program_size(text) if text else {},
         "items_per_step": items,
