@@ -22,7 +22,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tests.test_layers import LAYER_OF  # noqa: E402  (the layer order the tests enforce)
+from tests.test_layers import LAYER_OF, component_of  # noqa: E402  (the layer order the tests enforce)
 from tests.tiny_model import build_tiny_run  # noqa: E402
 
 VALUES = ("fever", "demo_fever")
@@ -68,11 +68,6 @@ def follow(argv: list[str]) -> list[str]:
     return path
 
 
-def component(path: str) -> str:
-    """'t5_retrieval/data/tasks/task_names.py' -> 'data'; 't5_retrieval/inference.py' -> 'inference'."""
-    return path.split(os.sep)[1].removesuffix(".py")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the path and counts here")
@@ -82,7 +77,7 @@ def main() -> None:
         path = follow(["eval", f"--checkpoint_dir={run.model_dirs[0]}", f"--index_dir={run.index_dirs[0]}",
                        f"--data_dir={run.data_dir}", "--tasks=fever", "--split=dev",
                        f"--output_dir={os.path.join(root, 'eval')}"])
-    layers = [LAYER_OF[component(p)] for p in path]
+    layers = [LAYER_OF[component_of(p.removesuffix(".py").replace(os.sep, "."))] for p in path]
     down = sum(b < a for a, b in zip(layers, layers[1:]))
     up = sum(b > a for a, b in zip(layers, layers[1:]))
     files = sorted(set(path))
