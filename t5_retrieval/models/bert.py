@@ -22,7 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.models.t5 import attend, padding_bias, param_init, scan_layers, scans_layers, with_constraint
+from t5_retrieval.models.t5 import (
+    attend,
+    padding_bias,
+    param_init,
+    remat_layer,
+    scan_layers,
+    scans_layers,
+    with_constraint,
+)
 
 Array = jax.Array
 PAD_ID = 0
@@ -185,8 +193,7 @@ class Bert(nn.Module):
         bias = padding_bias(jnp.ones_like(mask), mask)
         if scans_layers(self, cfg.scan_layers):
             return scan_layers(self, Layer(cfg, parent=None), cfg.num_layers, x, (bias,), deterministic, cfg.remat)
-        # The `deterministic` flag (last argument) must stay static under rematerialisation.
-        layer_cls = nn.remat(Layer, static_argnums=(-1,)) if cfg.remat else Layer
+        layer_cls = remat_layer(Layer) if cfg.remat else Layer
         for i in range(cfg.num_layers):
             x = layer_cls(cfg, name=f"layers_{i}")(x, bias, deterministic)
         return x

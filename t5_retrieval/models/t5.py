@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -291,9 +292,16 @@ def scans_layers(module: nn.Module, scan: bool) -> bool:
     return scan and not module.is_initializing()
 
 
+def remat_layer(cls: type[nn.Module]) -> type[nn.Module]:
+    """`cls` recomputed in the backward pass, its `deterministic` flag (the last argument of
+    `__call__`) kept static. Flax counts `static_argnums` with `self` as 0 and shifts them by one,
+    so a negative index would name the argument before it: the position is counted from the signature."""
+    deterministic = len(inspect.signature(cls.__call__).parameters) - 1
+    return nn.remat(cls, static_argnums=(deterministic,))
+
+
 def _layer(cls: type[nn.Module], cfg: T5Config) -> type[nn.Module]:
-    # The `deterministic` flag (last argument) must stay static under rematerialisation.
-    return nn.remat(cls, static_argnums=(-1,)) if cfg.remat else cls
+    return remat_layer(cls) if cfg.remat else cls
 
 
 class Encoder(nn.Module):
