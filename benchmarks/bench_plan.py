@@ -2,13 +2,15 @@
 
 Each cell is one `t5r plan --json` process (the paper's recipe: runs/naive_multitask.gin or
 runs/taco.gin over the KILT mixture, 64 queries per device split over the tasks by the mixture's
-rates, each task's own query length, 256-token passages, 2 negatives; or `single`, NQ alone with
-runs/single_task.gin) with a time limit; a cell that does not compile in it is recorded as such.
-Every time and rate in the table is the TPU compiler's cost-model estimate, not a measurement.
-`--gin NAME=value ...` binds the same values in every cell (a smaller model or batch, say).
+rates, each task's own query length, 2 negatives, 160-token passages as in the paper (`--gin`'s
+default; runs/base.gin reads 256); or `single`, NQ alone with runs/single_task.gin) with a time
+limit; a cell that does not compile in it is recorded as such. Every time and rate in the table is
+an estimate of the TPU compiler's cost model, not a measurement. `--gin NAME=value ...` binds the
+same values in every cell. Cells already in the results file are kept (an interrupted run resumes;
+runs over different grids add up to one table).
 
     .venv/bin/python benchmarks/bench_plan.py [--sizes small base] [--topologies v5e:4x4 v4:2x2x1]
-        [--layouts fsdp data_parallel] [--methods naive taco single] [--timeout 900] [--gin NAME=value ...]
+        [--layouts fsdp data_parallel] [--methods naive taco single] [--timeout 1800] [--gin NAME=value ...]
         [--out results.json]
 """
 
@@ -35,12 +37,15 @@ RUNS = {"naive": ["--gin_file=runs/naive_multitask.gin"], "taco": ["--gin_file=r
 MIB = 1024 ** 2
 
 
-def plan_cell(size: str, topology: str, layout: str, method: str, timeout: float, extra: list[str]) -> dict[str, Any]:
-    """One `t5r plan --json` run; its report, or why there is none."""
+def plan_cell(size: str, topology: str, layout: str, method: str, timeout: float, gin: list[str],
+              done: set[tuple[Any, ...]]) -> dict[str, Any] | None:
+    """One `t5r plan --json` run; its report, or why there is none (None: already in the results)."""
+    cell = {"size": size, "topology": topology, "layout": layout, "method": method, "gin": list(gin)}
+    if cell_key(cell) in done:
+        return None
     command = [sys.executable, "-m", "t5_retrieval.cli", "plan", f"--topology={topology}", "--json",
                f"--gin_file=models/t5_{size}.gin", *RUNS[method],
-               f"--gin_file=sharding/{layout}.gin", *extra]
-    cell = {"size": size, "topology": topology, "layout": layout, "method": method}
+               f"--gin_file=sharding/{layout}.gin", *[f"--gin.{b}" for b in gin]]
     start = time.perf_counter()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -52,27 +57,43 @@ def plan_cell(size: str, topology: str, layout: str, method: str, timeout: float
     return {**cell, "status": f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"}
 
 
+KILT_PASSAGES = 36_000_000  # KILT's Wikipedia in 100-word passages, as DPR-style retrievers index it
+
+
+def _estimate(step: dict[str, Any]) -> str:
+    """An estimated step time; `*` marks one extrapolated in depth from 1- and 2-layer programs."""
+    mark = "*" if step["estimate_source"] == "extrapolated in depth" else ""
+    return f"{step['estimated_step_seconds'] * 1e3:,.0f} ms{mark}"
+
+
 def table_row(cell: dict[str, Any]) -> str:
-    """A markdown row: per-device memory, the estimate and what it implies, compile times."""
+    """A markdown row: per-device memory, the estimates and what they imply, compile times."""
     head = f"| {cell['size']} | {cell['topology']} | {cell['layout']} | {cell['method']} |"
     if "report" not in cell:
-        return head + f" {cell['status']} |" + " |" * 6
-    train, encode = cell["report"]["steps"]["train"], cell["report"]["steps"]["encode"]
+        return head + f" {cell['status']} |" + " |" * 7
+    report = cell["report"]
+    train, encode = report["steps"]["train"], report["steps"]["encode"]
     mem = train["memory_per_device"]
     state = (mem["params"] + mem["optimizer"] + mem["multitask"]) / MIB
-    est = train["estimated_step_seconds"]
-    rate = (f"{est * 1e3:.3g} ms, {train['estimated_per_second']['queries']:,.0f} q/s, "
-            f"MFU {train['estimated_mfu']:.0%}") if est else "none"
-    enc = encode["estimated_per_second"]["passages"] if encode["estimated_step_seconds"] else None
+    rate = (f"{_estimate(train)}, {train['estimated_per_second']['queries']:,.0f} q/s, MFU {train['estimated_mfu']:.0%}"
+            if train["estimated_step_seconds"] else "none")
+    epoch = report["estimated_epoch_seconds"]
+    passages = encode["estimated_per_second"]["passages"] if encode["estimated_step_seconds"] else None
+    kb = f"{passages:,.0f} p/s, {KILT_PASSAGES / passages / 3600:,.1f} h" if passages else "none"
+    compile_s = train["compile_seconds"] + (train["depth_extrapolation"] or {}).get("compile_seconds", 0)
     return (head + f" {'yes' if train['fits'] else 'NO'} ({mem['peak'] / MIB:,.0f} / {mem['hbm'] / MIB:,.0f} MiB) |"
             f" {state:,.0f} MiB | {mem['temporaries'] / MIB:,.0f} MiB | {rate} |"
-            f" {f'{enc:,.0f} p/s' if enc else 'none'} |"
-            f" {train['compile_seconds']:.0f} s / {encode['compile_seconds']:.0f} s |")
+            f" {f'{epoch / 3600:,.1f} h' if epoch else 'none'} | {kb} |"
+            f" {compile_s:.0f} s / {encode['compile_seconds']:.0f} s |")
 
 
 TABLE_HEAD = ("| T5 | slice | layout | method | train step fits (peak / HBM per device) | params + optimiser + "
-              "multi-task state | temporaries | est. train step (queries/s, MFU) | est. encode | compile train / "
-              "encode |\n|---|---|---|---|---|---|---|---|---|---|")
+              "multi-task state | temporaries | est. train step (queries/s, MFU) | est. epoch | est. encode "
+              "(36M passages) | compile train / encode |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def cell_key(cell: dict[str, Any]) -> tuple[Any, ...]:
+    return cell["size"], cell["topology"], cell["layout"], cell["method"], tuple(cell.get("gin", ()))
 
 
 def main(argv: list[str]) -> int:
@@ -81,18 +102,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--topologies", nargs="+", default=["v5e:4x4", "v4:2x2x1", "v5p:2x2x1"])
     parser.add_argument("--layouts", nargs="+", default=["fsdp", "data_parallel"])
     parser.add_argument("--methods", nargs="+", default=["naive", "taco"], choices=sorted(RUNS))
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
-    parser.add_argument("--gin", nargs="*", default=[], help="extra --gin. bindings for every cell")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per cell")
+    parser.add_argument("--gin", nargs="*", default=["PASSAGE_LEN=160"], help="--gin. bindings for every cell")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/plan.json)")
     args = parser.parse_args(argv)
     out = args.out or os.path.join(common.RESULTS_DIR, "plan.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    cells = []
+    # Cells already in the results file (same size, slice, layout, method and bindings) are kept, so
+    # an interrupted run resumes and several runs add up to one table.
+    cells = json.load(open(out))["cells"] if os.path.exists(out) else []
+    done = {cell_key(c) for c in cells if "report" in c}
     result = {"machine": common.machine_info(blas_env=ORIGINAL_BLAS_ENV), "cells": cells}
     for size, topology, layout, method in itertools.product(args.sizes, args.topologies, args.layouts, args.methods):
-        cells.append(plan_cell(size, topology, layout, method, args.timeout, [f"--gin.{b}" for b in args.gin]))
+        cell = plan_cell(size, topology, layout, method, args.timeout, args.gin, done)
+        if cell is None:
+            continue
+        cells[:] = [c for c in cells if cell_key(c) != cell_key(cell)] + [cell]
         result["table"] = "\n".join([TABLE_HEAD, *map(table_row, cells)])
-        print(table_row(cells[-1]), file=sys.stderr, flush=True)
+        print(table_row(cell), file=sys.stderr, flush=True)
         with open(out, "w") as f:  # what has compiled so far survives an interrupted run
             json.dump(result, f, indent=1)
     compiled = [c for c in cells if "report" in c]

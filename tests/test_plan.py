@@ -25,11 +25,11 @@ TINY = ["--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin",
         "--gin.PER_DEVICE_BATCH=2"]
 TACO = ["--gin_file=runs/taco.gin", "--gin.MIXTURE_OR_TASK_NAME=['demo_fever', 'demo_trex']"]
 REPORT_KEYS = {"topology", "num_slices", "devices", "mesh", "layout", "chip", "tasks", "per_device_batch",
-               "passage_len", "num_negatives", "multitask", "steps", "replicated_params", "problems"}
+               "passage_len", "num_negatives", "multitask", "steps", "replicated_params", "problems",
+               "steps_per_epoch", "estimated_epoch_seconds"}
 STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "fits", "compiler_refused",
              "compiler_flops_per_device", "model_matmul_flops", "estimated_step_seconds", "compiler_optimal_seconds",
-             "collectives",
-             "items_per_step"}
+             "estimate_source", "depth_extrapolation", "collectives", "items_per_step"}
 MEMORY_KEYS = {"params", "optimizer", "multitask", "batch", "arguments", "outputs_not_donated", "temporaries",
                "code", "peak", "hbm", "margin"}
 
@@ -157,8 +157,12 @@ def test_json_report_schema():
         assert all(set(c) == {"count", "bytes"} for c in step["collectives"].values())
         memory = step["memory_per_device"]
         assert memory["peak"] + memory["margin"] == report["chip"]["hbm_bytes_per_device"]
-    assert report["tasks"] == [{"name": "demo_fever", "per_device_rows": 1, "query_len": 16},
-                               {"name": "demo_trex", "per_device_rows": 1, "query_len": 16}]
+    assert report["tasks"] == [{"name": "demo_fever", "per_device_rows": 1, "query_len": 16, "train_examples": 160},
+                               {"name": "demo_trex", "per_device_rows": 1, "query_len": 16, "train_examples": 160}]
+    # an epoch is a pass over the largest task: 160 examples, 1 row on each of 4 data shards per step
+    assert report["steps_per_epoch"] == 40
+    seconds = report["steps"]["train"]["estimated_step_seconds"]
+    assert report["estimated_epoch_seconds"] == pytest.approx(40 * seconds)
     json.dumps(report)
 
 
@@ -195,3 +199,36 @@ def test_a_compiler_estimate_that_is_no_time_is_reported_as_none():
     assert usable_estimate(0.0) is None
     assert usable_estimate(-47.952) is None, "libtpu's estimate for a scanned T5-base train step"
     assert usable_estimate(float("nan")) is None
+
+
+def test_depth_extrapolation_matches_the_compiler_on_the_unrolled_step():
+    """A step of identical layers is affine in depth: from the compiler's estimates at 1 and 2 unrolled
+    layers, the extrapolation to 4 gives what the compiler says of the unrolled 4-layer step."""
+    import gin
+    from jax.sharding import Mesh
+
+    from t5_retrieval import gin_utils, sharding
+    from t5_retrieval.models.build import build_model, model_config
+    from t5_retrieval.plan import planner
+    from t5_retrieval.plan.steps import lower_encode_step
+
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(["models/t5_tiny.gin"], ["VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 4"])
+        config = model_config()
+    finally:
+        gin.clear_config()
+    assert planner.scanned_depth(config) == 4, "the T5 gin files scan their layers"
+    _, devices = planner.topology_devices("v5e:2x2", 1)
+    mesh = Mesh(np.array(devices).reshape(4, 1), ("data", "model"))
+    rules = sharding.LAYOUTS["fsdp"]
+
+    def lower(c: dict) -> jax.stages.Lowered:
+        return lower_encode_step(build_model(c), c, 32, mesh, rules).lowered
+
+    extrapolated = planner.depth_extrapolation(lower, config, 4)
+    assert extrapolated["seconds_at_layers"]["2"] > extrapolated["seconds_at_layers"]["1"] > 0, extrapolated
+    compiled, _, _ = planner.compile_timed(lower(planner.at_depth(config, 4)))
+    direct = planner.usable_estimate(planner.cost_analysis(compiled)["optimal_seconds"])
+    assert direct is not None
+    np.testing.assert_allclose(extrapolated["estimated_step_seconds"], direct, rtol=0.01)

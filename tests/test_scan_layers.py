@@ -108,8 +108,8 @@ def test_rematerialised_unrolled_t5_initialises_and_matches_with_dropout():
         remat = dataclasses.replace(plain, remat=True)
         params = T5(remat).init(jax.random.PRNGKey(0), TOKENS, DECODER_TOKENS)["params"]
         rng = jax.random.PRNGKey(3)
-        expected = jax.value_and_grad(lambda p: _t5_loss(plain, p, False, rng))(params)
-        got = jax.jit(jax.value_and_grad(lambda p, c=remat: _t5_loss(c, p, False, rng)))(params)
+        expected = jax.value_and_grad(lambda p, c=plain, r=rng: _t5_loss(c, p, False, r))(params)
+        got = jax.jit(jax.value_and_grad(lambda p, c=remat, r=rng: _t5_loss(c, p, False, r)))(params)
         np.testing.assert_allclose(float(got[0]), float(expected[0]), rtol=1e-2 if dtype == "bfloat16" else 1e-6)
         if dtype == "float32":
             _assert_trees_close(got[1], expected[1])

@@ -14,7 +14,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -167,6 +167,17 @@ def compiled_memory(compiled: jax.stages.Compiled | None, refusal: str | None, p
             "temporaries": memory.temp_size_in_bytes, "code": memory.generated_code_size_in_bytes}
 
 
+def cost_analysis(compiled: jax.stages.Compiled | None) -> dict[str, Any]:
+    """The compiler's cost analysis of a compiled program (empty for none)."""
+    analysis = (compiled.cost_analysis() if compiled is not None else None) or {}
+    return analysis[0] if isinstance(analysis, list) else analysis
+
+
+def _optimal_seconds(compiled: jax.stages.Compiled | None) -> float:
+    """The compiler's cost-model step time (`optimal_seconds`); 0 when it gives none."""
+    return float(cost_analysis(compiled).get("optimal_seconds", 0.0))
+
+
 def usable_estimate(optimal_seconds: float) -> float | None:
     """The compiler's step-time estimate, or None when it gives none: libtpu's cost model returns 0 for
     some programs and a negative time for a train step whose layers run in a `lax.scan` loop (seen on
@@ -174,17 +185,62 @@ def usable_estimate(optimal_seconds: float) -> float | None:
     return optimal_seconds if math.isfinite(optimal_seconds) and optimal_seconds > 0 else None
 
 
+def scanned_depth(config: dict[str, Any]) -> int | None:
+    """Layers per stack when the model runs them as a `lax.scan` loop (T5: encoder and decoder alike),
+    else None: an unrolled program's estimate needs no extrapolation, and a T5 with stacks of two
+    depths would need a third point."""
+    family = config.get("family", "t5")
+    arch = config[family]
+    if not arch.get("scan_layers"):
+        return None
+    if family == "bert":
+        return int(arch["num_layers"])
+    depth = int(arch["num_encoder_layers"])
+    return depth if int(arch["num_decoder_layers"]) == depth else None
+
+
+def at_depth(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """`config` with `layers` layers per stack, unrolled."""
+    family = config.get("family", "t5")
+    depth_keys = ("num_layers",) if family == "bert" else ("num_encoder_layers", "num_decoder_layers")
+    return {**config, family: {**config[family], "scan_layers": False, **dict.fromkeys(depth_keys, layers)}}
+
+
+def depth_extrapolation(lower: Callable[[dict[str, Any]], jax.stages.Lowered], config: dict[str, Any], depth: int
+                        ) -> dict[str, Any]:
+    """The compiler's step time for `depth` layers from its estimates of the same step unrolled at 1 and
+    2 layers: the layers are identical, so the step is affine in depth, t(L) = t(1) + (L - 1) (t(2) - t(1)).
+
+    Why: libtpu's cost model gives no usable time for a step whose layers run in a `lax.scan` loop,
+    and unrolling all of them is what made deep steps slow to compile. `lower` lowers the step for a
+    model config."""
+    points: dict[str, float | None] = {}
+    seconds_spent = 0.0
+    for layers in (1, 2):
+        compiled, compile_s, _ = compile_timed(lower(at_depth(config, layers)))
+        seconds_spent += compile_s
+        points[str(layers)] = usable_estimate(_optimal_seconds(compiled))
+    one, two = points["1"], points["2"]
+    estimate = one + (depth - 1) * (two - one) if one and two else None
+    return {"layers": depth, "seconds_at_layers": points, "compile_seconds": round(seconds_spent, 2),
+            "estimated_step_seconds": estimate if estimate and estimate > 0 else None}
+
+
 def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal: str | None, lower_s: float,
                 compile_s: float, parts: dict[str, int], chip: Chip, devices_per_chip: float, num_devices: int,
-                model_flops: float, items: dict[str, int]) -> dict[str, Any]:
-    """Memory, time estimate and collectives of one compiled step, per device."""
+                model_flops: float, items: dict[str, int], extrapolation: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """Memory, time estimate and collectives of one compiled step, per device. The time is the
+    compiler's estimate for this program, or, when it gives none, `extrapolation`'s (in depth)."""
     buffers = compiled_memory(compiled, refusal, parts)
     hbm = int(chip.hbm_bytes / devices_per_chip)
     peak = sum(buffers.values())
-    analysis = (compiled.cost_analysis() if compiled is not None else None) or {}
-    analysis = analysis[0] if isinstance(analysis, list) else analysis
-    optimal_seconds = float(analysis.get("optimal_seconds", 0.0))
+    analysis = cost_analysis(compiled)
+    optimal_seconds = _optimal_seconds(compiled)
     seconds = usable_estimate(optimal_seconds)
+    source = "compiler" if seconds else None
+    if seconds is None and extrapolation is not None and extrapolation["estimated_step_seconds"]:
+        seconds, source = extrapolation["estimated_step_seconds"], "extrapolated in depth"
     peak_flops = chip.peak_bf16_flops / devices_per_chip * num_devices
     text = (compiled.as_text() if compiled is not None else None) or ""
     report: dict[str, Any] = {
@@ -197,6 +253,8 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "model_matmul_flops": model_flops,
         "estimated_step_seconds": seconds,
         "compiler_optimal_seconds": optimal_seconds,
+        "estimate_source": source,
+        "depth_extrapolation": extrapolation,
         "collectives": hlo.collectives(text),
         "program": hlo.program_size(text) if text else {},
         "items_per_step": items,
@@ -229,6 +287,15 @@ def fit_advice(model: Any, mesh: Mesh, layout: str, report: dict[str, Any], per_
     return "no layout of this mesh and no batch of at least one query per task fits: use more or larger chips"
 
 
+def steps_per_epoch(tasks: Sequence[TaskShape], data_shards: int) -> int | None:
+    """Steps of one epoch, a pass over the task with the most training examples (the others cycle),
+    or None when a task declares no size."""
+    if any(t.train_examples is None for t in tasks):
+        return None
+    largest = max(tasks, key=lambda t: t.train_examples or 0)
+    return math.ceil((largest.train_examples or 0) / (largest.rows * data_shards))
+
+
 def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, config: dict[str, Any],
          settings: TrainSettings, replicated_threshold_bytes: int, make_mesh: Any = sharding.make_mesh
          ) -> dict[str, Any]:
@@ -247,6 +314,12 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     train, multitask_state = lower_train_step(model, config, settings, task_names, batch, mesh, rules)
     lower_s = time.perf_counter() - start
     compiled, compile_s, refusal = compile_timed(train.lowered)
+    depth = scanned_depth(config)
+    extrapolation = None
+    if compiled is not None and depth and usable_estimate(_optimal_seconds(compiled)) is None:
+        extrapolation = depth_extrapolation(
+            lambda c: lower_train_step(build_model(c), c, settings, task_names, batch, mesh, rules)[0].lowered,
+            config, depth)
     params_b = bytes_per_device(train.state.params, train.state_shardings.params)
     opt_b = bytes_per_device(train.state.opt_state, train.state_shardings.opt_state)
     mt_b = 0 if multitask_state is None else bytes_per_device(*multitask_state)
@@ -255,25 +328,32 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     queries = sum(t.rows for t in tasks) * data_shards
     train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, chip, devices_per_chip,
                                len(devices),
-                               train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries})
+                               train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries},
+                               extrapolation)
 
     start = time.perf_counter()
     encode = lower_encode_step(model, config, settings.passage_len, mesh, rules)
     lower_s = time.perf_counter() - start
     compiled, compile_s, refusal = compile_timed(encode.lowered)
+    extrapolation = None
+    if compiled is not None and depth and usable_estimate(_optimal_seconds(compiled)) is None:
+        extrapolation = depth_extrapolation(
+            lambda c: lower_encode_step(build_model(c), c, settings.passage_len, mesh, rules).lowered, config, depth)
     rows = encode_batch_rows(data_shards)
     encode_parts = {"params": bytes_per_device(encode.state, encode.state_shardings), "optimizer": 0, "multitask": 0,
                     "batch": bytes_per_device(encode.batch, encode.batch_shardings)}
     encode_report = step_report(encode, compiled, refusal, lower_s, compile_s, encode_parts, chip, devices_per_chip,
                                 len(devices), forward_matmul_flops(config, rows, settings.passage_len),
-                                {"passages": rows})
+                                {"passages": rows}, extrapolation)
 
     report = {
         "topology": topology, "num_slices": num_slices, "devices": len(devices),
         "mesh": {k: int(v) for k, v in mesh.shape.items()}, "layout": layout,
         "chip": {"name": chip.name, "hbm_bytes_per_device": int(chip.hbm_bytes / devices_per_chip),
                  "peak_bf16_flops_per_device": chip.peak_bf16_flops / devices_per_chip, "source": chip.source},
-        "tasks": [{"name": t.name, "per_device_rows": t.rows, "query_len": t.query_len} for t in tasks],
+        "tasks": [{"name": t.name, "per_device_rows": t.rows, "query_len": t.query_len,
+                   "train_examples": t.train_examples} for t in tasks],
+        "steps_per_epoch": steps_per_epoch(tasks, data_shards),
         "per_device_batch": settings.per_device_batch, "passage_len": settings.passage_len,
         "num_negatives": settings.num_negatives,
         "multitask": None if settings.multitask is None else getattr(settings.multitask, "__name__", "multitask"),
@@ -282,6 +362,8 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
                               replicated_params(train.state.params, train.state_shardings.params,
                                                 replicated_threshold_bytes)),
     }
+    epoch_steps, step_seconds = report["steps_per_epoch"], train_report["estimated_step_seconds"]
+    report["estimated_epoch_seconds"] = epoch_steps * step_seconds if epoch_steps and step_seconds else None
     report["problems"] = problems(report)
     if not train_report["fits"]:
         report["advice"] = fit_advice(model, mesh, layout, train_report, settings.per_device_batch, len(tasks))
@@ -331,9 +413,18 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(f"  peak {_mib(mem['peak'])} of {_mib(mem['hbm'])}: "
                      + (f"fits, margin {_mib(mem['margin'])}" if step["fits"]
                         else f"DOES NOT FIT by {_mib(-mem['margin'])}"))
+        extrapolation = step["depth_extrapolation"]
+        if extrapolation:
+            at = extrapolation["seconds_at_layers"]
+            lines.append(f"  compiler's estimate for the scanned program: unusable "
+                         f"({step['compiler_optimal_seconds']:.4g} s); the same step unrolled at 1 and 2 layers: "
+                         + ", ".join("none" if at[k] is None else f"{at[k] * 1e3:,.3f} ms" for k in ("1", "2"))
+                         + f" (compiled in {extrapolation['compile_seconds']:.1f} s)")
         if step["estimated_step_seconds"]:
+            label = (f"extrapolated to {extrapolation['layers']} layers"
+                     if step["estimate_source"] == "extrapolated in depth" else "compiler's estimate")
             rates = ", ".join(f"{n:,.0f} {what}/s" for what, n in step["estimated_per_second"].items())
-            lines.append(f"  compiler's estimate: {step['estimated_step_seconds'] * 1e3:,.3f} ms per step, {rates}, "
+            lines.append(f"  {label}: {step['estimated_step_seconds'] * 1e3:,.3f} ms per step, {rates}, "
                          f"MFU {step['estimated_mfu']:.1%} ({step['model_matmul_flops'] / 1e12:,.3f} TFLOP matmuls)")
         elif step["compiler_optimal_seconds"]:
             lines.append(f"  compiler's estimate: unusable ({step['compiler_optimal_seconds']:.4g} s, not a time)")
@@ -342,6 +433,12 @@ def format_text(report: dict[str, Any]) -> str:
         collectives = step["collectives"]
         lines.append("  collectives: " + (", ".join(f"{op} x{c['count']} ({_mib(c['bytes'])})"
                                                      for op, c in sorted(collectives.items())) or "none"))
+    if report["steps_per_epoch"]:
+        largest = max(report["tasks"], key=lambda t: t["train_examples"])
+        epoch = report["estimated_epoch_seconds"]
+        lines.append(f"epoch (one pass over {largest['name']}, {largest['train_examples']:,} examples): "
+                     f"{report['steps_per_epoch']:,} steps"
+                     + (f", estimated {epoch / 3600:,.2f} h" if epoch else ""))
     if "advice" in report:
         lines.append(f"advice: {report['advice']}")
     lines += [f"problem: {line}" for line in report["problems"]]

@@ -52,6 +52,7 @@ class TaskShape:
     name: str
     rows: int       # per data shard (the per-device sub-batch)
     query_len: int
+    train_examples: int | None  # what its source declares (None: not declared)
 
 
 def task_shapes(settings: TrainSettings) -> list[TaskShape]:
@@ -61,7 +62,9 @@ def task_shapes(settings: TrainSettings) -> list[TaskShape]:
     infos = [retrieval_tasks.describe(task) for task, _ in tasks_and_rates]
     sizes = sizes_from_rates([rate for _, rate in tasks_and_rates], settings.per_device_batch)
     lengths = task_query_lens(infos, settings.query_len)
-    return [TaskShape(info.name, size, length) for info, size, length in zip(infos, sizes, lengths)]
+    declared = [task.num_input_examples("train") for task, _ in tasks_and_rates]
+    return [TaskShape(info.name, size, length, examples)
+            for info, size, length, examples in zip(infos, sizes, lengths, declared)]
 
 
 def abstract_batch(tasks: Sequence[TaskShape], settings: TrainSettings, data_shards: int, embedding_dim: int
