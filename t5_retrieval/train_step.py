@@ -255,7 +255,8 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExtraArgs,
                     task_names: Sequence[str], per_task: bool, logit_scale: float = 1.0,
                     extra_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None,
-                    max_nonfinite_in_a_row: int | None = None, stop_passage_gradient: bool = False) -> Callable:
+                    max_nonfinite_in_a_row: int | None = None, stop_passage_gradient: bool = False,
+                    group_tasks: bool = True) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics), to be jitted with shardings by the caller.
 
     The optimiser receives the gradient of the summed task losses, or with ``per_task`` the K task
@@ -277,6 +278,10 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
     reaches ``max_nonfinite_in_a_row`` the state freezes (every later step is skipped and the
     streak kept), so the caller, which reads the metrics only every few steps, can stop the run
     on the exact state where the limit was hit.
+
+    ``group_tasks=False`` gives each task's gradient a pass of its own instead of one `lax.scan` per
+    group of same-shaped tasks: the same gradients in a larger, loop-free program, which `t5r plan`
+    compiles because the TPU compiler's cost model counts a loop's body once.
     """
     if model.config.query_generation and not per_task:
         raise ConfigError("a model with query_generation (GDMTL) needs a multi-task transform over its two "
@@ -291,7 +296,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
                 model, logit_scale, state.params, batch, task_names, step_rng, stop_passage_gradient)
         elif per_task:
             grads, losses, metrics = per_task_gradients(loss_fn, state.params, batch, task_names, step_rng,
-                                                        task_groups(model, batch, task_names))
+                                                        task_groups(model, batch, task_names) if group_tasks
+                                                        else None)
         else:
             grads, losses, metrics = summed_gradient(model, logit_scale, state.params, batch, task_names, step_rng,
                                                      stop_passage_gradient)

@@ -15,7 +15,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -38,6 +38,7 @@ from t5_retrieval.plan.steps import (
     task_shapes,
 )
 from t5_retrieval.sharding import param_path
+from t5_retrieval.train_step import task_groups
 
 MIB = 1024 ** 2
 # The layout that replicates parameters by design; under any other a large replicated one is a problem.
@@ -173,22 +174,29 @@ def cost_analysis(compiled: jax.stages.Compiled | None) -> dict[str, Any]:
     return analysis[0] if isinstance(analysis, list) else analysis
 
 
-def _optimal_seconds(compiled: jax.stages.Compiled | None) -> float:
-    """The compiler's cost-model step time (`optimal_seconds`); 0 when it gives none."""
-    return float(cost_analysis(compiled).get("optimal_seconds", 0.0))
+# A TPU custom call libtpu's cost model does not price: each one adds -1 s to `optimal_seconds`
+# (a sentinel, not a time). Seen on T5-base: an encode step of -1.998 s with 2 of them, of -13.999 s
+# with 14; the count added back gives estimates affine in depth, as identical layers must be.
+UNPRICED_CUSTOM_CALL = 'custom_call_target="ConcatBitcast"'
 
 
-def usable_estimate(optimal_seconds: float) -> float | None:
-    """The compiler's step-time estimate, or None when it gives none: libtpu's cost model returns 0 for
-    some programs and a negative time for a train step whose layers run in a `lax.scan` loop (seen on
-    T5-base, naive and TACO alike), which no rate or MFU can be computed from."""
-    return optimal_seconds if math.isfinite(optimal_seconds) and optimal_seconds > 0 else None
+def compiler_seconds(compiled: jax.stages.Compiled | None) -> float:
+    """The compiler's cost-model step time with each unpriced custom call counted free, not -1 s;
+    0 when it gives none."""
+    optimal = float(cost_analysis(compiled).get("optimal_seconds", 0.0))
+    unpriced = (compiled.as_text() or "").count(UNPRICED_CUSTOM_CALL) if compiled is not None else 0
+    return optimal + unpriced
+
+
+def usable_estimate(seconds: float) -> float | None:
+    """A step-time estimate, or None when it is no time (0, negative or not finite), from which no
+    rate or MFU can be computed."""
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
 
 
 def scanned_depth(config: dict[str, Any]) -> int | None:
     """Layers per stack when the model runs them as a `lax.scan` loop (T5: encoder and decoder alike),
-    else None: an unrolled program's estimate needs no extrapolation, and a T5 with stacks of two
-    depths would need a third point."""
+    else None. A T5 with stacks of two depths would need a third point: None, and no extrapolation."""
     family = config.get("family", "t5")
     arch = config[family]
     if not arch.get("scan_layers"):
@@ -206,41 +214,47 @@ def at_depth(config: dict[str, Any], layers: int) -> dict[str, Any]:
     return {**config, family: {**config[family], "scan_layers": False, **dict.fromkeys(depth_keys, layers)}}
 
 
-def depth_extrapolation(lower: Callable[[dict[str, Any]], jax.stages.Lowered], config: dict[str, Any], depth: int
-                        ) -> dict[str, Any]:
-    """The compiler's step time for `depth` layers from its estimates of the same step unrolled at 1 and
-    2 layers: the layers are identical, so the step is affine in depth, t(L) = t(1) + (L - 1) (t(2) - t(1)).
+Lower = Callable[[dict[str, Any]], jax.stages.Lowered]
 
-    Why: libtpu's cost model gives no usable time for a step whose layers run in a `lax.scan` loop,
-    and unrolling all of them is what made deep steps slow to compile. `lower` lowers the step for a
-    model config."""
+
+def loop_free_estimate(lower: Lower, config: dict[str, Any], depth: int | None) -> dict[str, Any]:
+    """The step time from loop-free programs. libtpu's cost model prices a loop's body once, not once
+    per iteration, so a program with its layers in a `lax.scan` (or TACO's same-shaped tasks in one)
+    is underestimated. `lower(config)` lowers the step for a model config without loops of ours.
+
+    With scanned layers (`depth`): the step unrolled at 1 and 2 layers; the layers are identical, so
+    the time is affine in depth, t(L) = t(1) + (L - 1) (t(2) - t(1)); unrolling all of them is what
+    made deep steps slow to compile. Without: the step at its own depth."""
     points: dict[str, float | None] = {}
-    seconds_spent = 0.0
-    for layers in (1, 2):
-        compiled, compile_s, _ = compile_timed(lower(at_depth(config, layers)))
-        seconds_spent += compile_s
-        points[str(layers)] = usable_estimate(_optimal_seconds(compiled))
-    one, two = points["1"], points["2"]
-    estimate = one + (depth - 1) * (two - one) if one and two else None
-    return {"layers": depth, "seconds_at_layers": points, "compile_seconds": round(seconds_spent, 2),
-            "estimated_step_seconds": estimate if estimate and estimate > 0 else None}
+    spent = 0.0
+    for layers in (1, 2) if depth else (None,):
+        compiled, compile_s, _ = compile_timed(lower(config if layers is None else at_depth(config, layers)))
+        spent += compile_s
+        points["own depth" if layers is None else f"{layers} layers"] = usable_estimate(compiler_seconds(compiled))
+    if depth:
+        one, two = points["1 layers"], points["2 layers"]
+        estimate = one + (depth - 1) * (two - one) if one and two else None
+    else:
+        estimate = points["own depth"]
+    return {"method": f"extrapolated to {depth} layers" if depth else "tasks ungrouped", "seconds": points,
+            "compile_seconds": round(spent, 2), "estimated_step_seconds": usable_estimate(estimate or 0.0)}
 
 
 def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal: str | None, lower_s: float,
                 compile_s: float, parts: dict[str, int], chip: Chip, devices_per_chip: float, num_devices: int,
-                model_flops: float, items: dict[str, int], extrapolation: dict[str, Any] | None = None
+                model_flops: float, items: dict[str, int], loop_free: dict[str, Any] | None = None
                 ) -> dict[str, Any]:
     """Memory, time estimate and collectives of one compiled step, per device. The time is the
-    compiler's estimate for this program, or, when it gives none, `extrapolation`'s (in depth)."""
+    compiler's estimate for this program, or, for one with loops of ours, `loop_free`'s."""
     buffers = compiled_memory(compiled, refusal, parts)
     hbm = int(chip.hbm_bytes / devices_per_chip)
     peak = sum(buffers.values())
     analysis = cost_analysis(compiled)
-    optimal_seconds = _optimal_seconds(compiled)
-    seconds = usable_estimate(optimal_seconds)
-    source = "compiler" if seconds else None
-    if seconds is None and extrapolation is not None and extrapolation["estimated_step_seconds"]:
-        seconds, source = extrapolation["estimated_step_seconds"], "extrapolated in depth"
+    own_seconds = compiler_seconds(compiled)
+    if loop_free is None:
+        seconds, source = usable_estimate(own_seconds), "compiler"
+    else:
+        seconds, source = loop_free["estimated_step_seconds"], loop_free["method"]
     peak_flops = chip.peak_bf16_flops / devices_per_chip * num_devices
     text = (compiled.as_text() if compiled is not None else None) or ""
     report: dict[str, Any] = {
@@ -252,9 +266,10 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "compiler_flops_per_device": float(analysis.get("flops", 0.0)),
         "model_matmul_flops": model_flops,
         "estimated_step_seconds": seconds,
-        "compiler_optimal_seconds": optimal_seconds,
-        "estimate_source": source,
-        "depth_extrapolation": extrapolation,
+        "compiler_optimal_seconds": float(analysis.get("optimal_seconds", 0.0)),
+        "compiler_seconds": own_seconds,
+        "estimate_source": source if seconds else None,
+        "loop_free_estimate": loop_free,
         "collectives": hlo.collectives(text),
         "program": hlo.program_size(text) if text else {},
         "items_per_step": items,
@@ -315,11 +330,14 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     lower_s = time.perf_counter() - start
     compiled, compile_s, refusal = compile_timed(train.lowered)
     depth = scanned_depth(config)
-    extrapolation = None
-    if compiled is not None and depth and usable_estimate(_optimal_seconds(compiled)) is None:
-        extrapolation = depth_extrapolation(
-            lambda c: lower_train_step(build_model(c), c, settings, task_names, batch, mesh, rules)[0].lowered,
-            config, depth)
+    # task_groups reads only shapes and dtypes, which the abstract batch has
+    task_loop = settings.multitask is not None and any(
+        len(g) > 1 for g in task_groups(model, cast(Any, batch), task_names))
+    loop_free = None
+    if compiled is not None and (depth or task_loop):
+        loop_free = loop_free_estimate(
+            lambda c: lower_train_step(build_model(c), c, settings, task_names, batch, mesh, rules,
+                                       group_tasks=False)[0].lowered, config, depth)
     params_b = bytes_per_device(train.state.params, train.state_shardings.params)
     opt_b = bytes_per_device(train.state.opt_state, train.state_shardings.opt_state)
     mt_b = 0 if multitask_state is None else bytes_per_device(*multitask_state)
@@ -329,22 +347,22 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, chip, devices_per_chip,
                                len(devices),
                                train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries},
-                               extrapolation)
+                               loop_free)
 
     start = time.perf_counter()
     encode = lower_encode_step(model, config, settings.passage_len, mesh, rules)
     lower_s = time.perf_counter() - start
     compiled, compile_s, refusal = compile_timed(encode.lowered)
-    extrapolation = None
-    if compiled is not None and depth and usable_estimate(_optimal_seconds(compiled)) is None:
-        extrapolation = depth_extrapolation(
+    loop_free = None
+    if compiled is not None and depth:
+        loop_free = loop_free_estimate(
             lambda c: lower_encode_step(build_model(c), c, settings.passage_len, mesh, rules).lowered, config, depth)
     rows = encode_batch_rows(data_shards)
     encode_parts = {"params": bytes_per_device(encode.state, encode.state_shardings), "optimizer": 0, "multitask": 0,
                     "batch": bytes_per_device(encode.batch, encode.batch_shardings)}
     encode_report = step_report(encode, compiled, refusal, lower_s, compile_s, encode_parts, chip, devices_per_chip,
                                 len(devices), forward_matmul_flops(config, rows, settings.passage_len),
-                                {"passages": rows}, extrapolation)
+                                {"passages": rows}, loop_free)
 
     report = {
         "topology": topology, "num_slices": num_slices, "devices": len(devices),
@@ -413,21 +431,21 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(f"  peak {_mib(mem['peak'])} of {_mib(mem['hbm'])}: "
                      + (f"fits, margin {_mib(mem['margin'])}" if step["fits"]
                         else f"DOES NOT FIT by {_mib(-mem['margin'])}"))
-        extrapolation = step["depth_extrapolation"]
-        if extrapolation:
-            at = extrapolation["seconds_at_layers"]
-            lines.append(f"  compiler's estimate for the scanned program: unusable "
-                         f"({step['compiler_optimal_seconds']:.4g} s); the same step unrolled at 1 and 2 layers: "
-                         + ", ".join("none" if at[k] is None else f"{at[k] * 1e3:,.3f} ms" for k in ("1", "2"))
-                         + f" (compiled in {extrapolation['compile_seconds']:.1f} s)")
+        loop_free = step["loop_free_estimate"]
+        if loop_free:
+            lines.append(f"  the compiler prices a loop's body once: its estimate for this program "
+                         f"({step['compiler_seconds'] * 1e3:,.3f} ms) is replaced by loop-free programs': "
+                         + ", ".join(f"{k} " + ("none" if v is None else f"{v * 1e3:,.3f} ms")
+                                     for k, v in loop_free["seconds"].items())
+                         + f" (compiled in {loop_free['compile_seconds']:.1f} s)")
         if step["estimated_step_seconds"]:
-            label = (f"extrapolated to {extrapolation['layers']} layers"
-                     if step["estimate_source"] == "extrapolated in depth" else "compiler's estimate")
+            label = "compiler's estimate" if step["estimate_source"] == "compiler" else \
+                f"compiler's estimate, {step['estimate_source']}"
             rates = ", ".join(f"{n:,.0f} {what}/s" for what, n in step["estimated_per_second"].items())
             lines.append(f"  {label}: {step['estimated_step_seconds'] * 1e3:,.3f} ms per step, {rates}, "
                          f"MFU {step['estimated_mfu']:.1%} ({step['model_matmul_flops'] / 1e12:,.3f} TFLOP matmuls)")
         elif step["compiler_optimal_seconds"]:
-            lines.append(f"  compiler's estimate: unusable ({step['compiler_optimal_seconds']:.4g} s, not a time)")
+            lines.append(f"  compiler's estimate: unusable ({step['compiler_seconds']:.4g} s, not a time)")
         else:
             lines.append("  compiler's estimate: none given for this program")
         collectives = step["collectives"]

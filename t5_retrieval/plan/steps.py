@@ -105,9 +105,11 @@ class LoweredStep:
 
 
 def lower_train_step(model: nn.Module, config: dict[str, Any], settings: TrainSettings, task_names: Sequence[str],
-                     batch: Any, mesh: Mesh, rules: sharding.Rules) -> tuple[LoweredStep, Any]:
+                     batch: Any, mesh: Mesh, rules: sharding.Rules, group_tasks: bool = True
+                     ) -> tuple[LoweredStep, Any]:
     """The jitted step of `train.train` (same optimiser, shardings and donation), lowered for `mesh`.
-    Also returns the multi-task transform's own abstract state and shardings (None without one)."""
+    Also returns the multi-task transform's own abstract state and shardings (None without one).
+    `group_tasks=False`: every task's gradient in a pass of its own (`make_train_step`)."""
     params, param_shardings = abstract_params(model, mesh, rules)
     num_objectives = 2 if model.config.query_generation else len(task_names)
     optimizer = make_optimizer(total_steps=settings.num_steps, num_tasks=num_objectives,
@@ -122,7 +124,7 @@ def lower_train_step(model: nn.Module, config: dict[str, Any], settings: TrainSe
                               logit_scale=config["dual_encoder"]["logit_scale"],
                               extra_metrics=None if settings.multitask is None else multitask_metrics,
                               max_nonfinite_in_a_row=settings.max_nonfinite_in_a_row,
-                              stop_passage_gradient=settings.stop_passage_gradient)
+                              stop_passage_gradient=settings.stop_passage_gradient, group_tasks=group_tasks)
     batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), batch)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
