@@ -88,3 +88,19 @@ def test_the_mixture_lookup_is_given_not_found_in_sys_modules():
     assert asked == ["only_fever"], "a task or dataset of the model asks no registry"
     with pytest.raises(KeyError, match="unknown task 'wow'"):
         tasks.resolve("wow")
+
+
+@pytest.mark.parametrize("record", [
+    {"index": 1},                                                     # version 1, the first runs
+    {"dataset": "wow", "prefix": "WOW", "index": 1},                  # version 1
+    {"dataset": "wow", "prefix": "WOW", "index": 1, "query_len": 64, "truncation": "beginning"},  # version 2
+], ids=["v1-bare", "v1", "v2"])
+def test_a_record_of_every_version_upgrades_to_what_training_writes_now(record):
+    from t5_retrieval.data.tasks.task_spec import TASK_RECORD_VERSION, record_version, upgrade_records
+
+    upgraded = upgrade_records({"query_len": 64, "tasks": {"kilt_wow": record}})["kilt_wow"]
+    dataset, prefix = ("wow", "WOW") if "dataset" in record else ("kilt_wow", None)
+    assert upgraded == {**TaskSpec("kilt_wow", dataset, prefix, 64).to_record(), "index": 1}
+    assert record_version(upgraded) == TASK_RECORD_VERSION
+    assert upgrade_records({"query_len": 32, "tasks": {"kilt_wow": upgraded}})["kilt_wow"] == upgraded, \
+        "a current record keeps its own length, not the model's"
