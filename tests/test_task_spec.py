@@ -104,3 +104,37 @@ def test_a_record_of_every_version_upgrades_to_what_training_writes_now(record):
     assert record_version(upgraded) == TASK_RECORD_VERSION
     assert upgrade_records({"query_len": 32, "tasks": {"kilt_wow": upgraded}})["kilt_wow"] == upgraded, \
         "a current record keeps its own length, not the model's"
+
+
+def test_a_task_registered_from_its_spec_carries_it_with_its_text_preprocessors():
+    import seqio
+
+    from t5_retrieval.data.tasks import retrieval_tasks
+
+    def lower(ds):
+        return ds
+
+    spec = TaskSpec("spec_test_el", "entity_linking", "EL", 109, MENTION_WINDOW)
+    source = retrieval_tasks.kilt_examples_source("entity_linking")
+    try:
+        task = retrieval_tasks.register_retrieval_task(spec, source, preprocessors=[lower])
+        assert retrieval_tasks.describe(task) == TaskSpec(
+            "spec_test_el", "entity_linking", "EL", 109, MENTION_WINDOW,
+            (f"{__name__}.test_a_task_registered_from_its_spec_carries_it_with_its_text_preprocessors.<locals>.lower",))
+        with pytest.raises(ValueError, match="its spec names text preprocessors"):
+            retrieval_tasks.register_retrieval_task(
+                TaskSpec("spec_test_el", "entity_linking", "EL", 109, text_preprocessors=("m.other",)), source,
+                preprocessors=[lower])
+        with pytest.raises(ValueError, match="states no query length"):
+            retrieval_tasks.register_retrieval_task(TaskSpec("spec_test_el", "entity_linking", "EL"), source)
+    finally:
+        seqio.TaskRegistry.remove("spec_test_el")
+
+
+def test_a_family_row_makes_each_variants_spec():
+    from t5_retrieval.tasks.common import Dataset
+
+    row = Dataset("aidayago2", "AIDA", "EL", 10, 5, 128, MENTION_WINDOW)
+    assert row.spec("kilt", "") == TaskSpec("kilt_aidayago2", "aidayago2", "AIDA", 128, MENTION_WINDOW)
+    assert row.spec("kilt", "_noprefix") == TaskSpec("kilt_aidayago2_noprefix", "aidayago2", None, 128, MENTION_WINDOW)
+    assert row.spec("kilt", "_typed") == TaskSpec("kilt_aidayago2_typed", "aidayago2", "EL", 128, MENTION_WINDOW)
