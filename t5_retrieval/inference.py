@@ -94,13 +94,13 @@ class DualEncoderInference:
     @property
     def training_task_order(self) -> list[str]:
         """Tasks in their training order, where task k's queries use query tower k."""
-        tasks = self.features.get("tasks", {})
         if not self.model.config.query_towers:
-            return list(tasks)  # the order only matters for choosing a tower
-        if any("index" not in spec for spec in tasks.values()):
+            return list(self.tasks)  # the order only matters for choosing a tower
+        order = self.tasks.training_order()
+        if order is None:
             raise ConfigError("this model's config records no task order (features.tasks.*.index); "
                               "it was written before towers were tracked: retrain or add the indices")
-        return sorted(tasks, key=lambda t: tasks[t]["index"])
+        return order
 
     @property
     def vocabulary(self) -> Any:
@@ -119,13 +119,13 @@ class DualEncoderInference:
         return self.tasks.query_input(task)
 
     def encode_queries(self, texts: Sequence[str], task: str) -> np.ndarray:
-        task = self.tasks.resolve(task)
+        spec = self.tasks.spec(task)  # the one resolution of `task` (any form): its tower and inputs follow
         for i, text in enumerate(texts):
             if not text or not text.strip():
                 raise ValueError(f"query {i} is empty")
         config = self.model.config
-        tower = config.query_tower(self.training_task_order.index(task) if config.query_towers else 0)
-        return self.encode_tokens(query_tokens(self.vocabulary, texts, self.query_input(task)), tower)
+        tower = config.query_tower(self.training_task_order.index(spec.name) if config.query_towers else 0)
+        return self.encode_tokens(query_tokens(self.vocabulary, texts, spec.query_input()), tower)
 
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray:
         template = self.features.get("passage_template", PASSAGE_TEMPLATE)

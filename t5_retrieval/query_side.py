@@ -48,7 +48,13 @@ from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.tokenizers.query_inputs import query_tokens
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.inference import bucketed_width, load_dual_encoder, token_lengths, write_base_record
+from t5_retrieval.inference import (
+    DualEncoderInference,
+    bucketed_width,
+    load_dual_encoder,
+    token_lengths,
+    write_base_record,
+)
 from t5_retrieval.retrieval.index import Index, IndexMismatchError, load_index
 
 log = logging.getLogger(__name__)
@@ -182,13 +188,17 @@ def finetune(encoder: Any, index: Index, passage_matrix: np.ndarray, answer_text
     return params, history
 
 
-def save(output_dir: str, encoder: Any, params: Any, base_dir: str, as_task: str, new_tasks: Sequence[str],
-         history: list[dict[str, Any]]) -> None:
-    """A model directory: the base's config (each new task -> as_task's prefix, its own dataset), the
-    params, and its base."""
+def save(output_dir: str, encoder: DualEncoderInference, params: Any, base_dir: str, as_task: str,
+         new_tasks: Sequence[str], history: list[dict[str, Any]]) -> None:
+    """A model directory: the base's config, each new task recorded as `as_task`'s spec under its own
+    name and dataset (its prefix, query length and truncation) at `as_task`'s step position (its
+    query tower); the params, and its base."""
     config = json.loads(json.dumps(encoder.config))
+    records = config["features"]["tasks"]
+    spec = encoder.tasks.spec(as_task)
+    position = {"index": records[as_task]["index"]} if "index" in records[as_task] else {}
     for task in new_tasks:
-        config["features"]["tasks"].setdefault(task, {**config["features"]["tasks"][as_task], "dataset": task})
+        records.setdefault(task, {**dataclasses.replace(spec, name=task, dataset=task).to_record(), **position})
     checkpoint.write_config(output_dir, config)
     checkpoint.save(checkpoint.manager(output_dir), 0, {"params": params}, {})
     write_base_record(output_dir, base_dir, encoder.fingerprint, as_task=as_task, tasks=list(new_tasks),

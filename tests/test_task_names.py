@@ -192,3 +192,10 @@ def test_every_encoder_provides_what_the_protocol_declares(tiny_run):
     assert trained.task_names == ["demo_fever", "demo_trex"] == sorted(trained.features["tasks"])
     assert trained.step == 0, "the checkpoint step restored"
     assert (side.features, side.task_names, side.step) == (trained.features, trained.task_names, trained.step)
+
+
+def test_the_training_order_is_the_recorded_step_positions_not_the_records_order():
+    reordered = TaskSet.from_records({"demo_nq": RECORDS["demo_nq"], "demo_fever": RECORDS["demo_fever"]})
+    assert list(reordered) == ["demo_nq", "demo_fever"] and reordered.training_order() == ["demo_fever", "demo_nq"]
+    unrecorded = TaskSet.from_records({**RECORDS, "demo_wow": {"dataset": "wow", "prefix": None}})
+    assert unrecorded.training_order() is None, "a model written before towers were tracked has no order"

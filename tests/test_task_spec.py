@@ -88,3 +88,53 @@ def test_the_mixture_lookup_is_given_not_found_in_sys_modules():
     assert asked == ["only_fever"], "a task or dataset of the model asks no registry"
     with pytest.raises(KeyError, match="unknown task 'wow'"):
         tasks.resolve("wow")
+
+
+@pytest.mark.parametrize("record", [
+    {"index": 1},                                                     # version 1, the first runs
+    {"dataset": "wow", "prefix": "WOW", "index": 1},                  # version 1
+    {"dataset": "wow", "prefix": "WOW", "index": 1, "query_len": 64, "truncation": "beginning"},  # version 2
+], ids=["v1-bare", "v1", "v2"])
+def test_a_record_of_every_version_upgrades_to_what_training_writes_now(record):
+    from t5_retrieval.data.tasks.task_spec import TASK_RECORD_VERSION, record_version, upgrade_records
+
+    upgraded = upgrade_records({"query_len": 64, "tasks": {"kilt_wow": record}})["kilt_wow"]
+    dataset, prefix = ("wow", "WOW") if "dataset" in record else ("kilt_wow", None)
+    assert upgraded == {**TaskSpec("kilt_wow", dataset, prefix, 64).to_record(), "index": 1}
+    assert record_version(upgraded) == TASK_RECORD_VERSION
+    assert upgrade_records({"query_len": 32, "tasks": {"kilt_wow": upgraded}})["kilt_wow"] == upgraded, \
+        "a current record keeps its own length, not the model's"
+
+
+def test_a_task_registered_from_its_spec_carries_it_with_its_text_preprocessors():
+    import seqio
+
+    from t5_retrieval.data.tasks import retrieval_tasks
+
+    def lower(ds):
+        return ds
+
+    spec = TaskSpec("spec_test_el", "entity_linking", "EL", 109, MENTION_WINDOW)
+    source = retrieval_tasks.kilt_examples_source("entity_linking")
+    try:
+        task = retrieval_tasks.register_retrieval_task(spec, source, preprocessors=[lower])
+        assert retrieval_tasks.describe(task) == TaskSpec(
+            "spec_test_el", "entity_linking", "EL", 109, MENTION_WINDOW,
+            (f"{__name__}.test_a_task_registered_from_its_spec_carries_it_with_its_text_preprocessors.<locals>.lower",))
+        with pytest.raises(ValueError, match="its spec names text preprocessors"):
+            retrieval_tasks.register_retrieval_task(
+                TaskSpec("spec_test_el", "entity_linking", "EL", 109, text_preprocessors=("m.other",)), source,
+                preprocessors=[lower])
+        with pytest.raises(ValueError, match="states no query length"):
+            retrieval_tasks.register_retrieval_task(TaskSpec("spec_test_el", "entity_linking", "EL"), source)
+    finally:
+        seqio.TaskRegistry.remove("spec_test_el")
+
+
+def test_a_family_row_makes_each_variants_spec():
+    from t5_retrieval.tasks.common import Dataset
+
+    row = Dataset("aidayago2", "AIDA", "EL", 10, 5, 128, MENTION_WINDOW)
+    assert row.spec("kilt", "") == TaskSpec("kilt_aidayago2", "aidayago2", "AIDA", 128, MENTION_WINDOW)
+    assert row.spec("kilt", "_noprefix") == TaskSpec("kilt_aidayago2_noprefix", "aidayago2", None, 128, MENTION_WINDOW)
+    assert row.spec("kilt", "_typed") == TaskSpec("kilt_aidayago2_typed", "aidayago2", "EL", 128, MENTION_WINDOW)

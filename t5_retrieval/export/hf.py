@@ -211,11 +211,11 @@ def check_same_embedding(networks: Networks) -> None:
                               f"encoder) {get(networks.passage.config)!r}; they cannot share one export")
 
 
-def task_specs(features: dict[str, Any], family: str) -> dict[str, dict[str, Any]]:
-    """Each task's prefix (as the text to put before a query), query length and truncation."""
+def task_specs(tasks: TaskSet, family: str) -> dict[str, dict[str, Any]]:
+    """Each task's prefix (as the text to put before a query), query length and truncation, from its
+    `TaskSpec`, as the export records them."""
     sentinel = BERT_SENTINEL if family == "bert" else EXTRA_ID_1
-    tasks = TaskSet.from_features(features)
-    queries = {name: tasks.query_input(name) for name in sorted(tasks)}
+    queries = {name: tasks.spec(name).query_input() for name in sorted(tasks)}
     return {name: {"prefix": q.prefix,
                    "query_prefix": query_prefix(q.prefix).replace(EXTRA_ID_1, sentinel) + " " if q.prefix else "",
                    "query_len": q.length, "truncation": q.truncation}
@@ -227,7 +227,7 @@ def retrieval_record(networks: Networks) -> dict[str, Any]:
     config, features = networks.query.config, networks.query.features
     family, dual = config.get("family", "t5"), config["dual_encoder"]
     passage_features = networks.passage.features
-    tasks = task_specs(features, family)
+    tasks = task_specs(networks.query.tasks, family)
     query_len = max((spec["query_len"] for spec in tasks.values()), default=features["query_len"])
     two = networks.two_networks
     return {"format": FORMAT, "family": family, "fingerprint": networks.encoder.fingerprint,
@@ -275,7 +275,8 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
         if family == "bert" and not is_wordpiece_path(vocabulary):
             raise ExportError(f"features.vocabulary={vocabulary!r}: a BERT model needs a WordPiece vocab.txt")
     record = retrieval_record(networks)
-    markers = [BERT_SENTINEL] if family == "bert" and any(spec["prefix"] for spec in record["tasks"].values()) else []
+    prefixed = any(networks.query.tasks.spec(name).prefix for name in networks.query.tasks)
+    markers = [BERT_SENTINEL] if family == "bert" and prefixed else []
     st, tasks = record["sentence_transformers"], record["tasks"]
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)

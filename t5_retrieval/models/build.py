@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from t5_retrieval import checkpoint, sharding
+from t5_retrieval.data.tasks.task_spec import upgrade_records
 from t5_retrieval.data.text import PASSAGE_TEMPLATE
-from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.models import pretrained  # noqa: F401 (gin: @minilm_l6_dir)
 from t5_retrieval.models.bert import BertConfig
@@ -63,11 +63,9 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
 
     Architecture fields added since take their dataclass defaults (the same model), the passage
     template its only former value, the vocabulary digest and the passage embeddings' content
-    digest the current ones (not recorded before: nothing to compare), the tasks' step
-    order (`index`, once implied by the mixture) the current run's, and (when the current run
-    records them) each task's query length and truncation what every task had before tasks stated
-    their own: the one `query_len`, cut at the end; the preprocessors that rewrite a task's query
-    text, not recorded before, the current run's.
+    digest the current ones (not recorded before: nothing to compare), the task records in this
+    version's form (`task_spec.upgrade_records`, the one reader of older ones) with their step order
+    and text preprocessors the current run's where not recorded (`_with_current_run`).
     """
     out = dict(stored)
     for key, cls in ARCHITECTURE.get(stored.get("family", "t5"), {}).items():
@@ -82,17 +80,18 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
         current_table = current.get("features", {}).get("passage_embeddings")
         if isinstance(features.get("passage_embeddings"), dict) and current_table and "digest" in current_table:
             features["passage_embeddings"] = {"digest": current_table["digest"], **features["passage_embeddings"]}
-        order = current.get("features", {}).get("tasks", {})
-        features["tasks"] = {name: {"index": order[name]["index"], **spec} if name in order and "index" not in spec
-                             else spec for name, spec in features.get("tasks", {}).items()}
-        features["tasks"] = {name: {**spec, "text_preprocessors": order[name]["text_preprocessors"]}
-                             if "text_preprocessors" in order.get(name, {}) and "text_preprocessors" not in spec
-                             else spec for name, spec in features["tasks"].items()}
-        if "query_len" in features and any("query_len" in spec for spec in order.values()):
-            features["tasks"] = {name: {"query_len": features["query_len"], "truncation": KEEP_BEGINNING, **spec}
-                                 for name, spec in features["tasks"].items()}
+        features["tasks"] = _with_current_run(upgrade_records(features), current.get("features", {}).get("tasks", {}))
         out["features"] = features
     return out
+
+
+def _with_current_run(records: dict[str, dict[str, Any]], current: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Stored task records with what older versions did not record taken from the current run's:
+    a task's step order (`index`, once implied by the mixture) and the preprocessors that rewrite
+    its query text."""
+    return {name: {**{key: current[name][key] for key in ("index", "text_preprocessors")
+                      if key in current.get(name, {}) and key not in record}, **record}
+            for name, record in records.items()}
 
 
 def build_model(config: dict[str, Any]) -> DualEncoder | BertDualEncoder:

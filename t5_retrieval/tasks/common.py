@@ -14,17 +14,21 @@ from typing import NamedTuple
 
 from t5_retrieval.data.tasks.retrieval_tasks import (
     TASK_TYPES,
-    add_retrieval_task,
     add_temperature_mixture,
     kilt_examples_source,
+    register_retrieval_task,
 )
+from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING
 
 # TACO's maximum query lengths (its Table 5, T5 tokens) by task type.
 PAPER_QUERY_LEN = {"QA": 32, "SF": 32, "FC": 64, "EL": 128, "DIAL": 256}
+VARIANTS = ("", "_noprefix", "_typed")  # the name suffix of each query-prefix variant
 
 
 class Dataset(NamedTuple):
+    """One dataset of a family: the row its three Tasks' specs are made from (`spec`)."""
+
     dataset: str     # file stem of the processed examples
     prefix: str      # TACO prefix name
     task_type: str   # one of TASK_TYPES
@@ -33,17 +37,24 @@ class Dataset(NamedTuple):
     query_len: int   # token ids per query, special tokens included
     truncation: str = KEEP_BEGINNING  # "mention" for entity linking (query_inputs.py)
 
+    def spec(self, family: str, variant: str) -> TaskSpec:
+        """The spec of this dataset's Task `{family}_{dataset}{variant}`: its prefix the variant's
+        (the dataset's, none, or its task type), its query length and truncation the dataset's."""
+        prefix = {"": self.prefix, "_noprefix": None, "_typed": self.task_type}[variant]
+        return TaskSpec(f"{family}_{self.dataset}{variant}", self.dataset, prefix, self.query_len, self.truncation)
+
 
 def register_family(family: str, datasets: Sequence[Dataset]) -> None:
-    variants = {"": lambda d: d.prefix, "_noprefix": lambda d: None, "_typed": lambda d: d.task_type}
-    for suffix, prefix_of in variants.items():
+    """Registers each dataset's Task in every variant (`Dataset.spec`) over its KILT examples, and
+    the variants' Mixtures."""
+    for d in datasets:
+        assert d.task_type in TASK_TYPES, d
+    for variant in VARIANTS:
         names = []
         for d in datasets:
-            assert d.task_type in TASK_TYPES, d
-            name = f"{family}_{d.dataset}{suffix}"
-            add_retrieval_task(name, kilt_examples_source(d.dataset, d.num_train, d.num_dev), prefix=prefix_of(d),
-                               query_len=d.query_len, truncation=d.truncation)
-            names.append(name)
-        add_temperature_mixture(f"{family}{suffix}", names)
+            spec = d.spec(family, variant)
+            register_retrieval_task(spec, kilt_examples_source(d.dataset, d.num_train, d.num_dev))
+            names.append(spec.name)
+        add_temperature_mixture(f"{family}{variant}", names)
         for d, held_out in zip(datasets, names):
-            add_temperature_mixture(f"{family}{suffix}_without_{d.dataset}", [n for n in names if n != held_out])
+            add_temperature_mixture(f"{family}{variant}_without_{d.dataset}", [n for n in names if n != held_out])

@@ -18,6 +18,7 @@ from typing import Any
 import gin
 import numpy as np
 
+from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.errors import ConfigError
 
 
@@ -46,9 +47,11 @@ class RandomBatches:
         self.seed = seed
         self.step = 0
         self.steps_per_epoch = 100  # nominal: random batches have no epochs
+        # Each task recorded as a real run records it (its `TaskSpec` record and step position), so a
+        # config of an older run upgrades to it when the run resumes (`build.upgraded_config`).
         self.features = {"vocabulary": None, "query_len": query_len, "passage_len": passage_len,
-                          "tasks": {name: {"dataset": name, "prefix": None, "index": i}
-                                    for i, name in enumerate(self.task_names)}}
+                         "tasks": {name: {**TaskSpec(name, name, None, query_len).to_record(), "index": i}
+                                   for i, name in enumerate(self.task_names)}}
 
     def _tokens(self, rng: np.random.Generator, rows: int, length: int) -> np.ndarray:
         tokens = rng.integers(2, self.vocab_size, size=(rows, length), dtype=np.int32)

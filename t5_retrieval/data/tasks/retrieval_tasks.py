@@ -257,27 +257,41 @@ def add_retrieval_task(name: str, source: Any, *, preprocessors: Sequence[Callab
     `query_len`: token ids per query, special tokens included (training's `QUERY_LEN` can replace
     it); `truncation`: "beginning" keeps a long query's start, "mention" a window centred on its
     `[START_ENT] ... [END_ENT]` (entity linking; `query_inputs.py`).
+
+    The keyword form of `register_retrieval_task`: the Task's dataset is its KILT source's, else its name.
     """
+    spec = TaskSpec(name, getattr(source, "dataset", name), prefix, query_len, truncation)
+    return register_retrieval_task(spec, source, preprocessors=preprocessors, vocabulary=vocabulary)
+
+
+def register_retrieval_task(spec: TaskSpec, source: Any, *, preprocessors: Sequence[Callable] = (),
+                            vocabulary: Any = None) -> Any:
+    """Registers (or re-registers) the retrieval Task `spec` states, over `source` and `preprocessors`
+    (as `add_retrieval_task`), carrying `spec` with its text preprocessors: the qualified names of
+    those of `preprocessors` that run before the query is tokenised. Returns the `RetrievalTask`."""
     import seqio
 
     from t5_retrieval.data.tasks.retrieval_task import RetrievalTask
 
-    QueryInput(prefix, query_len, truncation)  # refuses an unknown truncation now, not at the first read
+    query = spec.query_input()  # refuses a spec without a length or with an unknown truncation now
     steps = list(preprocessors)
     text_steps = _text_steps(steps)
     if text_steps is None:
         text_steps = [s for s in steps if not isinstance(s, seqio.CacheDatasetPlaceholder)]
-    spec = TaskSpec(name, getattr(source, "dataset", name), prefix, query_len, truncation,
-                    tuple(_qualified_name(s) for s in text_steps))
-    if name in seqio.TaskRegistry.names():
-        seqio.TaskRegistry.remove(name)
+    stated = tuple(_qualified_name(s) for s in text_steps)
+    if spec.text_preprocessors and spec.text_preprocessors != stated:
+        raise ValueError(f"retrieval Task {spec.name!r}: its spec names text preprocessors "
+                         f"{list(spec.text_preprocessors)}, its preprocessors are {list(stated)}")
+    spec = dataclasses.replace(spec, text_preprocessors=stated)
+    if spec.name in seqio.TaskRegistry.names():
+        seqio.TaskRegistry.remove(spec.name)
     return seqio.TaskRegistry.add(
-        name,
+        spec.name,
         task_cls=RetrievalTask,
         spec=spec,
         source=source,
-        preprocessors=[*steps, functools.partial(tokenize_queries, prefix=prefix, query_len=query_len,
-                                                 truncation=truncation),
+        preprocessors=[*steps, functools.partial(tokenize_queries, prefix=query.prefix, query_len=query.length,
+                                                 truncation=query.truncation),
                        seqio.preprocessors.append_eos_after_trim],
         output_features={"query": seqio.Feature(vocabulary or run_vocabulary(), add_eos=True)},
     )

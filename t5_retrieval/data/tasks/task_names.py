@@ -51,17 +51,21 @@ class TaskSet:
     `mixtures` looks up a seqio Mixture's Tasks (`registered_mixture`); it is asked only about a
     name that is no task and no dataset of the model."""
 
-    def __init__(self, specs: Iterable[TaskSpec], mixtures: MixtureLookup = registered_mixture) -> None:
+    def __init__(self, specs: Iterable[TaskSpec], mixtures: MixtureLookup = registered_mixture,
+                 positions: Mapping[str, int] | None = None) -> None:
         self._specs = {spec.name: spec for spec in specs}
         self._mixtures = mixtures
+        # Each task's position in the model's training step (its query tower), as recorded.
+        self._positions = dict(positions or {})
 
     @classmethod
     def from_features(cls, features: Mapping[str, Any], mixtures: MixtureLookup = registered_mixture) -> TaskSet:
         """The tasks a model records with its features, of any version (`task_spec.upgrade_records`);
         none for one that records none, e.g. the lexical baseline, which then takes every name as its
         own task and dataset."""
-        return cls((TaskSpec.from_record(name, record) for name, record in upgrade_records(features).items()),
-                   mixtures)
+        records = upgrade_records(features)
+        return cls((TaskSpec.from_record(name, record) for name, record in records.items()), mixtures,
+                   {name: int(record["index"]) for name, record in records.items() if "index" in record})
 
     @classmethod
     def from_records(cls, records: Mapping[str, Mapping[str, Any]],
@@ -79,6 +83,13 @@ class TaskSet:
         """The spec of the task `name` (any form); for a model without tasks, a name's own."""
         task = self.resolve(name)
         return self._specs.get(task) or TaskSpec(task, task, None)
+
+    def training_order(self) -> list[str] | None:
+        """The model's tasks in their training step's order (task k's queries take query tower k);
+        None when a task's position is not recorded (a model written before towers were tracked)."""
+        if any(task not in self._positions for task in self._specs):
+            return None
+        return sorted(self._specs, key=self._positions.__getitem__)
 
     def query_input(self, name: str) -> QueryInput:
         """How the model reads the queries of task `name` (any form)."""

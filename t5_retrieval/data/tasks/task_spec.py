@@ -56,11 +56,43 @@ class TaskSpec:
                    str(record["truncation"]), tuple(record.get("text_preprocessors", ())))
 
 
-def upgrade_records(features: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """A model's recorded tasks (`features["tasks"]`) in this version's form: the one place older
-    model directories are read. A task recorded before tasks had their own query lengths reads the
-    model's one `query_len`, cut at its end (`KEEP_BEGINNING`); one recorded without a dataset or a
-    prefix reads its own name's examples, unprefixed."""
+# The form of a task's record. Version 1: what training wrote before tasks had their own query
+# lengths (`{"dataset", "prefix", "index"}`; the first runs not even those). Version 2: `to_record`'s,
+# which training has written since model configs were versioned (`checkpoint.CONFIG_VERSION` 2).
+# A record states no version of its own: a field in each would change every new model's config, and
+# with it the model's fingerprint (`inference.fingerprint_of` hashes the config). Nor can the
+# config's version stand for it: version-2 configs of models trained on synthetic batches
+# (`RandomBatches`, before it recorded specs) hold version-1 records. A record's form tells its version.
+TASK_RECORD_VERSION = 2
+# What every version-2 record a model holds has: training records each task's length.
+_VERSION_2_KEYS = frozenset({"dataset", "prefix", "query_len", "truncation"})
+
+
+def record_version(record: Mapping[str, Any]) -> int:
+    """The version of a task's record, told by its form."""
+    return 2 if _VERSION_2_KEYS <= record.keys() else 1
+
+
+def _from_version_1(name: str, record: Mapping[str, Any], features: Mapping[str, Any]) -> dict[str, Any]:
+    """A task recorded before tasks had their own query lengths reads the model's one `query_len`,
+    cut at its end (`KEEP_BEGINNING`); one recorded without a dataset or a prefix reads its own
+    name's examples, unprefixed."""
     shared = {"query_len": features["query_len"]} if "query_len" in features else {}
-    return {name: {"dataset": name, "prefix": None, "truncation": KEEP_BEGINNING, **shared, **record}
-            for name, record in (features.get("tasks") or {}).items()}
+    return {"dataset": name, "prefix": None, "truncation": KEEP_BEGINNING, **shared, **record}
+
+
+# Version v -> the step that brings a record of version v to version v + 1.
+_UPGRADES = {1: _from_version_1}
+
+
+def upgrade_records(features: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """A model's recorded tasks (`features["tasks"]`) in the current version's form
+    (TASK_RECORD_VERSION): the one place older model directories' task records are read; every
+    reader of a model's tasks (`TaskSet`) and a resumed run (`build.upgraded_config`) go through it."""
+    out = {}
+    for name, record in (features.get("tasks") or {}).items():
+        upgraded = dict(record)
+        for version in range(record_version(record), TASK_RECORD_VERSION):
+            upgraded = _UPGRADES[version](name, upgraded, features)
+        out[name] = upgraded
+    return out
