@@ -240,7 +240,7 @@ def test_depth_extrapolation_matches_the_compiler_on_the_unrolled_step():
     assert planner.scanned_depth(config) == 4
     lower = _encode_lowering(mesh, 32)
     estimate = planner.loop_free_estimate(lower, config, 4)
-    assert estimate["seconds"]["2 layers"] > estimate["seconds"]["1 layers"] > 0, estimate
+    assert estimate["seconds"]["2 layers"] > estimate["seconds"]["1 layer"] > 0, estimate
     compiled, _, _ = planner.compile_timed(lower(planner.at_depth(config, 4)))
     direct = planner.usable_estimate(planner.compiler_seconds(compiled))
     assert direct is not None
@@ -271,4 +271,4 @@ def test_a_scanned_step_is_timed_by_its_unrolled_programs(capsys):
         step = report["steps"][name]
         points = step["loop_free_estimate"]["seconds"]
         assert step["estimate_source"] == "extrapolated to 3 layers", step["loop_free_estimate"]
-        assert step["estimated_step_seconds"] == pytest.approx(2 * points["2 layers"] - points["1 layers"])
+        assert step["estimated_step_seconds"] == pytest.approx(2 * points["2 layers"] - points["1 layer"])

@@ -230,9 +230,10 @@ def loop_free_estimate(lower: Lower, config: dict[str, Any], depth: int | None) 
     for layers in (1, 2) if depth else (None,):
         compiled, compile_s, _ = compile_timed(lower(config if layers is None else at_depth(config, layers)))
         spent += compile_s
-        points["own depth" if layers is None else f"{layers} layers"] = usable_estimate(compiler_seconds(compiled))
+        label = "own depth" if layers is None else f"{layers} layer" + "s" * (layers > 1)
+        points[label] = usable_estimate(compiler_seconds(compiled))
     if depth:
-        one, two = points["1 layers"], points["2 layers"]
+        one, two = points["1 layer"], points["2 layers"]
         estimate = one + (depth - 1) * (two - one) if one and two else None
     else:
         estimate = points["own depth"]
@@ -403,6 +404,10 @@ def problems(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds:,.1f} s"
+
+
 def _mib(n: float) -> str:
     return f"{n / MIB:,.1f} MiB"
 
@@ -456,7 +461,7 @@ def format_text(report: dict[str, Any]) -> str:
         epoch = report["estimated_epoch_seconds"]
         lines.append(f"epoch (one pass over {largest['name']}, {largest['train_examples']:,} examples): "
                      f"{report['steps_per_epoch']:,} steps"
-                     + (f", estimated {epoch / 3600:,.2f} h" if epoch else ""))
+                     + (f", estimated {_duration(epoch)}" if epoch else ""))
     if "advice" in report:
         lines.append(f"advice: {report['advice']}")
     lines += [f"problem: {line}" for line in report["problems"]]
