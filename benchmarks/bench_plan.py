@@ -61,9 +61,9 @@ KILT_PASSAGES = 36_000_000  # KILT's Wikipedia in 100-word passages, as DPR-styl
 
 
 def _estimate(step: dict[str, Any]) -> str:
-    """An estimated step time; `*` marks one extrapolated in depth from 1- and 2-layer programs."""
-    mark = "*" if step["estimate_source"] == "extrapolated in depth" else ""
-    return f"{step['estimated_step_seconds'] * 1e3:,.0f} ms{mark}"
+    """An estimated step time; `*` marks one from loop-free programs (`loop_free_estimate`)."""
+    mark = "*" if step["estimate_source"] != "compiler" else ""
+    return f"{step['estimated_step_seconds'] * 1e3:,.3g} ms{mark}"
 
 
 def table_row(cell: dict[str, Any]) -> str:
@@ -80,7 +80,7 @@ def table_row(cell: dict[str, Any]) -> str:
     epoch = report["estimated_epoch_seconds"]
     passages = encode["estimated_per_second"]["passages"] if encode["estimated_step_seconds"] else None
     kb = f"{passages:,.0f} p/s, {KILT_PASSAGES / passages / 3600:,.1f} h" if passages else "none"
-    compile_s = train["compile_seconds"] + (train["depth_extrapolation"] or {}).get("compile_seconds", 0)
+    compile_s = train["compile_seconds"] + (train["loop_free_estimate"] or {}).get("compile_seconds", 0)
     return (head + f" {'yes' if train['fits'] else 'NO'} ({mem['peak'] / MIB:,.0f} / {mem['hbm'] / MIB:,.0f} MiB) |"
             f" {state:,.0f} MiB | {mem['temporaries'] / MIB:,.0f} MiB | {rate} |"
             f" {f'{epoch / 3600:,.1f} h' if epoch else 'none'} | {kb} |"
