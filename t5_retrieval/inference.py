@@ -57,12 +57,15 @@ def fingerprint_of(config: dict[str, Any], params: Any, step: int, vocabulary: s
 LENGTH_BUCKET = 32  # encode batches are cut to a multiple of this many tokens
 # Rows per encode call. On CPU small batches are faster, their activations staying in cache:
 # all-MiniLM-L6-v2 over 1,024 KB passages on 2 cores encodes 51.7 passages/s at 16 and 35.1 at 64
-# (benchmarks/bench_encode_kb.py). Accelerators need large batches to be busy.
-CPU_ENCODE_BATCH, ACCELERATOR_ENCODE_BATCH = 16, 64
+# (benchmarks/bench_encode_kb.py). Accelerators need large batches to be busy: 64 per data shard.
+# `t5r plan` estimates T5-base's KB encode on v4:2x2x1 (8 shards) at 6,162 passages/s with 64 per
+# call (8 per device) and 8,584 with 64 per device; 128 per device gives no more.
+CPU_ENCODE_BATCH, ACCELERATOR_ENCODE_BATCH_PER_SHARD = 16, 64
 
 
-def default_encode_batch() -> int:
-    return CPU_ENCODE_BATCH if jax.default_backend() == "cpu" else ACCELERATOR_ENCODE_BATCH
+def default_encode_batch(data_shards: int) -> int:
+    """Rows per encode call: CPU_ENCODE_BATCH on a CPU, else ACCELERATOR_ENCODE_BATCH_PER_SHARD per data shard."""
+    return CPU_ENCODE_BATCH if jax.default_backend() == "cpu" else ACCELERATOR_ENCODE_BATCH_PER_SHARD * data_shards
 
 
 class DualEncoderInference:
@@ -81,7 +84,7 @@ class DualEncoderInference:
         self.dim = model.embedding_dim
         self._mesh = mesh
         data_devices = mesh.shape["data"]
-        batch_size = batch_size or default_encode_batch()
+        batch_size = batch_size or default_encode_batch(data_devices)
         self.batch_size = -(-batch_size // data_devices) * data_devices
         self._vocab = vocabulary
         self._embed = jax.jit(lambda p, tokens, tower: model.apply({"params": p}, tokens, tower=tower),

@@ -22,7 +22,7 @@ from t5_retrieval import gin_utils, sharding
 from t5_retrieval.data.batching.batches import task_query_lens
 from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.tasks.mixing import sizes_from_rates
-from t5_retrieval.inference import ACCELERATOR_ENCODE_BATCH, DualEncoderInference
+from t5_retrieval.inference import ACCELERATOR_ENCODE_BATCH_PER_SHARD, DualEncoderInference
 from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.multitask import multitask_metrics
@@ -139,8 +139,8 @@ def lower_train_step(model: nn.Module, config: dict[str, Any], settings: TrainSe
 
 
 def encode_batch_rows(data_shards: int) -> int:
-    """Passages per device call of `t5r encode` on an accelerator (rounded up to the data shards)."""
-    return -(-ACCELERATOR_ENCODE_BATCH // data_shards) * data_shards
+    """Passages per call of `t5r encode` on an accelerator (`inference.default_encode_batch`)."""
+    return ACCELERATOR_ENCODE_BATCH_PER_SHARD * data_shards
 
 
 def lower_encode_step(model: DualEncoder | BertDualEncoder, config: dict[str, Any], passage_len: int, mesh: Mesh,
