@@ -215,7 +215,7 @@ def task_specs(tasks: TaskSet, family: str) -> dict[str, dict[str, Any]]:
     """Each task's prefix (as the text to put before a query), query length and truncation, from its
     `TaskSpec`, as the export records them."""
     sentinel = BERT_SENTINEL if family == "bert" else EXTRA_ID_1
-    queries = {name: tasks.spec(name).query_input() for name in sorted(tasks)}
+    queries = {name: tasks.query_input(name) for name in sorted(tasks)}
     return {name: {"prefix": q.prefix,
                    "query_prefix": query_prefix(q.prefix).replace(EXTRA_ID_1, sentinel) + " " if q.prefix else "",
                    "query_len": q.length, "truncation": q.truncation}

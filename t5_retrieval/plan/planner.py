@@ -180,12 +180,16 @@ def cost_analysis(compiled: jax.stages.Compiled | None) -> dict[str, Any]:
 UNPRICED_CUSTOM_CALL = 'custom_call_target="ConcatBitcast"'
 
 
+def _priced_seconds(analysis: dict[str, Any], hlo_text: str) -> float:
+    """`optimal_seconds` of a program's cost analysis with each unpriced custom call of its HLO text
+    counted free, not -1 s; 0 when it gives none."""
+    return float(analysis.get("optimal_seconds", 0.0)) + hlo_text.count(UNPRICED_CUSTOM_CALL)
+
+
 def compiler_seconds(compiled: jax.stages.Compiled | None) -> float:
-    """The compiler's cost-model step time with each unpriced custom call counted free, not -1 s;
-    0 when it gives none."""
-    optimal = float(cost_analysis(compiled).get("optimal_seconds", 0.0))
-    unpriced = (compiled.as_text() or "").count(UNPRICED_CUSTOM_CALL) if compiled is not None else 0
-    return optimal + unpriced
+    """The compiler's cost-model step time of `compiled` (`_priced_seconds`); 0 when it gives none."""
+    text = (compiled.as_text() if compiled is not None else None) or ""
+    return _priced_seconds(cost_analysis(compiled), text)
 
 
 def usable_estimate(seconds: float) -> float | None:
@@ -251,13 +255,13 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
     hbm = int(chip.hbm_bytes / devices_per_chip)
     peak = sum(buffers.values())
     analysis = cost_analysis(compiled)
-    own_seconds = compiler_seconds(compiled)
+    text = (compiled.as_text() if compiled is not None else None) or ""
+    own_seconds = _priced_seconds(analysis, text)
     if loop_free is None:
         seconds, source = usable_estimate(own_seconds), "compiler"
     else:
         seconds, source = loop_free["estimated_step_seconds"], loop_free["method"]
     peak_flops = chip.peak_bf16_flops / devices_per_chip * num_devices
-    text = (compiled.as_text() if compiled is not None else None) or ""
     report: dict[str, Any] = {
         "lower_seconds": round(lower_s, 2), "compile_seconds": round(compile_s, 2),
         "hlo_bytes": len(step.lowered.as_text()),
