@@ -252,11 +252,42 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+def make_gradient_update(optimizer: optax.GradientTransformationExtraArgs,
+                         extra_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None,
+                         max_nonfinite_in_a_row: int | None = None) -> Callable:
+    """Returns apply(state, grads, losses, metrics, rng) -> (state, metrics): the second half of
+    `make_train_step`, from the gradients to the next state (its non-finite handling described there).
+    A function of its own so that `t5r plan` can compile it apart from the gradient passes."""
+
+    def apply(state: TrainState, grads: Any, losses: jax.Array, metrics: dict[str, jax.Array], rng: jax.Array
+              ) -> tuple[TrainState, dict[str, jax.Array]]:
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, task_losses=losses)
+        params = optax.apply_updates(state.params, updates)
+        finite = all_finite(losses, updates)
+        if max_nonfinite_in_a_row is not None:
+            finite &= state.nonfinite_in_a_row < max_nonfinite_in_a_row  # frozen once the limit is hit
+        in_a_row = jnp.where(finite, 0, state.nonfinite_in_a_row + 1)
+        if max_nonfinite_in_a_row is not None:
+            in_a_row = jnp.minimum(in_a_row, max_nonfinite_in_a_row)
+        params, opt_state = select_tree(finite, (params, opt_state), (state.params, state.opt_state))
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng,
+                               skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+                               nonfinite_in_a_row=in_a_row)
+        metrics = {**metrics, "loss": jnp.sum(losses),
+                   "update_norm": jnp.where(finite, optax.tree.norm(updates), 0.0),
+                   "skipped": (~finite).astype(jnp.int32), "skipped_steps": new_state.skipped_steps,
+                   "nonfinite_in_a_row": new_state.nonfinite_in_a_row}
+        if extra_metrics is not None:
+            metrics.update(extra_metrics(opt_state))
+        return new_state, metrics
+
+    return apply
+
+
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExtraArgs,
                     task_names: Sequence[str], per_task: bool, logit_scale: float = 1.0,
                     extra_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None,
-                    max_nonfinite_in_a_row: int | None = None, stop_passage_gradient: bool = False,
-                    group_tasks: bool = True) -> Callable:
+                    max_nonfinite_in_a_row: int | None = None, stop_passage_gradient: bool = False) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics), to be jitted with shardings by the caller.
 
     The optimiser receives the gradient of the summed task losses, or with ``per_task`` the K task
@@ -278,16 +309,13 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
     reaches ``max_nonfinite_in_a_row`` the state freezes (every later step is skipped and the
     streak kept), so the caller, which reads the metrics only every few steps, can stop the run
     on the exact state where the limit was hit.
-
-    ``group_tasks=False`` gives each task's gradient a pass of its own instead of one `lax.scan` per
-    group of same-shaped tasks: the same gradients in a larger, loop-free program, which `t5r plan`
-    compiles because the TPU compiler's cost model counts a loop's body once.
     """
     if model.config.query_generation and not per_task:
         raise ConfigError("a model with query_generation (GDMTL) needs a multi-task transform over its two "
                           "objectives, e.g. train.multitask = @multitask.uncertainty_weighting")
     loss_fn = task_loss_fn(model, logit_scale, stop_passage_gradient)
     task_names = tuple(task_names)
+    apply_gradients = make_gradient_update(optimizer, extra_metrics, max_nonfinite_in_a_row)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         rng, step_rng = jax.random.split(state.rng)
@@ -296,30 +324,10 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
                 model, logit_scale, state.params, batch, task_names, step_rng, stop_passage_gradient)
         elif per_task:
             grads, losses, metrics = per_task_gradients(loss_fn, state.params, batch, task_names, step_rng,
-                                                        task_groups(model, batch, task_names) if group_tasks
-                                                        else None)
+                                                        task_groups(model, batch, task_names))
         else:
             grads, losses, metrics = summed_gradient(model, logit_scale, state.params, batch, task_names, step_rng,
                                                      stop_passage_gradient)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, task_losses=losses)
-        params = optax.apply_updates(state.params, updates)
-        finite = all_finite(losses, updates)
-        if max_nonfinite_in_a_row is not None:
-            finite &= state.nonfinite_in_a_row < max_nonfinite_in_a_row  # frozen once the limit is hit
-        in_a_row = jnp.where(finite, 0, state.nonfinite_in_a_row + 1)
-        if max_nonfinite_in_a_row is not None:
-            in_a_row = jnp.minimum(in_a_row, max_nonfinite_in_a_row)
-        params, opt_state = select_tree(finite, (params, opt_state), (state.params, state.opt_state))
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng,
-                               skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-                               nonfinite_in_a_row=in_a_row)
-        metrics["loss"] = jnp.sum(losses)
-        metrics["update_norm"] = jnp.where(finite, optax.tree.norm(updates), 0.0)
-        metrics["skipped"] = (~finite).astype(jnp.int32)
-        metrics["skipped_steps"] = new_state.skipped_steps
-        metrics["nonfinite_in_a_row"] = new_state.nonfinite_in_a_row
-        if extra_metrics is not None:
-            metrics.update(extra_metrics(opt_state))
-        return new_state, metrics
+        return apply_gradients(state, grads, losses, metrics, rng)
 
     return train_step

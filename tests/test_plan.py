@@ -111,8 +111,9 @@ def test_tiny_t5_compiles_for_v5e_with_per_device_state_as_counted(layout, extra
     assert 2 * params <= mem["optimizer"] <= 2 * params + 64, (mem["optimizer"], params)
     if extra == TACO:  # one EMA per task, [K, *param], the task axis never sharded
         assert report["multitask"] == "taco"
-        # its two same-shaped tasks share one loop, priced once: the time is the ungrouped program's
-        assert train["estimate_source"] == "tasks ungrouped", train["loop_free_estimate"]
+        # its two same-shaped tasks share one loop, priced once: the time is the sum of its parts
+        assert train["estimate_source"] == "sum of 2 task passes, and the update", train["loop_free_estimate"]
+        assert set(train["loop_free_estimate"]["seconds"]) == {"demo_fever and 1 alike (x2)", "update"}
         assert 2 * params <= mem["multitask"] <= 2 * params + 64, (mem["multitask"], params)
     else:
         assert mem["multitask"] == 0
@@ -273,3 +274,19 @@ def test_a_scanned_step_is_timed_by_its_unrolled_programs(capsys):
         points = step["loop_free_estimate"]["seconds"]
         assert step["estimate_source"] == "extrapolated to 3 layers", step["loop_free_estimate"]
         assert step["estimated_step_seconds"] == pytest.approx(2 * points["2 layers"] - points["1 layer"])
+
+
+def test_a_per_task_step_is_timed_as_the_sum_of_its_task_passes_and_update():
+    """TACO's step timed from its parts compiled alone (each task's gradient pass, the update) agrees
+    with the compiler's estimate of the whole step where that one is right: tasks of different
+    query lengths (no task loop) and one layer (a loop of one iteration)."""
+    report = plan_json("v5e:2x2", "fsdp", *TACO, "--gin.QUERY_LEN={'demo_fever': 16, 'demo_trex': 8}",
+                       "--gin.T5Config.scan_layers=True")
+    train = report["steps"]["train"]
+    parts = train["loop_free_estimate"]["seconds"]
+    assert [t["query_len"] for t in report["tasks"]] == [16, 8]
+    assert train["estimate_source"] == "sum of 2 task passes, each extrapolated to 1 layer, and the update"
+    assert set(parts) == {"demo_fever (x1)", "demo_trex (x1)", "update"} and all(parts.values()), parts
+    assert train["estimated_step_seconds"] == pytest.approx(sum(parts.values()))
+    # 3.3% below the whole step here: the parts leave out stacking the K gradients and splitting keys
+    np.testing.assert_allclose(train["estimated_step_seconds"], train["compiler_seconds"], rtol=0.05)

@@ -34,6 +34,8 @@ from t5_retrieval.plan.steps import (
     abstract_params,
     encode_batch_rows,
     lower_encode_step,
+    lower_gradient_update,
+    lower_task_gradient,
     lower_train_step,
     task_shapes,
 )
@@ -223,8 +225,8 @@ Lower = Callable[[dict[str, Any]], jax.stages.Lowered]
 
 def loop_free_estimate(lower: Lower, config: dict[str, Any], depth: int | None) -> dict[str, Any]:
     """The step time from loop-free programs. libtpu's cost model prices a loop's body once, not once
-    per iteration, so a program with its layers in a `lax.scan` (or TACO's same-shaped tasks in one)
-    is underestimated. `lower(config)` lowers the step for a model config without loops of ours.
+    per iteration, so a program with its layers in a `lax.scan` is underestimated. `lower(config)`
+    lowers the program for a model config without loops of ours.
 
     With scanned layers (`depth`): the step unrolled at 1 and 2 layers; the layers are identical, so
     the time is affine in depth, t(L) = t(1) + (L - 1) (t(2) - t(1)); unrolling all of them is what
@@ -241,8 +243,36 @@ def loop_free_estimate(lower: Lower, config: dict[str, Any], depth: int | None) 
         estimate = one + (depth - 1) * (two - one) if one and two else None
     else:
         estimate = points["own depth"]
-    return {"method": f"extrapolated to {depth} layers" if depth else "tasks ungrouped", "seconds": points,
+    return {"method": f"extrapolated to {depth} layers" if depth else "its own depth", "seconds": points,
             "compile_seconds": round(spent, 2), "estimated_step_seconds": usable_estimate(estimate or 0.0)}
+
+
+def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], update: Lower, config: dict[str, Any],
+                      depth: int | None) -> dict[str, Any]:
+    """The time of a per-task step (TACO, PCGrad, ...) from its parts, each compiled alone: every
+    distinct task pass (`label`, how many tasks share it, `lower(config)` of one task's gradient),
+    loop-free by `loop_free_estimate`, times its tasks; plus the update from the K gradients to the
+    next state. The step runs its passes one after another (each group behind an optimisation
+    barrier) and its same-shaped tasks in a `lax.scan`, which the cost model would price once; and
+    the passes compiled alone keep the programs small: the step's own loop-free program, all K
+    passes unrolled, outgrew this host's memory for T5-base."""
+    seconds: dict[str, float | None] = {}
+    spent = 0.0
+    total: float | None = 0.0
+    for label, count, lower in passes:
+        part = loop_free_estimate(lower, config, depth)
+        spent += part["compile_seconds"]
+        seconds[f"{label} (x{count})"] = part["estimated_step_seconds"]
+        total = None if total is None or part["estimated_step_seconds"] is None else (
+            total + count * part["estimated_step_seconds"])
+    compiled, compile_s, _ = compile_timed(update(config))
+    spent += compile_s
+    seconds["update"] = usable_estimate(compiler_seconds(compiled))
+    total = None if total is None or seconds["update"] is None else total + seconds["update"]
+    depth_note = f", each extrapolated to {depth} layer{'s' * (depth > 1)}" if depth else ""
+    return {"method": f"sum of {sum(c for _, c, _ in passes)} task passes{depth_note}, and the update",
+            "seconds": seconds, "compile_seconds": round(spent, 2),
+            "estimated_step_seconds": usable_estimate(total or 0.0)}
 
 
 def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal: str | None, lower_s: float,
@@ -335,14 +365,23 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     lower_s = time.perf_counter() - start
     compiled, compile_s, refusal = compile_timed(train.lowered)
     depth = scanned_depth(config)
-    # task_groups reads only shapes and dtypes, which the abstract batch has
-    task_loop = settings.multitask is not None and any(
-        len(g) > 1 for g in task_groups(model, cast(Any, batch), task_names))
+    # per-task gradient passes, same-shaped tasks in one `lax.scan` (task_groups reads only shapes
+    # and dtypes, which the abstract batch has)
+    per_task = settings.multitask is not None and not model.config.query_generation
+    groups = task_groups(model, cast(Any, batch), task_names) if per_task else []
     loop_free = None
-    if compiled is not None and (depth or task_loop):
+    if compiled is not None and per_task and (depth or any(len(g) > 1 for g in groups)):
+        passes = [(task_names[g[0]] if len(g) == 1 else f"{task_names[g[0]]} and {len(g) - 1} alike", len(g),
+                   lambda c, k=g[0]: lower_task_gradient(build_model(c), c, settings, batch[task_names[k]], k,
+                                                         mesh, rules))
+                  for g in groups]
+        loop_free = per_task_estimate(
+            passes, lambda c: lower_gradient_update(build_model(c), settings, len(task_names), mesh, rules),
+            config, depth)
+    elif compiled is not None and depth:
         loop_free = loop_free_estimate(
-            lambda c: lower_train_step(build_model(c), c, settings, task_names, batch, mesh, rules,
-                                       group_tasks=False)[0].lowered, config, depth)
+            lambda c: lower_train_step(build_model(c), c, settings, task_names, batch, mesh, rules)[0].lowered,
+            config, depth)
     params_b = bytes_per_device(train.state.params, train.state_shardings.params)
     opt_b = bytes_per_device(train.state.opt_state, train.state_shardings.opt_state)
     mt_b = 0 if multitask_state is None else bytes_per_device(*multitask_state)

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import t5_retrieval.tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
 from t5_retrieval import gin_utils, sharding
@@ -27,7 +27,7 @@ from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.multitask import multitask_metrics
 from t5_retrieval.optim import make_optimizer
-from t5_retrieval.train_step import TrainState, make_train_step
+from t5_retrieval.train_step import TrainState, make_gradient_update, make_train_step, task_loss_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,27 +104,42 @@ class LoweredStep:
     batch_shardings: Any
 
 
-def lower_train_step(model: nn.Module, config: dict[str, Any], settings: TrainSettings, task_names: Sequence[str],
-                     batch: Any, mesh: Mesh, rules: sharding.Rules, group_tasks: bool = True
-                     ) -> tuple[LoweredStep, Any]:
-    """The jitted step of `train.train` (same optimiser, shardings and donation), lowered for `mesh`.
-    Also returns the multi-task transform's own abstract state and shardings (None without one).
-    `group_tasks=False`: every task's gradient in a pass of its own (`make_train_step`)."""
+@dataclasses.dataclass
+class AbstractTraining:
+    """What `train.train` builds before its first step, abstract: the optimiser, the state and its
+    shardings, and the step function it jits."""
+    optimizer: optax.GradientTransformationExtraArgs
+    state: TrainState
+    state_shardings: Any
+    num_objectives: int
+
+
+def abstract_training(model: nn.Module, settings: TrainSettings, num_tasks: int, mesh: Mesh,
+                      rules: sharding.Rules) -> AbstractTraining:
     params, param_shardings = abstract_params(model, mesh, rules)
-    num_objectives = 2 if model.config.query_generation else len(task_names)
+    num_objectives = 2 if model.config.query_generation else num_tasks
     optimizer = make_optimizer(total_steps=settings.num_steps, num_tasks=num_objectives,
                                multitask=settings.multitask)
     opt_shardings = sharding.opt_state_shardings(optimizer, params, param_shardings, mesh, rules)
     opt_state = jax.eval_shape(optimizer.init, params)
     state = jax.eval_shape(TrainState.create, params, opt_state, jax.random.PRNGKey(0))
+    state_shardings = jax.tree.map(lambda _: sharding.replicated(mesh), state).replace(
+        params=param_shardings, opt_state=opt_shardings)
+    return AbstractTraining(optimizer, state, state_shardings, num_objectives)
+
+
+def lower_train_step(model: nn.Module, config: dict[str, Any], settings: TrainSettings, task_names: Sequence[str],
+                     batch: Any, mesh: Mesh, rules: sharding.Rules) -> tuple[LoweredStep, Any]:
+    """The jitted step of `train.train` (same optimiser, shardings and donation), lowered for `mesh`.
+    Also returns the multi-task transform's own abstract state and shardings (None without one)."""
+    training = abstract_training(model, settings, len(task_names), mesh, rules)
+    state, state_shardings = training.state, training.state_shardings
     replicated = sharding.replicated(mesh)
-    state_shardings = jax.tree.map(lambda _: replicated, state).replace(params=param_shardings,
-                                                                        opt_state=opt_shardings)
-    step_fn = make_train_step(model, optimizer, task_names, per_task=settings.multitask is not None,
+    step_fn = make_train_step(model, training.optimizer, task_names, per_task=settings.multitask is not None,
                               logit_scale=config["dual_encoder"]["logit_scale"],
                               extra_metrics=None if settings.multitask is None else multitask_metrics,
                               max_nonfinite_in_a_row=settings.max_nonfinite_in_a_row,
-                              stop_passage_gradient=settings.stop_passage_gradient, group_tasks=group_tasks)
+                              stop_passage_gradient=settings.stop_passage_gradient)
     batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), batch)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
@@ -132,10 +147,47 @@ def lower_train_step(model: nn.Module, config: dict[str, Any], settings: TrainSe
         lowered = jitted.lower(state, batch)
     multitask_state = None
     if settings.multitask is not None:
-        transform = settings.multitask(num_tasks=num_objectives, total_steps=settings.num_steps)
+        transform = settings.multitask(num_tasks=training.num_objectives, total_steps=settings.num_steps)
+        params, param_shardings = state.params, state_shardings.params
         multitask_state = (jax.eval_shape(transform.init, params),
                            sharding.opt_state_shardings(transform, params, param_shardings, mesh, rules))
     return LoweredStep(lowered, state, state_shardings, batch, batch_shardings), multitask_state
+
+
+def lower_task_gradient(model: nn.Module, config: dict[str, Any], settings: TrainSettings, task_batch: Any,
+                        task_index: int, mesh: Mesh, rules: sharding.Rules) -> jax.stages.Lowered:
+    """One task's loss and gradient, the pass a per-task step (TACO) makes once per task, lowered
+    alone with the train step's shardings (gradients sharded as the parameters)."""
+    params, param_shardings = abstract_params(model, mesh, rules)
+    loss_fn = task_loss_fn(model, config["dual_encoder"]["logit_scale"], settings.stop_passage_gradient)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    replicated = sharding.replicated(mesh)
+    batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), task_batch)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        jitted = jax.jit(lambda p, b, rng: grad_fn(p, b, rng, task_index),
+                         in_shardings=(param_shardings, batch_shardings, replicated),
+                         out_shardings=((replicated, replicated), param_shardings))
+        return jitted.lower(params, task_batch, jax.ShapeDtypeStruct((2,), jnp.uint32))
+
+
+def lower_gradient_update(model: nn.Module, settings: TrainSettings, num_tasks: int, mesh: Mesh,
+                          rules: sharding.Rules) -> jax.stages.Lowered:
+    """The rest of a per-task step, from the K stacked task gradients to the next state
+    (`make_gradient_update`: the multi-task transform, AdamW, the finite check), lowered alone."""
+    training = abstract_training(model, settings, num_tasks, mesh, rules)
+    state, state_shardings = training.state, training.state_shardings
+    replicated = sharding.replicated(mesh)
+    tasks_axis = (nn.logical_to_mesh_axes(("tasks",), rules) or (None,))[0]
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct((training.num_objectives, *p.shape), p.dtype), state.params)
+    grad_shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(tasks_axis, *s.spec)),
+                                  state_shardings.params)
+    losses = jax.ShapeDtypeStruct((training.num_objectives,), jnp.float32)
+    apply = make_gradient_update(training.optimizer, multitask_metrics, settings.max_nonfinite_in_a_row)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        jitted = jax.jit(lambda st, g, losses, rng: apply(st, g, losses, {}, rng),
+                         in_shardings=(state_shardings, grad_shardings, replicated, replicated),
+                         out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+        return jitted.lower(state, grads, losses, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
 def encode_batch_rows(data_shards: int) -> int:
