@@ -4,6 +4,7 @@ results as the unrolled stack: forward outputs and gradients, rematerialised or 
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -113,3 +114,42 @@ def test_rematerialised_unrolled_t5_initialises_and_matches_with_dropout():
         np.testing.assert_allclose(float(got[0]), float(expected[0]), rtol=1e-2 if dtype == "bfloat16" else 1e-6)
         if dtype == "float32":
             _assert_trees_close(got[1], expected[1])
+
+
+def _dot_count(cfg: T5Config, params: dict) -> int:
+    """dot_generals in the gradient's program, inside scans and remat included (a recomputed
+    forward matmul counts again)."""
+    def count(jaxpr) -> int:
+        return sum(1 if eqn.primitive.name == "dot_general" else 0 for eqn in jaxpr.eqns) + sum(
+            count(sub.jaxpr if hasattr(sub, "jaxpr") else sub) for eqn in jaxpr.eqns
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+    return count(jax.make_jaxpr(jax.grad(lambda p: _t5_loss(cfg, p)))(params).jaxpr)
+
+
+def test_remat_policies_give_the_plain_gradients_and_recompute_less_as_they_save_more():
+    """Each `T5Config.remat_policy`, unrolled and scanned: the plain stack's loss and gradients. Saving
+    the weight matmuls' outputs recomputes fewer matmuls than saving nothing, every matmul none."""
+    from t5_retrieval.models.t5 import REMAT_POLICIES
+
+    params = _t5_params()
+    expected = jax.value_and_grad(lambda p: _t5_loss(T5_CFG, p))(params)
+    for scan in (False, True):
+        dots = {}
+        for policy in REMAT_POLICIES:
+            cfg = dataclasses.replace(T5_CFG, remat=True, remat_policy=policy, scan_layers=scan)
+            loss, grad = jax.jit(jax.value_and_grad(lambda p, c=cfg: _t5_loss(c, p)))(params)
+            np.testing.assert_allclose(float(loss), float(expected[0]), rtol=1e-6)
+            _assert_trees_close(grad, expected[1])
+            dots[policy] = _dot_count(cfg, params)
+        plain = _dot_count(dataclasses.replace(T5_CFG, scan_layers=scan), params)
+        assert dots["nothing_saveable"] > dots["dots_with_no_batch_dims_saveable"] > dots["dots_saveable"], dots
+        assert dots["dots_saveable"] == plain, (dots, plain)
+
+
+def test_an_unknown_remat_policy_is_a_config_error():
+    import pytest
+
+    from t5_retrieval.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="T5Config.remat_policy: expected one of"):
+        dataclasses.replace(T5_CFG, remat_policy="save_everything")

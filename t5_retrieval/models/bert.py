@@ -192,7 +192,8 @@ class Bert(nn.Module):
         # Only keys are masked (as in BERT); padded query rows are ignored by the pooling.
         bias = padding_bias(jnp.ones_like(mask), mask)
         if scans_layers(self, cfg.scan_layers):
-            return scan_layers(self, Layer(cfg, parent=None), cfg.num_layers, x, (bias,), deterministic, cfg.remat)
+            return scan_layers(self, Layer(cfg, parent=None), cfg.num_layers, x, (bias,), deterministic,
+                               "nothing_saveable" if cfg.remat else None)
         layer_cls = remat_layer(Layer) if cfg.remat else Layer
         for i in range(cfg.num_layers):
             x = layer_cls(cfg, name=f"layers_{i}")(x, bias, deterministic)

@@ -28,6 +28,10 @@ from t5_retrieval.errors import ConfigError
 
 Array = jax.Array
 NEG_INF = -1e10  # masked attention logit; finite so fully-masked rows stay NaN-free
+# `jax.checkpoint_policies` a rematerialised layer may use, from keeping nothing (every activation
+# recomputed) to keeping the outputs of its weight matmuls (only attention and elementwise
+# recomputed) or of every matmul.
+REMAT_POLICIES = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable")
 
 
 @gin.configurable
@@ -50,7 +54,12 @@ class T5Config:
     tie_word_embeddings: bool = False  # True in T5 v1.0
     dtype: str = "float32"  # compute dtype; "bfloat16" for bf16 activations (params stay fp32)
     remat: bool = False  # recompute each layer in the backward pass to save activation memory
+    remat_policy: str = "nothing_saveable"  # with remat, what the backward pass keeps (REMAT_POLICIES)
     scan_layers: bool = False  # one scanned layer body: compile time independent of depth, same params
+
+    def __post_init__(self) -> None:
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ConfigError(f"T5Config.remat_policy: expected one of {REMAT_POLICIES}, got {self.remat_policy!r}")
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -264,13 +273,14 @@ def _constrain_stacked(layer: nn.Module, stacked: dict, inputs: tuple[Array, ...
 
 
 def scan_layers(module: nn.Module, layer: nn.Module, num_layers: int, x: Array, args: tuple[Array, ...],
-                deterministic: bool, remat: bool) -> Array:
+                deterministic: bool, remat_policy: str | None) -> Array:
     """Runs `module`'s `layers_{i}` children as one `lax.scan` over their stacked parameters.
 
     The unrolled stack compiles a program that grows with depth; the scan compiles one layer body.
     `layer` is an unbound copy of the layer module applied functionally to each layer's slice, so
     the parameter tree (created unrolled at init) is unchanged. Each layer's dropout key is the
-    stack's key folded with the layer index.
+    stack's key folded with the layer index. `remat_policy`: the body rematerialised with that
+    `jax.checkpoint_policies` policy (None: not rematerialised).
     """
     params = nn.unbox(module.variables["params"])
     stacked = _constrain_stacked(layer, _stack_layers(params, num_layers), (x, *args))
@@ -282,7 +292,8 @@ def scan_layers(module: nn.Module, layer: nn.Module, num_layers: int, x: Array, 
         out = layer.apply({"params": layer_params}, carry, *args, deterministic, rngs=rngs)
         return cast(Array, out), None
 
-    step = jax.checkpoint(body) if remat else body
+    step = body if remat_policy is None else jax.checkpoint(body, policy=getattr(jax.checkpoint_policies,
+                                                                                remat_policy))
     x, _ = jax.lax.scan(step, x, (stacked, jnp.arange(num_layers)))
     return x
 
@@ -292,16 +303,22 @@ def scans_layers(module: nn.Module, scan: bool) -> bool:
     return scan and not module.is_initializing()
 
 
-def remat_layer(cls: type[nn.Module]) -> type[nn.Module]:
-    """`cls` recomputed in the backward pass, its `deterministic` flag (the last argument of
-    `__call__`) kept static. Flax counts `static_argnums` with `self` as 0 and shifts them by one,
-    so a negative index would name the argument before it: the position is counted from the signature."""
+def remat_layer(cls: type[nn.Module], policy: str = "nothing_saveable") -> type[nn.Module]:
+    """`cls` recomputed in the backward pass (keeping what the `jax.checkpoint_policies` `policy`
+    saves), its `deterministic` flag (the last argument of `__call__`) kept static. Flax counts
+    `static_argnums` with `self` as 0 and shifts them by one, so a negative index would name the
+    argument before it: the position is counted from the signature."""
     deterministic = len(inspect.signature(cls.__call__).parameters) - 1
-    return nn.remat(cls, static_argnums=(deterministic,))
+    return nn.remat(cls, static_argnums=(deterministic,), policy=getattr(jax.checkpoint_policies, policy))
+
+
+def remat_policy(cfg: T5Config) -> str | None:
+    """The layers' rematerialisation policy, None without remat."""
+    return cfg.remat_policy if cfg.remat else None
 
 
 def _layer(cls: type[nn.Module], cfg: T5Config) -> type[nn.Module]:
-    return remat_layer(cls) if cfg.remat else cls
+    return remat_layer(cls, cfg.remat_policy) if cfg.remat else cls
 
 
 class Encoder(nn.Module):
@@ -319,7 +336,7 @@ class Encoder(nn.Module):
         bias = bias + padding_bias(mask, mask)
         if scans_layers(self, cfg.scan_layers):
             x = scan_layers(self, EncoderLayer(cfg, parent=None), cfg.num_encoder_layers, x, (bias,),
-                            deterministic, cfg.remat)
+                            deterministic, remat_policy(cfg))
         else:
             layer_cls = _layer(EncoderLayer, cfg)
             for i in range(cfg.num_encoder_layers):
@@ -346,7 +363,7 @@ class Decoder(nn.Module):
         cross_bias = padding_bias(decoder_mask, encoder_mask)
         if scans_layers(self, cfg.scan_layers):
             x = scan_layers(self, DecoderLayer(cfg, parent=None), cfg.num_decoder_layers, x,
-                            (encoded, self_bias, cross_bias), deterministic, cfg.remat)
+                            (encoded, self_bias, cross_bias), deterministic, remat_policy(cfg))
         else:
             layer_cls = _layer(DecoderLayer, cfg)
             for i in range(cfg.num_decoder_layers):
