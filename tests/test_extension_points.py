@@ -279,7 +279,7 @@ def test_a_new_model_family_touches_only_the_named_files(tiny, library_copy, tmp
     bindings = [b for b in _bindings(tiny.data_dir, tiny.vocabulary) if not b.startswith(("D_FF", "NUM_LAYERS"))]
     gin_flags = [f"--gin.{b.replace(' = ', '=')}" for b in [*bindings, "TRAIN_STEPS = 2"]]
     model, out = tmp_path / "model", tmp_path / "out"
-    run_on_copy(library_copy, f"""
+    ran = run_on_copy(library_copy, f"""
         assert cli.main(["train", "--model_dir={model}", "--gin_file=models/toy_tiny.gin", "--gin_file=runs/base.gin",
                          *{gin_flags!r}]) == 0
         assert cli.main(["encode", "--checkpoint_dir={model}", "--kb_dir={tiny.data_dir}/kb",
@@ -287,7 +287,10 @@ def test_a_new_model_family_touches_only_the_named_files(tiny, library_copy, tmp
         assert cli.main(["index", "--embeddings_dir={out}/emb", "--output_dir={out}/index", "--backend=exact"]) == 0
         assert cli.main(["eval", "--checkpoint_dir={model}", "--index_dir={out}/index", "--data_dir={tiny.data_dir}",
                          "--tasks=demo_fever,demo_trex", "--split=dev", "--output_dir={out}/eval"]) == 0
+        assert cli.main(["export-hf", "--checkpoint_dir={model}", "--output_dir={out}/hf"]) == 2
     """)
+    # A family that is not exported touches no export file: t5r export-hf refuses it, saying why.
+    assert "family='toy': Hugging Face export writes" in ran.stderr, ran.stderr[-2000:]
     config = json.load(open(model / "model_config.json"))
     assert (config["family"], config["toy"]) == ("toy", {"vocab_size": 512, "dim": 32}), config
     results = json.load(open(out / "eval" / "results.json"))
