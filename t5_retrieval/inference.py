@@ -28,9 +28,7 @@ from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
 from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, tokenize, vocabulary_digest
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.build import build_model
-from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.index import IndexMismatchError
 
@@ -71,7 +69,7 @@ def default_encode_batch(data_shards: int) -> int:
 class DualEncoderInference:
     """Implements the retrieval `Encoder` protocol with a trained (or freshly built) dual encoder."""
 
-    def __init__(self, model: DualEncoder | BertDualEncoder, params: Any, config: dict[str, Any], fingerprint: str,
+    def __init__(self, model: nn.Module, params: Any, config: dict[str, Any], fingerprint: str,
                  mesh: jax.sharding.Mesh, batch_size: int | None = None, vocabulary: Any = None,
                  step: int | None = None):
         self.model = model

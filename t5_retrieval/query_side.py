@@ -196,7 +196,8 @@ def save(output_dir: str, encoder: DualEncoderInference, params: Any, base_dir: 
     config = json.loads(json.dumps(encoder.config))
     records = config["features"]["tasks"]
     spec = encoder.tasks.spec(as_task)
-    position = {"index": records[as_task]["index"]} if "index" in records[as_task] else {}
+    index = encoder.tasks.position(spec.name)
+    position = {} if index is None else {"index": index}
     for task in new_tasks:
         records.setdefault(task, {**dataclasses.replace(spec, name=task, dataset=task).to_record(), **position})
     checkpoint.write_config(output_dir, config)

@@ -34,6 +34,7 @@ from t5_retrieval.data.records import write_text_atomic
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.inference import load_encoder, write_base_record
 from t5_retrieval.models.build import build_model, init_params, initial_params, model_config, upgraded_config
+from t5_retrieval.models.families import family_of
 from t5_retrieval.multitask import exported_state, multitask_metrics, multitask_problems, multitask_statistics
 from t5_retrieval.multitask.analysis import STATE_FILE, save_state_npz
 from t5_retrieval.optim import make_optimizer
@@ -212,7 +213,7 @@ def train(model_dir: str,
     params_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
     params, param_shardings = init_params(model, params_rng, mesh, rules)
     log.info("model %s: %s dual encoder, %s parameters; %d device(s) (%s) on %d process(es), mesh %s; "
-             "tasks %s", model_dir, config.get("family", "t5").upper(), f"{_count(params):,}", jax.device_count(),
+             "tasks %s", model_dir, family_of(config).name.upper(), f"{_count(params):,}", jax.device_count(),
              jax.devices()[0].platform, jax.process_count(), dict(mesh.shape), ", ".join(task_names))
     if init_from:
         params = jax.device_put(initial_params(init_from, params, config), param_shardings)

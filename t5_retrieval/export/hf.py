@@ -67,6 +67,7 @@ from t5_retrieval.inference import (
 )
 from t5_retrieval.models import hf_bert_import, hf_import
 from t5_retrieval.models.bert import BertConfig
+from t5_retrieval.models.families import family_of
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.retrieval.encoder import Encoder
 
@@ -153,6 +154,10 @@ def write_bert_dir(directory: str, params: Any, cfg: BertConfig) -> None:
 
 def check_exportable(config: dict[str, Any]) -> None:
     """Refuses what a Hugging Face directory cannot hold, naming the model_config.json field."""
+    family = family_of(config).name
+    if family not in VOCABULARY_FILE:
+        raise ExportError(f"family={family!r}: Hugging Face export writes {' and '.join(VOCABULARY_FILE)} models only "
+                          "(docs/architecture.md, 'A new model family')")
     dual = config["dual_encoder"]
     if dual.get("query_towers"):
         raise ExportError(f"dual_encoder.query_towers={dual['query_towers']}: per-task query encoders are not "
@@ -178,12 +183,12 @@ class Networks:
 
     @property
     def query_params_key(self) -> str:
-        family = self.query.config.get("family", "t5")
+        family = family_of(self.query.config).name
         return f"query_{family}_0" if self.query.config["dual_encoder"].get("separate_query_encoder") else family
 
     @property
     def two_networks(self) -> bool:
-        return self.query_side or self.query_params_key != self.query.config.get("family", "t5")
+        return self.query_side or self.query_params_key != family_of(self.query.config).name
 
 
 def load_networks(checkpoint_dir: str, step: int | None) -> Networks:
@@ -203,7 +208,7 @@ def load_networks(checkpoint_dir: str, step: int | None) -> Networks:
 
 def check_same_embedding(networks: Networks) -> None:
     """A query-side model must embed into its base's space: same family, pooling and normalisation."""
-    fields = [("family", lambda c: c.get("family", "t5")), ("dual_encoder.pooling", lambda c: c["dual_encoder"]["pooling"]),
+    fields = [("family", lambda c: family_of(c).name), ("dual_encoder.pooling", lambda c: c["dual_encoder"]["pooling"]),
               ("dual_encoder.l2_normalize", lambda c: c["dual_encoder"]["l2_normalize"])]
     for name, get in fields:
         if get(networks.query.config) != get(networks.passage.config):
@@ -225,7 +230,7 @@ def task_specs(tasks: TaskSet, family: str) -> dict[str, dict[str, Any]]:
 def retrieval_record(networks: Networks) -> dict[str, Any]:
     """What turns text into model inputs and the model's output into an embedding (t5r_retrieval.json)."""
     config, features = networks.query.config, networks.query.features
-    family, dual = config.get("family", "t5"), config["dual_encoder"]
+    family, dual = family_of(config).name, config["dual_encoder"]
     passage_features = networks.passage.features
     tasks = task_specs(networks.query.tasks, family)
     query_len = max((spec["query_len"] for spec in tasks.values()), default=features["query_len"])
@@ -248,7 +253,7 @@ def write_network(directory: str, params: Any, config: dict[str, Any], max_lengt
     config (what it embeds, each task's queries)."""
     os.makedirs(directory, exist_ok=True)
     vocabulary = config["features"]["vocabulary"]
-    if config.get("family", "t5") == "bert":
+    if family_of(config).name == "bert":
         write_bert_dir(directory, params, BertConfig(**config["bert"]))
         write_bert_tokenizer(directory, vocabulary, max_length, markers)
     else:
@@ -269,7 +274,7 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
     networks = load_networks(checkpoint_dir, step)
     check_exportable(networks.passage.config)
     check_same_embedding(networks)
-    family = networks.query.config.get("family", "t5")
+    family = family_of(networks.query.config).name
     for model in (networks.query, networks.passage):
         vocabulary = model.features["vocabulary"]
         if family == "bert" and not is_wordpiece_path(vocabulary):

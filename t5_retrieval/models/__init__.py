@@ -1,1 +1,1 @@
-"""Models: Flax T5, the ST5 dual encoder, and Hugging Face checkpoint import."""
+"""Models: Flax T5 and BERT, their dual encoders, the registered model families and Hugging Face import."""

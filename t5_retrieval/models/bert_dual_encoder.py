@@ -10,6 +10,7 @@ queries and passages, or a separate query BERT (one for all tasks, DPR), or one 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import gin
@@ -18,6 +19,7 @@ import jax
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.models.bert import Bert, BertConfig
 from t5_retrieval.models.dual_encoder import QueryTowers, l2_normalize, mean_pool
+from t5_retrieval.models.families import HFImport, ModelFamily, register_family
 from t5_retrieval.models.t5 import with_constraint
 
 BERT_POOLINGS = ("cls", "mean")
@@ -75,3 +77,25 @@ class BertDualEncoder(nn.Module):
         if self.config.l2_normalize:
             pooled = l2_normalize(pooled)
         return with_constraint(pooled, ("batch", "embed"))
+
+
+def bert_forward_flops(config: dict[str, Any], rows: int, length: int) -> float:
+    """Matmul FLOPs (2*m*n*k each) of one encoder forward over [rows, length] tokens, padding included:
+    projections, attention scores and mixing, MLP."""
+    tokens = rows * length
+    c = config["bert"]
+    h = c["hidden_size"]
+    per_layer = 2 * tokens * h * h * 4 + 2 * 2 * tokens * length * h + 2 * 2 * tokens * h * c["intermediate_size"]
+    return float(per_layer * c["num_layers"])
+
+
+def load_hf_bert(directory: str, target: Any, cfg: BertConfig) -> Any:
+    from t5_retrieval.models import hf_bert_import  # safetensors: only when importing
+
+    return hf_bert_import.load_bert(directory, target, cfg)
+
+
+BERT_FAMILY = register_family(ModelFamily(
+    name="bert", network=BertConfig, head=BertDualEncoderConfig, module=BertDualEncoder,
+    depth_keys=("num_layers",), forward_flops=bert_forward_flops,
+    hf_import=HFImport(model_type="bert", load=load_hf_bert)))

@@ -7,10 +7,8 @@ rebuilds exactly the module that wrote it. `initial_params` loads the weights a 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -22,40 +20,27 @@ from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.tasks.task_spec import upgrade_records
 from t5_retrieval.data.text import PASSAGE_TEMPLATE
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.models import pretrained  # noqa: F401 (gin: @minilm_l6_dir)
-from t5_retrieval.models.bert import BertConfig
-from t5_retrieval.models.bert_dual_encoder import BertDualEncoder, BertDualEncoderConfig
-from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
-from t5_retrieval.models.t5 import T5Config
+from t5_retrieval.models import (  # noqa: F401 (the model families: importing one registers it)
+    bert_dual_encoder,
+    dual_encoder,
+    pretrained,  # gin: @minilm_l6_dir
+)
+from t5_retrieval.models.families import FAMILIES, family_of, get_family, hf_family
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("t5", "bert")
-
 
 @gin.configurable
-def model_config(family: str = "t5", t5: T5Config | None = None, dual_encoder: DualEncoderConfig | None = None,
-                 bert: BertConfig | None = None, bert_dual_encoder: BertDualEncoderConfig | None = None
-                 ) -> dict[str, Any]:
+def model_config(family: str = "t5") -> dict[str, Any]:
     """The architecture as plain data: stored with checkpoints, rebuilt by `build_model`.
 
-    `family` "t5" (ST5 dual encoder; the stored config has no "family" key, as before BERT existed)
-    or "bert" (MT-DPR / sentence-transformers: {"family": "bert", "bert", "dual_encoder"}).
+    `family` names a registered `families.ModelFamily`: "t5" (ST5 dual encoder; the stored config has
+    no "family" key, as before BERT existed) or "bert" (MT-DPR / sentence-transformers: {"family":
+    "bert", "bert", "dual_encoder"}). Each builds its config dataclasses here, so gin bindings apply.
     """
-    if family == "bert":
-        bert = bert or BertConfig()  # constructed here, so that gin bindings apply
-        bert_dual_encoder = bert_dual_encoder or BertDualEncoderConfig()
-        return {"family": "bert", "bert": dataclasses.asdict(bert),
-                "dual_encoder": dataclasses.asdict(bert_dual_encoder)}
-    if family != "t5":
-        raise ConfigError(f"model_config.family: expected one of {FAMILIES}, got {family!r}")
-    t5 = t5 or T5Config()
-    dual_encoder = dual_encoder or DualEncoderConfig()
-    return {"t5": dataclasses.asdict(t5), "dual_encoder": dataclasses.asdict(dual_encoder)}
-
-
-ARCHITECTURE = {"t5": {"t5": T5Config, "dual_encoder": DualEncoderConfig},
-                "bert": {"bert": BertConfig, "dual_encoder": BertDualEncoderConfig}}
+    if family not in FAMILIES:
+        raise ConfigError(f"model_config.family: expected one of {tuple(FAMILIES)}, got {family!r}")
+    return get_family(family).config()
 
 
 def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
@@ -67,10 +52,7 @@ def upgraded_config(stored: dict[str, Any], current: dict[str, Any]) -> dict[str
     version's form (`task_spec.upgrade_records`, the one reader of older ones) with their step order
     and text preprocessors the current run's where not recorded (`_with_current_run`).
     """
-    out = dict(stored)
-    for key, cls in ARCHITECTURE.get(stored.get("family", "t5"), {}).items():
-        if key in stored:
-            out[key] = dataclasses.asdict(cls(**stored[key]))
+    out = family_of(stored).upgraded(stored)
     if "features" in stored:
         features = dict(stored["features"])
         if "passage_template" in current.get("features", {}):
@@ -94,13 +76,9 @@ def _with_current_run(records: dict[str, dict[str, Any]], current: dict[str, Any
             for name, record in records.items()}
 
 
-def build_model(config: dict[str, Any]) -> DualEncoder | BertDualEncoder:
-    family = config.get("family", "t5")
-    if family == "bert":
-        return BertDualEncoder(BertConfig(**config["bert"]), BertDualEncoderConfig(**config["dual_encoder"]))
-    if family != "t5":
-        raise ConfigError(f"stored model config has family {family!r}; this version knows {FAMILIES}")
-    return DualEncoder(T5Config(**config["t5"]), DualEncoderConfig(**config["dual_encoder"]))
+def build_model(config: dict[str, Any]) -> nn.Module:
+    """The Flax dual encoder a model config describes (its family's module)."""
+    return family_of(config).build(config)
 
 
 def apply_params(model: nn.Module, params: Any, *args: Any, **kwargs: Any) -> jax.Array:
@@ -123,29 +101,27 @@ def init_params(model: nn.Module, rng: jax.Array, mesh: jax.sharding.Mesh, rules
 
 
 def initial_params(source: str, like: Any, config: dict[str, Any]) -> Any:
-    """Weights to start from: a t5r model directory's latest checkpoint, or a Hugging Face T5 or BERT
-    directory. Query encoders (separate or per task) start from the same pretrained weights as the
-    main one, as in DPR / MT-DPR. `config` is the model's (`model_config()`): a Hugging Face
-    directory must describe the same network."""
+    """Weights to start from: a t5r model directory's latest checkpoint, or a Hugging Face directory of
+    a family that imports them (`families.HFImport`: T5, BERT). Query encoders (separate or per task)
+    start from the same pretrained weights as the main one, as in DPR / MT-DPR. `config` is the
+    model's (`model_config()`): a Hugging Face directory must describe the same network."""
     abstract = checkpoint.abstract_like(like)
     if os.path.exists(os.path.join(source, checkpoint.CONFIG_FILE)):
         params, step = checkpoint.restore_params(source, abstract)
         log.info("initialised from %s step %d", source, step)
         return params
     if os.path.exists(os.path.join(source, "config.json")):
-        from t5_retrieval.models import hf_bert_import, hf_import
-        load: Callable[[str, Any, Any], Any]
-        if hf_bert_import.is_bert_config(hf_bert_import.read_hf_config(source)):
-            family, load = "bert", hf_bert_import.load_bert
-        else:
-            family, load = "t5", hf_import.load_t5
-        if family not in like:
+        from t5_retrieval.models.hf_import import read_hf_config
+        family = hf_family(read_hf_config(source).get("model_type", "t5"))
+        assert family.hf_import is not None
+        name = family.name
+        if name not in like:
             raise checkpoint.CheckpointError(
-                f"init_from={source!r} is a Hugging Face {family.upper()} directory, but the model is not "
+                f"init_from={source!r} is a Hugging Face {name.upper()} directory, but the model is not "
                 f"(its encoders: {sorted(like)}; see model_config.family)")
-        encoders = [name for name in like if name == family or name.startswith(f"query_{family}_")]
+        encoders = [key for key in like if key == name or key.startswith(f"query_{name}_")]
         # The file's config.json against the model's; shapes tensor by tensor against each encoder's tree.
-        architecture = ARCHITECTURE[family][family](**config[family])
-        return {**like, **{name: load(source, abstract[name], architecture) for name in encoders}}
+        network = family.network_config(config)
+        return {**like, **{key: family.hf_import.load(source, abstract[key], network) for key in encoders}}
     raise checkpoint.CheckpointError(f"init_from={source!r}: neither a t5r model directory ({checkpoint.CONFIG_FILE}) "
-                                     "nor a Hugging Face T5 or BERT directory (config.json)")
+                                     "nor a Hugging Face directory (config.json)")

@@ -9,6 +9,7 @@ start token (id 0) cross-attending to it, and the embedding is the decoder's fin
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import gin
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from t5_retrieval.errors import ConfigError
+from t5_retrieval.models.families import HFImport, ModelFamily, register_family
 from t5_retrieval.models.t5 import T5, T5Config, param_init, with_constraint
 
 POOLINGS = ("encdec", "mean")
@@ -131,3 +133,32 @@ class DualEncoder(nn.Module):
         """
         decoder_inputs = jnp.pad(query_tokens[:, :-1], ((0, 0), (1, 0)))
         return self.t5(passage_tokens, decoder_inputs, deterministic).astype(jnp.float32)
+
+
+def t5_forward_flops(config: dict[str, Any], rows: int, length: int) -> float:
+    """Matmul FLOPs (2*m*n*k each) of one encoder forward over [rows, length] tokens, padding included:
+    projections, attention scores and mixing, MLP; with encdec pooling also the decoder's one step
+    (cross-attention over the sequence)."""
+    tokens = rows * length
+    c = config["t5"]
+    inner = c["num_heads"] * c["d_kv"]
+    mlp = 2 * c["d_model"] * c["d_ff"] * (3 if c["mlp_activation"] == "gated-gelu" else 2)
+    encoder = tokens * (2 * c["d_model"] * inner * 4 + 2 * 2 * length * inner + mlp) * c["num_encoder_layers"]
+    if config["dual_encoder"]["pooling"] != "encdec":
+        return float(encoder)
+    # one decoder position: self-attention on itself, cross-attention keys/values over the sequence
+    decoder = (rows * (2 * c["d_model"] * inner * 6 + 2 * 2 * length * inner + mlp)
+               + tokens * 2 * c["d_model"] * inner * 2) * c["num_decoder_layers"]
+    return float(encoder + decoder)
+
+
+def load_hf_t5(directory: str, target: Any, cfg: T5Config) -> Any:
+    from t5_retrieval.models import hf_import  # safetensors: only when importing
+
+    return hf_import.load_t5(directory, target, cfg)
+
+
+T5_FAMILY = register_family(ModelFamily(
+    name="t5", network=T5Config, head=DualEncoderConfig, module=DualEncoder,
+    depth_keys=("num_encoder_layers", "num_decoder_layers"), forward_flops=t5_forward_flops,
+    hf_import=HFImport(model_type="t5", load=load_hf_t5)))

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from t5_retrieval import sharding
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.models.build import build_model
+from t5_retrieval.models.families import family_of
 from t5_retrieval.plan import hlo
 from t5_retrieval.plan.chips import Chip, parse_topology
 from t5_retrieval.plan.steps import (
@@ -91,25 +92,8 @@ def replicated_params(params: Any, shardings: Any, threshold_bytes: int) -> list
 
 
 def forward_matmul_flops(config: dict[str, Any], rows: int, length: int) -> float:
-    """Matmul FLOPs (2*m*n*k each) of one encoder forward over [rows, length] tokens, padding included:
-    projections, attention scores and mixing, MLP; for T5 with encdec pooling also the decoder's
-    one step (cross-attention over the sequence)."""
-    tokens = rows * length
-    if config.get("family", "t5") == "bert":
-        c = config["bert"]
-        h = c["hidden_size"]
-        per_layer = 2 * tokens * h * h * 4 + 2 * 2 * tokens * length * h + 2 * 2 * tokens * h * c["intermediate_size"]
-        return float(per_layer * c["num_layers"])
-    c = config["t5"]
-    inner = c["num_heads"] * c["d_kv"]
-    mlp = 2 * c["d_model"] * c["d_ff"] * (3 if c["mlp_activation"] == "gated-gelu" else 2)
-    encoder = tokens * (2 * c["d_model"] * inner * 4 + 2 * 2 * length * inner + mlp) * c["num_encoder_layers"]
-    if config["dual_encoder"]["pooling"] != "encdec":
-        return float(encoder)
-    # one decoder position: self-attention on itself, cross-attention keys/values over the sequence
-    decoder = (rows * (2 * c["d_model"] * inner * 6 + 2 * 2 * length * inner + mlp)
-               + tokens * 2 * c["d_model"] * inner * 2) * c["num_decoder_layers"]
-    return float(encoder + decoder)
+    """Matmul FLOPs of one encoder forward over [rows, length] tokens, padding included (the family's count)."""
+    return family_of(config).forward_flops(config, rows, length)
 
 
 def train_matmul_flops(config: dict[str, Any], settings: TrainSettings, tasks: Sequence[TaskShape],
@@ -202,22 +186,20 @@ def usable_estimate(seconds: float) -> float | None:
 
 def scanned_depth(config: dict[str, Any]) -> int | None:
     """Layers per stack when the model runs them as a `lax.scan` loop (T5: encoder and decoder alike),
-    else None. A T5 with stacks of two depths would need a third point: None, and no extrapolation."""
-    family = config.get("family", "t5")
-    arch = config[family]
+    else None. A model with stacks of two depths would need a third point: None, and no extrapolation."""
+    family = family_of(config)
+    arch = config[family.name]
     if not arch.get("scan_layers"):
         return None
-    if family == "bert":
-        return int(arch["num_layers"])
-    depth = int(arch["num_encoder_layers"])
-    return depth if int(arch["num_decoder_layers"]) == depth else None
+    depths = {int(arch[key]) for key in family.depth_keys}
+    return depths.pop() if len(depths) == 1 else None
 
 
 def at_depth(config: dict[str, Any], layers: int) -> dict[str, Any]:
     """`config` with `layers` layers per stack, unrolled."""
-    family = config.get("family", "t5")
-    depth_keys = ("num_layers",) if family == "bert" else ("num_encoder_layers", "num_decoder_layers")
-    return {**config, family: {**config[family], "scan_layers": False, **dict.fromkeys(depth_keys, layers)}}
+    family = family_of(config)
+    return {**config, family.name: {**config[family.name], "scan_layers": False,
+                                     **dict.fromkeys(family.depth_keys, layers)}}
 
 
 Lower = Callable[[dict[str, Any]], jax.stages.Lowered]

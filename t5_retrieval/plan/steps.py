@@ -23,8 +23,6 @@ from t5_retrieval.data.batching.batches import task_query_lens
 from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.tasks.mixing import sizes_from_rates
 from t5_retrieval.inference import ACCELERATOR_ENCODE_BATCH_PER_SHARD, DualEncoderInference
-from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
-from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.multitask import multitask_metrics
 from t5_retrieval.optim import make_optimizer
 from t5_retrieval.train_step import TrainState, make_gradient_update, make_train_step, task_loss_fn
@@ -195,7 +193,7 @@ def encode_batch_rows(data_shards: int) -> int:
     return ACCELERATOR_ENCODE_BATCH_PER_SHARD * data_shards
 
 
-def lower_encode_step(model: DualEncoder | BertDualEncoder, config: dict[str, Any], passage_len: int, mesh: Mesh,
+def lower_encode_step(model: nn.Module, config: dict[str, Any], passage_len: int, mesh: Mesh,
                       rules: sharding.Rules) -> LoweredStep:
     """`DualEncoderInference`'s jitted embedding call (what `t5r encode` runs per device batch) over
     one full-width batch of KB passages, lowered for `mesh`."""

@@ -9,7 +9,7 @@ queries at the same length, cut the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from t5_retrieval.data.tasks.retrieval_tasks import (
@@ -23,7 +23,9 @@ from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING
 
 # TACO's maximum query lengths (its Table 5, T5 tokens) by task type.
 PAPER_QUERY_LEN = {"QA": 32, "SF": 32, "FC": 64, "EL": 128, "DIAL": 256}
-VARIANTS = ("", "_noprefix", "_typed")  # the name suffix of each query-prefix variant
+# Each query-prefix variant: its Tasks' name suffix -> the prefix it gives a dataset's queries.
+VARIANTS: dict[str, Callable[[Dataset], str | None]] = {
+    "": lambda d: d.prefix, "_noprefix": lambda d: None, "_typed": lambda d: d.task_type}
 
 
 class Dataset(NamedTuple):
@@ -40,8 +42,8 @@ class Dataset(NamedTuple):
     def spec(self, family: str, variant: str) -> TaskSpec:
         """The spec of this dataset's Task `{family}_{dataset}{variant}`: its prefix the variant's
         (the dataset's, none, or its task type), its query length and truncation the dataset's."""
-        prefix = {"": self.prefix, "_noprefix": None, "_typed": self.task_type}[variant]
-        return TaskSpec(f"{family}_{self.dataset}{variant}", self.dataset, prefix, self.query_len, self.truncation)
+        return TaskSpec(f"{family}_{self.dataset}{variant}", self.dataset, VARIANTS[variant](self), self.query_len,
+                        self.truncation)
 
 
 def register_family(family: str, datasets: Sequence[Dataset]) -> None:

@@ -84,6 +84,10 @@ class TaskSet:
         task = self.resolve(name)
         return self._specs.get(task) or TaskSpec(task, task, None)
 
+    def position(self, name: str) -> int | None:
+        """Task `name`'s position in the model's training step (its query tower), None if not recorded."""
+        return self._positions.get(name)
+
     def training_order(self) -> list[str] | None:
         """The model's tasks in their training step's order (task k's queries take query tower k);
         None when a task's position is not recorded (a model written before towers were tracked)."""
