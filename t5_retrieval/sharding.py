@@ -66,6 +66,12 @@ def tree_shardings(mesh: Mesh, rules: Rules, logical_specs: Any) -> Any:
     return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
 
 
+def tasks_mesh_axis(rules: Rules) -> str | tuple[str, ...] | None:
+    """The mesh axis the rules give the logical 'tasks' axis (a per-task state's or gradient's
+    leading axis K); None: replicated."""
+    return (nn.logical_to_mesh_axes(("tasks",), rules) or (None,))[0]  # None only for no names
+
+
 def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, param_shardings: Any,
                         mesh: Mesh, rules: Rules) -> Any:
     """Shardings of `optimizer.init(params)`, matched to the params by structure, not by name.
@@ -76,7 +82,7 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any, pa
     axis, mapped by `rules`. Every other leaf (step counts, PRNG keys, [K] task weights) is
     replicated.
     """
-    tasks_axis = (nn.logical_to_mesh_axes(("tasks",), rules) or (None,))[0]  # None only for no names
+    tasks_axis = tasks_mesh_axis(rules)
 
     def mirror(leaf: Any, param: Any, param_sharding: NamedSharding) -> Any:
         if isinstance(leaf, optax.MaskedNode):  # a parameter this part of the state leaves out (frozen)

@@ -56,6 +56,20 @@ def assert_only_named(changed: list[str], change: str, name: str) -> None:
     assert not unnamed, f"the change '{change}' touched {unnamed}, which docs/architecture.md does not name ({named})"
 
 
+def train_to_eval(model_gin: str, gin_flags: list[str], model: object, out: object, data_dir: str, tasks: str) -> str:
+    """A script running what a user runs with a new model or tasks: `t5r train` (two steps), encode,
+    index and eval."""
+    return textwrap.dedent(f"""
+        assert cli.main(["train", "--model_dir={model}", "--gin_file={model_gin}", "--gin_file=runs/base.gin",
+                         *{gin_flags!r}]) == 0
+        assert cli.main(["encode", "--checkpoint_dir={model}", "--kb_dir={data_dir}/kb",
+                         "--output_dir={out}/emb"]) == 0
+        assert cli.main(["index", "--embeddings_dir={out}/emb", "--output_dir={out}/index", "--backend=exact"]) == 0
+        assert cli.main(["eval", "--checkpoint_dir={model}", "--index_dir={out}/index", "--data_dir={data_dir}",
+                         "--tasks={tasks}", "--split=dev", "--output_dir={out}/eval"]) == 0
+    """)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_run(str(tmp_path_factory.mktemp("tiny")))
@@ -171,15 +185,7 @@ def test_a_new_task_family_touches_only_the_files_the_page_names(tiny, library_c
     bindings = [b for b in _bindings(tiny.data_dir, tiny.vocabulary) if not b.startswith(("MIXTURE", "QUERY_LEN"))]
     gin_flags = [f"--gin.{b.replace(' = ', '=')}" for b in [*bindings, "MIXTURE_OR_TASK_NAME = 'toy'", "TRAIN_STEPS = 2"]]
     model, out = tmp_path / "model", tmp_path / "out"
-    run_on_copy(library_copy, f"""
-        assert cli.main(["train", "--model_dir={model}", "--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin",
-                         *{gin_flags!r}]) == 0
-        assert cli.main(["encode", "--checkpoint_dir={model}", "--kb_dir={tiny.data_dir}/kb",
-                         "--output_dir={out}/emb"]) == 0
-        assert cli.main(["index", "--embeddings_dir={out}/emb", "--output_dir={out}/index", "--backend=exact"]) == 0
-        assert cli.main(["eval", "--checkpoint_dir={model}", "--index_dir={out}/index", "--data_dir={tiny.data_dir}",
-                         "--tasks=toy", "--split=dev", "--output_dir={out}/eval"]) == 0
-    """)
+    run_on_copy(library_copy, train_to_eval("models/t5_tiny.gin", gin_flags, model, out, tiny.data_dir, "toy"))
     results = json.load(open(out / "eval" / "results.json"))
     assert sorted(results) == sorted(f"toy_{t}" for t in TASKS), results
     assert json.load(open(model / "model_config.json"))["features"]["tasks"]["toy_trex"]["query_len"] == 10
@@ -279,16 +285,10 @@ def test_a_new_model_family_touches_only_the_named_files(tiny, library_copy, tmp
     bindings = [b for b in _bindings(tiny.data_dir, tiny.vocabulary) if not b.startswith(("D_FF", "NUM_LAYERS"))]
     gin_flags = [f"--gin.{b.replace(' = ', '=')}" for b in [*bindings, "TRAIN_STEPS = 2"]]
     model, out = tmp_path / "model", tmp_path / "out"
-    ran = run_on_copy(library_copy, f"""
-        assert cli.main(["train", "--model_dir={model}", "--gin_file=models/toy_tiny.gin", "--gin_file=runs/base.gin",
-                         *{gin_flags!r}]) == 0
-        assert cli.main(["encode", "--checkpoint_dir={model}", "--kb_dir={tiny.data_dir}/kb",
-                         "--output_dir={out}/emb"]) == 0
-        assert cli.main(["index", "--embeddings_dir={out}/emb", "--output_dir={out}/index", "--backend=exact"]) == 0
-        assert cli.main(["eval", "--checkpoint_dir={model}", "--index_dir={out}/index", "--data_dir={tiny.data_dir}",
-                         "--tasks=demo_fever,demo_trex", "--split=dev", "--output_dir={out}/eval"]) == 0
+    ran = run_on_copy(library_copy, train_to_eval("models/toy_tiny.gin", gin_flags, model, out, tiny.data_dir,
+                                                  "demo_fever,demo_trex") + textwrap.dedent(f"""
         assert cli.main(["export-hf", "--checkpoint_dir={model}", "--output_dir={out}/hf"]) == 2
-    """)
+    """))
     # A family that is not exported touches no export file: t5r export-hf refuses it, saying why.
     assert "family='toy': Hugging Face export writes" in ran.stderr, ran.stderr[-2000:]
     config = json.load(open(model / "model_config.json"))

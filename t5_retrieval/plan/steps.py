@@ -104,8 +104,8 @@ class LoweredStep:
 
 @dataclasses.dataclass
 class AbstractTraining:
-    """What `train.train` builds before its first step, abstract: the optimiser, the state and its
-    shardings, and the step function it jits."""
+    """What `train.train` builds before its first step, abstract: the optimiser and the state with
+    its shardings (and how many objectives the optimiser's multi-task transform combines)."""
     optimizer: optax.GradientTransformationExtraArgs
     state: TrainState
     state_shardings: Any
@@ -175,7 +175,7 @@ def lower_gradient_update(model: nn.Module, settings: TrainSettings, num_tasks: 
     training = abstract_training(model, settings, num_tasks, mesh, rules)
     state, state_shardings = training.state, training.state_shardings
     replicated = sharding.replicated(mesh)
-    tasks_axis = (nn.logical_to_mesh_axes(("tasks",), rules) or (None,))[0]
+    tasks_axis = sharding.tasks_mesh_axis(rules)
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct((training.num_objectives, *p.shape), p.dtype), state.params)
     grad_shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(tasks_axis, *s.spec)),
                                   state_shardings.params)
