@@ -212,16 +212,18 @@ def loop_free_estimate(lower: Lower, config: dict[str, Any], depth: int | None) 
 
     With scanned layers (`depth`): the step unrolled at 1 and 2 layers; the layers are identical, so
     the time is affine in depth, t(L) = t(1) + (L - 1) (t(2) - t(1)); unrolling all of them is what
-    made deep steps slow to compile. Without: the step at its own depth."""
+    made deep steps slow to compile (a 1-layer step: its 1-layer program alone). Without: the step
+    at its own depth."""
     points: dict[str, float | None] = {}
     spent = 0.0
-    for layers in (1, 2) if depth else (None,):
+    depths: tuple[int | None, ...] = (None,) if not depth else (1, 2) if depth > 1 else (1,)
+    for layers in depths:
         compiled, compile_s, _ = compile_timed(lower(config if layers is None else at_depth(config, layers)))
         spent += compile_s
         label = "own depth" if layers is None else f"{layers} layer" + "s" * (layers > 1)
         points[label] = usable_estimate(compiler_seconds(compiled))
     if depth:
-        one, two = points["1 layer"], points["2 layers"]
+        one, two = points["1 layer"], points.get("2 layers", points["1 layer"])
         estimate = one + (depth - 1) * (two - one) if one and two else None
     else:
         estimate = points["own depth"]
