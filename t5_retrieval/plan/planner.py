@@ -241,18 +241,18 @@ def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], update: Lower, c
     the passes compiled alone keep the programs small: the step's own loop-free program, all K
     passes unrolled, outgrew this host's memory for T5-base."""
     seconds: dict[str, float | None] = {}
+    counted: list[tuple[int, float | None]] = []  # (runs per step, seconds) of each part
     spent = 0.0
-    total: float | None = 0.0
     for label, count, lower in passes:
         part = loop_free_estimate(lower, config, depth)
         spent += part["compile_seconds"]
         seconds[f"{label} (x{count})"] = part["estimated_step_seconds"]
-        total = None if total is None or part["estimated_step_seconds"] is None else (
-            total + count * part["estimated_step_seconds"])
+        counted.append((count, part["estimated_step_seconds"]))
     compiled, compile_s, _ = compile_timed(update(config))
     spent += compile_s
     seconds["update"] = usable_estimate(compiler_seconds(compiled))
-    total = None if total is None or seconds["update"] is None else total + seconds["update"]
+    counted.append((1, seconds["update"]))
+    total = None if any(t is None for _, t in counted) else sum(c * (t or 0.0) for c, t in counted)
     depth_note = f", each extrapolated to {depth} layer{'s' * (depth > 1)}" if depth else ""
     return {"method": f"sum of {sum(c for _, c, _ in passes)} task passes{depth_note}, and the update",
             "seconds": seconds, "compile_seconds": round(spent, 2),
