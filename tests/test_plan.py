@@ -248,6 +248,24 @@ def test_depth_extrapolation_matches_the_compiler_on_the_unrolled_step():
     np.testing.assert_allclose(estimate["estimated_step_seconds"], direct, rtol=0.01)
 
 
+def test_a_task_pass_is_timed_unrolled_at_full_depth():
+    """Per-task parts are small enough to compile with every layer unrolled: their time is the
+    compiler's estimate of that program, not an extrapolation (which reads gradient passes high)."""
+    from t5_retrieval.plan import planner
+
+    mesh, config = _t5_base_mesh_and_config("VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 3",
+                                            "T5Config.scan_layers = True")
+    lower = _encode_lowering(mesh, 32)
+    part = planner.loop_free_estimate(lower, config, 3, full_depth=True)
+    assert part["method"] == "unrolled at 3 layers" and list(part["seconds"]) == ["3 layers"], part
+    compiled, _, _ = planner.compile_timed(lower(planner.at_depth(config, 3)))
+    assert part["estimated_step_seconds"] == pytest.approx(planner.compiler_seconds(compiled), rel=1e-6)
+    step = planner.per_task_estimate([("a", 2, lower), ("b", 1, lower)], lower, config, 3)
+    assert step["method"] == "sum of 3 task passes, each unrolled at 3 layers, and the update", step
+    parts = step["seconds"]
+    assert step["estimated_step_seconds"] == pytest.approx(2 * parts["a (x2)"] + parts["b (x1)"] + parts["update"])
+
+
 def test_unpriced_custom_calls_are_counted_free_not_minus_one_second():
     """libtpu prices each ConcatBitcast custom call at -1 s: T5-base's encode step at 160 tokens reads
     negative from 2 layers on. Counted free, the estimates grow by about one layer's time per layer."""
@@ -285,7 +303,7 @@ def test_a_per_task_step_is_timed_as_the_sum_of_its_task_passes_and_update():
     train = report["steps"]["train"]
     parts = train["loop_free_estimate"]["seconds"]
     assert [t["query_len"] for t in report["tasks"]] == [16, 8]
-    assert train["estimate_source"] == "sum of 2 task passes, each extrapolated to 1 layer, and the update"
+    assert train["estimate_source"] == "sum of 2 task passes, each unrolled at 1 layer, and the update"
     assert set(parts) == {"demo_fever (x1)", "demo_trex (x1)", "update"} and all(parts.values()), parts
     assert train["estimated_step_seconds"] == pytest.approx(sum(parts.values()))
     # 3.3% below the whole step here: the parts leave out stacking the K gradients and splitting keys
