@@ -55,9 +55,10 @@ def weighted_sum(weights: jax.Array, task_grads: Any) -> Any:
 
 def gram(task_grads: Any) -> jax.Array:
     """[K, K] matrix of inner products <g_i, g_j> over all parameters, in float32."""
-    def leaf_gram(g):
-        flat = g.reshape(g.shape[0], -1).astype(jnp.float32)
-        return flat @ flat.T
+    def leaf_gram(g):  # contracted in the leaf's own shape: a sharded leaf is not gathered to flatten it
+        g = g.astype(jnp.float32)
+        rest = tuple(range(1, g.ndim))
+        return jnp.tensordot(g, g, axes=(rest, rest))
     return sum(leaf_gram(g) for g in jax.tree_util.tree_leaves(task_grads))
 
 

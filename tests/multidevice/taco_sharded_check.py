@@ -2,7 +2,8 @@
 
 Runs TACO (exact and approx median) for a few steps with params, gradients and state sharded
 over a ('data', 'model') mesh, jitted with in/out shardings, and again unsharded on one device;
-prints one JSON line with the largest differences and whether the state kept its sharding.
+prints one JSON line with the largest differences, whether the state kept its sharding, and how
+many bytes the compiled update all-gathers.
 """
 
 import json
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5_retrieval import sharding
 from t5_retrieval.multitask import taco
+from t5_retrieval.plan import hlo
 
 K, STEPS = 3, 3
 SPECS = {"embed": P("model", None), "kernel": P("data", "model"), "bias": P(None), "scale": P("data")}
@@ -54,7 +56,9 @@ def main() -> int:
             ema_diff = max(ema_diff, max(
                 float(np.abs(np.asarray(state.ema[n], np.float32)
                              - np.asarray(ref_state.ema[n], np.float32)).max()) for n in SHAPES))
+        program = update.lower(jax.device_put(grads[0], grad_sh), state, sharded_params).compile().as_text()
         result[median] = {
+            "all_gathered_bytes": hlo.collectives(program).get("all-gather", {}).get("bytes", 0),
             "out_max_abs_diff": out_diff,
             "ema_max_abs_diff": ema_diff,
             "ema_specs_match": all(state.ema[n].sharding.spec == P(None, *SPECS[n]) for n in SHAPES),
