@@ -242,10 +242,24 @@ def test_depth_extrapolation_matches_the_compiler_on_the_unrolled_step():
     lower = _encode_lowering(mesh, 32)
     estimate = planner.loop_free_estimate(lower, config, 4)
     assert estimate["seconds"]["2 layers"] > estimate["seconds"]["1 layer"] > 0, estimate
-    compiled, _, _ = planner.compile_timed(lower(planner.at_depth(config, 4)))
+    compiled, _, _ = planner.compile_timed(lower(planner.timing_config(config, 4)))
     direct = planner.usable_estimate(planner.compiler_seconds(compiled))
     assert direct is not None
     np.testing.assert_allclose(estimate["estimated_step_seconds"], direct, rtol=0.01)
+
+
+def test_timing_programs_are_unrolled_and_without_dropout():
+    """The programs the plan reads step times from: the requested depth, unrolled, dropout 0 (its
+    random bits multiplied compile memory); the config's own depth when none is requested."""
+    from t5_retrieval.plan import planner
+
+    _, config = _t5_base_mesh_and_config("NUM_LAYERS = 3", "T5Config.scan_layers = True", "DROPOUT = 0.1")
+    timed = planner.timing_config(config, 2)
+    assert (timed["t5"]["num_encoder_layers"], timed["t5"]["num_decoder_layers"]) == (2, 2)
+    assert timed["t5"]["scan_layers"] is False and timed["t5"]["dropout_rate"] == 0.0
+    own = planner.timing_config(config, None)
+    assert own["t5"] == {**config["t5"], "dropout_rate": 0.0}
+    assert config["t5"]["dropout_rate"] == 0.1  # the real program keeps it
 
 
 def test_a_task_pass_is_timed_unrolled_at_full_depth():
@@ -258,7 +272,7 @@ def test_a_task_pass_is_timed_unrolled_at_full_depth():
     lower = _encode_lowering(mesh, 32)
     part = planner.loop_free_estimate(lower, config, 3, full_depth=True)
     assert part["method"] == "unrolled at 3 layers" and list(part["seconds"]) == ["3 layers"], part
-    compiled, _, _ = planner.compile_timed(lower(planner.at_depth(config, 3)))
+    compiled, _, _ = planner.compile_timed(lower(planner.timing_config(config, 3)))
     assert part["estimated_step_seconds"] == pytest.approx(planner.compiler_seconds(compiled), rel=1e-6)
     step = planner.per_task_estimate([("a", 2, lower), ("b", 1, lower)], lower, config, 3)
     assert step["method"] == "sum of 3 task passes, each unrolled at 3 layers, and the update", step
@@ -275,7 +289,7 @@ def test_unpriced_custom_calls_are_counted_free_not_minus_one_second():
     lower = _encode_lowering(mesh, 160)
     raw, corrected = [], []
     for layers in (1, 2, 3):
-        compiled, _, _ = planner.compile_timed(lower(planner.at_depth(config, layers)))
+        compiled, _, _ = planner.compile_timed(lower(planner.timing_config(config, layers)))
         raw.append(planner.cost_analysis(compiled)["optimal_seconds"])
         corrected.append(planner.compiler_seconds(compiled))
     assert min(raw) < 0, f"libtpu priced every program: {raw} (the correction may be obsolete)"

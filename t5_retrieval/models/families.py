@@ -47,6 +47,7 @@ class ModelFamily:
     depth_keys: tuple[str, ...]  # network fields counting the layers of each stack
     forward_flops: Callable[[dict[str, Any], int, int], float]  # (model config, rows, length) -> matmul FLOPs
     hf_import: HFImport | None = None  # None: starts from t5r model directories only
+    dropout_keys: tuple[str, ...] = ()  # network fields holding dropout rates (zeroed in the plan's timing programs)
 
     def config(self) -> dict[str, Any]:
         """The architecture as plain data, the dataclasses constructed here so that gin bindings apply."""
