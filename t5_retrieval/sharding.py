@@ -66,6 +66,13 @@ def tree_shardings(mesh: Mesh, rules: Rules, logical_specs: Any) -> Any:
     return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
 
 
+def batch_only(rules: Sequence[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
+    """The rules with every logical axis but 'batch' replicated: how a step reads parameters it
+    gathered whole (the models' own constraints, such as the scanned layers' stacked weights,
+    would otherwise shard them again)."""
+    return tuple((name, axis if name == "batch" else None) for name, axis in rules)
+
+
 def tasks_mesh_axis(rules: Rules) -> str | tuple[str, ...] | None:
     """The mesh axis the rules give the logical 'tasks' axis (a per-task state's or gradient's
     leading axis K); None: replicated."""

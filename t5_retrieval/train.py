@@ -149,6 +149,7 @@ def train(model_dir: str,
           data_overrides: dict[str, Any] | None = None,
           max_nonfinite_in_a_row: int = 10,
           stop_passage_gradient: bool = False,
+          gather_params_once: bool = False,
           compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE,
           command_line: bool = False,
           ) -> TrainState:
@@ -175,6 +176,10 @@ def train(model_dir: str,
         run with `NonFiniteError` (the last checkpoint stays the latest good state).
       stop_passage_gradient: only the query side learns from the loss (passage embeddings are
         constants in it); with `separate_query_encoder` the passage encoder stays as initialised.
+      gather_params_once: a per-task step (`multitask`) gathers the parameters whole onto every
+        device once per step, before its task passes, instead of each pass gathering every layer's
+        weights under a layout that shards them (FSDP); each task's gradient is reduced back to the
+        parameters' shardings. One float32 copy of the parameters per device more (docs/pods.md).
       compilation_cache_dir: JAX's persistent compilation cache, so that a restarted run does not
         compile its step again; None turns it off. Left alone when JAX already has one configured.
       command_line: run as `t5r train`: a `--gin.configurable.param` binding of a configurable the
@@ -241,7 +246,8 @@ def train(model_dir: str,
                               logit_scale=config["dual_encoder"]["logit_scale"],
                               extra_metrics=None if multitask is None else multitask_metrics,
                               max_nonfinite_in_a_row=max_nonfinite_in_a_row,
-                              stop_passage_gradient=stop_passage_gradient)
+                              stop_passage_gradient=stop_passage_gradient,
+                              gathered_passes=param_shardings if gather_params_once else None)
     unread = gin_utils.unread_bindings() if command_line else []
     if unread:
         raise UserError(f"--gin.{unread[0]}: this run never uses {unread[0].rpartition('.')[0]}, so the value "

@@ -27,7 +27,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
+from t5_retrieval import sharding
 from t5_retrieval.data.batching.batches import Batch
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.losses import in_batch_softmax_loss, positive_rows, token_cross_entropy
@@ -108,8 +110,8 @@ def query_shape_groups(batch: Batch, task_names: Sequence[str]) -> list[list[str
 
 
 def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_names: Sequence[str],
-                       rng: jax.Array, groups: Sequence[Sequence[int]] | None = None
-                       ) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+                       rng: jax.Array, groups: Sequence[Sequence[int]] | None = None,
+                       gradient_shardings: Any = None) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
     """Each task's gradient, one task's activations alive at a time.
 
     ``groups`` (default: every task alone) lists tasks that `task_groups` found interchangeable:
@@ -118,6 +120,9 @@ def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_nam
     program size grow with the number of distinct sub-batch shapes, not with K). Groups run one
     after another, chained by `optimization_barrier`; task i uses ``split(rng, K)[i]`` either way,
     so grouping does not change the result.
+
+    ``gradient_shardings`` (a tree like ``params``): each task's gradient is reduced to these as soon
+    as it exists (used when ``params`` were gathered whole for the passes).
 
     Returns (gradients stacked on a leading task axis in ``task_names`` order, losses [K], metrics).
     """
@@ -134,6 +139,8 @@ def per_task_gradients(loss_fn: Callable, params: Params, batch: Batch, task_nam
         def task_gradient(_, xs, group_params=group_params, task_index=group[0]):
             task_batch, task_rng = xs
             (loss, task_aux), grad = grad_fn(group_params, task_batch, task_rng, task_index)
+            if gradient_shardings is not None:
+                grad = jax.lax.with_sharding_constraint(grad, gradient_shardings)
             return None, (grad, loss, task_aux)
 
         _, (grad, loss, group_aux) = jax.lax.scan(task_gradient, None, (stacked, rngs[jnp.asarray(group)]))
@@ -287,7 +294,8 @@ def make_gradient_update(optimizer: optax.GradientTransformationExtraArgs,
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExtraArgs,
                     task_names: Sequence[str], per_task: bool, logit_scale: float = 1.0,
                     extra_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None,
-                    max_nonfinite_in_a_row: int | None = None, stop_passage_gradient: bool = False) -> Callable:
+                    max_nonfinite_in_a_row: int | None = None, stop_passage_gradient: bool = False,
+                    gathered_passes: Any = None) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics), to be jitted with shardings by the caller.
 
     The optimiser receives the gradient of the summed task losses, or with ``per_task`` the K task
@@ -297,6 +305,12 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
     ``stop_passage_gradient``: the in-batch loss treats passage embeddings as constants, so only
     the query side learns from it (the universal-DR thesis' stop-gradient loss; with a separate
     query encoder the passage encoder then gets no gradient at all).
+
+    ``gathered_passes`` (per-task steps; the parameters' shardings): the task passes read the
+    parameters gathered whole onto every device, once per step, and each task's gradient is
+    reduced back to these shardings. Under a layout that shards parameters (FSDP) every pass
+    otherwise gathers each layer's weights again, forward and backward: K times what the naive
+    step gathers. Costs one float32 copy of the parameters per device.
 
     A step whose losses or updates are not all finite is skipped (a non-finite gradient reaches
     the update through every transform, clipping and AdamW; checking the K x P per-task gradients
@@ -310,6 +324,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
     streak kept), so the caller, which reads the metrics only every few steps, can stop the run
     on the exact state where the limit was hit.
     """
+    if gathered_passes is not None and (not per_task or model.config.query_generation):
+        raise ConfigError("gathering the parameters once per step is for per-task steps (train.multitask); "
+                          "the naive step gathers each layer's weights once anyway")
     if model.config.query_generation and not per_task:
         raise ConfigError("a model with query_generation (GDMTL) needs a multi-task transform over its two "
                           "objectives, e.g. train.multitask = @multitask.uncertainty_weighting")
@@ -323,8 +340,13 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
             grads, losses, metrics = retrieval_and_generation_gradients(
                 model, logit_scale, state.params, batch, task_names, step_rng, stop_passage_gradient)
         elif per_task:
-            grads, losses, metrics = per_task_gradients(loss_fn, state.params, batch, task_names, step_rng,
-                                                        task_groups(model, batch, task_names))
+            params, rules = state.params, nn.get_logical_axis_rules()
+            if gathered_passes is not None:
+                params = jax.lax.with_sharding_constraint(params, jax.tree.map(lambda _: PartitionSpec(), params))
+                rules = sharding.batch_only(rules)
+            with nn.logical_axis_rules(rules):
+                grads, losses, metrics = per_task_gradients(loss_fn, params, batch, task_names, step_rng,
+                                                            task_groups(model, batch, task_names), gathered_passes)
         else:
             grads, losses, metrics = summed_gradient(model, logit_scale, state.params, batch, task_names, step_rng,
                                                      stop_passage_gradient)

@@ -45,6 +45,17 @@ def test_sharded_per_task_step_equals_single_device_naive_step(report, layout):
         f"{r['per_task_param_max_abs_diff_after_step']:.3g}")
 
 
+def test_a_per_task_step_can_gather_the_parameters_once(report):
+    """`gathered_passes` under FSDP: the same step (losses, update, shardings), with the parameters
+    gathered once instead of in every task's forward and backward pass."""
+    r = report["fsdp"]
+    np.testing.assert_allclose(r["gathered_losses"], r["ref_losses"], rtol=1e-5)
+    assert r["gathered_param_max_abs_diff_after_step"] <= 1e-5, r["gathered_param_max_abs_diff_after_step"]
+    assert r["gathered_sharding_kept"]
+    gathers = r["all_gathers"]
+    assert 0 < gathers["once"] < gathers["per_pass"], gathers
+
+
 EXPECTED_SPECS = {
     # name: (embedding [vocab, embed], wi_0 [embed, mlp], query [embed, heads, kv])
     # (PartitionSpecs without trailing Nones)

@@ -142,3 +142,15 @@ def test_tasks_at_their_own_query_lengths_train_as_if_every_query_had_one_length
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6,
                                        err_msg=f"{name}: gradients depend on how far queries are padded")
     assert task_groups(model, own_lengths, TASKS) == [[0], [1], [2]], "one scan body per query shape"
+
+
+def test_gathering_the_parameters_once_is_refused_for_the_naive_step():
+    """Only per-task steps gather each layer's weights once per task pass; the naive step's one pass
+    has nothing to save, so `train.gather_params_once` without a multi-task transform is a mistake."""
+    import optax
+
+    from t5_retrieval.errors import ConfigError
+    from t5_retrieval.train_step import make_train_step
+
+    with pytest.raises(ConfigError, match="per-task steps"):
+        make_train_step(DualEncoder(CFG), optax.sgd(1.0), ["a", "b"], per_task=False, gathered_passes={})

@@ -49,7 +49,7 @@ def _settings() -> Any:
         num_steps=run["num_steps"] or 1000, stop_passage_gradient=run["stop_passage_gradient"],
         max_nonfinite_in_a_row=run["max_nonfinite_in_a_row"],
         stored_passage_embeddings=data["passage_embeddings"] is not None, task_module=data["task_module"],
-        task_module_path=data["task_module_path"])
+        task_module_path=data["task_module_path"], gather_params_once=run["gather_params_once"])
 
 
 def main(argv: list[str]) -> int:

@@ -36,6 +36,7 @@ from t5_retrieval.plan.steps import (
     encode_batch_rows,
     lower_encode_step,
     lower_gradient_update,
+    lower_param_gather,
     lower_task_gradient,
     lower_train_step,
     task_shapes,
@@ -245,12 +246,13 @@ def loop_free_estimate(lower: Lower, config: dict[str, Any], depth: int | None, 
             "estimated_step_seconds": usable_estimate(estimate or 0.0)}
 
 
-def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], update: Lower, config: dict[str, Any],
-                      depth: int | None) -> dict[str, Any]:
+def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], once: Sequence[tuple[str, Lower]],
+                      config: dict[str, Any], depth: int | None) -> dict[str, Any]:
     """The time of a per-task step (TACO, PCGrad, ...) from its parts, each compiled alone: every
     distinct task pass (`label`, how many tasks share it, `lower(config)` of one task's gradient),
-    unrolled at full depth by `loop_free_estimate`, times its tasks; plus the update from the K
-    gradients to the next state. The step runs its passes one after another (each group behind an
+    unrolled at full depth by `loop_free_estimate`, times its tasks; plus the parts that run once
+    per step (`label`, `lower(config)`): the update from the K gradients to the next state, and the
+    parameters' gather with `gather_params_once`. The step runs its passes one after another (each group behind an
     optimisation barrier) and its same-shaped tasks in a `lax.scan`, which the cost model would price
     once; and the passes compiled alone keep the programs small: the step's own loop-free program,
     all K passes unrolled, outgrew this host's memory for T5-base, while one task's pass unrolled at
@@ -265,13 +267,15 @@ def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], update: Lower, c
         seconds[f"{label} (x{count})"] = part["estimated_step_seconds"]
         counted.append((count, part["estimated_step_seconds"]))
         method = part["method"]
-    compiled, compile_s, _ = compile_timed(update(config))
-    spent += compile_s
-    seconds["update"] = usable_estimate(compiler_seconds(compiled))
-    counted.append((1, seconds["update"]))
+    for label, lower in once:
+        compiled, compile_s, _ = compile_timed(lower(config))
+        spent += compile_s
+        seconds[label] = usable_estimate(compiler_seconds(compiled))
+        counted.append((1, seconds[label]))
     total = None if any(t is None for _, t in counted) else sum(c * (t or 0.0) for c, t in counted)
     depth_note = f", each {method}" if depth else ""
-    return {"method": f"sum of {sum(c for _, c, _ in passes)} task passes{depth_note}, and the update",
+    return {"method": f"sum of {sum(c for _, c, _ in passes)} task passes{depth_note}, and "
+                      + " and ".join(f"the {label}" for label, _ in once),
             "seconds": seconds, "compile_seconds": round(spent, 2),
             "estimated_step_seconds": usable_estimate(total or 0.0)}
 
@@ -376,9 +380,10 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
                    lambda c, k=g[0]: lower_task_gradient(build_model(c), c, settings, batch[task_names[k]], k,
                                                          mesh, rules))
                   for g in groups]
-        loop_free = per_task_estimate(
-            passes, lambda c: lower_gradient_update(build_model(c), settings, len(task_names), mesh, rules),
-            config, depth)
+        once = [("update", lambda c: lower_gradient_update(build_model(c), settings, len(task_names), mesh, rules))]
+        if settings.gather_params_once:
+            once.append(("parameter gather", lambda c: lower_param_gather(build_model(c), mesh, rules)))
+        loop_free = per_task_estimate(passes, once, config, depth)
     elif compiled is not None and depth:
         loop_free = loop_free_estimate(
             lambda c: lower_train_step(build_model(c), c, settings, task_names, batch, mesh, rules)[0].lowered,

@@ -43,6 +43,7 @@ class TrainSettings:
     stored_passage_embeddings: bool = False
     task_module: str | Sequence[str] | None = None
     task_module_path: Sequence[str] = ()
+    gather_params_once: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,8 @@ def lower_train_step(model: nn.Module, config: dict[str, Any], settings: TrainSe
                               logit_scale=config["dual_encoder"]["logit_scale"],
                               extra_metrics=None if settings.multitask is None else multitask_metrics,
                               max_nonfinite_in_a_row=settings.max_nonfinite_in_a_row,
-                              stop_passage_gradient=settings.stop_passage_gradient)
+                              stop_passage_gradient=settings.stop_passage_gradient,
+                              gathered_passes=state_shardings.params if settings.gather_params_once else None)
     batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), batch)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
@@ -155,17 +157,31 @@ def lower_train_step(model: nn.Module, config: dict[str, Any], settings: TrainSe
 def lower_task_gradient(model: nn.Module, config: dict[str, Any], settings: TrainSettings, task_batch: Any,
                         task_index: int, mesh: Mesh, rules: sharding.Rules) -> jax.stages.Lowered:
     """One task's loss and gradient, the pass a per-task step (TACO) makes once per task, lowered
-    alone with the train step's shardings (gradients sharded as the parameters)."""
+    alone with the train step's shardings (gradients sharded as the parameters; the parameters
+    read whole with `gather_params_once`, whose gather is `lower_param_gather`)."""
     params, param_shardings = abstract_params(model, mesh, rules)
     loss_fn = task_loss_fn(model, config["dual_encoder"]["logit_scale"], settings.stop_passage_gradient)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     replicated = sharding.replicated(mesh)
+    read, pass_rules = param_shardings, rules
+    if settings.gather_params_once:  # as `make_train_step(gathered_passes=...)` runs its passes
+        read, pass_rules = jax.tree.map(lambda _: replicated, param_shardings), sharding.batch_only(rules)
     batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), task_batch)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(pass_rules):
         jitted = jax.jit(lambda p, b, rng: grad_fn(p, b, rng, task_index),
-                         in_shardings=(param_shardings, batch_shardings, replicated),
+                         in_shardings=(read, batch_shardings, replicated),
                          out_shardings=((replicated, replicated), param_shardings))
         return jitted.lower(params, task_batch, jax.ShapeDtypeStruct((2,), jnp.uint32))
+
+
+def lower_param_gather(model: nn.Module, mesh: Mesh, rules: sharding.Rules) -> jax.stages.Lowered:
+    """The parameters gathered whole onto every device: what a per-task step with
+    `gather_params_once` does once per step before its task passes."""
+    params, param_shardings = abstract_params(model, mesh, rules)
+    replicated = sharding.replicated(mesh)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        return jax.jit(lambda p: p, in_shardings=(param_shardings,),
+                       out_shardings=jax.tree.map(lambda _: replicated, param_shardings)).lower(params)
 
 
 def lower_gradient_update(model: nn.Module, settings: TrainSettings, num_tasks: int, mesh: Mesh,

@@ -21,6 +21,7 @@ from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.models.build import init_params
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
+from t5_retrieval.plan import hlo
 from t5_retrieval.train_step import TrainState, make_train_step
 
 CFG = T5Config(vocab_size=128, d_model=32, num_heads=4, d_kv=8, d_ff=64, num_encoder_layers=1,
@@ -30,6 +31,7 @@ LAYOUTS = {"data_parallel": 1, "fsdp": 1, "tensor_parallel": 2, "fsdp_tensor_par
 # The per-task step across devices (in-batch negatives gathered inside the scan) on the plainest
 # layout and on the one that shards everything; each costs a compile, so not on all four.
 PER_TASK_LAYOUTS = ("data_parallel", "fsdp_tensor_parallel")
+GATHERED_LAYOUT = "fsdp"  # the per-task step with `gathered_passes`, and without for its collectives
 # SGD with lr 1: the step's parameter change is exactly minus the gradient, so comparing parameters
 # after one step compares gradients (Adam's first step would be ~sign(g), hiding differences).
 OPTIMIZER = optax.sgd(1.0, momentum=0.9)
@@ -50,7 +52,8 @@ def batch_for(data_devices: int) -> dict:
                               task_names=TASKS, vocab_size=128, query_len=8, passage_len=12, num_negatives=1))
 
 
-def step_on(mesh, rules, model, per_task: bool = False):
+def step_on(mesh, rules, model, per_task: bool = False, gathered: bool = False):
+    """One train step on `mesh`; with `gathered`, a per-task step that gathers the parameters once."""
     optimizer = PER_TASK_OPTIMIZER if per_task else OPTIMIZER
     params, param_shardings = init_params(model, jax.random.PRNGKey(0), mesh, rules)
     opt_shardings = sharding.opt_state_shardings(optimizer, params, param_shardings, mesh, rules)
@@ -61,17 +64,19 @@ def step_on(mesh, rules, model, per_task: bool = False):
     state = jax.device_put(state, shardings)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         batch = sharding.global_batch(mesh, batch_for(mesh.shape["data"]))
-        step = jax.jit(make_train_step(model, optimizer, TASKS, per_task=per_task),
+        step = jax.jit(make_train_step(model, optimizer, TASKS, per_task=per_task,
+                                       gathered_passes=param_shardings if gathered else None),
                        in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
                        out_shardings=(shardings, replicated))
+        all_gathers = hlo.collectives(step.lower(state, batch).compile().as_text()).get("all-gather", {})
         new_state, metrics = step(state, batch)
-    return params, batch, new_state, metrics
+    return params, batch, new_state, metrics, all_gathers.get("count", 0)
 
 
 def run_layout(layout: str, model_parallelism: int, reference: tuple) -> dict:
     model = DualEncoder(CFG)
     mesh = sharding.make_mesh(model_parallelism)
-    params, batch, new_state, metrics = step_on(mesh, sharding.LAYOUTS[layout], model)
+    params, batch, new_state, metrics, _ = step_on(mesh, sharding.LAYOUTS[layout], model)
     ref_params, ref_metrics = reference
 
     def max_diff(tree) -> float:
@@ -80,9 +85,18 @@ def run_layout(layout: str, model_parallelism: int, reference: tuple) -> dict:
 
     per_task = {}
     if layout in PER_TASK_LAYOUTS:
-        _, _, per_task_state, per_task_metrics = step_on(mesh, sharding.LAYOUTS[layout], model, per_task=True)
+        _, _, per_task_state, per_task_metrics, _ = step_on(mesh, sharding.LAYOUTS[layout], model, per_task=True)
         per_task = {"per_task_losses": [float(per_task_metrics[f"loss/{t}"]) for t in TASKS],
                     "per_task_param_max_abs_diff_after_step": max_diff(per_task_state.params)}
+    if layout == GATHERED_LAYOUT:  # the per-task step with and without gathering the parameters once
+        _, _, plain_state, _, plain_gathers = step_on(mesh, sharding.LAYOUTS[layout], model, per_task=True)
+        _, _, gathered_state, gathered_metrics, gathers = step_on(mesh, sharding.LAYOUTS[layout], model,
+                                                                  per_task=True, gathered=True)
+        per_task = {"gathered_losses": [float(gathered_metrics[f"loss/{t}"]) for t in TASKS],
+                    "gathered_param_max_abs_diff_after_step": max_diff(gathered_state.params),
+                    "gathered_sharding_kept": all(spec(a) == spec(b) for a, b in zip(
+                        jax.tree.leaves(plain_state.params), jax.tree.leaves(gathered_state.params))),
+                    "all_gathers": {"per_pass": plain_gathers, "once": gathers}}
 
     t5 = params["t5"]
     kernel = ("t5", "encoder", "layers_0", "mlp", "wi_0", "kernel")
@@ -112,7 +126,7 @@ def run_layout(layout: str, model_parallelism: int, reference: tuple) -> dict:
 def main() -> None:
     assert jax.device_count() == 8
     one_device = sharding.make_mesh(devices=jax.devices()[:1])
-    _, _, ref_state, ref_metrics = step_on(one_device, sharding.LAYOUTS["data_parallel"], DualEncoder(CFG))
+    _, _, ref_state, ref_metrics, _ = step_on(one_device, sharding.LAYOUTS["data_parallel"], DualEncoder(CFG))
     reference = (jax.device_get(ref_state.params), jax.device_get(ref_metrics))
     report = {name: run_layout(name, mp, reference) for name, mp in LAYOUTS.items()}
     json.dump(report, sys.stdout)
