@@ -325,8 +325,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
     on the exact state where the limit was hit.
     """
     if gathered_passes is not None and (not per_task or model.config.query_generation):
-        raise ConfigError("gathering the parameters once per step is for per-task steps (train.multitask); "
-                          "the naive step gathers each layer's weights once anyway")
+        raise ConfigError("train.gather_params_once is for per-task steps (a train.multitask transform over the "
+                          "tasks, not GDMTL's two objectives), whose task passes would each gather the weights; "
+                          "the one pass of this step gathers them once anyway")
     if model.config.query_generation and not per_task:
         raise ConfigError("a model with query_generation (GDMTL) needs a multi-task transform over its two "
                           "objectives, e.g. train.multitask = @multitask.uncertainty_weighting")

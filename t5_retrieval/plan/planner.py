@@ -252,11 +252,11 @@ def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], once: Sequence[t
     distinct task pass (`label`, how many tasks share it, `lower(config)` of one task's gradient),
     unrolled at full depth by `loop_free_estimate`, times its tasks; plus the parts that run once
     per step (`label`, `lower(config)`): the update from the K gradients to the next state, and the
-    parameters' gather with `gather_params_once`. The step runs its passes one after another (each group behind an
-    optimisation barrier) and its same-shaped tasks in a `lax.scan`, which the cost model would price
-    once; and the passes compiled alone keep the programs small: the step's own loop-free program,
-    all K passes unrolled, outgrew this host's memory for T5-base, while one task's pass unrolled at
-    12 layers compiles in minutes."""
+    parameters' gather with `gather_params_once`. The step runs its passes one after another (each
+    group behind an optimisation barrier) and its same-shaped tasks in a `lax.scan`, which the cost
+    model would price once; and the passes compiled alone keep the programs small: the step's own
+    loop-free program, all K passes unrolled, outgrew this host's memory for T5-base, while one
+    task's pass unrolled at 12 layers compiles in minutes."""
     seconds: dict[str, float | None] = {}
     counted: list[tuple[int, float | None]] = []  # (runs per step, seconds) of each part
     spent = 0.0
