@@ -199,7 +199,7 @@ def scanned_depth(config: dict[str, Any]) -> int | None:
 def timing_config(config: dict[str, Any], layers: int | None) -> dict[str, Any]:
     """`config` as the plan compiles it to read a step time: `layers` layers per stack, unrolled
     (None: the config's own depth), and no dropout. Dropout's random bits made T5-base's
-    programs several times larger to compile (the naive step unrolled at 12 layers outgrew 21 GiB
+    programs several times larger to compile (the naive step unrolled at 12 layers passed 20 GiB
     of host memory with them, 4.5 GiB without) while moving the compiler's estimate by at most
     1.1% (NQ's gradient pass at 1, 2 and 12 layers). Memory is always read from the real program."""
     family = family_of(config)
