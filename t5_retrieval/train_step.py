@@ -343,7 +343,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
         elif per_task:
             params, rules = state.params, nn.get_logical_axis_rules()
             if gathered_passes is not None:
-                params = jax.lax.with_sharding_constraint(params, jax.tree.map(lambda _: PartitionSpec(), params))
+                params = jax.lax.with_sharding_constraint(params, PartitionSpec())  # one spec for every leaf
                 rules = sharding.batch_only(rules)
             with nn.logical_axis_rules(rules):
                 grads, losses, metrics = per_task_gradients(loss_fn, params, batch, task_names, step_rng,
