@@ -8,6 +8,7 @@ mesh -> data -> model + sharded init -> optimiser -> restore -> jitted step -> l
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from t5_retrieval.models.families import family_of
 from t5_retrieval.multitask import exported_state, multitask_metrics, multitask_problems, multitask_statistics
 from t5_retrieval.multitask.analysis import STATE_FILE, save_state_npz
 from t5_retrieval.optim import make_optimizer
-from t5_retrieval.train_step import TrainState, make_train_step, query_shape_groups, task_groups
+from t5_retrieval.train_step import GatheredPasses, TrainState, make_train_step, query_shape_groups, task_groups
 
 log = logging.getLogger(__name__)
 # The host dispatches each step while the device runs the one before, then waits for that one: it
@@ -179,7 +180,8 @@ def train(model_dir: str,
       gather_params_once: a per-task step (`multitask`) gathers the parameters whole onto every
         device once per step, before its task passes, instead of each pass gathering every layer's
         weights under a layout that shards them (FSDP); each task's gradient is reduced back to the
-        parameters' shardings. One float32 copy of the parameters per device more (docs/pods.md).
+        parameters' shardings. One copy of the parameters per device more, in the dtypes the network
+        reads them (bfloat16 for a T5 computing in bfloat16; docs/pods.md).
       compilation_cache_dir: JAX's persistent compilation cache, so that a restarted run does not
         compile its step again; None turns it off. Left alone when JAX already has one configured.
       command_line: run as `t5r train`: a `--gin.configurable.param` binding of a configurable the
@@ -247,7 +249,8 @@ def train(model_dir: str,
                               extra_metrics=None if multitask is None else multitask_metrics,
                               max_nonfinite_in_a_row=max_nonfinite_in_a_row,
                               stop_passage_gradient=stop_passage_gradient,
-                              gathered_passes=param_shardings if gather_params_once else None)
+                              gathered_passes=GatheredPasses(param_shardings, functools.partial(
+                                  family_of(config).as_read, config)) if gather_params_once else None)
     unread = gin_utils.unread_bindings() if command_line else []
     if unread:
         raise UserError(f"--gin.{unread[0]}: this run never uses {unread[0].rpartition('.')[0]}, so the value "

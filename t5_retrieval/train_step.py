@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import flax.struct
@@ -36,6 +36,13 @@ from t5_retrieval.losses import in_batch_softmax_loss, positive_rows, token_cros
 from t5_retrieval.models.build import apply_params
 
 Params = Any
+
+
+class GatheredPasses(NamedTuple):
+    """How a per-task step's task passes read parameters gathered once per step
+    (`train.gather_params_once`)."""
+    shardings: Any  # the parameters' own shardings: each task's gradient is reduced back to them
+    read: Callable[[Params], Params]  # the parameters as the network reads them (`ModelFamily.as_read`)
 
 
 @flax.struct.dataclass
@@ -295,7 +302,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
                     task_names: Sequence[str], per_task: bool, logit_scale: float = 1.0,
                     extra_metrics: Callable[[optax.OptState], dict[str, jax.Array]] | None = None,
                     max_nonfinite_in_a_row: int | None = None, stop_passage_gradient: bool = False,
-                    gathered_passes: Any = None) -> Callable:
+                    gathered_passes: GatheredPasses | None = None) -> Callable:
     """Returns train_step(state, batch) -> (state, metrics), to be jitted with shardings by the caller.
 
     The optimiser receives the gradient of the summed task losses, or with ``per_task`` the K task
@@ -306,11 +313,12 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
     the query side learns from it (the universal-DR thesis' stop-gradient loss; with a separate
     query encoder the passage encoder then gets no gradient at all).
 
-    ``gathered_passes`` (per-task steps; the parameters' shardings): the task passes read the
-    parameters gathered whole onto every device, once per step, and each task's gradient is
-    reduced back to these shardings. Under a layout that shards parameters (FSDP) every pass
-    otherwise gathers each layer's weights again, forward and backward: K times what the naive
-    step gathers. Costs one float32 copy of the parameters per device.
+    ``gathered_passes`` (per-task steps): the task passes read the parameters gathered whole onto
+    every device, once per step, as the network reads them (`GatheredPasses.read`: cast to bfloat16
+    under bfloat16 compute, except those it reads in float32), and each task's gradient is reduced
+    back to the parameters' shardings and dtypes. Under a layout that shards parameters (FSDP)
+    every pass otherwise gathers each layer's weights again, forward and backward: K times what
+    the naive step gathers. Costs one copy of the parameters per device, in the dtypes read.
 
     A step whose losses or updates are not all finite is skipped (a non-finite gradient reaches
     the update through every transform, clipping and AdamW; checking the K x P per-task gradients
@@ -342,12 +350,14 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformationExt
                 model, logit_scale, state.params, batch, task_names, step_rng, stop_passage_gradient)
         elif per_task:
             params, rules = state.params, nn.get_logical_axis_rules()
+            shardings = None
             if gathered_passes is not None:
-                params = jax.lax.with_sharding_constraint(params, PartitionSpec())  # one spec for every leaf
-                rules = sharding.batch_only(rules)
+                params = jax.lax.with_sharding_constraint(gathered_passes.read(params), PartitionSpec())  # every leaf
+                rules, shardings = sharding.batch_only(rules), gathered_passes.shardings
             with nn.logical_axis_rules(rules):
                 grads, losses, metrics = per_task_gradients(loss_fn, params, batch, task_names, step_rng,
-                                                            task_groups(model, batch, task_names), gathered_passes)
+                                                            task_groups(model, batch, task_names), shardings)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)  # as stored
         else:
             grads, losses, metrics = summed_gradient(model, logit_scale, state.params, batch, task_names, step_rng,
                                                      stop_passage_gradient)

@@ -38,3 +38,34 @@ def test_a_hugging_face_directory_no_family_imports_is_refused_naming_its_model_
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "roberta"}))
     with pytest.raises(ConfigError, match=r"model_type 'roberta': this version imports \['t5', 'bert'\]"):
         initial_params(str(tmp_path), {"t5": {}}, model_config())
+
+
+def test_t5_reads_its_parameters_as_declared_so_a_bfloat16_copy_embeds_the_same():
+    """`as_read` (what `train.gather_params_once` gathers) casts all but `float32_params` to the
+    compute dtype: under bfloat16 compute the embeddings are bit-identical to those from the stored
+    float32 parameters, and casting a parameter the network reads in float32 changes them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    config = model_config("t5")
+    config["t5"].update(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_encoder_layers=1,
+                        num_decoder_layers=1, dtype="bfloat16")
+    family, model = family_of(config), build_model(config)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, size=(3, 12)), jnp.int32)
+    params = jax.tree.map(lambda x: getattr(x, "value", x), model.init(jax.random.PRNGKey(0), tokens)["params"],
+                          is_leaf=lambda x: hasattr(x, "value"))
+    read = family.as_read(config, params)
+    kept = {jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(read)
+            if x.dtype == jnp.float32}
+    assert kept and all(name.endswith(("['scale']", "['rel_embedding']")) for name in kept), kept
+    assert {x.dtype for x in jax.tree.leaves(read)} == {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
+
+    def embed(p):
+        return model.apply({"params": p}, tokens)
+
+    np.testing.assert_array_equal(np.asarray(embed(read)), np.asarray(embed(params)))
+    wrong = dataclasses.replace(family, float32_params=("scale",))  # would also cast the position biases
+    assert not np.array_equal(np.asarray(embed(wrong.as_read(config, params))), np.asarray(embed(params)))
+    assert FAMILIES["bert"].as_read(model_config("bert"), {"w": jnp.ones(2)})["w"].dtype == jnp.float32, (
+        "a family that does not declare what it reads in float32 is read as stored")

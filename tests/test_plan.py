@@ -328,3 +328,23 @@ def test_a_per_task_step_is_timed_as_the_sum_of_its_task_passes_and_update():
     np.testing.assert_allclose(train["estimated_step_seconds"], train["compiler_seconds"], rtol=0.08)
     # the passes read the parameters gathered once: the step's all-gathers are not per layer and pass
     assert train["collectives"]["all-gather"]["count"] < 100, train["collectives"]
+
+
+def test_the_parameter_gather_is_of_the_copy_the_network_reads():
+    """With `gather_params_once` and bfloat16 compute the gathered copy is the bfloat16 one the
+    network reads (all but its norm scales and position biases): about half the float32 bytes, in
+    the gathered buffers and in the all-gathers (TPU pads small dimensions, so not exactly half)."""
+    from t5_retrieval import sharding
+    from t5_retrieval.models.build import build_model
+    from t5_retrieval.plan import hlo
+    from t5_retrieval.plan.steps import lower_param_gather
+
+    def gathered_bytes(dtype: str) -> tuple[int, int]:
+        mesh, config = _t5_base_mesh_and_config(f"DTYPE = '{dtype}'")
+        compiled = lower_param_gather(build_model(config), config, mesh, sharding.LAYOUTS["fsdp"]).compile()
+        return (compiled.memory_analysis().output_size_in_bytes,
+                hlo.collectives(compiled.as_text())["all-gather"]["bytes"])
+
+    (bf16_out, bf16_gathered), (f32_out, f32_gathered) = gathered_bytes("bfloat16"), gathered_bytes("float32")
+    assert 0.45 * f32_out < bf16_out < 0.6 * f32_out, (bf16_out, f32_out)
+    assert 0.45 * f32_gathered < bf16_gathered < 0.6 * f32_gathered, (bf16_gathered, f32_gathered)

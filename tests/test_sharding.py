@@ -56,6 +56,17 @@ def test_a_per_task_step_can_gather_the_parameters_once(report):
     assert 0 < gathers["once"] < gathers["per_pass"], gathers
 
 
+def test_under_bfloat16_compute_the_gathered_copy_is_bfloat16(report):
+    """With bfloat16 activations the passes read the bfloat16 copy the network computes with, and
+    the step is the one whose passes gather the float32 weights themselves, up to bfloat16 rounding;
+    the parameters stay float32. (XLA:CPU gathers bfloat16 as float32; test_plan checks the bytes
+    for TPU.)"""
+    r = report["fsdp"]
+    np.testing.assert_allclose(r["bf16_losses"]["once"], r["bf16_losses"]["per_pass"], rtol=1e-2)
+    assert r["bf16_gathered_vs_per_pass_max_abs_diff"] <= 1e-2, r["bf16_gathered_vs_per_pass_max_abs_diff"]
+    assert r["gathered_dtypes_kept"]
+
+
 EXPECTED_SPECS = {
     # name: (embedding [vocab, embed], wi_0 [embed, mlp], query [embed, heads, kv])
     # (PartitionSpecs without trailing Nones)

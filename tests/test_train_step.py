@@ -150,7 +150,8 @@ def test_gathering_the_parameters_once_is_refused_for_the_naive_step():
     import optax
 
     from t5_retrieval.errors import ConfigError
-    from t5_retrieval.train_step import make_train_step
+    from t5_retrieval.train_step import GatheredPasses, make_train_step
 
     with pytest.raises(ConfigError, match="per-task steps"):
-        make_train_step(DualEncoder(CFG), optax.sgd(1.0), ["a", "b"], per_task=False, gathered_passes={})
+        make_train_step(DualEncoder(CFG), optax.sgd(1.0), ["a", "b"], per_task=False,
+                        gathered_passes=GatheredPasses({}, lambda p: p))

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from t5_retrieval.errors import ConfigError
 
@@ -48,6 +50,9 @@ class ModelFamily:
     forward_flops: Callable[[dict[str, Any], int, int], float]  # (model config, rows, length) -> matmul FLOPs
     hf_import: HFImport | None = None  # None: starts from t5r model directories only
     dropout_keys: tuple[str, ...] = ()  # network fields holding dropout rates (zeroed in the plan's timing programs)
+    # Names of the parameters the network reads in float32 whatever its compute dtype; it reads every
+    # other one cast to that dtype (`as_read`). None: not declared, parameters are read as stored.
+    float32_params: tuple[str, ...] | None = None
 
     def config(self) -> dict[str, Any]:
         """The architecture as plain data, the dataclasses constructed here so that gin bindings apply."""
@@ -60,6 +65,21 @@ class ModelFamily:
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         return self.module(self.network_config(config), self.head(**config["dual_encoder"]))
+
+    def as_read(self, config: dict[str, Any], params: Any) -> Any:
+        """`params` cast to the dtypes the network reads them in (see `float32_params`): the same
+        forward pass, from a copy that is half the size under bfloat16 compute. What a per-task step
+        with `train.gather_params_once` gathers."""
+        if self.float32_params is None:
+            return params
+        compute = self.network_config(config).compute_dtype
+        keep = set(self.float32_params)
+
+        def read(path: tuple[Any, ...], p: Any) -> Any:
+            if getattr(path[-1], "key", None) in keep or not jnp.issubdtype(p.dtype, jnp.floating):
+                return p
+            return p.astype(compute)
+        return jax.tree_util.tree_map_with_path(read, params)
 
     def upgraded(self, stored: dict[str, Any]) -> dict[str, Any]:
         """A stored config's architecture with fields added since at their defaults (the same model)."""

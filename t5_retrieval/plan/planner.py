@@ -382,7 +382,7 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
                   for g in groups]
         once = [("update", lambda c: lower_gradient_update(build_model(c), settings, len(task_names), mesh, rules))]
         if settings.gather_params_once:
-            once.append(("parameter gather", lambda c: lower_param_gather(build_model(c), mesh, rules)))
+            once.append(("parameter gather", lambda c: lower_param_gather(build_model(c), c, mesh, rules)))
         loop_free = per_task_estimate(passes, once, config, depth)
     elif compiled is not None and depth:
         loop_free = loop_free_estimate(

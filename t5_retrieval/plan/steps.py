@@ -8,6 +8,7 @@ mixture alone (its declared rates and query lengths), so no data directory is re
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,9 +24,10 @@ from t5_retrieval.data.batching.batches import task_query_lens
 from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.tasks.mixing import sizes_from_rates
 from t5_retrieval.inference import ACCELERATOR_ENCODE_BATCH_PER_SHARD, DualEncoderInference
+from t5_retrieval.models.families import family_of
 from t5_retrieval.multitask import multitask_metrics
 from t5_retrieval.optim import make_optimizer
-from t5_retrieval.train_step import TrainState, make_gradient_update, make_train_step, task_loss_fn
+from t5_retrieval.train_step import GatheredPasses, TrainState, make_gradient_update, make_train_step, task_loss_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +141,8 @@ def lower_train_step(model: nn.Module, config: dict[str, Any], settings: TrainSe
                               extra_metrics=None if settings.multitask is None else multitask_metrics,
                               max_nonfinite_in_a_row=settings.max_nonfinite_in_a_row,
                               stop_passage_gradient=settings.stop_passage_gradient,
-                              gathered_passes=state_shardings.params if settings.gather_params_once else None)
+                              gathered_passes=GatheredPasses(state_shardings.params, functools.partial(
+                                  family_of(config).as_read, config)) if settings.gather_params_once else None)
     batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), batch)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
@@ -163,24 +166,31 @@ def lower_task_gradient(model: nn.Module, config: dict[str, Any], settings: Trai
     loss_fn = task_loss_fn(model, config["dual_encoder"]["logit_scale"], settings.stop_passage_gradient)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     replicated = sharding.replicated(mesh)
-    read, pass_rules = param_shardings, rules
+    read, read_shardings, pass_rules = params, param_shardings, rules
     if settings.gather_params_once:  # as `make_train_step(gathered_passes=...)` runs its passes
-        read, pass_rules = jax.tree.map(lambda _: replicated, param_shardings), sharding.batch_only(rules)
+        read = jax.eval_shape(functools.partial(family_of(config).as_read, config), params)
+        read_shardings, pass_rules = jax.tree.map(lambda _: replicated, param_shardings), sharding.batch_only(rules)
+
+    def task_pass(p: Any, b: Any, rng: jax.Array) -> Any:
+        value, grad = grad_fn(p, b, rng, task_index)
+        grad = jax.lax.with_sharding_constraint(grad, param_shardings)
+        return value, jax.tree.map(lambda g, stored: g.astype(stored.dtype), grad, params)
+
     batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), task_batch)
     with jax.set_mesh(mesh), nn.logical_axis_rules(pass_rules):
-        jitted = jax.jit(lambda p, b, rng: grad_fn(p, b, rng, task_index),
-                         in_shardings=(read, batch_shardings, replicated),
+        jitted = jax.jit(task_pass, in_shardings=(read_shardings, batch_shardings, replicated),
                          out_shardings=((replicated, replicated), param_shardings))
-        return jitted.lower(params, task_batch, jax.ShapeDtypeStruct((2,), jnp.uint32))
+        return jitted.lower(read, task_batch, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
-def lower_param_gather(model: nn.Module, mesh: Mesh, rules: sharding.Rules) -> jax.stages.Lowered:
-    """The parameters gathered whole onto every device: what a per-task step with
-    `gather_params_once` does once per step before its task passes."""
+def lower_param_gather(model: nn.Module, config: dict[str, Any], mesh: Mesh, rules: sharding.Rules
+                       ) -> jax.stages.Lowered:
+    """The parameters gathered whole onto every device, as the network reads them: what a per-task
+    step with `gather_params_once` does once per step before its task passes."""
     params, param_shardings = abstract_params(model, mesh, rules)
     replicated = sharding.replicated(mesh)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        return jax.jit(lambda p: p, in_shardings=(param_shardings,),
+        return jax.jit(functools.partial(family_of(config).as_read, config), in_shardings=(param_shardings,),
                        out_shardings=jax.tree.map(lambda _: replicated, param_shardings)).lower(params)
 
 

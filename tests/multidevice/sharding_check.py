@@ -5,6 +5,8 @@ Every layout runs the naive path (all tasks in one model call); PER_TASK_LAYOUTS
 per-task path (one `lax.scan` over the tasks, K gradients summed by `multitask.naive_sum`), which
 must give the same update as the 1-device naive step."""
 
+import dataclasses
+import functools
 import json
 import os
 import sys
@@ -19,10 +21,10 @@ import optax
 from t5_retrieval import multitask, sharding
 from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.models.build import init_params
-from t5_retrieval.models.dual_encoder import DualEncoder
+from t5_retrieval.models.dual_encoder import T5_FAMILY, DualEncoder
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.plan import hlo
-from t5_retrieval.train_step import TrainState, make_train_step
+from t5_retrieval.train_step import GatheredPasses, TrainState, make_train_step
 
 CFG = T5Config(vocab_size=128, d_model=32, num_heads=4, d_kv=8, d_ff=64, num_encoder_layers=1,
                num_decoder_layers=1, dropout_rate=0.0)
@@ -52,6 +54,11 @@ def batch_for(data_devices: int) -> dict:
                               task_names=TASKS, vocab_size=128, query_len=8, passage_len=12, num_negatives=1))
 
 
+def read_as_the_network(model):
+    """`ModelFamily.as_read` for `model`'s config: what `t5r train` gathers with gather_params_once."""
+    return functools.partial(T5_FAMILY.as_read, {"t5": dataclasses.asdict(model.t5_config)})
+
+
 def step_on(mesh, rules, model, per_task: bool = False, gathered: bool = False):
     """One train step on `mesh`; with `gathered`, a per-task step that gathers the parameters once."""
     optimizer = PER_TASK_OPTIMIZER if per_task else OPTIMIZER
@@ -65,12 +72,13 @@ def step_on(mesh, rules, model, per_task: bool = False, gathered: bool = False):
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         batch = sharding.global_batch(mesh, batch_for(mesh.shape["data"]))
         step = jax.jit(make_train_step(model, optimizer, TASKS, per_task=per_task,
-                                       gathered_passes=param_shardings if gathered else None),
+                                       gathered_passes=GatheredPasses(param_shardings, read_as_the_network(model))
+                                       if gathered else None),
                        in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
                        out_shardings=(shardings, replicated))
         all_gathers = hlo.collectives(step.lower(state, batch).compile().as_text()).get("all-gather", {})
         new_state, metrics = step(state, batch)
-    return params, batch, new_state, metrics, all_gathers.get("count", 0)
+    return params, batch, new_state, metrics, all_gathers
 
 
 def run_layout(layout: str, model_parallelism: int, reference: tuple) -> dict:
@@ -92,11 +100,23 @@ def run_layout(layout: str, model_parallelism: int, reference: tuple) -> dict:
         _, _, plain_state, _, plain_gathers = step_on(mesh, sharding.LAYOUTS[layout], model, per_task=True)
         _, _, gathered_state, gathered_metrics, gathers = step_on(mesh, sharding.LAYOUTS[layout], model,
                                                                   per_task=True, gathered=True)
+        # bfloat16 compute: the passes read a bfloat16 copy (all but the norm scales and position biases)
+        bf16 = DualEncoder(dataclasses.replace(CFG, dtype="bfloat16"))
+        _, _, bf16_plain, bf16_plain_metrics, _ = step_on(mesh, sharding.LAYOUTS[layout], bf16, per_task=True)
+        _, _, bf16_gathered, bf16_metrics, _ = step_on(mesh, sharding.LAYOUTS[layout], bf16, per_task=True,
+                                                       gathered=True)
         per_task = {"gathered_losses": [float(gathered_metrics[f"loss/{t}"]) for t in TASKS],
                     "gathered_param_max_abs_diff_after_step": max_diff(gathered_state.params),
                     "gathered_sharding_kept": all(spec(a) == spec(b) for a, b in zip(
                         jax.tree.leaves(plain_state.params), jax.tree.leaves(gathered_state.params))),
-                    "all_gathers": {"per_pass": plain_gathers, "once": gathers}}
+                    "gathered_dtypes_kept": [str(a.dtype) for a in jax.tree.leaves(bf16_gathered.params)]
+                    == [str(a.dtype) for a in jax.tree.leaves(bf16_plain.params)],
+                    "bf16_losses": {"per_pass": [float(bf16_plain_metrics[f"loss/{t}"]) for t in TASKS],
+                                    "once": [float(bf16_metrics[f"loss/{t}"]) for t in TASKS]},
+                    "bf16_gathered_vs_per_pass_max_abs_diff": max(
+                        float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+                        for a, b in zip(jax.tree.leaves(bf16_gathered.params), jax.tree.leaves(bf16_plain.params))),
+                    "all_gathers": {"per_pass": plain_gathers.get("count", 0), "once": gathers.get("count", 0)}}
 
     t5 = params["t5"]
     kernel = ("t5", "encoder", "layers_0", "mlp", "wi_0", "kernel")
