@@ -27,7 +27,7 @@ TINY = ["--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin",
 TACO = ["--gin_file=runs/taco.gin", "--gin.MIXTURE_OR_TASK_NAME=['demo_fever', 'demo_trex']"]
 REPORT_KEYS = {"topology", "num_slices", "devices", "mesh", "layout", "chip", "tasks", "per_device_batch",
                "passage_len", "num_negatives", "multitask", "steps", "replicated_params", "problems",
-               "steps_per_epoch", "estimated_epoch_seconds"}
+               "steps_per_epoch", "estimated_epoch_seconds", "gathered_copy_bytes"}
 STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "fits", "compiler_refused",
              "compiler_flops_per_device", "model_matmul_flops", "estimated_step_seconds", "compiler_optimal_seconds",
              "compiler_seconds", "estimate_source", "loop_free_estimate", "collectives", "items_per_step"}
@@ -119,7 +119,15 @@ def test_tiny_t5_compiles_for_v5e_with_per_device_state_as_counted(layout, extra
         assert mem["multitask"] == 0
     assert train["estimated_step_seconds"] and train["estimated_step_seconds"] > 0
     assert train["collectives"], f"{layout}: a 4-device step without collectives"
-    assert report["problems"] == []
+    if extra == TACO:  # each task pass gathers the FSDP-sharded weights: the plan names the option
+        assert report["problems"] == [
+            "train step: each of the 2 task passes gathers every layer's weights, which layout fsdp shards; "
+            "--gin.train.gather_params_once=True gathers them once per step, for a copy of "
+            f"{report['gathered_copy_bytes'] / 2 ** 20:,.1f} MiB per device"]
+        assert report["gathered_copy_bytes"] == expected_param_bytes("data_parallel", report["mesh"]), (
+            "float32 compute: a float32 copy of all the parameters")
+    else:
+        assert report["problems"] == []
 
 
 def test_v4_topology_compiles_per_tensor_core():
@@ -194,6 +202,17 @@ def test_collectives_are_counted_by_type_and_bytes():
     assert hlo.collectives(text) == {"all-reduce": {"count": 2, "bytes": 64 * 32 * 4 + 4 + 8},
                                      "all-gather": {"count": 1, "bytes": (8 * 32 + 32 * 32) * 2}}
     assert hlo.program_size(text) == {"instructions": 5, "fusions": 1, "convolutions": 0}
+    # XLA:TPU's reduce-scatter written as a fusion of an all-reduce and a slice (as compiled for v5e)
+    fused = """
+%all-reduce-scatter (input: f32[128,32]) -> f32[32,32] {
+  %input = f32[128,32]{1,0} parameter(0)
+  %all-reduce.120 = f32[128,32]{1,0:T(8,128)} all-reduce(%input), channel_id=10, replica_groups={{0,1,2,3}}
+  ROOT %dynamic-slice.216 = f32[32,32]{1,0:T(8,128)} dynamic-slice(%all-reduce.120, %m, %c), dynamic_slice_sizes={32,32}
+}
+
+ENTRY %main {
+""" + text
+    assert hlo.collectives(fused) == {**hlo.collectives(text), "reduce-scatter": {"count": 1, "bytes": 32 * 32 * 4}}
 
 
 def test_a_compiler_estimate_that_is_no_time_is_reported_as_none():
@@ -328,6 +347,7 @@ def test_a_per_task_step_is_timed_as_the_sum_of_its_task_passes_and_update():
     np.testing.assert_allclose(train["estimated_step_seconds"], train["compiler_seconds"], rtol=0.08)
     # the passes read the parameters gathered once: the step's all-gathers are not per layer and pass
     assert train["collectives"]["all-gather"]["count"] < 100, train["collectives"]
+    assert report["gathered_copy_bytes"] is None and report["problems"] == [], report["problems"]
 
 
 def test_the_parameter_gather_is_of_the_copy_the_network_reads():

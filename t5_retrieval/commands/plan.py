@@ -24,7 +24,7 @@ from typing import Any
 UNREAD_MACROS = ("DATA_DIR = None", "VOCABULARY = None", "TRAIN_STEPS = 1000")
 
 
-def _settings() -> Any:
+def train_settings() -> Any:
     """`TrainSettings` from the bindings of `train` and `make_train_iterator` (defaults where unbound)."""
     import gin
 
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
     logs.setup()
     rules = sharding.logical_axis_rules()
     layout = next(name for name, r in sharding.LAYOUTS.items() if r == rules)
-    report = planner.plan(args.topology, args.num_slices, layout, rules, model_config(), _settings(),
+    report = planner.plan(args.topology, args.num_slices, layout, rules, model_config(), train_settings(),
                           int(args.replicated_mib * planner.MIB))
     print(json.dumps(report, indent=1) if args.json else planner.format_text(report))
     train_step = report["steps"]["train"]

@@ -1,7 +1,10 @@
 """Collectives of a compiled (partitioned) XLA program, by type and bytes, read from its HLO text.
 
 Each instruction is counted once where it is written: an all-reduce inside a `lax.scan` body runs
-once per iteration but appears once. Asynchronous pairs count at their `-start`.
+once per iteration but appears once. Asynchronous pairs count at their `-start`. XLA:TPU writes a
+reduce-scatter it made from an all-reduce and a slice as a fusion computation named
+`all-reduce-scatter` (an all-reduce whose result is sliced): counted as a reduce-scatter of the
+computation's result.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import re
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # `%name = <shape or tuple of shapes> <op>(` where op is a collective, optionally its async -start.
 _INSTRUCTION = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+# `%all-reduce-scatter.3 (input: f32[128,32]) -> f32[32,32] {`: the header of such a fusion computation
+_FUSED_REDUCE_SCATTER = re.compile(r"^%all-reduce-scatter[\w.]*\s*\(.*\)\s*->\s*(?P<shape>.*\S)\s*\{$")
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]")
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64,
          "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "f8e4m3fn": 8, "f8e5m2": 8}
@@ -27,13 +32,19 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """{op: {"count", "bytes"}} over the program's collectives (output shapes; async starts include
     their operands in the tuple, so an async op's bytes count its buffers as XLA allocates them)."""
     out: dict[str, dict[str, int]] = {}
+    fused_result: str | None = None  # inside an all-reduce-scatter computation: its result shape
     for line in hlo_text.splitlines():
+        header = _FUSED_REDUCE_SCATTER.match(line)
+        if header is not None or line.startswith("}"):
+            fused_result = header["shape"] if header is not None else None
+            continue
         found = _INSTRUCTION.search(line)
         if found is None:
             continue
-        entry = out.setdefault(found["op"], {"count": 0, "bytes": 0})
+        op, shape = ("reduce-scatter", fused_result) if fused_result else (found["op"], found["shape"])
+        entry = out.setdefault(op, {"count": 0, "bytes": 0})
         entry["count"] += 1
-        entry["bytes"] += shape_bytes(found["shape"])
+        entry["bytes"] += shape_bytes(shape)
     return out
 
 

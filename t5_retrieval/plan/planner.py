@@ -9,6 +9,7 @@ is compared with the chip's HBM (`chips.py`). Times are the TPU compiler's own c
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -432,6 +433,11 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     }
     epoch_steps, step_seconds = report["steps_per_epoch"], train_report["estimated_step_seconds"]
     report["estimated_epoch_seconds"] = epoch_steps * step_seconds if epoch_steps and step_seconds else None
+    report["gathered_copy_bytes"] = None  # the copy `train.gather_params_once` would add, where it helps
+    if per_task and not settings.gather_params_once and params_b < bytes_per_device(
+            train.state.params, jax.tree.map(lambda _: sharding.replicated(mesh), train.state.params)):
+        read = jax.eval_shape(functools.partial(family_of(config).as_read, config), train.state.params)
+        report["gathered_copy_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(read))
     report["problems"] = problems(report)
     if not train_report["fits"]:
         report["advice"] = fit_advice(model, mesh, layout, train_report, settings.per_device_batch, len(tasks))
@@ -450,6 +456,10 @@ def problems(report: dict[str, Any]) -> list[str]:
     for p in report["replicated_params"]:
         lines.append(f"parameter {p['param']} {p['shape']} ({p['bytes'] / MIB:,.2f} MiB) is replicated on every "
                      f"device under layout {report['layout']}: its logical axes map to no mesh axis")
+    if report["gathered_copy_bytes"]:
+        lines.append(f"train step: each of the {len(report['tasks'])} task passes gathers every layer's weights, "
+                     f"which layout {report['layout']} shards; --gin.train.gather_params_once=True gathers them "
+                     f"once per step, for a copy of {report['gathered_copy_bytes'] / MIB:,.1f} MiB per device")
     return lines
 
 
