@@ -8,7 +8,6 @@ mesh -> data -> model + sharded init -> optimiser -> restore -> jitted step -> l
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -249,8 +248,8 @@ def train(model_dir: str,
                               extra_metrics=None if multitask is None else multitask_metrics,
                               max_nonfinite_in_a_row=max_nonfinite_in_a_row,
                               stop_passage_gradient=stop_passage_gradient,
-                              gathered_passes=GatheredPasses(param_shardings, functools.partial(
-                                  family_of(config).as_read, config)) if gather_params_once else None)
+                              gathered_passes=GatheredPasses.of_model(config, param_shardings)
+                              if gather_params_once else None)
     unread = gin_utils.unread_bindings() if command_line else []
     if unread:
         raise UserError(f"--gin.{unread[0]}: this run never uses {unread[0].rpartition('.')[0]}, so the value "

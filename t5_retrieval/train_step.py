@@ -18,6 +18,7 @@ Two ways to get gradients, same losses:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -34,6 +35,7 @@ from t5_retrieval.data.batching.batches import Batch
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.losses import in_batch_softmax_loss, positive_rows, token_cross_entropy
 from t5_retrieval.models.build import apply_params
+from t5_retrieval.models.families import family_of
 
 Params = Any
 
@@ -43,6 +45,11 @@ class GatheredPasses(NamedTuple):
     (`train.gather_params_once`)."""
     shardings: Any  # the parameters' own shardings: each task's gradient is reduced back to them
     read: Callable[[Params], Params]  # the parameters as the network reads them (`ModelFamily.as_read`)
+
+    @classmethod
+    def of_model(cls, config: dict[str, Any], shardings: Any) -> GatheredPasses:
+        """For the model `config` describes: its family's `as_read` copy."""
+        return cls(shardings, functools.partial(family_of(config).as_read, config))
 
 
 @flax.struct.dataclass

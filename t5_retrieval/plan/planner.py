@@ -9,7 +9,6 @@ is compared with the chip's HBM (`chips.py`). Times are the TPU compiler's own c
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 import os
@@ -43,7 +42,7 @@ from t5_retrieval.plan.steps import (
     task_shapes,
 )
 from t5_retrieval.sharding import param_path
-from t5_retrieval.train_step import task_groups
+from t5_retrieval.train_step import GatheredPasses, task_groups
 
 MIB = 1024 ** 2
 # The layout that replicates parameters by design; under any other a large replicated one is a problem.
@@ -436,7 +435,7 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     report["gathered_copy_bytes"] = None  # the copy `train.gather_params_once` would add, where it helps
     if per_task and not settings.gather_params_once and params_b < bytes_per_device(
             train.state.params, jax.tree.map(lambda _: sharding.replicated(mesh), train.state.params)):
-        read = jax.eval_shape(functools.partial(family_of(config).as_read, config), train.state.params)
+        read = jax.eval_shape(GatheredPasses.of_model(config, None).read, train.state.params)
         report["gathered_copy_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(read))
     report["problems"] = problems(report)
     if not train_report["fits"]:

@@ -8,7 +8,6 @@ mixture alone (its declared rates and query lengths), so no data directory is re
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +23,6 @@ from t5_retrieval.data.batching.batches import task_query_lens
 from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.tasks.mixing import sizes_from_rates
 from t5_retrieval.inference import ACCELERATOR_ENCODE_BATCH_PER_SHARD, DualEncoderInference
-from t5_retrieval.models.families import family_of
 from t5_retrieval.multitask import multitask_metrics
 from t5_retrieval.optim import make_optimizer
 from t5_retrieval.train_step import GatheredPasses, TrainState, make_gradient_update, make_train_step, task_loss_fn
@@ -141,8 +139,8 @@ def lower_train_step(model: nn.Module, config: dict[str, Any], settings: TrainSe
                               extra_metrics=None if settings.multitask is None else multitask_metrics,
                               max_nonfinite_in_a_row=settings.max_nonfinite_in_a_row,
                               stop_passage_gradient=settings.stop_passage_gradient,
-                              gathered_passes=GatheredPasses(state_shardings.params, functools.partial(
-                                  family_of(config).as_read, config)) if settings.gather_params_once else None)
+                              gathered_passes=GatheredPasses.of_model(config, state_shardings.params)
+                              if settings.gather_params_once else None)
     batch_shardings = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), batch)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         jitted = jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
@@ -168,7 +166,7 @@ def lower_task_gradient(model: nn.Module, config: dict[str, Any], settings: Trai
     replicated = sharding.replicated(mesh)
     read, read_shardings, pass_rules = params, param_shardings, rules
     if settings.gather_params_once:  # as `make_train_step(gathered_passes=...)` runs its passes
-        read = jax.eval_shape(functools.partial(family_of(config).as_read, config), params)
+        read = jax.eval_shape(GatheredPasses.of_model(config, param_shardings).read, params)
         read_shardings, pass_rules = jax.tree.map(lambda _: replicated, param_shardings), sharding.batch_only(rules)
 
     def task_pass(p: Any, b: Any, rng: jax.Array) -> Any:
@@ -190,7 +188,7 @@ def lower_param_gather(model: nn.Module, config: dict[str, Any], mesh: Mesh, rul
     params, param_shardings = abstract_params(model, mesh, rules)
     replicated = sharding.replicated(mesh)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        return jax.jit(functools.partial(family_of(config).as_read, config), in_shardings=(param_shardings,),
+        return jax.jit(GatheredPasses.of_model(config, param_shardings).read, in_shardings=(param_shardings,),
                        out_shardings=jax.tree.map(lambda _: replicated, param_shardings)).lower(params)
 
 

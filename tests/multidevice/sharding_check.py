@@ -6,7 +6,6 @@ per-task path (one `lax.scan` over the tasks, K gradients summed by `multitask.n
 must give the same update as the 1-device naive step."""
 
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ import optax
 from t5_retrieval import multitask, sharding
 from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.models.build import init_params
-from t5_retrieval.models.dual_encoder import T5_FAMILY, DualEncoder
+from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.plan import hlo
 from t5_retrieval.train_step import GatheredPasses, TrainState, make_train_step
@@ -54,11 +53,6 @@ def batch_for(data_devices: int) -> dict:
                               task_names=TASKS, vocab_size=128, query_len=8, passage_len=12, num_negatives=1))
 
 
-def read_as_the_network(model):
-    """`ModelFamily.as_read` for `model`'s config: what `t5r train` gathers with gather_params_once."""
-    return functools.partial(T5_FAMILY.as_read, {"t5": dataclasses.asdict(model.t5_config)})
-
-
 def step_on(mesh, rules, model, per_task: bool = False, gathered: bool = False):
     """One train step on `mesh`; with `gathered`, a per-task step that gathers the parameters once."""
     optimizer = PER_TASK_OPTIMIZER if per_task else OPTIMIZER
@@ -71,9 +65,9 @@ def step_on(mesh, rules, model, per_task: bool = False, gathered: bool = False):
     state = jax.device_put(state, shardings)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         batch = sharding.global_batch(mesh, batch_for(mesh.shape["data"]))
-        step = jax.jit(make_train_step(model, optimizer, TASKS, per_task=per_task,
-                                       gathered_passes=GatheredPasses(param_shardings, read_as_the_network(model))
-                                       if gathered else None),
+        config = {"t5": dataclasses.asdict(model.t5_config)}  # what GatheredPasses reads of it
+        gathered_passes = GatheredPasses.of_model(config, param_shardings) if gathered else None
+        step = jax.jit(make_train_step(model, optimizer, TASKS, per_task=per_task, gathered_passes=gathered_passes),
                        in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
                        out_shardings=(shardings, replicated))
         all_gathers = hlo.collectives(step.lower(state, batch).compile().as_text()).get("all-gather", {})
