@@ -47,7 +47,6 @@ class Planned:
     rules: Any
     tasks: list[Any]
     chip: Any
-    devices: list[Any]
     topology: str
 
 
@@ -67,7 +66,7 @@ def planned(plan_argv: list[str]) -> Planned:
     chip, devices = planner.topology_devices(args.topology, 1)
     rules = sharding.logical_axis_rules()
     return Planned(settings, model_config(), sharding.make_mesh(devices=devices), rules,
-                   steps.task_shapes(settings), chip, devices, args.topology)
+                   steps.task_shapes(settings), chip, args.topology)
 
 
 def part_estimate(plan: Planned, part: str) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from t5_retrieval.plan.steps import (
     task_shapes,
 )
 from t5_retrieval.sharding import param_path
-from t5_retrieval.train_step import GatheredPasses, task_groups
+from t5_retrieval.train_step import task_groups
 
 MIB = 1024 ** 2
 # The layout that replicates parameters by design; under any other a large replicated one is a problem.
@@ -433,10 +433,10 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     epoch_steps, step_seconds = report["steps_per_epoch"], train_report["estimated_step_seconds"]
     report["estimated_epoch_seconds"] = epoch_steps * step_seconds if epoch_steps and step_seconds else None
     report["gathered_copy_bytes"] = None  # the copy `train.gather_params_once` would add, where it helps
-    if per_task and not settings.gather_params_once and params_b < bytes_per_device(
-            train.state.params, jax.tree.map(lambda _: sharding.replicated(mesh), train.state.params)):
-        read = jax.eval_shape(GatheredPasses.of_model(config, None).read, train.state.params)
-        report["gathered_copy_bytes"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(read))
+    whole = jax.tree.map(lambda _: sharding.replicated(mesh), train.state.params)
+    if per_task and not settings.gather_params_once and params_b < bytes_per_device(train.state.params, whole):
+        read = jax.eval_shape(lambda p: family_of(config).as_read(config, p), train.state.params)
+        report["gathered_copy_bytes"] = bytes_per_device(read, whole)
     report["problems"] = problems(report)
     if not train_report["fits"]:
         report["advice"] = fit_advice(model, mesh, layout, train_report, settings.per_device_batch, len(tasks))
