@@ -15,7 +15,11 @@ cost model, not a measurement.
 
     .venv/bin/python benchmarks/bench_plan_parts.py --topology=v4:2x2x1 --gin_file=models/t5_base.gin \\
         --gin_file=runs/taco.gin --gin_file=sharding/fsdp.gin --gin.PASSAGE_LEN=160 \\
-        --gin.train.gather_params_once=True --naive_depths 4 6 8 [--timeout 1800] [--out results.json]
+        --gin.train.gather_params_once=True --naive_depths 4 6 8 [--whole] [--timeout 1800] [--out results.json]
+
+`--whole` also compiles the real train step (its layers scanned, as `t5r train` runs it) in a process
+of its own, for its memory per device: what `t5r plan` reports first, and the compile that outgrows
+small hosts with remat (T5-base TACO passed 21 GiB; without remat it took 17.9 GiB).
 """
 
 from __future__ import annotations
@@ -69,12 +73,37 @@ def planned(plan_argv: list[str]) -> Planned:
                    steps.task_shapes(settings), chip, args.topology)
 
 
+def whole_step_memory(plan: Planned) -> dict[str, Any]:
+    """The memory per device of the real train step (scanned layers, dropout), as `t5r plan` reads it:
+    the program the parts stand in for, whose compile is the one that outgrows small hosts."""
+    from t5_retrieval.models.build import build_model
+    from t5_retrieval.plan import planner, steps
+    from t5_retrieval.plan.chips import parse_topology
+
+    model = build_model(plan.config)
+    batch = steps.abstract_batch(plan.tasks, plan.settings, plan.mesh.shape["data"], model.embedding_dim)
+    train, multitask_state = steps.lower_train_step(model, plan.config, plan.settings, [t.name for t in plan.tasks],
+                                                    batch, plan.mesh, plan.rules)
+    compiled, compile_s, refusal = planner.compile_timed(train.lowered)
+    parts = planner.train_state_bytes(train, multitask_state)
+    buffers = planner.compiled_memory(compiled, refusal, parts)
+    _, chips_per_slice = parse_topology(plan.topology)
+    hbm = int(plan.chip.hbm_bytes * chips_per_slice / len(plan.mesh.devices.flat))
+    peak = sum(buffers.values())
+    return {"seconds": None, "compile_seconds": round(compile_s, 1), "refused": refusal,
+            "memory_per_device": {**parts, **buffers, "peak": peak, "hbm": hbm},
+            "fits": compiled is not None and peak <= hbm}
+
+
 def part_estimate(plan: Planned, part: str) -> dict[str, Any]:
-    """One part's estimate: `pass:<k>` (task k's gradient pass), `update`, `gather`, `naive:<layers>`."""
+    """One part's estimate: `pass:<k>` (task k's gradient pass), `update`, `gather`, `naive:<layers>`;
+    or `whole`, the real step's memory (`whole_step_memory`)."""
     from t5_retrieval.models.build import build_model
     from t5_retrieval.plan import planner, steps
 
     kind, _, arg = part.partition(":")
+    if kind == "whole":
+        return whole_step_memory(plan)
     names = [t.name for t in plan.tasks]
     depth = planner.scanned_depth(plan.config)
     data_shards = plan.mesh.shape["data"]
@@ -127,6 +156,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--naive_depths", nargs="*", type=int, default=[4, 6, 8],
                         help="depths the naive step is unrolled at and projected from (none: no reference)")
+    parser.add_argument("--whole", action="store_true",
+                        help="also compile the real (scanned) train step for its memory per device")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per part")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/plan_parts.json)")
     args = parser.parse_args(options)
@@ -158,6 +189,9 @@ def main(argv: list[str]) -> int:
     peak = plan.chip.peak_bf16_flops * chips_per_slice
     flops = planner.train_matmul_flops(plan.config, plan.settings, plan.tasks, data_shards)
     queries = sum(t.rows for t in plan.tasks) * data_shards
+    whole = run_part(plan_argv, "whole", args.timeout) if args.whole else None
+    if whole:
+        print(f"whole step: {whole}", file=sys.stderr, flush=True)
     naive = {d: run_part(plan_argv, f"naive:{d}", args.timeout) for d in args.naive_depths}
     for d, p in naive.items():
         print(f"naive at {d} layers: {p}", file=sys.stderr, flush=True)
@@ -169,7 +203,7 @@ def main(argv: list[str]) -> int:
         projected = float(slope * depth + intercept)
     result = {
         "machine": common.machine_info(blas_env=ORIGINAL_BLAS_ENV), "plan_args": plan_argv,
-        "parts": timed, "step_seconds": step, "queries_per_step": queries,
+        "parts": timed, "whole_step": whole, "step_seconds": step, "queries_per_step": queries,
         "queries_per_second": queries / step if step else None, "mfu": flops / step / peak if step else None,
         "naive": {"unrolled": naive, "projected_to_layers": depth, "projected_seconds": projected},
         "ratio_to_naive": step / projected if step and projected else None,
@@ -179,6 +213,12 @@ def main(argv: list[str]) -> int:
                f"MFU {flops / step / peak:.0%})" if step else "per-task step: a part has no estimate")
     if result["ratio_to_naive"]:
         summary += f"; naive {projected * 1e3:,.1f} ms projected from {args.naive_depths} layers: {result['ratio_to_naive']:.2f}x"
+    if whole and "memory_per_device" in whole:
+        mem = whole["memory_per_device"]
+        summary += (f"; the whole step {'fits' if whole['fits'] else 'does NOT fit'} "
+                    f"({mem['peak'] / 2 ** 20:,.0f} / {mem['hbm'] / 2 ** 20:,.0f} MiB per device)")
+    elif whole:
+        summary += f"; the whole step: {whole['status']}"
     common.write_results("plan_parts", result, summary, args.out)
     return 0
 

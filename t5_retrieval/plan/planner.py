@@ -342,6 +342,15 @@ def fit_advice(model: Any, mesh: Mesh, layout: str, report: dict[str, Any], per_
     return "no layout of this mesh and no batch of at least one query per task fits: use more or larger chips"
 
 
+def train_state_bytes(train: LoweredStep, multitask_state: tuple[Any, Any] | None) -> dict[str, int]:
+    """Per-device bytes of the train step's arguments by what they are: parameters, optimiser state
+    (the multi-task transform's own state, e.g. TACO's K x params EMA, counted apart) and batch."""
+    opt_b = bytes_per_device(train.state.opt_state, train.state_shardings.opt_state)
+    mt_b = 0 if multitask_state is None else bytes_per_device(*multitask_state)
+    return {"params": bytes_per_device(train.state.params, train.state_shardings.params),
+            "optimizer": opt_b - mt_b, "multitask": mt_b, "batch": bytes_per_device(train.batch, train.batch_shardings)}
+
+
 def steps_per_epoch(tasks: Sequence[TaskShape], data_shards: int) -> int | None:
     """Steps of one epoch, a pass over the task with the most training examples (the others cycle),
     or None when a task declares no size."""
@@ -388,11 +397,8 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
         loop_free = loop_free_estimate(
             lambda c: lower_train_step(build_model(c), c, settings, task_names, batch, mesh, rules)[0].lowered,
             config, depth)
-    params_b = bytes_per_device(train.state.params, train.state_shardings.params)
-    opt_b = bytes_per_device(train.state.opt_state, train.state_shardings.opt_state)
-    mt_b = 0 if multitask_state is None else bytes_per_device(*multitask_state)
-    parts = {"params": params_b, "optimizer": opt_b - mt_b, "multitask": mt_b,
-             "batch": bytes_per_device(train.batch, train.batch_shardings)}
+    parts = train_state_bytes(train, multitask_state)
+    params_b = parts["params"]
     queries = sum(t.rows for t in tasks) * data_shards
     train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, chip, devices_per_chip,
                                len(devices),
