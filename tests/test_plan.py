@@ -10,6 +10,7 @@ import contextlib
 import functools
 import io
 import json
+import os
 
 import jax
 import numpy as np
@@ -27,7 +28,7 @@ TINY = ["--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin",
 TACO = ["--gin_file=runs/taco.gin", "--gin.MIXTURE_OR_TASK_NAME=['demo_fever', 'demo_trex']"]
 REPORT_KEYS = {"topology", "num_slices", "devices", "mesh", "layout", "chip", "tasks", "per_device_batch",
                "passage_len", "num_negatives", "multitask", "steps", "replicated_params", "problems",
-               "steps_per_epoch", "estimated_epoch_seconds", "gathered_copy_bytes"}
+               "steps_per_epoch", "estimated_epoch_seconds", "gathered_copy_bytes", "host_peak_bytes"}
 STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "fits", "compiler_refused",
              "compiler_flops_per_device", "model_matmul_flops", "estimated_step_seconds", "compiler_optimal_seconds",
              "compiler_seconds", "estimate_source", "loop_free_estimate", "collectives", "items_per_step"}
@@ -175,6 +176,9 @@ def test_json_report_schema():
     assert report["steps_per_epoch"] == 40
     seconds = report["steps"]["train"]["estimated_step_seconds"]
     assert report["estimated_epoch_seconds"] == pytest.approx(40 * seconds)
+    # in bytes: more than jax with libtpu loaded alone holds, less than the machine has
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 200 * 2 ** 20 < report["host_peak_bytes"] <= physical
     json.dumps(report)
 
 

@@ -13,6 +13,8 @@ import importlib.util
 import math
 import os
 import re
+import resource
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -444,9 +446,17 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
         read = jax.eval_shape(lambda p: family_of(config).as_read(config, p), train.state.params)
         report["gathered_copy_bytes"] = bytes_per_device(read, whole)
     report["problems"] = problems(report)
+    report["host_peak_bytes"] = host_peak_bytes()
     if not train_report["fits"]:
         report["advice"] = fit_advice(model, mesh, layout, train_report, settings.per_device_batch, len(tasks))
     return report
+
+
+def host_peak_bytes() -> int:
+    """The most host memory this process has held: for `t5r plan`, its compiles' peak, which decides
+    the host a plan needs (T5-base on `v4:2x2x1`: 18 GiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def problems(report: dict[str, Any]) -> list[str]:
@@ -526,6 +536,7 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(f"epoch (one pass over {largest['name']}, {largest['train_examples']:,} examples): "
                      f"{report['steps_per_epoch']:,} steps"
                      + (f", estimated {_duration(epoch)}" if epoch else ""))
+    lines.append(f"host memory: {report['host_peak_bytes'] / 1024 ** 3:,.1f} GiB at its peak (this plan's compiles)")
     if "advice" in report:
         lines.append(f"advice: {report['advice']}")
     lines += [f"problem: {line}" for line in report["problems"]]
