@@ -85,14 +85,12 @@ def whole_step_memory(plan: Planned) -> dict[str, Any]:
     train, multitask_state = steps.lower_train_step(model, plan.config, plan.settings, [t.name for t in plan.tasks],
                                                     batch, plan.mesh, plan.rules)
     compiled, compile_s, refusal = planner.compile_timed(train.lowered)
-    parts = planner.train_state_bytes(train, multitask_state)
-    buffers = planner.compiled_memory(compiled, refusal, parts)
     _, chips_per_slice = parse_topology(plan.topology)
-    hbm = int(plan.chip.hbm_bytes * chips_per_slice / len(plan.mesh.devices.flat))
-    peak = sum(buffers.values())
+    devices_per_chip = plan.mesh.devices.size / chips_per_slice
+    memory = planner.memory_per_device(compiled, refusal, planner.train_state_bytes(train, multitask_state),
+                                       int(plan.chip.hbm_bytes / devices_per_chip))
     return {"seconds": None, "compile_seconds": round(compile_s, 1), "refused": refusal,
-            "memory_per_device": {**parts, **buffers, "peak": peak, "hbm": hbm},
-            "fits": compiled is not None and peak <= hbm}
+            "memory_per_device": memory, "fits": compiled is not None and memory["margin"] >= 0}
 
 
 def part_estimate(plan: Planned, part: str) -> dict[str, Any]:

@@ -157,6 +157,15 @@ def compiled_memory(compiled: jax.stages.Compiled | None, refusal: str | None, p
             "temporaries": memory.temp_size_in_bytes, "code": memory.generated_code_size_in_bytes}
 
 
+def memory_per_device(compiled: jax.stages.Compiled | None, refusal: str | None, parts: dict[str, int], hbm: int
+                      ) -> dict[str, int]:
+    """`parts` (the arguments by what they are) and the compiled program's buffers, their sum (`peak`)
+    against the device's `hbm` and the margin left."""
+    buffers = compiled_memory(compiled, refusal, parts)
+    peak = sum(buffers.values())
+    return {**parts, **buffers, "peak": peak, "hbm": hbm, "margin": hbm - peak}
+
+
 def cost_analysis(compiled: jax.stages.Compiled | None) -> dict[str, Any]:
     """The compiler's cost analysis of a compiled program (empty for none)."""
     analysis = (compiled.cost_analysis() if compiled is not None else None) or {}
@@ -288,9 +297,7 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
                 ) -> dict[str, Any]:
     """Memory, time estimate and collectives of one compiled step, per device. The time is the
     compiler's estimate for this program, or, for one with loops of ours, `loop_free`'s."""
-    buffers = compiled_memory(compiled, refusal, parts)
-    hbm = int(chip.hbm_bytes / devices_per_chip)
-    peak = sum(buffers.values())
+    memory = memory_per_device(compiled, refusal, parts, int(chip.hbm_bytes / devices_per_chip))
     analysis = cost_analysis(compiled)
     text = (compiled.as_text() if compiled is not None else None) or ""
     own_seconds = _priced_seconds(analysis, text)
@@ -302,8 +309,8 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
     report: dict[str, Any] = {
         "lower_seconds": round(lower_s, 2), "compile_seconds": round(compile_s, 2),
         "hlo_bytes": len(step.lowered.as_text()),
-        "memory_per_device": {**parts, **buffers, "peak": peak, "hbm": hbm, "margin": hbm - peak},
-        "fits": compiled is not None and peak <= hbm,
+        "memory_per_device": memory,
+        "fits": compiled is not None and memory["margin"] >= 0,
         "compiler_refused": refusal,
         "compiler_flops_per_device": float(analysis.get("flops", 0.0)),
         "model_matmul_flops": model_flops,
