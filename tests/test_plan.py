@@ -31,7 +31,8 @@ REPORT_KEYS = {"topology", "num_slices", "devices", "mesh", "layout", "chip", "t
                "steps_per_epoch", "estimated_epoch_seconds", "gathered_copy_bytes", "host_peak_bytes"}
 STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "fits", "compiler_refused",
              "compiler_flops_per_device", "model_matmul_flops", "estimated_step_seconds", "compiler_optimal_seconds",
-             "compiler_seconds", "estimate_source", "loop_free_estimate", "collectives", "items_per_step"}
+             "compiler_seconds", "estimate_source", "loop_free_estimate", "hlo_unreadable", "collectives",
+             "items_per_step"}
 MEMORY_KEYS = {"params", "optimizer", "multitask", "batch", "arguments", "outputs_not_donated", "temporaries",
                "code", "peak", "hbm", "margin"}
 
@@ -319,6 +320,49 @@ def test_unpriced_custom_calls_are_counted_free_not_minus_one_second():
     assert all(0 < t < 1 for t in corrected), corrected
     # affine in depth (to within how the compiler schedules each program: 2.6% at 3 layers here)
     np.testing.assert_allclose(2 * corrected[1] - corrected[0], corrected[2], rtol=0.05)
+
+
+class _TextUnreadable:
+    """A compiled program whose HLO text cannot be read back, as jax 0.10.2 fails on some of libtpu
+    0.0.52's v5p programs; everything else is the real compiled program's."""
+
+    def __init__(self, compiled):
+        self._compiled = compiled
+
+    def __getattr__(self, name):
+        return getattr(self._compiled, name)
+
+    def as_text(self):
+        raise jax.errors.JaxRuntimeError("INTERNAL: RET_CHECK failure (external/xla/xla/hlo/ir/hlo_instruction.cc:390) "
+                                         "proto.operand_ids_size() == *arity async-update instruction should have "
+                                         "1 operands but sees 3")
+
+
+def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
+    """The plan goes on without the program's text: memory from the buffer assignment as before, no
+    collectives and no time (its unpriced custom calls could not be counted), and one problem line."""
+    from t5_retrieval import sharding
+    from t5_retrieval.models.build import build_model
+    from t5_retrieval.plan import planner
+    from t5_retrieval.plan.chips import CHIPS
+    from t5_retrieval.plan.steps import lower_encode_step
+
+    mesh, config = _t5_base_mesh_and_config("VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 1")
+    step = lower_encode_step(build_model(config), config, 32, mesh, sharding.LAYOUTS["fsdp"])
+    compiled, compile_s, _ = planner.compile_timed(step.lowered)
+    parts = {"params": 0, "optimizer": 0, "multitask": 0, "batch": 0}
+    args = (None, 0.0, compile_s, parts, CHIPS["v5e"], 1.0, 4, 1e9, {"passages": 8})
+    readable = planner.step_report(step, compiled, *args)
+    unreadable = planner.step_report(step, _TextUnreadable(compiled), *args)
+    assert readable["hlo_unreadable"] is None and readable["estimated_step_seconds"] and readable["program"]
+    assert "async-update instruction" in unreadable["hlo_unreadable"]
+    assert unreadable["memory_per_device"] == readable["memory_per_device"] and unreadable["fits"]
+    assert unreadable["estimated_step_seconds"] is None and unreadable["collectives"] == {} == unreadable["program"]
+    assert planner.compiler_seconds(_TextUnreadable(compiled)) == 0.0
+    report = {"steps": {"encode": unreadable}, "replicated_params": [], "gathered_copy_bytes": None}
+    (line,) = planner.problems(report)
+    assert line.startswith("encode step: its compiled program cannot be read back (INTERNAL: RET_CHECK") \
+        and line.endswith("and it has no time estimate"), line
 
 
 def test_a_scanned_step_is_timed_by_its_unrolled_programs(capsys):

@@ -178,16 +178,31 @@ def cost_analysis(compiled: jax.stages.Compiled | None) -> dict[str, Any]:
 UNPRICED_CUSTOM_CALL = 'custom_call_target="ConcatBitcast"'
 
 
-def _priced_seconds(analysis: dict[str, Any], hlo_text: str) -> float:
+def compiled_text(compiled: jax.stages.Compiled | None) -> tuple[str | None, str | None]:
+    """(the compiled program's HLO text, None) or (None, why it cannot be read). libtpu 0.0.52
+    compiles some v5p programs that jax 0.10.2 then fails to read back ("RET_CHECK failure ...
+    async-update instruction should have 1 operands but sees 3"): the program and its memory and
+    cost analyses exist, its text does not."""
+    if compiled is None:
+        return "", None
+    try:
+        return compiled.as_text() or "", None
+    except jax.errors.JaxRuntimeError as e:
+        return None, " ".join(str(e).split())[:300]
+
+
+def _priced_seconds(analysis: dict[str, Any], hlo_text: str | None) -> float:
     """`optimal_seconds` of a program's cost analysis with each unpriced custom call of its HLO text
-    counted free, not -1 s; 0 when it gives none."""
+    counted free, not -1 s; 0 when it gives none, or when the text is unreadable (None), since the
+    calls then cannot be counted and the raw value may be off by whole seconds."""
+    if hlo_text is None:
+        return 0.0
     return float(analysis.get("optimal_seconds", 0.0)) + hlo_text.count(UNPRICED_CUSTOM_CALL)
 
 
 def compiler_seconds(compiled: jax.stages.Compiled | None) -> float:
     """The compiler's cost-model step time of `compiled` (`_priced_seconds`); 0 when it gives none."""
-    text = (compiled.as_text() if compiled is not None else None) or ""
-    return _priced_seconds(cost_analysis(compiled), text)
+    return _priced_seconds(cost_analysis(compiled), compiled_text(compiled)[0])
 
 
 def usable_estimate(seconds: float) -> float | None:
@@ -299,7 +314,7 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
     compiler's estimate for this program, or, for one with loops of ours, `loop_free`'s."""
     memory = memory_per_device(compiled, refusal, parts, int(chip.hbm_bytes / devices_per_chip))
     analysis = cost_analysis(compiled)
-    text = (compiled.as_text() if compiled is not None else None) or ""
+    text, unreadable = compiled_text(compiled)
     own_seconds = _priced_seconds(analysis, text)
     if loop_free is None:
         seconds, source = usable_estimate(own_seconds), "compiler"
@@ -319,7 +334,8 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "compiler_seconds": own_seconds,
         "estimate_source": source if seconds else None,
         "loop_free_estimate": loop_free,
-        "collectives": hlo.collectives(text),
+        "hlo_unreadable": unreadable,
+        "collectives": hlo.collectives(text) if text else {},
         "program": hlo.program_size(text) if text else {},
         "items_per_step": items,
     }
@@ -478,6 +494,11 @@ def problems(report: dict[str, Any]) -> list[str]:
     for p in report["replicated_params"]:
         lines.append(f"parameter {p['param']} {p['shape']} ({p['bytes'] / MIB:,.2f} MiB) is replicated on every "
                      f"device under layout {report['layout']}: its logical axes map to no mesh axis")
+    for name, step in report["steps"].items():
+        if step["hlo_unreadable"]:
+            lines.append(f"{name} step: its compiled program cannot be read back ({step['hlo_unreadable']}), so "
+                         "its collectives and unpriced custom calls are not counted"
+                         + ("" if step["estimated_step_seconds"] else " and it has no time estimate"))
     if report["gathered_copy_bytes"]:
         lines.append(f"train step: each of the {len(report['tasks'])} task passes gathers every layer's weights, "
                      f"which layout {report['layout']} shards; --gin.train.gather_params_once=True gathers them "
@@ -535,7 +556,8 @@ def format_text(report: dict[str, Any]) -> str:
         else:
             lines.append("  compiler's estimate: none given for this program")
         collectives = step["collectives"]
-        lines.append("  collectives: " + (", ".join(f"{op} x{c['count']} ({_mib(c['bytes'])})"
+        lines.append("  collectives: " + ("unknown (the program cannot be read back)" if step["hlo_unreadable"] else
+                                           ", ".join(f"{op} x{c['count']} ({_mib(c['bytes'])})"
                                                      for op, c in sorted(collectives.items())) or "none"))
     if report["steps_per_epoch"]:
         largest = max(report["tasks"], key=lambda t: t["train_examples"])
