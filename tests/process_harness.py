@@ -1,7 +1,8 @@
 """Runs `t5r` commands as real `jax.distributed` jobs for tests: N processes on 127.0.0.1, each
 started through `launch/run.py` (the launchers' shared entry point) with its own forced CPU
 devices, the shared persistent compilation cache and a hard timeout, so a hung collective ends
-the test instead of blocking it. Used by test_multihost.py (train) and test_multihost_encode.py.
+the test instead of blocking it. Used by test_multihost.py (train) and test_multihost_encode.py;
+`jax_env` by every test that runs JAX in a subprocess with forced devices.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ REPORT_KEYS = {"topology", "num_slices", "devices", "mesh", "layout", "chip", "t
                "passage_len", "num_negatives", "multitask", "steps", "replicated_params", "problems",
                "steps_per_epoch", "estimated_epoch_seconds", "gathered_copy_bytes", "host_peak_bytes"}
 STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "fits", "compiler_refused",
-             "compiler_flops_per_device", "model_matmul_flops", "estimated_step_seconds", "compiler_optimal_seconds",
-             "compiler_seconds", "estimate_source", "loop_free_estimate", "hlo_unreadable", "collectives",
-             "items_per_step"}
+             "compiler_flops_per_device", "model_matmul_flops", "peak_bf16_flops", "estimated_step_seconds",
+             "compiler_optimal_seconds", "compiler_seconds", "estimate_source", "loop_free_estimate",
+             "hlo_unreadable", "collectives", "items_per_step"}
 MEMORY_KEYS = {"params", "optimizer", "multitask", "batch", "arguments", "outputs_not_donated", "temporaries",
                "code", "peak", "hbm", "margin"}
 

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from process_harness import jax_env
 
 from t5_retrieval import sharding
 
@@ -18,8 +19,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "multidevice", "sharding_check.
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, env=jax_env(8), timeout=900)
     assert proc.returncode == 0, f"8-device check failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout)
 

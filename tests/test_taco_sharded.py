@@ -5,13 +5,13 @@ import os
 import subprocess
 import sys
 
+from process_harness import jax_env
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "multidevice", "taco_sharded_check.py")
 
 
 def test_sharded_taco_matches_unsharded_and_keeps_param_sharding():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, SCRIPT], env=jax_env(8), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, f"sharded TACO script failed:\n{proc.stderr[-3000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
