@@ -2,8 +2,7 @@
 the naive step of the same bindings: the TACO rows of docs/pods.md.
 
 `t5r plan` compiles the whole train step (for its memory) and then the parts of a per-task step in
-one process. For T5-base TACO neither fits a 23 GiB host: the whole step's compile and the parts
-compiled one after another both passed 20 GiB, while one part alone takes at most ~9 GiB. This
+one process; with remat, T5-base TACO's whole step alone passes a 23 GiB host's memory. This
 script gives the step-time estimate without the whole step: every distinct task pass (unrolled at
 full depth, without dropout, as `planner.per_task_estimate` times it), the update and, with
 `train.gather_params_once`, the parameters' gather, each in a subprocess, summed as
