@@ -31,9 +31,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check t5_retrieval tests
 	$(PY) -m mypy
 
-# Whole files per worker, the slowest first (tests/conftest.py), not xdist's order by test count.
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 demo: $(STAMP)
 	$(VENV)/bin/t5r demo --data=$(DATA) --out=$(OUT)

@@ -15,21 +15,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "mini_kilt")
 
 
-# The slowest modules, longest first (their compiles and subprocesses: 1-5 minutes each). With
-# `--dist loadfile` xdist hands out whole files in collection order (the Makefile turns off its
-# own reordering by test count, which put these few-test files last), so these start first and no
-# worker ends the run alone on one of them.
-SLOWEST_MODULES = ("test_plan.py", "test_preemption.py", "test_multihost.py", "test_sharding.py",
-                   "test_multihost_ance.py", "test_scan_layers.py", "test_seqio_path.py", "test_ance.py",
-                   "test_export.py", "test_bench_checkpoint_smoke.py", "test_gdmtl.py", "test_user_path.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Runs SLOWEST_MODULES first, in that order; the other modules keep theirs."""
-    rank = {name: i for i, name in enumerate(SLOWEST_MODULES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 @pytest.fixture
 def clean_gin():
     """Gin bindings are global: give each test that parses gin a clean slate."""
