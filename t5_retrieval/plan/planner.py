@@ -120,7 +120,10 @@ _OUT_OF_HBM = re.compile(r"memory required for HLO temporaries \((?P<need>[0-9.]
 
 
 def compile_timed(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled | None, float, str | None]:
-    """(compiled program or None, seconds, the compiler's out-of-HBM message or None)."""
+    """(compiled program or None, seconds, the compiler's out-of-HBM message or None). First returns
+    what earlier compiles left in the allocator (`release_host_memory`): a caller drops a program it
+    has read before compiling the next."""
+    release_host_memory()
     # A TPU program compiled for a described topology cannot be loaded back from JAX's persistent
     # cache without a TPU client: keep it out of the cache (reading it only warns and recompiles).
     cache_was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # a flag the stubs lack
@@ -208,13 +211,10 @@ def compiler_seconds(compiled: jax.stages.Compiled | None) -> float:
 
 
 def timed_program(lowered: jax.stages.Lowered) -> tuple[float | None, float]:
-    """(the compiler's usable step-time estimate of `lowered`, compile seconds); the program is
-    dropped and its memory released before the next compile."""
+    """(the compiler's usable step-time estimate of `lowered`, compile seconds); the program itself
+    is not kept, so the next compile does not run beside it."""
     compiled, compile_s, _ = compile_timed(lowered)
-    seconds = usable_estimate(compiler_seconds(compiled))
-    del compiled
-    release_host_memory()
-    return seconds, compile_s
+    return usable_estimate(compiler_seconds(compiled)), compile_s
 
 
 def usable_estimate(seconds: float) -> float | None:
@@ -439,7 +439,6 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
                                len(devices), train_matmul_flops(config, settings, tasks, data_shards),
                                {"queries": queries})
     compiled = None  # reported: the timing programs below compile without it held
-    release_host_memory()
     depth = scanned_depth(config)
     # per-task gradient passes, same-shaped tasks in one `lax.scan` (task_groups reads only shapes
     # and dtypes, which the abstract batch has)
@@ -470,7 +469,6 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
                                 len(devices), forward_matmul_flops(config, rows, settings.passage_len),
                                 {"passages": rows})
     compiled = None
-    release_host_memory()
     if refusal is None and depth:
         encode_report = with_loop_free(encode_report, loop_free_estimate(
             lambda c: lower_encode_step(build_model(c), c, settings.passage_len, mesh, rules).lowered, config, depth))
