@@ -49,8 +49,7 @@ class Planned:
     mesh: Any
     rules: Any
     tasks: list[Any]
-    chip: Any
-    topology: str
+    target: Any  # planner.Target
 
 
 def planned(plan_argv: list[str]) -> Planned:
@@ -66,10 +65,10 @@ def planned(plan_argv: list[str]) -> Planned:
     args = parse_args(parser, [*(f"--gin.{b.replace(' = ', '=')}" for b in plan_command.UNREAD_MACROS),
                                *plan_argv], reads=TASK_MODULE)
     settings = plan_command.train_settings()
-    chip, devices = planner.topology_devices(args.topology, 1)
+    target = planner.describe_topology(args.topology, 1)
     rules = sharding.logical_axis_rules()
-    return Planned(settings, model_config(), sharding.make_mesh(devices=devices), rules,
-                   steps.task_shapes(settings), chip, args.topology)
+    return Planned(settings, model_config(), sharding.make_mesh(devices=target.devices), rules,
+                   steps.task_shapes(settings), target)
 
 
 def whole_step_memory(plan: Planned) -> dict[str, Any]:
@@ -77,19 +76,16 @@ def whole_step_memory(plan: Planned) -> dict[str, Any]:
     the program the parts stand in for, whose compile is the one that outgrows small hosts."""
     from t5_retrieval.models.build import build_model
     from t5_retrieval.plan import planner, steps
-    from t5_retrieval.plan.chips import parse_topology
 
     model = build_model(plan.config)
     batch = steps.abstract_batch(plan.tasks, plan.settings, plan.mesh.shape["data"], model.embedding_dim)
     train, multitask_state = steps.lower_train_step(model, plan.config, plan.settings, [t.name for t in plan.tasks],
                                                     batch, plan.mesh, plan.rules)
     compiled, compile_s, refusal = planner.compile_timed(train.lowered)
-    _, chips_per_slice = parse_topology(plan.topology)
-    devices_per_chip = plan.mesh.devices.size / chips_per_slice
     memory = planner.memory_per_device(compiled, refusal, planner.train_state_bytes(train, multitask_state),
-                                       int(plan.chip.hbm_bytes / devices_per_chip))
+                                       plan.target.hbm_per_device)
     return {"seconds": None, "compile_seconds": round(compile_s, 1), "refused": refusal,
-            "memory_per_device": memory, "fits": compiled is not None and memory["margin"] >= 0}
+            "memory_per_device": memory, "fits": planner.fits(compiled, memory)}
 
 
 def part_estimate(plan: Planned, part: str) -> dict[str, Any]:
@@ -161,7 +157,6 @@ def main(argv: list[str]) -> int:
 
     from t5_retrieval.models.build import build_model
     from t5_retrieval.plan import planner, steps
-    from t5_retrieval.plan.chips import parse_topology
     from t5_retrieval.train_step import task_groups
 
     plan = planned(plan_argv)
@@ -182,8 +177,7 @@ def main(argv: list[str]) -> int:
         print(f"{label}: {timed[label]}", file=sys.stderr, flush=True)
     complete = all(p["seconds"] for p in timed.values())
     step = sum(p["runs_per_step"] * p["seconds"] for p in timed.values()) if complete else None
-    _, chips_per_slice = parse_topology(plan.topology)
-    peak = plan.chip.peak_bf16_flops * chips_per_slice
+    peak = plan.target.peak_flops
     flops = planner.train_matmul_flops(plan.config, plan.settings, plan.tasks, data_shards)
     queries = sum(t.rows for t in plan.tasks) * data_shards
     whole = run_part(plan_argv, "whole", args.timeout) if args.whole else None

@@ -137,6 +137,9 @@ def test_v4_topology_compiles_per_tensor_core():
     # libtpu describes a v4 chip as two devices (its TensorCores), each with half the chip's HBM.
     assert report["devices"] == 8
     assert report["chip"]["hbm_bytes_per_device"] == 16 * 1024 ** 3
+    assert report["chip"]["peak_bf16_flops_per_device"] == 275e12 / 2
+    # MFU divides by the peak of all 4 chips
+    assert report["steps"]["train"]["peak_bf16_flops"] == 4 * 275e12
     assert report["steps"]["train"]["memory_per_device"]["params"] == expected_param_bytes("fsdp", report["mesh"])
 
 
@@ -153,7 +156,7 @@ def test_parameters_a_rule_set_leaves_unsharded_are_reported():
                                  num_decoder_layers=1))
     # fsdp that forgot to map "embed" (its only parameter axis) to the data axis
     wrong = tuple((name, None if name == "embed" else axis) for name, axis in sharding.LAYOUTS["fsdp"])
-    _, devices = planner.topology_devices("v5e:2x2", 1)
+    devices = planner.describe_topology("v5e:2x2", 1).devices
     mesh = Mesh(np.array(devices).reshape(4, 1), ("data", "model"))
     params, shardings = abstract_params(model, mesh, wrong)
     found = [p["param"] for p in planner.replicated_params(params, shardings, threshold_bytes=1024)]
@@ -243,7 +246,7 @@ def _t5_base_mesh_and_config(*bindings: str) -> tuple[object, dict]:
         config = model_config()
     finally:
         gin.clear_config()
-    _, devices = planner.topology_devices("v4:2x2x1" if not bindings else "v5e:2x2", 1)
+    devices = planner.describe_topology("v4:2x2x1" if not bindings else "v5e:2x2", 1).devices
     return Mesh(np.array(devices).reshape(len(devices), 1), ("data", "model")), config
 
 
@@ -344,14 +347,13 @@ def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
     from t5_retrieval import sharding
     from t5_retrieval.models.build import build_model
     from t5_retrieval.plan import planner
-    from t5_retrieval.plan.chips import CHIPS
     from t5_retrieval.plan.steps import lower_encode_step
 
     mesh, config = _t5_base_mesh_and_config("VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 1")
     step = lower_encode_step(build_model(config), config, 32, mesh, sharding.LAYOUTS["fsdp"])
     compiled, compile_s, _ = planner.compile_timed(step.lowered)
     parts = {"params": 0, "optimizer": 0, "multitask": 0, "batch": 0}
-    args = (None, 0.0, compile_s, parts, CHIPS["v5e"], 1.0, 4, 1e9, {"passages": 8})
+    args = (None, 0.0, compile_s, parts, planner.describe_topology("v5e:2x2", 1), 1e9, {"passages": 8})
     readable = planner.step_report(step, compiled, *args)
     unreadable = planner.step_report(step, _TextUnreadable(compiled), *args)
     assert readable["hlo_unreadable"] is None and readable["estimated_step_seconds"] and readable["program"]

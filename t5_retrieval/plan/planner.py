@@ -10,6 +10,7 @@ is compared with the chip's HBM (`chips.py`). Times are the TPU compiler's own c
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import importlib.util
 import math
@@ -53,9 +54,36 @@ MIB = 1024 ** 2
 REPLICATING_LAYOUT = "data_parallel"
 
 
-def topology_devices(name: str, num_slices: int) -> tuple[Chip, list[Any]]:
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The devices of one or more slices of a topology, and what each device has: a v4 chip is two
+    devices (one per TensorCore), so a device has half the chip's HBM and peak FLOP/s."""
+
+    chip: Chip
+    devices: list[Any]
+    chips: int  # in all slices
+
+    @property
+    def devices_per_chip(self) -> float:
+        return len(self.devices) / self.chips
+
+    @property
+    def hbm_per_device(self) -> int:
+        return int(self.chip.hbm_bytes / self.devices_per_chip)
+
+    @property
+    def peak_flops_per_device(self) -> float:
+        return self.chip.peak_bf16_flops / self.devices_per_chip
+
+    @property
+    def peak_flops(self) -> float:
+        """Peak bf16 FLOP/s of all devices: what a step's MFU divides by."""
+        return self.chip.peak_bf16_flops * self.chips
+
+
+def describe_topology(name: str, num_slices: int) -> Target:
     """The devices of `num_slices` slices of topology `name` ('v5e:4x4'), described by libtpu."""
-    chip, _ = parse_topology(name)
+    chip, chips_per_slice = parse_topology(name)
     if num_slices < 1:
         raise ConfigError(f"--num_slices={num_slices}: must be >= 1")
     if importlib.util.find_spec("libtpu") is None:
@@ -74,7 +102,7 @@ def topology_devices(name: str, num_slices: int) -> tuple[Chip, list[Any]]:
     except Exception as e:  # libtpu's error for a shape it does not know
         reason = " ".join(str(e).split())[:200]
         raise ConfigError(f"--topology={name!r}: libtpu cannot describe it ({reason})") from None
-    return chip, list(topology.devices)
+    return Target(chip, list(topology.devices), chips_per_slice * num_slices)
 
 
 def bytes_per_device(tree: Any, shardings: Any) -> int:
@@ -169,6 +197,11 @@ def memory_per_device(compiled: jax.stages.Compiled | None, refusal: str | None,
     buffers = compiled_memory(compiled, refusal, parts)
     peak = sum(buffers.values())
     return {**parts, **buffers, "peak": peak, "hbm": hbm, "margin": hbm - peak}
+
+
+def fits(compiled: jax.stages.Compiled | None, memory: dict[str, int]) -> bool:
+    """A step fits when the compiler took it and its peak (`memory_per_device`) is within the HBM."""
+    return compiled is not None and memory["margin"] >= 0
 
 
 def cost_analysis(compiled: jax.stages.Compiled | None) -> dict[str, Any]:
@@ -317,11 +350,11 @@ def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], once: Sequence[t
 
 
 def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal: str | None, lower_s: float,
-                compile_s: float, parts: dict[str, int], chip: Chip, devices_per_chip: float, num_devices: int,
-                model_flops: float, items: dict[str, int]) -> dict[str, Any]:
+                compile_s: float, parts: dict[str, int], target: Target, model_flops: float,
+                items: dict[str, int]) -> dict[str, Any]:
     """Memory, time estimate and collectives of one compiled step, per device. The time is the
     compiler's estimate for this program; `with_loop_free` replaces it for a program with loops of ours."""
-    memory = memory_per_device(compiled, refusal, parts, int(chip.hbm_bytes / devices_per_chip))
+    memory = memory_per_device(compiled, refusal, parts, target.hbm_per_device)
     analysis = cost_analysis(compiled)
     text, unreadable = compiled_text(compiled)
     own_seconds = _priced_seconds(analysis, text)
@@ -329,11 +362,11 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "lower_seconds": round(lower_s, 2), "compile_seconds": round(compile_s, 2),
         "hlo_bytes": len(step.lowered.as_text()),
         "memory_per_device": memory,
-        "fits": compiled is not None and memory["margin"] >= 0,
+        "fits": fits(compiled, memory),
         "compiler_refused": refusal,
         "compiler_flops_per_device": float(analysis.get("flops", 0.0)),
         "model_matmul_flops": model_flops,
-        "peak_bf16_flops": chip.peak_bf16_flops / devices_per_chip * num_devices,
+        "peak_bf16_flops": target.peak_flops,
         "compiler_optimal_seconds": float(analysis.get("optimal_seconds", 0.0)),
         "compiler_seconds": own_seconds,
         "loop_free_estimate": None,
@@ -418,10 +451,8 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
          settings: TrainSettings, replicated_threshold_bytes: int, make_mesh: Any = sharding.make_mesh
          ) -> dict[str, Any]:
     """Compiles the train and KB encode steps for the topology; returns the JSON-able report."""
-    chip, devices = topology_devices(topology, num_slices)
-    _, chips_per_slice = parse_topology(topology)
-    devices_per_chip = len(devices) / (chips_per_slice * num_slices)
-    mesh = make_mesh(devices=devices)
+    target = describe_topology(topology, num_slices)
+    mesh = make_mesh(devices=target.devices)
     data_shards = mesh.shape["data"]
     model = build_model(config)
     tasks = task_shapes(settings)
@@ -435,9 +466,8 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     parts = train_state_bytes(train, multitask_state)
     params_b = parts["params"]
     queries = sum(t.rows for t in tasks) * data_shards
-    train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, chip, devices_per_chip,
-                               len(devices), train_matmul_flops(config, settings, tasks, data_shards),
-                               {"queries": queries})
+    train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, target,
+                               train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries})
     compiled = None  # reported: the timing programs below compile without it held
     depth = scanned_depth(config)
     # per-task gradient passes, same-shaped tasks in one `lax.scan` (task_groups reads only shapes
@@ -465,19 +495,18 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     rows = encode_batch_rows(data_shards)
     encode_parts = {"params": bytes_per_device(encode.state, encode.state_shardings), "optimizer": 0, "multitask": 0,
                     "batch": bytes_per_device(encode.batch, encode.batch_shardings)}
-    encode_report = step_report(encode, compiled, refusal, lower_s, compile_s, encode_parts, chip, devices_per_chip,
-                                len(devices), forward_matmul_flops(config, rows, settings.passage_len),
-                                {"passages": rows})
+    encode_report = step_report(encode, compiled, refusal, lower_s, compile_s, encode_parts, target,
+                                forward_matmul_flops(config, rows, settings.passage_len), {"passages": rows})
     compiled = None
     if refusal is None and depth:
         encode_report = with_loop_free(encode_report, loop_free_estimate(
             lambda c: lower_encode_step(build_model(c), c, settings.passage_len, mesh, rules).lowered, config, depth))
 
     report = {
-        "topology": topology, "num_slices": num_slices, "devices": len(devices),
+        "topology": topology, "num_slices": num_slices, "devices": len(target.devices),
         "mesh": {k: int(v) for k, v in mesh.shape.items()}, "layout": layout,
-        "chip": {"name": chip.name, "hbm_bytes_per_device": int(chip.hbm_bytes / devices_per_chip),
-                 "peak_bf16_flops_per_device": chip.peak_bf16_flops / devices_per_chip, "source": chip.source},
+        "chip": {"name": target.chip.name, "hbm_bytes_per_device": target.hbm_per_device,
+                 "peak_bf16_flops_per_device": target.peak_flops_per_device, "source": target.chip.source},
         "tasks": [{"name": t.name, "per_device_rows": t.rows, "query_len": t.query_len,
                    "train_examples": t.train_examples} for t in tasks],
         "steps_per_epoch": steps_per_epoch(tasks, data_shards),
