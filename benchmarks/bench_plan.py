@@ -68,10 +68,12 @@ def _estimate(step: dict[str, Any]) -> str:
 
 def table_row(cell: dict[str, Any]) -> str:
     """A markdown row: per-device memory, the estimates and what they imply, compile times."""
-    head = f"| {cell['size']} | {cell['topology']} | {cell['layout']} | {cell['method']} |"
+    head = f"| {cell['size']} | {cell['topology']} | {cell['layout']} | {cell['method']}"
     if "report" not in cell:
-        return head + f" {cell['status']} |" + " |" * 7
+        return head + f" | {cell['status']} |" + " |" * 7
     report = cell["report"]
+    # the libtpu that compiled it: its cost model and memory figures change between releases
+    head += f" (libtpu {report['compiler']['libtpu']}) |" if "compiler" in report else " |"
     train, encode = report["steps"]["train"], report["steps"]["encode"]
     mem = train["memory_per_device"]
     state = (mem["params"] + mem["optimizer"] + mem["multitask"]) / MIB

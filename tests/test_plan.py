@@ -28,13 +28,18 @@ TINY = ["--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin",
 TACO = ["--gin_file=runs/taco.gin", "--gin.MIXTURE_OR_TASK_NAME=['demo_fever', 'demo_trex']"]
 REPORT_KEYS = {"topology", "num_slices", "devices", "mesh", "layout", "chip", "tasks", "per_device_batch",
                "passage_len", "num_negatives", "multitask", "steps", "replicated_params", "problems",
-               "steps_per_epoch", "estimated_epoch_seconds", "gathered_copy_bytes", "host_peak_bytes"}
+               "steps_per_epoch", "estimated_epoch_seconds", "gathered_copy_bytes", "host_peak_bytes", "compiler"}
 STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "fits", "compiler_refused",
              "compiler_flops_per_device", "model_matmul_flops", "peak_bf16_flops", "estimated_step_seconds",
              "compiler_optimal_seconds", "compiler_seconds", "estimate_source", "loop_free_estimate",
              "hlo_unreadable", "collectives", "items_per_step"}
 MEMORY_KEYS = {"params", "optimizer", "multitask", "batch", "arguments", "outputs_not_donated", "temporaries",
                "code", "peak", "hbm", "margin"}
+
+
+def libtpu_version() -> str:
+    import importlib.metadata
+    return importlib.metadata.version("libtpu")
 
 
 def run_plan(capsys, *argv: str) -> tuple[int, str, str]:
@@ -168,6 +173,7 @@ def test_parameters_a_rule_set_leaves_unsharded_are_reported():
 def test_json_report_schema():
     report = plan_json("v5e:2x2", "data_parallel")
     assert set(report) == REPORT_KEYS
+    assert report["compiler"] == {"jax": jax.__version__, "libtpu": libtpu_version()}
     for name in ("train", "encode"):
         step = report["steps"][name]
         assert STEP_KEYS <= set(step) and set(step["memory_per_device"]) == MEMORY_KEYS, (name, sorted(step))
@@ -195,6 +201,7 @@ def test_a_step_that_cannot_fit_exits_2_with_one_line(capsys):
     assert len(lines) == 1 and lines[0].startswith("t5r plan: error: train step: needs"), err
     assert "fsdp" in lines[0], f"expected the layout that would fit: {lines[0]}"
     assert "DOES NOT FIT" in out
+    assert f"compiled by libtpu {libtpu_version()} for jax {jax.__version__}" in out
 
 
 def test_collectives_are_counted_by_type_and_bytes():
@@ -361,10 +368,26 @@ def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
     assert unreadable["memory_per_device"] == readable["memory_per_device"] and unreadable["fits"]
     assert unreadable["estimated_step_seconds"] is None and unreadable["collectives"] == {} == unreadable["program"]
     assert planner.compiler_seconds(_TextUnreadable(compiled)) == 0.0
-    report = {"steps": {"encode": unreadable}, "replicated_params": [], "gathered_copy_bytes": None}
+    report = {"steps": {"encode": unreadable}, "replicated_params": [], "gathered_copy_bytes": None,
+              "compiler": {"jax": jax.__version__, "libtpu": "0.0.52"}}
     (line,) = planner.problems(report)
-    assert line.startswith("encode step: its compiled program cannot be read back (INTERNAL: RET_CHECK") \
-        and line.endswith("and it has no time estimate"), line
+    assert line.startswith(f"encode step: jax {jax.__version__} cannot read back what libtpu 0.0.52 compiled "
+                           "(INTERNAL: RET_CHECK"), line
+    assert "and it has no time estimate" in line
+    # the hint names the pinned libtpu, and only when another one compiled the plan
+    assert line.endswith(f"pip install libtpu=={planner.PINNED_LIBTPU} (with no other libtpu ahead of it on "
+                         "PYTHONPATH)"), line
+    report["compiler"]["libtpu"] = planner.PINNED_LIBTPU
+    (line,) = planner.problems(report)
+    assert line.endswith("and it has no time estimate"), line
+
+
+def test_the_plan_names_the_pinned_libtpu_that_requirements_dev_installs():
+    from t5_retrieval.plan import planner
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "requirements-dev.txt")) as f:
+        pins = [line.split("==")[1].strip() for line in f if line.startswith("libtpu==")]
+    assert pins == [planner.PINNED_LIBTPU]
 
 
 def test_a_scanned_step_is_timed_by_its_unrolled_programs(capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import importlib.metadata
 import importlib.util
 import math
 import os
@@ -50,6 +51,9 @@ from t5_retrieval.sharding import param_path
 from t5_retrieval.train_step import task_groups
 
 MIB = 1024 ** 2
+# The libtpu that requirements-dev.txt pins (the one jax's `jax[tpu]` extra pins); newer ones may
+# compile programs this jax cannot read back.
+PINNED_LIBTPU = "0.0.42.1"
 # The layout that replicates parameters by design; under any other a large replicated one is a problem.
 REPLICATING_LAYOUT = "data_parallel"
 
@@ -525,11 +529,19 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     if per_task and not settings.gather_params_once and params_b < bytes_per_device(train.state.params, whole):
         read = jax.eval_shape(lambda p: family_of(config).as_read(config, p), train.state.params)
         report["gathered_copy_bytes"] = bytes_per_device(read, whole)
-    report["problems"] = problems(report)
     report["host_peak_bytes"] = host_peak_bytes()
+    report["compiler"] = compiler_versions()
+    report["problems"] = problems(report)
     if not train_report["fits"]:
         report["advice"] = fit_advice(model, mesh, layout, train_report, settings.per_device_batch, len(tasks))
     return report
+
+
+def compiler_versions() -> dict[str, str]:
+    """The jax and libtpu that compiled the plan: libtpu's compiler and cost model change between
+    releases (the same step's temporaries and time), and a libtpu newer than jax's XLA may compile
+    programs jax cannot read back."""
+    return {"jax": jax.__version__, "libtpu": importlib.metadata.version("libtpu")}
 
 
 def host_peak_bytes() -> int:
@@ -553,9 +565,14 @@ def problems(report: dict[str, Any]) -> list[str]:
                      f"device under layout {report['layout']}: its logical axes map to no mesh axis")
     for name, step in report["steps"].items():
         if step["hlo_unreadable"]:
-            lines.append(f"{name} step: its compiled program cannot be read back ({step['hlo_unreadable']}), so "
-                         "its collectives and unpriced custom calls are not counted"
-                         + ("" if step["estimated_step_seconds"] else " and it has no time estimate"))
+            versions = report["compiler"]
+            hint = ("" if versions["libtpu"] == PINNED_LIBTPU else
+                    f"; libtpu {PINNED_LIBTPU}, which requirements-dev.txt pins for this jax, reads back its own "
+                    f"programs: pip install libtpu=={PINNED_LIBTPU} (with no other libtpu ahead of it on PYTHONPATH)")
+            lines.append(f"{name} step: jax {versions['jax']} cannot read back what libtpu {versions['libtpu']} "
+                         f"compiled ({step['hlo_unreadable']}), so its collectives and unpriced custom calls are "
+                         "not counted" + ("" if step["estimated_step_seconds"] else " and it has no time estimate")
+                         + hint)
     if report["gathered_copy_bytes"]:
         lines.append(f"train step: each of the {len(report['tasks'])} task passes gathers every layer's weights, "
                      f"which layout {report['layout']} shards; --gin.train.gather_params_once=True gathers them "
@@ -577,6 +594,8 @@ def format_text(report: dict[str, Any]) -> str:
     lines = [f"{report['topology']} x {report['num_slices']} slice(s): {report['devices']} devices, mesh "
              f"{report['mesh']}, layout {report['layout']}; per device {_mib(chip['hbm_bytes_per_device'])} HBM, "
              f"{chip['peak_bf16_flops_per_device'] / 1e12:,.1f} TFLOP/s bf16 peak ({chip['source']})",
+             "compiled by libtpu {libtpu} for jax {jax}; every time below is an estimate of its cost model".format(
+                 **report["compiler"]),
              "tasks (per-device rows x query length): " + ", ".join(
                  f"{t['name']} {t['per_device_rows']}x{t['query_len']}" for t in report["tasks"])
              + f"; passages {report['passage_len']} tokens, {report['num_negatives']} negatives; "
