@@ -183,9 +183,10 @@ def main(argv: list[str]) -> int:
     whole = run_part(plan_argv, "whole", args.timeout) if args.whole else None
     if whole:
         print(f"whole step: {whole}", file=sys.stderr, flush=True)
-    naive = {d: run_part(plan_argv, f"naive:{d}", args.timeout) for d in args.naive_depths}
-    for d, p in naive.items():
-        print(f"naive at {d} layers: {p}", file=sys.stderr, flush=True)
+    naive = {}
+    for d in args.naive_depths:  # each printed as it lands: an interrupted run keeps what it has
+        naive[d] = run_part(plan_argv, f"naive:{d}", args.timeout)
+        print(f"naive at {d} layers: {naive[d]}", file=sys.stderr, flush=True)
     depth = planner.scanned_depth(plan.config)
     naive_points = [(d, p["seconds"]) for d, p in naive.items() if p["seconds"]]
     projected = None
