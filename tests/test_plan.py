@@ -383,9 +383,11 @@ def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
 
 
 def test_the_plan_names_the_pinned_libtpu_that_requirements_dev_installs():
+    from process_harness import REPO
+
     from t5_retrieval.plan import planner
 
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "requirements-dev.txt")) as f:
+    with open(os.path.join(REPO, "requirements-dev.txt")) as f:
         pins = [line.split("==")[1].strip() for line in f if line.startswith("libtpu==")]
     assert pins == [planner.PINNED_LIBTPU]
 
