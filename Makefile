@@ -25,10 +25,10 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-# ruff (lint and import order; config in pyproject.toml) over the code and tests, then mypy over the
+# ruff (lint and import order; config in pyproject.toml) over the code, tests and benchmarks, then mypy over the
 # package: a few seconds with mypy's cache in .mypy_cache/, under a minute without it.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check t5_retrieval tests
+	$(VENV)/bin/ruff check t5_retrieval tests benchmarks
 	$(PY) -m mypy
 
 test: lint

@@ -1,10 +1,11 @@
 """Checkpoint cost and preemption cost.
 
 1. Save and restore time vs parameter bytes, through `t5_retrieval.checkpoint` (orbax, the same
-   manager and items as training), and the part of each spent on the per-file sha256 checksums. The saved state is shaped like a training state with Adam:
-   parameters (several leaves of a T5-like mix of matrix sizes) plus two moment trees, i.e. 3x the
-   parameter bytes on disk. Save and restore are timed round-robin per size; restore goes into
-   the arrays' shardings as training does.
+   manager and items as training), and the part of each spent on the per-file sha256 checksums.
+   The saved state is shaped like a training state with Adam: parameters (several leaves of a
+   T5-like mix of matrix sizes) plus two moment trees, i.e. 3x the parameter bytes on disk. Save
+   and restore are timed round-robin per size; restore goes into the arrays' shardings as training
+   does.
 2. Resume overhead: a tiny `t5r train` run (subprocess) is killed with SIGKILL at random moments
    and restarted until it finishes. Per kill: steps repeated (last step computed before the kill
    minus the step it resumed from; expected ~checkpoint_every / 2), and the restart's wall time
@@ -70,54 +71,57 @@ def tree_bytes(tree) -> int:
 
 
 def time_save_restore(sizes_mb: list[float], repeats: int, root: str) -> dict:
-    by_size = {}
-    for size_mb in sizes_mb:
-        state = training_like_state(int(size_mb * 2**20))
-        abstract = checkpoint.abstract_like(state)
-        directory = os.path.join(root, f"ckpt_{size_mb}")
-        mngr = checkpoint.manager(directory, max_to_keep=2, writer=True)
-        step = [0]
+    return {str(size_mb): time_one_size(size_mb, repeats, root) for size_mb in sizes_mb}
 
-        def save() -> None:
-            step[0] += 1
-            checkpoint.save(mngr, step[0], state, {"step": step[0]})
 
-        def restore() -> None:
-            restored, _ = checkpoint.restore(mngr, abstract)
-            jax.block_until_ready(restored)
+def time_one_size(size_mb: float, repeats: int, root: str) -> dict:
+    """Save, restore and their checksum parts for one state size, timed round-robin."""
+    state = training_like_state(int(size_mb * 2**20))
+    abstract = checkpoint.abstract_like(state)
+    directory = os.path.join(root, f"ckpt_{size_mb}")
+    mngr = checkpoint.manager(directory, max_to_keep=2, writer=True)
+    step = [0]
 
-        def checksum() -> None:  # what save spends on it: hash every file of the step, write the list
-            checkpoint.write_checksums(mngr.directory / str(step[0]))
+    def save() -> None:
+        step[0] += 1
+        checkpoint.save(mngr, step[0], state, {"step": step[0]})
 
-        def verify() -> None:  # what restore spends on it
-            checkpoint.verify_checksums(mngr.directory / str(step[0]))  # raises unless every file matches
-
-        save()  # first save creates the directory layout; not timed
-        restore()
-        times = common.interleaved_times({"save": save, "restore": restore, "checksum": checksum, "verify": verify},
-                                         repeats)
+    def restore() -> None:
         restored, _ = checkpoint.restore(mngr, abstract)
-        same = all(np.array_equal(np.asarray(a), np.asarray(b))
-                   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
-        param_bytes, total = tree_bytes(state["params"]), tree_bytes(state)
-        disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(directory, str(step[0])))
-                   for f in fs)
-        by_size[str(size_mb)] = {
-            "param_bytes": param_bytes, "state_bytes": total, "disk_bytes": disk,
-            "leaves": len(jax.tree.leaves(state)), "restored_equal": same,
-            "save": {**common.summarize(times["save"]),
-                     "mb_per_s": total / 2**20 / statistics.median(times["save"])},
-            "restore": {**common.summarize(times["restore"]),
-                        "mb_per_s": total / 2**20 / statistics.median(times["restore"])},
-            # Included in save and restore above; as a share of them.
-            "checksum_at_save": {**common.summarize(times["checksum"]),
-                                 "share_of_save": statistics.median(times["checksum"]) / statistics.median(times["save"])},
-            "verify_at_restore": {**common.summarize(times["verify"]),
-                                  "share_of_restore": statistics.median(times["verify"])
-                                  / statistics.median(times["restore"])},
-        }
-        shutil.rmtree(directory)
-    return by_size
+        jax.block_until_ready(restored)
+
+    def checksum() -> None:  # what save spends on it: hash every file of the step, write the list
+        checkpoint.write_checksums(mngr.directory / str(step[0]))
+
+    def verify() -> None:  # what restore spends on it
+        checkpoint.verify_checksums(mngr.directory / str(step[0]))  # raises unless every file matches
+
+    save()  # first save creates the directory layout; not timed
+    restore()
+    times = common.interleaved_times({"save": save, "restore": restore, "checksum": checksum, "verify": verify},
+                                     repeats)
+    restored, _ = checkpoint.restore(mngr, abstract)
+    same = all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
+    param_bytes, total = tree_bytes(state["params"]), tree_bytes(state)
+    disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(directory, str(step[0])))
+               for f in fs)
+    result = {
+        "param_bytes": param_bytes, "state_bytes": total, "disk_bytes": disk,
+        "leaves": len(jax.tree.leaves(state)), "restored_equal": same,
+        "save": {**common.summarize(times["save"]),
+                 "mb_per_s": total / 2**20 / statistics.median(times["save"])},
+        "restore": {**common.summarize(times["restore"]),
+                    "mb_per_s": total / 2**20 / statistics.median(times["restore"])},
+        # Included in save and restore above; as a share of them.
+        "checksum_at_save": {**common.summarize(times["checksum"]),
+                             "share_of_save": statistics.median(times["checksum"]) / statistics.median(times["save"])},
+        "verify_at_restore": {**common.summarize(times["verify"]),
+                              "share_of_restore": statistics.median(times["verify"])
+                              / statistics.median(times["restore"])},
+    }
+    shutil.rmtree(directory)
+    return result
 
 
 def _last_logged_step(model_dir: str) -> int:

@@ -5,8 +5,9 @@ Each artefact is timed three ways in the same run, round-robin: loading it with 
 (the reference), a full verification (every byte hashed: the first open after a copy, and what
 `t5r checksum` does), and a verification against the stamp (the stat of each file, what every later
 open costs). Embedding shards have no stamp: they are hashed whenever they are read, by an index
-build or a training run over stored embeddings, which read every byte anyway. The full-KILT projection scales the measured hashing rate to its sizes: 36M passages
-(at this store's bytes per passage), their 768-dim float32 embeddings, and an index of the same size.
+build or a training run over stored embeddings, which read every byte anyway. The full-KILT
+projection scales the measured hashing rate to its sizes: 36M passages (at this store's bytes per
+passage), their 768-dim float32 embeddings, and an index of the same size.
 
     .venv/bin/python benchmarks/bench_checksums.py --kb <data>/kb --embeddings <row>/embeddings --index <row>/index
 
@@ -25,7 +26,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import common  # noqa: E402
+import common
 
 FULL_KILT_PASSAGES = 36_000_000
 FULL_KILT_DIM = 768
@@ -83,7 +84,7 @@ def main() -> int:
             store.passages_by_page()
 
         def verify_shards():
-            for start, _ in embedding_store.iter_shards(emb):
+            for _ in embedding_store.iter_shards(emb):
                 pass
 
         artefacts = {

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, machine_info, write_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, machine_info, write_results
 
 SIZES = {"tiny": dict(d_model=64, num_heads=4, d_kv=16, d_ff=128, num_encoder_layers=2, num_decoder_layers=2),
          "small": dict(d_model=512, num_heads=6, d_kv=64, d_ff=1024, num_encoder_layers=8, num_decoder_layers=8)}
@@ -37,9 +37,9 @@ def measure(size: str, passages: int, length: int, batch: int, repeats: int, emb
 
     from t5_retrieval import sharding
     from t5_retrieval.inference import DualEncoderInference
+    from t5_retrieval.models.build import init_params
     from t5_retrieval.models.dual_encoder import DualEncoder
     from t5_retrieval.models.t5 import T5Config
-    from t5_retrieval.models.build import init_params
 
     model = DualEncoder(T5Config(vocab_size=8192, dropout_rate=0.0, **SIZES[size]))
     mesh = sharding.make_mesh()

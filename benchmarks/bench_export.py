@@ -48,8 +48,8 @@ def main(argv: list[str]) -> int:
     import tensorflow as tf
 
     from t5_retrieval.data import layout
-    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.records import read_examples
+    from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.export.savedmodel import export_savedmodel
     from t5_retrieval.retrieval.index import load_index
     from t5_retrieval.retrieval.search import dense_searcher
@@ -86,8 +86,8 @@ def main(argv: list[str]) -> int:
             match = served_ids == [pids for pids, _ in python]
             max_score_diff = float(np.max(np.abs(served["scores"].numpy() - np.stack([s for _, s in python]))))
             times = common.interleaved_times({
-                "savedmodel": lambda: search(**inputs)["scores"].numpy(),
-                "python": lambda: python_path.search(queries, args.k)}, args.repeats)
+                "savedmodel": lambda inputs=inputs: search(**inputs)["scores"].numpy(),
+                "python": lambda queries=queries: python_path.search(queries, args.k)}, args.repeats)
             by_batch[str(size_)] = {"savedmodel": common.summarize(times["savedmodel"]),
                                     "python": common.summarize(times["python"]),
                                     "savedmodel_speedup": common.speedup(times, "savedmodel", "python"),

@@ -26,8 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from bench_encode import random_tokens, t5_config  # noqa: E402
+
 from t5_retrieval.models.t5 import T5, T5Config  # noqa: E402
 
 TARGET_FRACTION = 0.5

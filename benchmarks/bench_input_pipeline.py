@@ -34,9 +34,9 @@ def train_step_examples_per_s(iterator, size: str, vocab_size: int, steps: int) 
     import optax
 
     from t5_retrieval import sharding
+    from t5_retrieval.models.build import init_params
     from t5_retrieval.models.dual_encoder import DualEncoder
     from t5_retrieval.models.t5 import T5Config
-    from t5_retrieval.models.build import init_params
     from t5_retrieval.train_step import TrainState, make_train_step
 
     shapes = {"tiny": dict(d_model=64, num_heads=4, d_kv=16, d_ff=128, num_encoder_layers=2, num_decoder_layers=2),
@@ -65,9 +65,9 @@ def main() -> int:
 
     import tasks  # noqa: F401  (registers the demo tasks)
     from t5_retrieval.data.batching.batches import make_train_iterator
+    from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
     from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
     from t5_retrieval.data.stores.kb import PassageStore, passage_text
-    from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
 
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)

@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> int:
+    from t5_retrieval.data.records import read_jsonl
     from t5_retrieval.data.stores.bm25 import BM25Index
     from t5_retrieval.data.stores.kb import PassageStore, build_kb
-    from t5_retrieval.data.records import read_jsonl
 
     p = argparse.ArgumentParser()
     p.add_argument("--source", default=None, help="a KILT knowledge source or passages jsonl, e.g. mini-KILT's "

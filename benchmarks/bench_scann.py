@@ -18,6 +18,7 @@ Writes benchmarks/results/scann.json and prints one summary line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -102,9 +103,9 @@ def bench_scann(db, queries, truth, args) -> list[dict]:
     for reorder in args.scann_reorder:
         for to_search in args.scann_search:
             to_search = min(to_search, leaves)
-            seconds, (found, _) = timed(lambda: searcher.search_batched_parallel(
-                queries, final_num_neighbors=K, pre_reorder_num_neighbors=max(reorder, K),
-                leaves_to_search=to_search), repeats=2)
+            search = functools.partial(searcher.search_batched_parallel, queries, final_num_neighbors=K,
+                                       pre_reorder_num_neighbors=max(reorder, K), leaves_to_search=to_search)
+            seconds, (found, _) = timed(search, repeats=2)
             rows.append({"method": "scann", "setting": f"leaves {to_search}/{leaves}, reorder {reorder}",
                          "recall": recall(np.asarray(found), truth), "qps": len(queries) / seconds,
                          "build_s": build_s})
@@ -144,7 +145,8 @@ def bench_ivf(db, queries, truth, args) -> list[dict]:
         seconds, (_, found) = timed(lambda: index.search(queries, K), repeats=2)
         rows.append({"method": "faiss_ivf_flat", "setting": f"nlist {nlist}, nprobe {nprobe}",
                      "recall": recall(found, truth), "qps": len(queries) / seconds, "build_s": build_s})
-        print(f"  ivf nprobe={nprobe} (build {build_s:.0f}s): recall {rows[-1]['recall']:.4f} qps {rows[-1]['qps']:.0f}", flush=True)
+        print(f"  ivf nprobe={nprobe} (build {build_s:.0f}s): recall {rows[-1]['recall']:.4f} "
+              f"qps {rows[-1]['qps']:.0f}", flush=True)
     return rows
 
 

@@ -35,8 +35,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
-from bench_scann import K, exact_search, make_data, recall  # noqa: E402
+import common
+from bench_scann import K, exact_search, make_data, recall
 
 FULL_KILT_PASSAGES = 36_000_000
 LAYOUTS = {  # name: (dims per AH block, centres per block (AH hash type), reorder copy or None)

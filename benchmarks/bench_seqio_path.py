@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
+import common
 
 FULL_KILT_TRAIN = 2_906_357  # KILT train examples of the 8 datasets (Petroni et al. 2021, Table 1)
 RECIPE = {"per_device_batch": 64, "query_len": 64, "passage_len": 256, "num_negatives": 2}
@@ -56,13 +56,14 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    import t5_retrieval.tasks  # noqa: F401
     from bench_input_pipeline import measure_iterator
-    from t5_retrieval.data.tasks import retrieval_tasks
+
+    import t5_retrieval.tasks  # noqa: F401
     from t5_retrieval.data.batching.batches import make_train_iterator
-    from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
-    from t5_retrieval.data.tasks.materialize import materialize
     from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
+    from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
+    from t5_retrieval.data.tasks import retrieval_tasks
+    from t5_retrieval.data.tasks.materialize import materialize
     from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 
     tmp = tempfile.mkdtemp(prefix="bench_seqio_")

@@ -40,9 +40,8 @@ import tempfile
 import threading
 import time
 
+import common
 import numpy as np
-
-import common  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -54,9 +53,9 @@ BODY_ADDRESSES = 8
 SLOW_BODY_ADDRESSES, SLOW_BODY_SOCKETS = 8, 8  # the slow-body group
 REOPEN_S = 0.2  # a group reopens a connection the server closed this long after
 
-from t5_retrieval.data.stores.kb import write_passage_store  # noqa: E402
 from t5_retrieval.data.records import Passage  # noqa: E402
-from t5_retrieval.data.stores import embedding_store
+from t5_retrieval.data.stores import embedding_store  # noqa: E402
+from t5_retrieval.data.stores.kb import write_passage_store  # noqa: E402
 from t5_retrieval.retrieval import index  # noqa: E402
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder  # noqa: E402
 

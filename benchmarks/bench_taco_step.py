@@ -46,10 +46,10 @@ import optax  # noqa: E402
 
 from t5_retrieval import multitask, sharding  # noqa: E402
 from t5_retrieval.data.batching.random_batches import RandomBatches  # noqa: E402
+from t5_retrieval.models.build import init_params  # noqa: E402
 from t5_retrieval.models.dual_encoder import DualEncoder  # noqa: E402
 from t5_retrieval.models.t5 import T5Config  # noqa: E402
 from t5_retrieval.optim import make_optimizer  # noqa: E402
-from t5_retrieval.models.build import init_params  # noqa: E402
 from t5_retrieval.train_step import TrainState, make_train_step, task_groups  # noqa: E402
 
 TARGET_RATIO = 1.15  # the target: TACO step time <= 1.15x the naive step
@@ -182,9 +182,10 @@ def main() -> int:
         for size in args.sizes:
             row = bench(size, k, args)
             result["runs"][f"{size}_K{k}"] = row
-            ratio = lambda name: row[f"{name}_over_naive"]["ratio_of_medians"]  # noqa: E731
-            parts.append(f"{size} K={k}: approx {ratio('taco_approx'):.2f}x, exact "
-                         f"{ratio('taco_exact'):.2f}x, stacked sum {ratio('stacked_sum'):.2f}x")
+            ratio = {name: row[f"{name}_over_naive"]["ratio_of_medians"]
+                     for name in ("taco_approx", "taco_exact", "stacked_sum")}
+            parts.append(f"{size} K={k}: approx {ratio['taco_approx']:.2f}x, exact "
+                         f"{ratio['taco_exact']:.2f}x, stacked sum {ratio['stacked_sum']:.2f}x")
             result["machine"]["load_average_1m_end"] = float(np.round(os.getloadavg()[0], 2))
             # Written after every (size, K): compiles are minutes each on a loaded 2-core machine.
             common.write_results("taco_step", result, f"step time / naive step ({args.tiny_repeats} / "

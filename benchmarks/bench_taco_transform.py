@@ -10,10 +10,10 @@ Writes benchmarks/results/taco_transform.json and prints one summary line.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import common  # benchmarks/common.py: interleaved timing, machine info, results JSON
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,7 +84,7 @@ def main() -> int:
 
     for k in args.tasks:
         grads = jax.tree_util.tree_map(
-            lambda p: jax.random.normal(jax.random.fold_in(key, p.size % 997), (k,) + p.shape)
+            lambda p, k=k: jax.random.normal(jax.random.fold_in(key, p.size % 997), (k,) + p.shape)
             * jnp.exp(jax.random.normal(key, (k,) + p.shape)), params)
         row = {}
         transforms = {
@@ -96,7 +96,7 @@ def main() -> int:
         updates = {}
         for name, tx in transforms.items():
             state, update = tx.init(params), jax.jit(tx.update)
-            updates[name] = lambda update=update, state=state: update(grads, state, params)
+            updates[name] = functools.partial(update, grads, state, params)
         times = _timed(updates, args.repeats)
         for name in transforms:
             row[name] = common.summarize(times[name])
@@ -106,7 +106,7 @@ def main() -> int:
 
         sens = jax.jit(lambda g, p: jax.tree_util.tree_map(lambda a, b: jnp.abs(b[None] * a), g, p))(
             grads, params)
-        flat = jax.jit(lambda s: jnp.concatenate(
+        flat = jax.jit(lambda s, k=k: jnp.concatenate(
             [x.reshape(k, -1) for x in jax.tree_util.tree_leaves(s)], 1))(sens)
         medians = {
             "median_radix_exact": jax.jit(lambda s: taco_global_median(s, "exact")),
@@ -116,10 +116,9 @@ def main() -> int:
             medians["median_jnp_median"] = jax.jit(lambda x: jnp.median(x, axis=1))
             medians["median_sort_float"] = jax.jit(
                 lambda x: jnp.sort(x, axis=1)[:, (x.shape[1] - 1) // 2])
-        median_fns = {name: (lambda fn=fn, name=name: fn(sens if "radix" in name else flat))
-                      for name, fn in medians.items()}
+        median_fns = {name: functools.partial(fn, sens if "radix" in name else flat) for name, fn in medians.items()}
         approx_median = jax.jit(lambda s: taco_global_median(s, "approx", args.median_samples))
-        median_fns["median_approx"] = lambda: approx_median(sens)
+        median_fns["median_approx"] = functools.partial(approx_median, sens)
         times = _timed(median_fns, args.repeats)
         for name in median_fns:
             row[name] = common.summarize(times[name])
@@ -129,7 +128,7 @@ def main() -> int:
             exact, np.asarray(medians["median_sort_int_bits"](flat))))
         approx = np.asarray(approx_median(sens))
         row["approx_median_max_rel_err"] = float(np.abs(approx / exact - 1).max())
-        del sens, flat
+        del sens, flat, median_fns
 
         for dtype in ("float32", "bfloat16"):
             shape = jax.eval_shape(multitask.taco(k, 1, burn_in_fraction=0.0, state_dtype=jnp.dtype(dtype)).init, params)
@@ -137,7 +136,7 @@ def main() -> int:
             row[f"state_bytes_{dtype}"] = int(state_bytes)
             row[f"state_over_param_bytes_{dtype}"] = state_bytes / param_bytes
         result["by_tasks"][str(k)] = row
-        del grads
+        del grads, updates
 
     parts = []
     for k, row in result["by_tasks"].items():

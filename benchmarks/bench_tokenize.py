@@ -123,12 +123,12 @@ def main() -> int:
     import tokenizers
     import transformers
     from transformers import AutoTokenizer
+    from wordpiece_reference import encoder
 
     from t5_retrieval.data.text import format_passage
     from t5_retrieval.data.tokenizers.tokenize import tokenize
     from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary
     from t5_retrieval.models.pretrained import minilm_l6_dir
-    from wordpiece_reference import encoder
 
     a.kb = a.kb or os.path.join(common.demo_slice(), "kb", "passages.jsonl")
     passages = read_passages(a.kb, a.passages)

@@ -33,9 +33,16 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from bench_encode import (  # noqa: E402
+    hf_embed,
+    hf_t5,
+    ours_from_hf,
+    t5_config,
+    torch_info,
+    torch_time_breakdown,
+    xla_time_breakdown,
+)
 
-from bench_encode import (hf_embed, hf_t5, ours_from_hf, t5_config, torch_info, torch_time_breakdown,  # noqa: E402
-                          xla_time_breakdown)
 from t5_retrieval.data.batching.random_batches import RandomBatches  # noqa: E402
 from t5_retrieval.optim import make_optimizer  # noqa: E402
 from t5_retrieval.train_step import TrainState, make_train_step  # noqa: E402

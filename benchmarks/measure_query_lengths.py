@@ -71,7 +71,7 @@ def main() -> None:
         texts = [format_query(e.query, d.prefix) for e in read_examples(layout.examples_path(data_dir, d.dataset, "train"))]
         counts = {name: token_counts(vocab, texts) for name, vocab in vocabs.items()}
         cells = []
-        for name, n in counts.items():
+        for n in counts.values():
             ratio = n.sum() / counts["T5 proxy (32k)"].sum()
             length = task_length(n, paper * ratio)
             cells.append(f"{int(np.median(n))} / {covering_95(n)} / {n.max()} | {ratio:.2f} | {paper * ratio:.0f} | {length}")
