@@ -1,15 +1,15 @@
-"""Shared test setup: a persistent XLA compilation cache so identical tiny steps compile once."""
+"""Shared test setup: every JAX of the suite, in this process and in the subprocesses it starts,
+compiles fast and shares one persistent XLA compilation cache (`process_harness.use_test_settings`)."""
 
 import os
 
-import jax
-import pytest
+from process_harness import use_test_settings
 
-import t5_retrieval.tasks  # noqa: F401  (registers the tasks and mixtures, as `t5r train` does)
+use_test_settings(os.environ)  # before JAX is imported: it reads these at import
 
-CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla")
-jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+import pytest  # noqa: E402
+
+import t5_retrieval.tasks  # noqa: E402,F401  (registers the tasks and mixtures, as `t5r train` does)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "mini_kilt")

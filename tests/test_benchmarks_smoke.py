@@ -12,15 +12,11 @@ import subprocess
 import sys
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-XLA_CACHE = os.path.join(REPO, ".pytest_cache", "xla")
+from process_harness import REPO, jax_env
 
 
 def run_benchmark(name: str, args: list[str], out: str, extra_env: dict[str, str] | None = None) -> tuple[dict, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_COMPILATION_CACHE_DIR=XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
-               **(extra_env or {}))
+    env = dict(jax_env(1), **(extra_env or {}))
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", f"bench_{name}.py"), *args,
                            "--out", out], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"bench_{name}.py failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"

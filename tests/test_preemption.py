@@ -23,11 +23,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from process_harness import REPO, jax_env
 
 from t5_retrieval import checkpoint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-XLA_CACHE = os.path.join(REPO, ".pytest_cache", "xla")
 TRAIN_STEPS = 24
 TIMEOUT_S = 300
 TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -49,13 +48,6 @@ def train_command(model_dir: str, variant: str, extra: tuple[str, ...] = ()) -> 
             "--gin_file=models/t5_tiny.gin", *gin]
 
 
-def env() -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=XLA_CACHE,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
-    return out
-
-
 STARTED: list[subprocess.Popen] = []
 
 
@@ -74,7 +66,7 @@ def start(model_dir: str, variant: str, extra: tuple[str, ...] = ()) -> subproce
     """Starts `t5r train`; its output goes to a log file next to model_dir (`proc.log_path`)."""
     log_path = os.path.join(os.path.dirname(model_dir), f"log_{time.time_ns()}.txt")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(train_command(model_dir, variant, extra), cwd=REPO, env=env(), stdout=log,
+        proc = subprocess.Popen(train_command(model_dir, variant, extra), cwd=REPO, env=jax_env(1), stdout=log,
                                 stderr=subprocess.STDOUT)
     proc.log_path = log_path
     STARTED.append(proc)
