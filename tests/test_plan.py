@@ -11,6 +11,7 @@ import functools
 import io
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -202,6 +203,27 @@ def test_a_step_that_cannot_fit_exits_2_with_one_line(capsys):
     assert "fsdp" in lines[0], f"expected the layout that would fit: {lines[0]}"
     assert "DOES NOT FIT" in out
     assert f"compiled by libtpu {libtpu_version()} for jax {jax.__version__}" in out
+
+
+def test_a_batch_that_cannot_fit_gets_the_largest_batch_a_compile_found_to_fit(capsys):
+    """2048-token passages: 96 queries per device need ~37 GB of temporaries, more than any layout
+    frees. The advice is a batch the plan compiled, found by the line through the step's
+    temporaries at 96 and at one query per task; planned again at that batch, the step fits."""
+    long = [a for a in TINY if "PASSAGE_LEN" not in a and "PER_DEVICE_BATCH" not in a]
+    long += ["--gin.PASSAGE_LEN=2048", "--gin_file=sharding/fsdp.gin"]
+    code, _, err = run_plan(capsys, "--topology", "v5e:2x2", *long, "--gin.PER_DEVICE_BATCH=96")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "PER_DEVICE_BATCH=96" in lines[0], err
+    advised = re.search(r"; --gin\.PER_DEVICE_BATCH=(\d+) fits \(compiled: ([\d,]+) of 16,384 MiB per device\)$",
+                        lines[0])
+    assert advised, f"expected a compiled batch that fits: {lines[0]}"
+    batch = int(advised[1])
+    assert 2 < batch < 96, batch
+    code, out, err = run_plan(capsys, "--topology", "v5e:2x2", *long, f"--gin.PER_DEVICE_BATCH={batch}")
+    assert code == 0, err
+    peak = re.search(r"train step:.*?peak ([\d,.]+) MiB of 16,384.0 MiB", out, re.S)
+    assert peak and float(peak[1].replace(",", "")) == pytest.approx(int(advised[2].replace(",", "")), abs=1), out
 
 
 def test_collectives_are_counted_by_type_and_bytes():
