@@ -42,7 +42,9 @@ def test_installed_wheel_runs_help_and_a_train_step_from_elsewhere(tmp_path):
                     for line in f if line.startswith("Requires-Dist:")}
     assert {"uvicorn", "h11", "starlette"} <= declared, f"the HTTP server's libraries are not dependencies: {declared}"
 
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    # as a user's shell: no JAX_COMPILATION_CACHE_DIR (the suite's own would take the place of the one
+    # `t5r train` picks, which is checked below)
+    env = {**{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}, "PYTHONPATH": str(site)}
     where = run([sys.executable, "-c", "import t5_retrieval; print(t5_retrieval.__file__)"], cwd=elsewhere, env=env)
     assert where.stdout.strip().startswith(str(site)), f"the installed copy must run, not the checkout: {where.stdout}"
     t5r = str(site / "bin" / "t5r")
