@@ -206,24 +206,42 @@ def test_a_step_that_cannot_fit_exits_2_with_one_line(capsys):
 
 
 def test_a_batch_that_cannot_fit_gets_the_largest_batch_a_compile_found_to_fit(capsys):
-    """2048-token passages: 96 queries per device need ~37 GB of temporaries, more than any layout
+    """1024-token passages: 384 queries per device need ~28 GB of temporaries, more than any layout
     frees. The advice is a batch the plan compiled, found by the line through the step's
-    temporaries at 96 and at one query per task; planned again at that batch, the step fits."""
+    temporaries at 384 and at one query per task; planned again at that batch, the step fits."""
     long = [a for a in TINY if "PASSAGE_LEN" not in a and "PER_DEVICE_BATCH" not in a]
-    long += ["--gin.PASSAGE_LEN=2048", "--gin_file=sharding/fsdp.gin"]
-    code, _, err = run_plan(capsys, "--topology", "v5e:2x2", *long, "--gin.PER_DEVICE_BATCH=96")
+    long += ["--gin.PASSAGE_LEN=1024", "--gin_file=sharding/fsdp.gin"]
+    code, _, err = run_plan(capsys, "--topology", "v5e:2x2", *long, "--gin.PER_DEVICE_BATCH=384")
     assert code == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "PER_DEVICE_BATCH=96" in lines[0], err
+    assert len(lines) == 1 and "PER_DEVICE_BATCH=384" in lines[0], err
     advised = re.search(r"; --gin\.PER_DEVICE_BATCH=(\d+) fits \(compiled: ([\d,]+) of 16,384 MiB per device\)$",
                         lines[0])
     assert advised, f"expected a compiled batch that fits: {lines[0]}"
     batch = int(advised[1])
-    assert 2 < batch < 96, batch
+    assert 2 < batch < 384, batch
     code, out, err = run_plan(capsys, "--topology", "v5e:2x2", *long, f"--gin.PER_DEVICE_BATCH={batch}")
     assert code == 0, err
     peak = re.search(r"train step:.*?peak ([\d,.]+) MiB of 16,384.0 MiB", out, re.S)
     assert peak and float(peak[1].replace(",", "")) == pytest.approx(int(advised[2].replace(",", "")), abs=1), out
+
+
+def test_a_step_within_the_hbm_that_the_compiler_refused_is_not_said_to_need_more_than_the_chip():
+    """XLA keeps part of the HBM for itself (v5e: 15.75 of 16 GiB usable), so a refused step can
+    need less than the chip has: its problem line says so instead of "needs 16,196 of 16,384"."""
+    from t5_retrieval.plan import planner
+
+    step = {"fits": False, "hlo_unreadable": None, "compiler_refused": "RESOURCE_EXHAUSTED: ...",
+            "memory_per_device": {"peak": 16_196 * planner.MIB, "hbm": 16_384 * planner.MIB,
+                                  "margin": 188 * planner.MIB}}
+    report = {"steps": {"train": step}, "chip": {"name": "v5e"}, "layout": "fsdp", "per_device_batch": 3072,
+              "replicated_params": [], "gathered_copy_bytes": None}
+    assert planner.problems(report) == [
+        "train step: needs 16,196.0 MiB per device, within the v5e device's 16,384.0 MiB, but the compiler, which "
+        "keeps part of it for itself, refused it (layout fsdp, PER_DEVICE_BATCH=3072)"]
+    step["memory_per_device"].update(peak=20_000 * planner.MIB, margin=-3_616 * planner.MIB)
+    assert planner.problems(report)[0].startswith("train step: needs 20,000.0 MiB per device, the v5e device has "
+                                                  "16,384.0 MiB (layout fsdp")
 
 
 def test_collectives_are_counted_by_type_and_bytes():

@@ -595,9 +595,12 @@ def problems(report: dict[str, Any]) -> list[str]:
     for name, step in report["steps"].items():
         mem = step["memory_per_device"]
         if not step["fits"]:
-            lines.append(f"{name} step: needs {mem['peak'] / MIB:,.1f} MiB per device, the {report['chip']['name']} "
-                         f"device has {mem['hbm'] / MIB:,.1f} MiB (layout {report['layout']}, "
-                         f"PER_DEVICE_BATCH={report['per_device_batch']})")
+            device = f"the {report['chip']['name']} device"
+            against = (f"{device} has {mem['hbm'] / MIB:,.1f} MiB" if mem["margin"] < 0 else
+                       f"within {device}'s {mem['hbm'] / MIB:,.1f} MiB, but the compiler, which keeps part of it "
+                       "for itself, refused it")
+            lines.append(f"{name} step: needs {mem['peak'] / MIB:,.1f} MiB per device, {against} "
+                         f"(layout {report['layout']}, PER_DEVICE_BATCH={report['per_device_batch']})")
     for p in report["replicated_params"]:
         lines.append(f"parameter {p['param']} {p['shape']} ({p['bytes'] / MIB:,.2f} MiB) is replicated on every "
                      f"device under layout {report['layout']}: its logical axes map to no mesh axis")
@@ -651,7 +654,8 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"  the TPU compiler refused it: {step['compiler_refused'][:300]}")
         lines.append(f"  peak {_mib(mem['peak'])} of {_mib(mem['hbm'])}: "
                      + (f"fits, margin {_mib(mem['margin'])}" if step["fits"]
-                        else f"DOES NOT FIT by {_mib(-mem['margin'])}"))
+                        else f"DOES NOT FIT by {_mib(-mem['margin'])}" if mem["margin"] < 0
+                        else "DOES NOT FIT: the compiler keeps part of the HBM for itself"))
         loop_free = step["loop_free_estimate"]
         if loop_free:
             lines.append(f"  the compiler prices a loop's body once: its estimate for this program "
