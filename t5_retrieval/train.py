@@ -26,7 +26,6 @@ import optax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-import t5_retrieval.tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
 from t5_retrieval import checkpoint, gin_utils, sharding
 from t5_retrieval.data.batching import batches as _batches  # noqa: F401  (registers its gin configurables)
 from t5_retrieval.data.batching import random_batches as _random_batches  # noqa: F401  (the same)

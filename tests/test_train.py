@@ -158,3 +158,14 @@ def test_zero_steps_is_refused_naming_the_binding(tmp_path):
     """num_steps=0 once counted as unset and the run died computing None epochs x steps per epoch."""
     with pytest.raises(UserError, match=r"^train.num_steps must be >= 1, got 0\n"):
         train(str(tmp_path / "model"), batches=RandomBatches, num_steps=0)
+
+
+def test_training_without_seqio_data_starts_without_tensorflow():
+    """seqio, and TensorFlow under it (~5 s to import), load only when a run reads a seqio
+    Mixture: `t5r train` over RandomBatches starts without them."""
+    import subprocess
+    import sys
+
+    probe = "import sys, t5_retrieval.train; print(sorted({'seqio', 'tensorflow'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
