@@ -294,7 +294,6 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     training over a fixed index; `train` then requires `init_from` to be the model that wrote
     them). Its identity (`passage_table`) is recorded in the features.
     """
-    import t5_retrieval.tasks  # noqa: F401  (the project's Tasks and Mixtures, by name; imports seqio and TF)
     from t5_retrieval.data.tasks import retrieval_tasks
     from t5_retrieval.data.tasks.materialize import materialize
 
