@@ -142,8 +142,7 @@ def resume_overhead(kills: int, checkpoint_every: int, steps: int, root: str, se
     rng = random.Random(seed)
     model_dir = os.path.join(root, "resume", "model")
     os.makedirs(os.path.dirname(model_dir), exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(REPO, ".pytest_cache", "xla"),
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(REPO, ".pytest_cache", "xla"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
     command = [sys.executable, "-m", "t5_retrieval.cli", "train", "--model_dir", model_dir, *TINY_GIN,
                f"--gin.train.num_steps={steps}", f"--gin.train.checkpoint_every={checkpoint_every}"]

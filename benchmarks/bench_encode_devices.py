@@ -61,7 +61,10 @@ def measure(size: str, passages: int, length: int, batch: int, repeats: int, emb
 
 def run_worker(a: argparse.Namespace, devices: int, batch: int, embeddings_out: str) -> dict:
     """One measurement in a fresh process with `devices` forced CPU devices."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    # the caller's XLA flags (a test's fast-compile ones), without any device count of theirs
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env = dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
+               JAX_PLATFORMS="cpu")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--size={a.size}", f"--passages={a.passages}",
            f"--length={a.length}", f"--batch={batch}", f"--repeats={a.repeats}", f"--embeddings_out={embeddings_out}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

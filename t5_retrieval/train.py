@@ -93,6 +93,22 @@ class BatchIterator(Protocol):
 
 
 
+def _summary_writer(directory: str, purge_step: int) -> Any:
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch wherever it
+    is installed, only to accept torch tensors, which this loop never logs (2-4 s of every run's
+    start). Where something imported torch already, it stays as it is."""
+    hidden = "torch" not in sys.modules
+    if hidden:
+        # a None entry makes `import torch` raise ImportError, which tensorboardX expects where it is absent
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hidden:
+            del sys.modules["torch"]
+    return SummaryWriter(directory, purge_step=purge_step)
+
+
 class MetricsLog:
     """Scalars to TensorBoard (`<model_dir>/tb`) and to `<model_dir>/metrics.jsonl` (process 0 only).
 
@@ -103,8 +119,7 @@ class MetricsLog:
     def __init__(self, directory: str, start_step: int):
         self.enabled = jax.process_index() == 0
         if self.enabled:
-            from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(directory, "tb"), purge_step=start_step + 1)
+            self.tb = _summary_writer(os.path.join(directory, "tb"), purge_step=start_step + 1)
             path = os.path.join(directory, "metrics.jsonl")
             if os.path.exists(path):
                 with open(path) as f:

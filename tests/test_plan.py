@@ -41,6 +41,28 @@ MEMORY_KEYS = {"params", "optimizer", "multitask", "batch", "arguments", "output
                "code", "peak", "hbm", "margin"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compile_each_program_once():
+    """The TPU compiler is deterministic and each compile here takes seconds to a minute, so a program
+    this module has compiled already (for the same devices) is not compiled again: a plan rerun at
+    the batch another advised, or a test's own compile of the program a plan timed. What a
+    compile returned is returned again, its time included."""
+    from t5_retrieval.plan import planner
+
+    compile_timed, compiled = planner.compile_timed, {}
+
+    def once(lowered: jax.stages.Lowered):
+        devices = lowered._lowering._device_list  # the program's text names no device kind
+        key = (lowered.as_text(), tuple(f"{d.device_kind} {d!r}" for d in devices))
+        if key not in compiled:
+            compiled[key] = compile_timed(lowered)
+        return compiled[key]
+
+    planner.compile_timed = once
+    yield
+    planner.compile_timed = compile_timed
+
+
 def libtpu_version() -> str:
     import importlib.metadata
     return importlib.metadata.version("libtpu")

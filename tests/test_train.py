@@ -73,6 +73,26 @@ def test_tensorboard_reads_the_runs_metrics(finished_run):
     assert out.returncode == 0 and "loss/task_a" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def test_the_metrics_log_writes_tensorboard_events_without_importing_torch(tmp_path):
+    """tensorboardX imports torch wherever it is installed (4 s of every run's start on a busy CI
+    machine); the run's writer is imported without it, and what it writes still reads back."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here: tensorboardX would not import it anyway")
+    probe = ("import sys; from t5_retrieval.train import MetricsLog; log = MetricsLog(sys.argv[1], 0); "
+             "log.write(3, {'loss': 0.5}); log.close(); print(sorted({'torch', 'tensorboardX'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['tensorboardX']", out.stdout + out.stderr[-2000:]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(3, 0.5)]
+
+
 def test_resume_from_checkpoint_reaches_identical_parameters(finished_run, tmp_path):
     model_dir, final_params = finished_run
     resumed_dir = tmp_path / "resumed"
