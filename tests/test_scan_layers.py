@@ -45,7 +45,7 @@ def _t5_params() -> dict:
 
 def _assert_scan_matches_unrolled(loss_fn, cfg, params) -> None:
     """The loss and its gradients with the layers scanned, with and without remat, equal the unrolled ones."""
-    unrolled_loss, unrolled_grad = jax.value_and_grad(lambda p: loss_fn(cfg, p))(params)
+    unrolled_loss, unrolled_grad = jax.jit(jax.value_and_grad(lambda p: loss_fn(cfg, p)))(params)
     for remat in (False, True):
         scanned = dataclasses.replace(cfg, scan_layers=True, remat=remat)
         loss, grad = jax.jit(jax.value_and_grad(lambda p, c=scanned: loss_fn(c, p)))(params)
@@ -95,7 +95,7 @@ def test_train_step_gradient_with_scanned_layers_matches_unrolled():
     unrolled, scanned = DualEncoder(T5_CFG), DualEncoder(dataclasses.replace(T5_CFG, scan_layers=True))
     params = unrolled.init(jax.random.PRNGKey(0), batch["a"]["query_tokens"])["params"]
     rng = jax.random.PRNGKey(1)
-    expected, expected_losses, _ = summed_gradient(unrolled, 1.0, params, batch, tasks, rng)
+    expected, expected_losses, _ = jax.jit(lambda p: summed_gradient(unrolled, 1.0, p, batch, tasks, rng))(params)
     grad, losses, _ = jax.jit(lambda p: summed_gradient(scanned, 1.0, p, batch, tasks, rng))(params)
     np.testing.assert_allclose(np.asarray(losses), np.asarray(expected_losses), rtol=1e-5)
     _assert_trees_close(grad, expected)
@@ -109,7 +109,7 @@ def test_rematerialised_unrolled_t5_initialises_and_matches_with_dropout():
         remat = dataclasses.replace(plain, remat=True)
         params = T5(remat).init(jax.random.PRNGKey(0), TOKENS, DECODER_TOKENS)["params"]
         rng = jax.random.PRNGKey(3)
-        expected = jax.value_and_grad(lambda p, c=plain, r=rng: _t5_loss(c, p, False, r))(params)
+        expected = jax.jit(jax.value_and_grad(lambda p, c=plain, r=rng: _t5_loss(c, p, False, r)))(params)
         got = jax.jit(jax.value_and_grad(lambda p, c=remat, r=rng: _t5_loss(c, p, False, r)))(params)
         np.testing.assert_allclose(float(got[0]), float(expected[0]), rtol=1e-2 if dtype == "bfloat16" else 1e-6)
         if dtype == "float32":
@@ -132,7 +132,7 @@ def test_remat_policies_give_the_plain_gradients_and_recompute_less_as_they_save
     from t5_retrieval.models.t5 import REMAT_POLICIES
 
     params = _t5_params()
-    expected = jax.value_and_grad(lambda p: _t5_loss(T5_CFG, p))(params)
+    expected = jax.jit(jax.value_and_grad(lambda p: _t5_loss(T5_CFG, p)))(params)
     for scan in (False, True):
         dots = {}
         for policy in REMAT_POLICIES:
