@@ -91,8 +91,6 @@ class BatchIterator(Protocol):
     def restore(self, state: dict[str, Any]) -> None: ...
 
 
-
-
 def _summary_writer(directory: str, purge_step: int) -> Any:
     """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch wherever it
     is installed, only to accept torch tensors, which this loop never logs (2-4 s of every run's

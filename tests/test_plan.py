@@ -58,9 +58,9 @@ def compile_each_program_once():
             compiled[key] = compile_timed(lowered)
         return compiled[key]
 
-    planner.compile_timed = once
-    yield
-    planner.compile_timed = compile_timed
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planner, "compile_timed", once)
+        yield
 
 
 def libtpu_version() -> str:
