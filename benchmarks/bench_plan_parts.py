@@ -81,7 +81,7 @@ def whole_step_memory(plan: Planned) -> dict[str, Any]:
     batch = steps.abstract_batch(plan.tasks, plan.settings, plan.mesh.shape["data"], model.embedding_dim)
     train, multitask_state = steps.lower_train_step(model, plan.config, plan.settings, [t.name for t in plan.tasks],
                                                     batch, plan.mesh, plan.rules)
-    compiled, compile_s, refusal = planner.compile_timed(train.lowered)
+    compiled, compile_s, refusal, _ = planner.compile_timed(train.lowered)
     memory = planner.memory_per_device(compiled, refusal, planner.train_state_bytes(train, multitask_state),
                                        plan.target.hbm_per_device)
     return {"seconds": None, "compile_seconds": round(compile_s, 1), "refused": refusal,
@@ -121,7 +121,7 @@ def part_estimate(plan: Planned, part: str) -> dict[str, Any]:
         lowered = steps.lower_param_gather(build_model(plan.config), plan.config, plan.mesh, plan.rules)
     else:
         raise ValueError(f"unknown part {part!r}")
-    compiled, compile_s, refusal = planner.compile_timed(lowered)
+    compiled, compile_s, refusal, _ = planner.compile_timed(lowered)
     return {"seconds": planner.usable_estimate(planner.compiler_seconds(compiled)), "compile_seconds": round(compile_s, 1),
             "refused": refusal}
 

@@ -33,7 +33,8 @@ TACO = ["--gin_file=runs/taco.gin", "--gin.MIXTURE_OR_TASK_NAME=['demo_fever', '
 REPORT_KEYS = {"topology", "num_slices", "devices", "mesh", "layout", "chip", "tasks", "per_device_batch",
                "passage_len", "num_negatives", "multitask", "steps", "replicated_params", "problems",
                "steps_per_epoch", "estimated_epoch_seconds", "gathered_copy_bytes", "host_peak_bytes", "compiler"}
-STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "fits", "compiler_refused",
+STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "peak_breakdown", "fits",
+             "compiler_refused",
              "compiler_flops_per_device", "model_matmul_flops", "peak_bf16_flops", "estimated_step_seconds",
              "compiler_optimal_seconds", "compiler_seconds", "estimate_source", "loop_free_estimate",
              "hlo_unreadable", "collectives", "items_per_step"}
@@ -209,6 +210,12 @@ def test_json_report_schema():
         assert all(set(c) == {"count", "bytes"} for c in step["collectives"].values())
         memory = step["memory_per_device"]
         assert memory["peak"] + memory["margin"] == report["chip"]["hbm_bytes_per_device"]
+        # XLA's own account of the buffers live at the peak: largest first, the rest summed last
+        parts = step["peak_breakdown"]
+        assert parts and all(set(p) == {"what", "bytes"} and p["bytes"] > 0 for p in parts), parts
+        ranked = [p["bytes"] for p in parts if p["what"] != "other"]
+        assert ranked == sorted(ranked, reverse=True) and len(ranked) <= 8, parts
+    assert "argument state" in [p["what"] for p in report["steps"]["train"]["peak_breakdown"]]
     assert report["tasks"] == [{"name": "demo_fever", "per_device_rows": 1, "query_len": 16, "train_examples": 160},
                                {"name": "demo_trex", "per_device_rows": 1, "query_len": 16, "train_examples": 160}]
     # an epoch is a pass over the largest task: 160 examples, 1 row on each of 4 data shards per step
@@ -239,8 +246,13 @@ def test_a_batch_that_cannot_fit_gets_the_largest_batch_a_compile_found_to_fit(c
     temporaries at 384 and at one query per task; planned again at that batch, the step fits."""
     long = [a for a in TINY if "PASSAGE_LEN" not in a and "PER_DEVICE_BATCH" not in a]
     long += ["--gin.PASSAGE_LEN=1024", "--gin_file=sharding/fsdp.gin"]
-    code, _, err = run_plan(capsys, "--topology", "v5e:2x2", *long, "--gin.PER_DEVICE_BATCH=384")
+    code, out, err = run_plan(capsys, "--topology", "v5e:2x2", *long, "--gin.PER_DEVICE_BATCH=384")
     assert code == 2
+    # why, from the refused compile's own buffer assignment: the attention scores of 1024-token passages
+    at_peak = re.search(r"^train step:.*?\n  at the peak, [^:]*: ([^\n]*)", out, re.S | re.M)
+    assert at_peak, out
+    largest = re.fullmatch(r"(\S+) ([\d,.]+) MiB", at_peak[1].split("; ")[0])
+    assert largest and "/attention/" in largest[1] and float(largest[2].replace(",", "")) > 8_000, at_peak[1]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "PER_DEVICE_BATCH=384" in lines[0], err
     advised = re.search(r"; --gin\.PER_DEVICE_BATCH=(\d+) fits \(compiled: ([\d,]+) of 16,384 MiB per device\)$",
@@ -344,7 +356,7 @@ def test_depth_extrapolation_matches_the_compiler_on_the_unrolled_step():
     lower = _encode_lowering(mesh, 32)
     estimate = planner.loop_free_estimate(lower, config, 4)
     assert estimate["seconds"]["2 layers"] > estimate["seconds"]["1 layer"] > 0, estimate
-    compiled, _, _ = planner.compile_timed(lower(planner.timing_config(config, 4)))
+    compiled = planner.compile_timed(lower(planner.timing_config(config, 4))).compiled
     direct = planner.usable_estimate(planner.compiler_seconds(compiled))
     assert direct is not None
     np.testing.assert_allclose(estimate["estimated_step_seconds"], direct, rtol=0.01)
@@ -374,7 +386,7 @@ def test_a_task_pass_is_timed_unrolled_at_full_depth():
     lower = _encode_lowering(mesh, 32)
     part = planner.loop_free_estimate(lower, config, 3, full_depth=True)
     assert part["method"] == "unrolled at 3 layers" and list(part["seconds"]) == ["3 layers"], part
-    compiled, _, _ = planner.compile_timed(lower(planner.timing_config(config, 3)))
+    compiled = planner.compile_timed(lower(planner.timing_config(config, 3))).compiled
     assert part["estimated_step_seconds"] == pytest.approx(planner.compiler_seconds(compiled), rel=1e-6)
     step = planner.per_task_estimate([("a", 2, lower), ("b", 1, lower)], [("update", lower)], config, 3)
     assert step["method"] == "sum of 3 task passes, each unrolled at 3 layers, and the update", step
@@ -391,7 +403,7 @@ def test_unpriced_custom_calls_are_counted_free_not_minus_one_second():
     lower = _encode_lowering(mesh, 160)
     raw, corrected = [], []
     for layers in (1, 2, 3):
-        compiled, _, _ = planner.compile_timed(lower(planner.timing_config(config, layers)))
+        compiled = planner.compile_timed(lower(planner.timing_config(config, layers))).compiled
         raw.append(planner.cost_analysis(compiled)["optimal_seconds"])
         corrected.append(planner.compiler_seconds(compiled))
     assert min(raw) < 0, f"libtpu priced every program: {raw} (the correction may be obsolete)"
@@ -426,9 +438,9 @@ def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
 
     mesh, config = _t5_base_mesh_and_config("VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 1")
     step = lower_encode_step(build_model(config), config, 32, mesh, sharding.LAYOUTS["fsdp"])
-    compiled, compile_s, _ = planner.compile_timed(step.lowered)
+    compiled, compile_s, _, at_peak = planner.compile_timed(step.lowered)
     parts = {"params": 0, "optimizer": 0, "multitask": 0, "batch": 0}
-    args = (None, 0.0, compile_s, parts, planner.describe_topology("v5e:2x2", 1), 1e9, {"passages": 8})
+    args = (None, 0.0, compile_s, parts, planner.describe_topology("v5e:2x2", 1), 1e9, {"passages": 8}, at_peak)
     readable = planner.step_report(step, compiled, *args)
     unreadable = planner.step_report(step, _TextUnreadable(compiled), *args)
     assert readable["hlo_unreadable"] is None and readable["estimated_step_seconds"] and readable["program"]

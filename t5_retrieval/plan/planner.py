@@ -19,9 +19,10 @@ import os
 import re
 import resource
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -31,7 +32,7 @@ from t5_retrieval import sharding
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.models.build import build_model
 from t5_retrieval.models.families import family_of
-from t5_retrieval.plan import hlo
+from t5_retrieval.plan import hlo, peak
 from t5_retrieval.plan.chips import Chip, parse_topology
 from t5_retrieval.plan.steps import (
     LoweredStep,
@@ -154,25 +155,36 @@ def train_matmul_flops(config: dict[str, Any], settings: TrainSettings, tasks: S
 _OUT_OF_HBM = re.compile(r"memory required for HLO temporaries \((?P<need>[0-9.]+)(?P<unit>[KMGT])\)")
 
 
-def compile_timed(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled | None, float, str | None]:
-    """(compiled program or None, seconds, the compiler's out-of-HBM message or None). First returns
-    what earlier compiles left in the allocator (`release_host_memory`): a caller drops a program it
-    has read before compiling the next."""
+class Compile(NamedTuple):
+    """One compile of a step: the program (None when refused), its time, the compiler's
+    out-of-HBM message (or None) and what held the memory at the program's peak (`peak.read`)."""
+
+    compiled: jax.stages.Compiled | None
+    seconds: float
+    refusal: str | None
+    peak: list[dict[str, Any]]
+
+
+def compile_timed(lowered: jax.stages.Lowered) -> Compile:
+    """Compiles `lowered` for its devices. First returns what earlier compiles left in the
+    allocator (`release_host_memory`): a caller drops a program it has read before compiling the next."""
     release_host_memory()
     # A TPU program compiled for a described topology cannot be loaded back from JAX's persistent
     # cache without a TPU client: keep it out of the cache (reading it only warns and recompiles).
     cache_was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # a flag the stubs lack
     jax.config.update("jax_enable_compilation_cache", False)
-    start = time.perf_counter()
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        return None, time.perf_counter() - start, " ".join(str(e).split())
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache_was)
-    return compiled, time.perf_counter() - start, None
+    with tempfile.TemporaryDirectory(prefix="t5r-plan-") as dump_dir:
+        start = time.perf_counter()
+        try:
+            compiled, refusal = lowered.compile(compiler_options=peak.compile_options(dump_dir)), None
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            compiled, refusal = None, " ".join(str(e).split())
+        finally:
+            jax.config.update("jax_enable_compilation_cache", cache_was)
+        seconds = time.perf_counter() - start
+        return Compile(compiled, seconds, refusal, peak.read(dump_dir))
 
 
 def refused_temporaries(message: str) -> int:
@@ -253,7 +265,7 @@ def compiler_seconds(compiled: jax.stages.Compiled | None) -> float:
 def timed_program(lowered: jax.stages.Lowered) -> tuple[float | None, float]:
     """(the compiler's usable step-time estimate of `lowered`, compile seconds); the program itself
     is not kept, so the next compile does not run beside it."""
-    compiled, compile_s, _ = compile_timed(lowered)
+    compiled, compile_s, _, _ = compile_timed(lowered)
     return usable_estimate(compiler_seconds(compiled)), compile_s
 
 
@@ -358,9 +370,10 @@ def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], once: Sequence[t
 
 def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal: str | None, lower_s: float,
                 compile_s: float, parts: dict[str, int], target: Target, model_flops: float,
-                items: dict[str, int]) -> dict[str, Any]:
+                items: dict[str, int], peak_breakdown: list[dict[str, Any]]) -> dict[str, Any]:
     """Memory, time estimate and collectives of one compiled step, per device. The time is the
-    compiler's estimate for this program; `with_loop_free` replaces it for a program with loops of ours."""
+    compiler's estimate for this program; `with_loop_free` replaces it for a program with loops of ours.
+    `peak_breakdown` is what held the memory at the peak (`Compile.peak`), refused programs included."""
     memory = memory_per_device(compiled, refusal, parts, target.hbm_per_device)
     analysis = cost_analysis(compiled)
     text, unreadable = compiled_text(compiled)
@@ -369,6 +382,7 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "lower_seconds": round(lower_s, 2), "compile_seconds": round(compile_s, 2),
         "hlo_bytes": len(step.lowered.as_text()),
         "memory_per_device": memory,
+        "peak_breakdown": peak_breakdown,
         "fits": fits(compiled, memory),
         "compiler_refused": refusal,
         "compiler_flops_per_device": float(analysis.get("flops", 0.0)),
@@ -420,7 +434,7 @@ def train_step_memory(model: Any, config: dict[str, Any], settings: TrainSetting
     tasks = task_shapes(settings)
     batch = abstract_batch(tasks, settings, mesh.shape["data"], model.embedding_dim)
     train, multitask_state = lower_train_step(model, config, settings, [t.name for t in tasks], batch, mesh, rules)
-    compiled, _, refusal = compile_timed(train.lowered)
+    compiled, _, refusal, _ = compile_timed(train.lowered)
     memory = memory_per_device(compiled, refusal, train_state_bytes(train, multitask_state), hbm)
     return fits(compiled, memory), memory
 
@@ -504,12 +518,13 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     start = time.perf_counter()
     train, multitask_state = lower_train_step(model, config, settings, task_names, batch, mesh, rules)
     lower_s = time.perf_counter() - start
-    compiled, compile_s, refusal = compile_timed(train.lowered)
+    compiled, compile_s, refusal, train_peak = compile_timed(train.lowered)
     parts = train_state_bytes(train, multitask_state)
     params_b = parts["params"]
     queries = sum(t.rows for t in tasks) * data_shards
     train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, target,
-                               train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries})
+                               train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries},
+                               train_peak)
     compiled = None  # reported: the timing programs below compile without it held
     depth = scanned_depth(config)
     # per-task gradient passes, same-shaped tasks in one `lax.scan` (task_groups reads only shapes
@@ -533,12 +548,13 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     start = time.perf_counter()
     encode = lower_encode_step(model, config, settings.passage_len, mesh, rules)
     lower_s = time.perf_counter() - start
-    compiled, compile_s, refusal = compile_timed(encode.lowered)
+    compiled, compile_s, refusal, encode_peak = compile_timed(encode.lowered)
     rows = encode_batch_rows(data_shards)
     encode_parts = {"params": bytes_per_device(encode.state, encode.state_shardings), "optimizer": 0, "multitask": 0,
                     "batch": bytes_per_device(encode.batch, encode.batch_shardings)}
     encode_report = step_report(encode, compiled, refusal, lower_s, compile_s, encode_parts, target,
-                                forward_matmul_flops(config, rows, settings.passage_len), {"passages": rows})
+                                forward_matmul_flops(config, rows, settings.passage_len), {"passages": rows},
+                                encode_peak)
     compiled = None
     if refusal is None and depth:
         encode_report = with_loop_free(encode_report, loop_free_estimate(
@@ -621,6 +637,9 @@ def problems(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+PEAK_LINE_PARTS = 4  # of a step's peak breakdown, in the text report (--json has them all)
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds:,.1f} s"
 
@@ -656,6 +675,9 @@ def format_text(report: dict[str, Any]) -> str:
                      + (f"fits, margin {_mib(mem['margin'])}" if step["fits"]
                         else f"DOES NOT FIT by {_mib(-mem['margin'])}" if mem["margin"] < 0
                         else "DOES NOT FIT: the compiler keeps part of the HBM for itself"))
+        if step["peak_breakdown"]:
+            lines.append("  at the peak, the compiler's largest buffers by the operation that made them: " + "; ".join(
+                f"{part['what']} {_mib(part['bytes'])}" for part in step["peak_breakdown"][:PEAK_LINE_PARTS]))
         loop_free = step["loop_free_estimate"]
         if loop_free:
             lines.append(f"  the compiler prices a loop's body once: its estimate for this program "
