@@ -523,3 +523,18 @@ def test_the_parameter_gather_is_of_the_copy_the_network_reads():
     (bf16_out, bf16_gathered), (f32_out, f32_gathered) = gathered_bytes("bfloat16"), gathered_bytes("float32")
     assert 0.45 * f32_out < bf16_out < 0.6 * f32_out, (bf16_out, f32_out)
     assert 0.45 * f32_gathered < bf16_gathered < 0.6 * f32_gathered, (bf16_gathered, f32_gathered)
+
+
+def test_a_plan_writes_no_tpu_program_into_the_persistent_cache():
+    """JAX cannot load a TPU program compiled for a described topology back from its cache, so a
+    plan must not write one there, also in a process whose cache is in use (as the tests' is)."""
+    from t5_retrieval.plan import planner
+
+    cache_dir = jax.config.jax_compilation_cache_dir
+    assert cache_dir, "the tests run with JAX's persistent cache (tests/process_harness.py)"
+    jax.jit(lambda x: x * 3 + 1)(np.arange(7.0))  # the cache is in use in this process from here on
+    before = set(os.listdir(cache_dir))
+    mesh, config = _t5_base_mesh_and_config("VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 1")
+    compile_ = planner.compile_timed(_encode_lowering(mesh, 24)(config))  # a program no other test compiles
+    assert compile_.compiled is not None and compile_.seconds > 0.5, "slow enough that JAX would cache it"
+    assert set(os.listdir(cache_dir)) == before, sorted(set(os.listdir(cache_dir)) - before)

@@ -9,6 +9,7 @@ is compared with the chip's HBM (`chips.py`). Times are the TPU compiler's own c
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -21,7 +22,7 @@ import resource
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -169,11 +170,7 @@ def compile_timed(lowered: jax.stages.Lowered) -> Compile:
     """Compiles `lowered` for its devices. First returns what earlier compiles left in the
     allocator (`release_host_memory`): a caller drops a program it has read before compiling the next."""
     release_host_memory()
-    # A TPU program compiled for a described topology cannot be loaded back from JAX's persistent
-    # cache without a TPU client: keep it out of the cache (reading it only warns and recompiles).
-    cache_was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # a flag the stubs lack
-    jax.config.update("jax_enable_compilation_cache", False)
-    with tempfile.TemporaryDirectory(prefix="t5r-plan-") as dump_dir:
+    with tempfile.TemporaryDirectory(prefix="t5r-plan-") as dump_dir, _not_cached():
         start = time.perf_counter()
         try:
             compiled, refusal = lowered.compile(compiler_options=peak.compile_options(dump_dir)), None
@@ -181,10 +178,26 @@ def compile_timed(lowered: jax.stages.Lowered) -> Compile:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             compiled, refusal = None, " ".join(str(e).split())
-        finally:
-            jax.config.update("jax_enable_compilation_cache", cache_was)
         seconds = time.perf_counter() - start
         return Compile(compiled, seconds, refusal, peak.read(dump_dir))
+
+
+@contextlib.contextmanager
+def _not_cached() -> Iterator[None]:
+    """Keeps what is compiled inside out of JAX's persistent cache: a TPU program compiled for a
+    described topology cannot be loaded back without a TPU client (a later plan would only warn and
+    recompile). JAX decides once per process whether it uses the cache, so where it already does
+    (JAX_COMPILATION_CACHE_DIR set, a CPU program compiled first) disabling it is not enough:
+    no compile is then slow enough to be written."""
+    flags = {"jax_enable_compilation_cache": False, "jax_persistent_cache_min_compile_time_secs": math.inf}
+    was = {name: getattr(jax.config, name) for name in flags}
+    try:
+        for name, value in flags.items():
+            jax.config.update(name, value)
+        yield
+    finally:
+        for name, value in was.items():
+            jax.config.update(name, value)
 
 
 def refused_temporaries(message: str) -> int:
