@@ -52,11 +52,11 @@ def compile_each_program_once():
 
     compile_timed, compiled = planner.compile_timed, {}
 
-    def once(lowered: jax.stages.Lowered):
+    def once(lowered: jax.stages.Lowered, *, peak_breakdown: bool = False):
         devices = lowered._lowering._device_list  # the program's text names no device kind
-        key = (lowered.as_text(), tuple(f"{d.device_kind} {d!r}" for d in devices))
+        key = (lowered.as_text(), tuple(f"{d.device_kind} {d!r}" for d in devices), peak_breakdown)
         if key not in compiled:
-            compiled[key] = compile_timed(lowered)
+            compiled[key] = compile_timed(lowered, peak_breakdown=peak_breakdown)
         return compiled[key]
 
     with pytest.MonkeyPatch.context() as patch:
@@ -80,18 +80,25 @@ def run_plan(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def _plan_exit(argv: tuple[str, ...]) -> tuple[int, str, str]:
+    """`t5r plan --json` that may exit 2: (code, stdout, stderr)."""
+    import gin
+    gin.clear_config()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["plan", *argv, "--json"])
+    finally:
+        gin.clear_config()
+    return code, out.getvalue(), err.getvalue()
+
+
 @functools.cache
 def _plan_json(argv: tuple[str, ...]) -> dict:
     """One compile per configuration for the whole module (each is tens of seconds on a loaded CPU)."""
-    import gin
-    gin.clear_config()
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            assert cli.main(["plan", *argv, "--json"]) == 0
-    finally:
-        gin.clear_config()
-    return json.loads(out.getvalue())
+    code, out, err = _plan_exit(argv)
+    assert code == 0, err
+    return json.loads(out)
 
 
 def plan_json(topology: str, layout: str, *extra: str) -> dict:
@@ -238,6 +245,24 @@ def test_a_step_that_cannot_fit_exits_2_with_one_line(capsys):
     assert "fsdp" in lines[0], f"expected the layout that would fit: {lines[0]}"
     assert "DOES NOT FIT" in out
     assert f"compiled by libtpu {libtpu_version()} for jax {jax.__version__}" in out
+
+
+def test_a_refused_step_counts_its_arguments_once():
+    """The total the compiler's out-of-HBM message names ("HLO temporaries") is its buffer
+    assignment's, the arguments included: with 15 GB of replicated state the step's peak is that
+    total, and its temporaries are what is left of it, not the total again on top of the state."""
+    from t5_retrieval.plan import planner
+
+    code, out, _ = _plan_exit(("--topology", "v5e:2x2", *TINY, "--gin.VOCAB_SIZE=40000000",
+                               "--gin_file=sharding/data_parallel.gin"))
+    assert code == 2
+    train = json.loads(out)["steps"]["train"]
+    mem = train["memory_per_device"]
+    total = planner.refused_total(train["compiler_refused"])
+    state = mem["params"] + mem["optimizer"] + mem["multitask"]
+    assert state > 14e9 and total > state, (state, total)
+    assert mem["arguments"] == state + mem["batch"]
+    assert mem["peak"] == total and mem["temporaries"] == total - mem["arguments"]
 
 
 def test_a_batch_that_cannot_fit_gets_the_largest_batch_a_compile_found_to_fit(capsys):
@@ -438,7 +463,7 @@ def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
 
     mesh, config = _t5_base_mesh_and_config("VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 1")
     step = lower_encode_step(build_model(config), config, 32, mesh, sharding.LAYOUTS["fsdp"])
-    compiled, compile_s, _, at_peak = planner.compile_timed(step.lowered)
+    compiled, compile_s, _, at_peak = planner.compile_timed(step.lowered, peak_breakdown=True)
     parts = {"params": 0, "optimizer": 0, "multitask": 0, "batch": 0}
     args = (None, 0.0, compile_s, parts, planner.describe_topology("v5e:2x2", 1), 1e9, {"passages": 8}, at_peak)
     readable = planner.step_report(step, compiled, *args)
@@ -535,7 +560,7 @@ def test_a_plan_writes_no_tpu_program_into_the_persistent_cache(tmp_path):
     from process_harness import REPO
 
     script = """
-import os, sys
+import os
 import jax, numpy as np
 from jax.sharding import Mesh
 from t5_retrieval import gin_utils, sharding

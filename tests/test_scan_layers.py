@@ -2,6 +2,7 @@
 results as the unrolled stack: forward outputs and gradients, rematerialised or not, and the train step."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.extend
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5_retrieval.data.batching.random_batches import RandomBatches
+from t5_retrieval.models import t5
 from t5_retrieval.models.bert import Bert, BertConfig
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5, T5Config
@@ -71,6 +73,41 @@ def test_scanned_t5_encode_decode_and_gradients_match_unrolled():
 
 def test_scanned_bert_outputs_and_gradients_match_unrolled():
     _assert_scan_matches_unrolled(_bert_loss, BERT_CFG, Bert(BERT_CFG).init(jax.random.PRNGKey(0), TOKENS)["params"])
+
+
+def _scan_outputs(jaxpr: jax.extend.core.Jaxpr) -> list[jax.core.ShapedArray]:
+    """The stacked outputs (ys) of every `scan` in `jaxpr`, nested ones included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found += [v.aval for v in eqn.outvars[eqn.params["num_carry"]:]]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _scan_outputs(sub)
+    return found
+
+
+def test_scanned_bf16_layers_build_their_matrices_gradients_in_bf16_and_compute_the_same(monkeypatch):
+    """With bf16 activations the stacked copy of the layers' matrices is bf16, so the gradient each
+    scan's backward pass stacks up for it is bf16, not float32 (half the memory of those stacks, which
+    held most of T5-XXL's temporaries). The layers cast their matrices at use anyway, so loss and
+    float32 gradients are bit for bit those of float32 stacking, with dropout and with remat."""
+    params = _t5_params()
+    layers = T5_CFG.num_encoder_layers
+    matrices = {(layers, *x.shape) for x in jax.tree.leaves(params["encoder"]["layers_0"]) if x.ndim >= 2}
+    float32_stacking = functools.partial(t5._stack_layers, matrix_dtype=jnp.float32)
+    for remat in (False, True):
+        cfg = dataclasses.replace(T5_CFG, dtype="bfloat16", dropout_rate=0.2, scan_layers=True, remat=remat)
+        grad_fn = jax.value_and_grad(lambda p, c=cfg: _t5_loss(c, p, False, jax.random.PRNGKey(3)))
+        stacked = [a for a in _scan_outputs(jax.make_jaxpr(grad_fn)(params).jaxpr) if a.shape in matrices]
+        assert stacked and {a.dtype for a in stacked} == {jnp.dtype(jnp.bfloat16)}, stacked
+        loss, grad = jax.jit(grad_fn)(params)
+        with monkeypatch.context() as patch:
+            patch.setattr(t5, "_stack_layers", lambda p, n, matrix_dtype: float32_stacking(p, n))
+            reference_loss, reference_grad = jax.jit(grad_fn)(params)
+        assert {x.dtype for x in jax.tree.leaves(grad)} == {jnp.dtype(jnp.float32)}
+        assert float(loss) == float(reference_loss)
+        for x, y in zip(jax.tree.leaves(grad), jax.tree.leaves(reference_grad), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_scanned_dropout_draws_a_different_mask_per_layer():

@@ -158,7 +158,8 @@ _OUT_OF_HBM = re.compile(r"memory required for HLO temporaries \((?P<need>[0-9.]
 
 class Compile(NamedTuple):
     """One compile of a step: the program (None when refused), its time, the compiler's
-    out-of-HBM message (or None) and what held the memory at the program's peak (`peak.read`)."""
+    out-of-HBM message (or None) and, when asked for, what held the memory at the program's peak
+    (`peak.read`; else [])."""
 
     compiled: jax.stages.Compiled | None
     seconds: float
@@ -166,20 +167,24 @@ class Compile(NamedTuple):
     peak: list[dict[str, Any]]
 
 
-def compile_timed(lowered: jax.stages.Lowered) -> Compile:
+def compile_timed(lowered: jax.stages.Lowered, *, peak_breakdown: bool = False) -> Compile:
     """Compiles `lowered` for its devices. First returns what earlier compiles left in the
-    allocator (`release_host_memory`): a caller drops a program it has read before compiling the next."""
+    allocator (`release_host_memory`): a caller drops a program it has read before compiling the next.
+
+    `peak_breakdown` has the compiler dump the program to read its peak from; only the steps a plan
+    reports ask, since for T5-XL/XXL the dump writes tens of MB of program text (inside the timing)."""
     release_host_memory()
     with tempfile.TemporaryDirectory(prefix="t5r-plan-") as dump_dir, _not_cached():
+        options = peak.compile_options(dump_dir) if peak_breakdown else None
         start = time.perf_counter()
         try:
-            compiled, refusal = lowered.compile(compiler_options=peak.compile_options(dump_dir)), None
+            compiled, refusal = lowered.compile(compiler_options=options), None
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             compiled, refusal = None, " ".join(str(e).split())
         seconds = time.perf_counter() - start
-        return Compile(compiled, seconds, refusal, peak.read(dump_dir))
+        return Compile(compiled, seconds, refusal, peak.read(dump_dir) if peak_breakdown else [])
 
 
 @contextlib.contextmanager
@@ -200,8 +205,11 @@ def _not_cached() -> Iterator[None]:
             jax.config.update(name, value)
 
 
-def refused_temporaries(message: str) -> int:
-    """The temporaries' bytes an out-of-HBM refusal names (XLA prints binary units), else 0."""
+def refused_total(message: str) -> int:
+    """The bytes an out-of-HBM refusal names (XLA prints binary units), else 0. Although the message
+    calls them "HLO temporaries", they are the total of the program's buffer assignment in HBM, its
+    arguments included (T5-XXL on v5e:4x4: 16.51 GiB = 8.82 GiB of temporaries + 7.69 GiB of
+    parameters and AdamW moments)."""
     found = _OUT_OF_HBM.search(message)
     return int(float(found["need"]) * 1024 ** "KMGT".index(found["unit"]) * 1024) if found else 0
 
@@ -209,11 +217,11 @@ def refused_temporaries(message: str) -> int:
 def compiled_memory(compiled: jax.stages.Compiled | None, refusal: str | None, parts: dict[str, int]
                     ) -> dict[str, int]:
     """Per-device buffers of the compiled program; for one the compiler refused, the arguments
-    counted from their shardings and the temporaries it said it needed."""
+    counted from their shardings and the rest of the total its message named as temporaries."""
     if compiled is None:
         arguments = sum(parts.values())
-        return {"arguments": arguments, "outputs_not_donated": 0, "temporaries": refused_temporaries(refusal or ""),
-                "code": 0}
+        total = refused_total(refusal or "")
+        return {"arguments": arguments, "outputs_not_donated": 0, "temporaries": max(total - arguments, 0), "code": 0}
     memory = compiled.memory_analysis()
     if memory is None:
         raise RuntimeError("the TPU compiler gave no memory analysis of the compiled program")
@@ -531,7 +539,7 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     start = time.perf_counter()
     train, multitask_state = lower_train_step(model, config, settings, task_names, batch, mesh, rules)
     lower_s = time.perf_counter() - start
-    compiled, compile_s, refusal, train_peak = compile_timed(train.lowered)
+    compiled, compile_s, refusal, train_peak = compile_timed(train.lowered, peak_breakdown=True)
     parts = train_state_bytes(train, multitask_state)
     params_b = parts["params"]
     queries = sum(t.rows for t in tasks) * data_shards
@@ -561,7 +569,7 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     start = time.perf_counter()
     encode = lower_encode_step(model, config, settings.passage_len, mesh, rules)
     lower_s = time.perf_counter() - start
-    compiled, compile_s, refusal, encode_peak = compile_timed(encode.lowered)
+    compiled, compile_s, refusal, encode_peak = compile_timed(encode.lowered, peak_breakdown=True)
     rows = encode_batch_rows(data_shards)
     encode_parts = {"params": bytes_per_device(encode.state, encode.state_shardings), "optimizer": 0, "multitask": 0,
                     "batch": bytes_per_device(encode.batch, encode.batch_shardings)}
