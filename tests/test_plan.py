@@ -247,6 +247,27 @@ def test_a_step_that_cannot_fit_exits_2_with_one_line(capsys):
     assert f"compiled by libtpu {libtpu_version()} for jax {jax.__version__}" in out
 
 
+def test_the_peak_breakdown_groups_operations_instructions_and_arguments(tmp_path):
+    """XLA's live-range dump names each buffer live at the peak by the JAX operation, the XLA
+    instruction or the argument (its pytree path) that made it; arguments are grouped by their root."""
+    from t5_retrieval.plan import peak
+
+    entries = [("jit(train_step)/jvp(DualEncoder)/t5.encode/encoder/while{2}", 9_000),
+               ("state.opt_state[1][0].mu['t5']['token_embedder']['embedding']", 300),
+               ("state.params['t5']['token_embedder']['embedding']", 200),
+               ("convert_dynamic-update-slice_fusion.184", 250), ("and_select_fusion", 40), ("copy.2868", 16)]
+    children = "\n".join(f"      ├── {name} (1.0%, total: {n:,} bytes, current: 0 bytes, remaining: 0 bytes)"
+                         .replace(f"{n:,}", f"{n:,}".replace(",", " ")) for name, n in entries)
+    (tmp_path / "module_0001.jit_train_step.after_optimizations-live-range.txt").write_text(
+        "  Stack trace breakdown for peak usage: 9 806 bytes\n    jit_train_step (100.0%, total: 9 806 bytes)\n"
+        + children + "\n")
+    assert peak.read(str(tmp_path)) == [
+        {"what": "jvp(DualEncoder)/t5.encode/encoder/while", "bytes": 9_000},
+        {"what": "argument state", "bytes": 500},
+        {"what": "convert_dynamic-update-slice_fusion.184", "bytes": 250},
+        {"what": "and_select_fusion", "bytes": 40}, {"what": "copy.2868", "bytes": 16}]
+
+
 def test_a_refused_step_counts_its_arguments_once():
     """The total the compiler's out-of-HBM message names ("HLO temporaries") is its buffer
     assignment's, the arguments included: with 15 GB of replicated state the step's peak is that

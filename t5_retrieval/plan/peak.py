@@ -21,7 +21,8 @@ _BREAKDOWN = "Stack trace breakdown for peak usage:"
 _CHILD = re.compile(r"^      [├└]── (?P<name>.+?) \([0-9.]+%, total: (?P<bytes>[0-9 ]+) bytes")
 _OUTPUT_INDEX = re.compile(r"\{[0-9, ]*\}$")  # "while{9}": one output of a multi-output operation
 _STEP_PREFIX = re.compile(r"^jit\([^)]*\)/")
-_INSTRUCTION = re.compile(r"^[a-z][a-z-]*\.[0-9]+$")  # an XLA-made buffer: "copy-start.4", "custom-call.30"
+# an XLA-made buffer: "copy-start.4", "custom-call.30", "convert_dynamic-update-slice_fusion.184", "and_select_fusion"
+_INSTRUCTION = re.compile(r"^[a-z][a-z0-9_-]*(\.[0-9]+|fusion)$")
 _ARGUMENT_ROOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*")  # "state" of "state.opt_state[1][0].mu['t5']..."
 
 
