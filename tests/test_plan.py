@@ -286,6 +286,21 @@ def test_a_refused_step_counts_its_arguments_once():
     assert mem["peak"] == total and mem["temporaries"] == total - mem["arguments"]
 
 
+def test_both_forms_of_the_compilers_out_of_hbm_message_are_read():
+    """The second form (libtpu 0.0.52, T5-XXL at 8 queries per device on v5e:4x4, 114 MB over) had
+    been read as nothing at all, so the plan said that step needed only its state."""
+    from t5_retrieval.plan import planner
+
+    first = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required "
+             "for HLO temporaries (16.51G) exceeds available HBM (15.75G). HLO module: jit_train_step.")
+    second = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in "
+              "memory space hbm. Used 15.86G of 15.75G hbm. Exceeded hbm capacity by 114.22M. Total hbm usage >= "
+              "16.11G: reserved 258.01M program 8.17G arguments 7.69G Output size 7.69G; shares 7.69G with arguments.")
+    assert planner.refused_total(first) == int(16.51 * 1024 ** 3)
+    assert planner.refused_total(second) == int(15.86 * 1024 ** 3)
+    assert planner.refused_total("RESOURCE_EXHAUSTED: something else") == 0
+
+
 def test_a_batch_that_cannot_fit_gets_the_largest_batch_a_compile_found_to_fit(capsys):
     """1024-token passages: 384 queries per device need ~28 GB of temporaries, more than any layout
     frees. The advice is a batch the plan compiled, found by the line through the step's

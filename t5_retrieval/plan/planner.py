@@ -152,8 +152,10 @@ def train_matmul_flops(config: dict[str, Any], settings: TrainSettings, tasks: S
     return flops
 
 
-# The TPU compiler refuses a program whose buffers exceed the chip's HBM, saying how much it needed.
-_OUT_OF_HBM = re.compile(r"memory required for HLO temporaries \((?P<need>[0-9.]+)(?P<unit>[KMGT])\)")
+# The TPU compiler refuses a program whose buffers exceed the chip's HBM, saying how much it needed
+# in one of two forms (the second when it got as far as placing the buffers).
+_OUT_OF_HBM = (re.compile(r"memory required for HLO temporaries \((?P<need>[0-9.]+)(?P<unit>[KMGT])\)"),
+               re.compile(r"Ran out of memory in memory space hbm\. Used (?P<need>[0-9.]+)(?P<unit>[KMGT]) of "))
 
 
 class Compile(NamedTuple):
@@ -206,12 +208,15 @@ def _not_cached() -> Iterator[None]:
 
 
 def refused_total(message: str) -> int:
-    """The bytes an out-of-HBM refusal names (XLA prints binary units), else 0. Although the message
-    calls them "HLO temporaries", they are the total of the program's buffer assignment in HBM, its
-    arguments included (T5-XXL on v5e:4x4: 16.51 GiB = 8.82 GiB of temporaries + 7.69 GiB of
-    parameters and AdamW moments)."""
-    found = _OUT_OF_HBM.search(message)
-    return int(float(found["need"]) * 1024 ** "KMGT".index(found["unit"]) * 1024) if found else 0
+    """The bytes an out-of-HBM refusal names (XLA prints binary units), else 0: the total of the
+    program's buffers in HBM, its arguments included, although one form calls it "HLO temporaries"
+    (T5-XXL on v5e:4x4: 16.51 GiB = 8.82 GiB of temporaries + 7.69 GiB of parameters and AdamW
+    moments); the other says so ("Used 15.86G ... program 8.17G arguments 7.69G")."""
+    for form in _OUT_OF_HBM:
+        found = form.search(message)
+        if found:
+            return int(float(found["need"]) * 1024 ** "KMGT".index(found["unit"]) * 1024)
+    return 0
 
 
 def compiled_memory(compiled: jax.stages.Compiled | None, refusal: str | None, parts: dict[str, int]
