@@ -86,28 +86,40 @@ def _scan_outputs(jaxpr: jax.extend.core.Jaxpr) -> list[jax.core.ShapedArray]:
     return found
 
 
+def _assert_bf16_stacking_is_float32_stacking(monkeypatch, grad_fn, params: dict, layer_params: dict,
+                                              layers: int) -> None:
+    """`grad_fn` (bf16 activations, scanned layers) outputs every stacked matrix of its scans in bf16,
+    and its loss and float32 gradients are bit for bit those with the matrices stacked in float32."""
+    matrices = {(layers, *x.shape) for x in jax.tree.leaves(layer_params) if x.ndim >= 2}
+    stacked = [a for a in _scan_outputs(jax.make_jaxpr(grad_fn)(params).jaxpr) if a.shape in matrices]
+    assert stacked and {a.dtype for a in stacked} == {jnp.dtype(jnp.bfloat16)}, stacked
+    loss, grad = jax.jit(grad_fn)(params)
+    float32_stacking = functools.partial(t5._stack_layers, matrix_dtype=jnp.float32)
+    with monkeypatch.context() as patch:
+        patch.setattr(t5, "_stack_layers", lambda p, n, matrix_dtype: float32_stacking(p, n))
+        reference_loss, reference_grad = jax.jit(grad_fn)(params)
+    assert {x.dtype for x in jax.tree.leaves(grad)} == {jnp.dtype(jnp.float32)}
+    assert float(loss) == float(reference_loss)
+    for x, y in zip(jax.tree.leaves(grad), jax.tree.leaves(reference_grad), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_scanned_bf16_layers_build_their_matrices_gradients_in_bf16_and_compute_the_same(monkeypatch):
     """With bf16 activations the stacked copy of the layers' matrices is bf16, so the gradient each
     scan's backward pass stacks up for it is bf16, not float32 (half the memory of those stacks, which
     held most of T5-XXL's temporaries). The layers cast their matrices at use anyway, so loss and
-    float32 gradients are bit for bit those of float32 stacking, with dropout and with remat."""
+    float32 gradients are bit for bit those of float32 stacking: T5 with dropout, with and without
+    remat, and BERT."""
     params = _t5_params()
-    layers = T5_CFG.num_encoder_layers
-    matrices = {(layers, *x.shape) for x in jax.tree.leaves(params["encoder"]["layers_0"]) if x.ndim >= 2}
-    float32_stacking = functools.partial(t5._stack_layers, matrix_dtype=jnp.float32)
     for remat in (False, True):
         cfg = dataclasses.replace(T5_CFG, dtype="bfloat16", dropout_rate=0.2, scan_layers=True, remat=remat)
         grad_fn = jax.value_and_grad(lambda p, c=cfg: _t5_loss(c, p, False, jax.random.PRNGKey(3)))
-        stacked = [a for a in _scan_outputs(jax.make_jaxpr(grad_fn)(params).jaxpr) if a.shape in matrices]
-        assert stacked and {a.dtype for a in stacked} == {jnp.dtype(jnp.bfloat16)}, stacked
-        loss, grad = jax.jit(grad_fn)(params)
-        with monkeypatch.context() as patch:
-            patch.setattr(t5, "_stack_layers", lambda p, n, matrix_dtype: float32_stacking(p, n))
-            reference_loss, reference_grad = jax.jit(grad_fn)(params)
-        assert {x.dtype for x in jax.tree.leaves(grad)} == {jnp.dtype(jnp.float32)}
-        assert float(loss) == float(reference_loss)
-        for x, y in zip(jax.tree.leaves(grad), jax.tree.leaves(reference_grad), strict=True):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        _assert_bf16_stacking_is_float32_stacking(monkeypatch, grad_fn, params, params["encoder"]["layers_0"],
+                                                  T5_CFG.num_encoder_layers)
+    bert = dataclasses.replace(BERT_CFG, dtype="bfloat16", scan_layers=True)
+    params = Bert(BERT_CFG).init(jax.random.PRNGKey(0), TOKENS)["params"]
+    _assert_bf16_stacking_is_float32_stacking(monkeypatch, jax.value_and_grad(lambda p: _bert_loss(bert, p)), params,
+                                              params["layers_0"], BERT_CFG.num_layers)
 
 
 def test_scanned_dropout_draws_a_different_mask_per_layer():

@@ -260,7 +260,7 @@ def _stack_layers(params: Mapping[str, Any], num_layers: int, matrix_dtype: jnp.
     only the norms' vectors stay float32), so casting before stacking computes the same values, and
     the gradient the scan's backward pass builds for the stacked copy, one per call of the stack,
     is in that dtype too. In bf16 those gradients were float32 and most of T5-XXL's train-step
-    temporaries (about 1.1 GiB per call per device on 16 v5e chips, one call per query shape)."""
+    temporaries (on 16 v5e chips: ten calls, about 1.1 GiB each per device, 10.8 of 15.6 GiB)."""
     layers = [_plain(params[f"layers_{i}"]) for i in range(num_layers)]
 
     def stack(*leaves: Array) -> Array:
