@@ -286,6 +286,23 @@ def test_a_refused_step_counts_its_arguments_once():
     assert mem["peak"] == total and mem["temporaries"] == total - mem["arguments"]
 
 
+def test_an_estimate_faster_than_the_chips_peak_is_a_problem():
+    """T5-XXL's encode step on v5e:4x4 extrapolated to 402 ms from its 1- and 2-layer programs,
+    which would be 143% of the chips' peak for its matmuls: the plan says the estimate is not one."""
+    from t5_retrieval.plan import planner
+
+    encode = {"fits": True, "memory_per_device": {}, "hlo_unreadable": None, "estimated_step_seconds": 0.4018,
+              "estimated_mfu": 1.4234,
+              "estimate_source": "extrapolated to 24 layers"}
+    report = {"steps": {"encode": encode}, "replicated_params": [], "gathered_copy_bytes": None}
+    assert planner.problems(report) == [
+        "encode step: the estimate of 401.8 ms (extrapolated to 24 layers) would run the model's matmuls at 142% of "
+        "the chips' peak, which no step can: the cost model under-prices this program, so its time and rates are "
+        "not a plan"]
+    encode["estimated_mfu"] = 0.56
+    assert planner.problems(report) == []
+
+
 def test_both_forms_of_the_compilers_out_of_hbm_message_are_read():
     """The second form (libtpu 0.0.52, T5-XXL at 8 queries per device on v5e:4x4, 114 MB over) had
     been read as nothing at all, so the plan said that step needed only its state."""

@@ -471,8 +471,8 @@ def fit_advice(model: Any, config: dict[str, Any], settings: TrainSettings, mesh
 
     Another layout of this mesh is tried when its state and temporaries, scaled by how much smaller
     it makes each device's parameters, would fit. Else a smaller per-device batch: temporaries are
-    not proportional to the batch (T5-XXL fsdp on v5e:4x4: 28,795 MiB at 64 queries per device,
-    24,064 at 18), so the step is compiled at one query per task too, and the batch is read off
+    not proportional to the batch (T5-XXL fsdp on v5e:4x4, float32 stacks: 20,924 MiB at 64 queries
+    per device, 16,193 at 18), so the step is compiled at one query per task too, and the batch is read off
     the line through the two."""
     mem = report["memory_per_device"]
     hbm = mem["hbm"]
@@ -632,7 +632,8 @@ def host_peak_bytes() -> int:
 
 
 def problems(report: dict[str, Any]) -> list[str]:
-    """One line per problem: a step that does not fit, a parameter the layout leaves replicated."""
+    """One line per problem: a step that does not fit, a parameter the layout leaves replicated, a
+    program jax cannot read back, an estimate faster than the chips can be, a gather TACO repeats."""
     lines = []
     for name, step in report["steps"].items():
         mem = step["memory_per_device"]
@@ -656,6 +657,12 @@ def problems(report: dict[str, Any]) -> list[str]:
                          f"compiled ({step['hlo_unreadable']}), so its collectives and unpriced custom calls are "
                          "not counted" + ("" if step["estimated_step_seconds"] else " and it has no time estimate")
                          + hint)
+    for name, step in report["steps"].items():
+        if step.get("estimated_mfu", 0) > 1:
+            lines.append(f"{name} step: the estimate of {step['estimated_step_seconds'] * 1e3:,.1f} ms "
+                         f"({step['estimate_source']}) would run the model's matmuls at {step['estimated_mfu']:.0%} "
+                         "of the chips' peak, which no step can: the cost model under-prices this program, so its "
+                         "time and rates are not a plan")
     if report["gathered_copy_bytes"]:
         lines.append(f"train step: each of the {len(report['tasks'])} task passes gathers every layer's weights, "
                      f"which layout {report['layout']} shards; --gin.train.gather_params_once=True gathers them "
