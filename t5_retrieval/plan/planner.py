@@ -174,7 +174,8 @@ def compile_timed(lowered: jax.stages.Lowered, *, peak_breakdown: bool = False) 
     allocator (`release_host_memory`): a caller drops a program it has read before compiling the next.
 
     `peak_breakdown` has the compiler dump the program to read its peak from; only the steps a plan
-    reports ask, since for T5-XL/XXL the dump writes tens of MB of program text (inside the timing)."""
+    reports ask, since the dump is large and written inside the timing (T5-XXL: 210 MB of program
+    text and buffer assignment)."""
     release_host_memory()
     with tempfile.TemporaryDirectory(prefix="t5r-plan-") as dump_dir, _not_cached():
         options = peak.compile_options(dump_dir) if peak_breakdown else None
@@ -471,9 +472,9 @@ def fit_advice(model: Any, config: dict[str, Any], settings: TrainSettings, mesh
 
     Another layout of this mesh is tried when its state and temporaries, scaled by how much smaller
     it makes each device's parameters, would fit. Else a smaller per-device batch: temporaries are
-    not proportional to the batch (T5-XXL fsdp on v5e:4x4, float32 stacks: 20,924 MiB at 64 queries
-    per device, 16,193 at 18), so the step is compiled at one query per task too, and the batch is read off
-    the line through the two."""
+    not proportional to the batch (T5-XXL fsdp on v5e:4x4, float32 stacks: 20,924 MiB at 64
+    queries per device, 16,193 at 18), so the step is compiled at one query per task too, and the
+    batch is read off the line through the two."""
     mem = report["memory_per_device"]
     hbm = mem["hbm"]
     state = mem["params"] + mem["optimizer"] + mem["multitask"]
