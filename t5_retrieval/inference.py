@@ -85,7 +85,7 @@ class DualEncoderInference:
         batch_size = batch_size or default_encode_batch(data_devices)
         self.batch_size = -(-batch_size // data_devices) * data_devices
         self._vocab = vocabulary
-        self._embed = jax.jit(lambda p, tokens, tower: model.apply({"params": p}, tokens, tower=tower),
+        self._embed = jax.jit(lambda params, tokens, tower: model.apply({"params": params}, tokens, tower=tower),
                               in_shardings=(None, sharding.batch_sharding(mesh, 2)), static_argnums=2)
 
     @property
