@@ -296,6 +296,30 @@ def test_both_forms_of_the_compilers_out_of_hbm_message_are_read():
     assert planner.refused_total("RESOURCE_EXHAUSTED: something else") == 0
 
 
+def test_no_batch_fits_says_when_the_least_one_is_within_the_hbm_but_refused(monkeypatch):
+    """T5-XXL on v5e:4x4 at one query per task needs 16,241 MiB: under the device's 16,384 MiB but over
+    what the compiler leaves a program (15.75 GiB), which the advice says instead of a figure that
+    reads as fitting. (That compile takes 11 minutes here; its result stands in for it.)"""
+    from t5_retrieval.models.build import build_model
+    from t5_retrieval.plan import planner
+    from t5_retrieval.plan.steps import TrainSettings
+
+    mesh, config = _t5_base_mesh_and_config("VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 1")
+    mib, hbm = planner.MIB, 16_384 * planner.MIB
+    # the step as planned: its state and temporaries far over the HBM under any layout
+    report = {"memory_per_device": {"params": 1, "optimizer": 2, "multitask": 0, "batch": 0, "code": 0,
+                                    "outputs_not_donated": 0, "temporaries": 40_000 * mib, "hbm": hbm}}
+    settings = TrainSettings(mixture=["demo_fever", "demo_trex"], query_len=16, passage_len=32, num_negatives=1,
+                             per_device_batch=64, multitask=None, num_steps=10)
+    for need, expected in [(16_241, "needs 16,241 MiB of the 16,384, more than the compiler leaves a program)"),
+                           (20_000, "needs 20,000 MiB)")]:
+        least = {"peak": need * mib, "hbm": hbm, "margin": hbm - need * mib}
+        monkeypatch.setattr(planner, "train_step_memory", lambda *args, least=least: (False, least))
+        advice = planner.fit_advice(build_model(config), config, settings, mesh, "fsdp", report, num_tasks=2)
+        assert advice == (f"no batch of one query per task fits either (PER_DEVICE_BATCH=2 {expected}, nor another "
+                          "layout of this mesh: use more or larger chips"), advice
+
+
 def test_a_batch_that_cannot_fit_gets_the_largest_batch_a_compile_found_to_fit(capsys):
     """1024-token passages: 384 queries per device need ~28 GB of temporaries, more than any layout
     frees. The advice is a batch the plan compiled, found by the line through the step's

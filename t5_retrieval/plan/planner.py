@@ -492,8 +492,10 @@ def fit_advice(model: Any, config: dict[str, Any], settings: TrainSettings, mesh
     ok, least = train_step_memory(model, config, dataclasses.replace(settings, per_device_batch=num_tasks), mesh,
                                   rules, hbm)
     if not ok:
+        within = (f" of the {hbm / MIB:,.0f}, more than the compiler leaves a program" if least["peak"] <= hbm
+                  else "")
         return (f"no batch of one query per task fits either (PER_DEVICE_BATCH={num_tasks} needs "
-                f"{least['peak'] / MIB:,.0f} MiB), nor another layout of this mesh: use more or larger chips")
+                f"{least['peak'] / MIB:,.0f} MiB{within}), nor another layout of this mesh: use more or larger chips")
     per_query = (mem["temporaries"] - least["temporaries"]) / max(largest - num_tasks, 1)
     room = least["margin"]
     batch = largest - 1 if per_query <= 0 else min(largest - 1, num_tasks + int(room / per_query))
