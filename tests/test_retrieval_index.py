@@ -68,10 +68,13 @@ def test_k_beyond_the_index_size_returns_every_passage_once(tmp_path):
 
 
 def test_tree_ah_recall_against_exact_search(tmp_path):
+    """ScaNN seeds its k-means tree randomly, so the recall moves from build to build: over 60 builds
+    on this data, 0.916-0.96 with 50 queries (one CI run read 0.88) and 0.94-0.95 with 200, which
+    measure the tree rather than the draw of a few queries."""
     matrix = clustered(6000, 32)
     built = scann_index.build_scann_index(write(tmp_path, matrix)[0], scann_index.ScannConfig(mode="tree_ah"))
     assert built.config.mode == "tree_ah" and built.config.num_leaves == 77, built.config
-    queries = clustered(50, 32, seed=2)
+    queries = clustered(200, 32, seed=2)
     rows, _ = built.search(queries, k=10)
     expected = exact_top_k(matrix, queries, 10)
     recall = np.mean([len(set(r.tolist()) & set(e.tolist())) / 10 for r, e in zip(rows, expected)])
