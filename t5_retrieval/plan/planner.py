@@ -612,11 +612,11 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     if per_task and not settings.gather_params_once and params_b < bytes_per_device(train.state.params, whole):
         read = jax.eval_shape(lambda p: family_of(config).as_read(config, p), train.state.params)
         report["gathered_copy_bytes"] = bytes_per_device(read, whole)
-    report["host_peak_bytes"] = host_peak_bytes()
     report["compiler"] = compiler_versions()
     report["problems"] = problems(report)
     if not train_report["fits"]:
         report["advice"] = fit_advice(model, config, settings, mesh, layout, train_report, len(tasks))
+    report["host_peak_bytes"] = host_peak_bytes()  # after the advice's compiles: T5-XXL's needed the most
     return report
 
 
