@@ -110,13 +110,18 @@ def _scann_builder():
 
 
 def build_searcher(matrix: np.ndarray, config: ScannConfig) -> Any:
-    """Builds a ScaNN searcher with dot-product (MIPS) scoring; `config` must be `resolved`."""
+    """Builds a ScaNN searcher with dot-product (MIPS) scoring; `config` must be `resolved`.
+
+    The tree's k-means starts from k-means++ centres rather than ScaNN's default random ones, which
+    are drawn differently on every build: with them the same embeddings give the same index (its
+    AH codebooks are seeded already), whatever the number of training threads.
+    """
     builder = _scann().builder(matrix, config.num_neighbors, "dot_product")
     if config.mode == "brute_force":
         builder = builder.score_brute_force()
     else:
         builder = builder.tree(num_leaves=config.num_leaves, num_leaves_to_search=config.num_leaves_to_search,
-                               training_sample_size=config.training_sample_size)
+                               training_sample_size=config.training_sample_size, random_init=False)
         builder = builder.score_ah(config.dimensions_per_block,
                                    anisotropic_quantization_threshold=config.anisotropic_quantization_threshold)
         if config.reorders:
