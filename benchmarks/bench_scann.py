@@ -95,7 +95,7 @@ def bench_scann(db, queries, truth, args) -> list[dict]:
     leaves = args.scann_leaves or int(np.sqrt(n))
     build_s, searcher = timed(lambda: scann_ops_pybind.builder(db, K, "dot_product")
                               .tree(num_leaves=leaves, num_leaves_to_search=leaves // 20,
-                                    training_sample_size=min(n, 50_000))
+                                    training_sample_size=min(n, 50_000), random_init=False)  # as `t5r index`
                               .score_ah(args.scann_dims_per_block, anisotropic_quantization_threshold=0.2,
                                         training_sample_size=min(n, 50_000))
                               .reorder(max(args.scann_reorder)).build())

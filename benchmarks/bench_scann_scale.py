@@ -68,7 +68,8 @@ def build(db: np.ndarray, dims_per_block: int, hash_type: str, reorder: str | No
 
     n = len(db)
     builder = (scann_ops_pybind.builder(db, K, "dot_product")
-               .tree(num_leaves=leaves, num_leaves_to_search=max(1, leaves // 50), training_sample_size=min(n, 100_000))
+               .tree(num_leaves=leaves, num_leaves_to_search=max(1, leaves // 50), training_sample_size=min(n, 100_000),
+                     random_init=False)  # k-means++ centres, as `t5r index` builds
                .score_ah(dims_per_block, anisotropic_quantization_threshold=0.2, training_sample_size=min(n, 100_000),
                          hash_type=hash_type))
     if reorder is not None:
