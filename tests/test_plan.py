@@ -69,25 +69,14 @@ def libtpu_version() -> str:
     return importlib.metadata.version("libtpu")
 
 
-def run_plan(capsys, *argv: str) -> tuple[int, str, str]:
-    import gin
-    gin.clear_config()
-    try:
-        code = cli.main(["plan", *argv])
-    finally:
-        gin.clear_config()
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _plan_exit(argv: tuple[str, ...]) -> tuple[int, str, str]:
-    """`t5r plan --json` that may exit 2: (code, stdout, stderr)."""
+def run_plan(*argv: str) -> tuple[int, str, str]:
+    """`t5r plan` as a user runs it, exit 2 included: (code, stdout, stderr)."""
     import gin
     gin.clear_config()
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(["plan", *argv, "--json"])
+            code = cli.main(["plan", *argv])
     finally:
         gin.clear_config()
     return code, out.getvalue(), err.getvalue()
@@ -96,7 +85,7 @@ def _plan_exit(argv: tuple[str, ...]) -> tuple[int, str, str]:
 @functools.cache
 def _plan_json(argv: tuple[str, ...]) -> dict:
     """One compile per configuration for the whole module (each is tens of seconds on a loaded CPU)."""
-    code, out, err = _plan_exit(argv)
+    code, out, err = run_plan(*argv, "--json")
     assert code == 0, err
     return json.loads(out)
 
@@ -235,21 +224,21 @@ def test_json_report_schema():
     json.dumps(report)
 
 
-def test_a_step_that_cannot_fit_exits_2_with_one_line_and_counts_its_arguments_once(capsys):
+def test_a_step_that_cannot_fit_exits_2_with_one_line_and_counts_its_arguments_once():
     """40M x 32 float32 token embeddings (5 GB) with AdamW's two moments: 15 GB per device replicated.
     The total the compiler's out-of-HBM message names ("HLO temporaries") is its buffer assignment's,
     these arguments included: the step's peak is that total, and its temporaries what is left of it."""
     from t5_retrieval.plan import planner
 
     argv = ("--topology", "v5e:2x2", *TINY, "--gin.VOCAB_SIZE=40000000", "--gin_file=sharding/data_parallel.gin")
-    code, out, err = run_plan(capsys, *argv)
+    code, out, err = run_plan(*argv)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("t5r plan: error: train step: needs"), err
     assert "fsdp" in lines[0], f"expected the layout that would fit: {lines[0]}"
     assert "DOES NOT FIT" in out
     assert f"compiled by libtpu {libtpu_version()} for jax {jax.__version__}" in out
-    code, out, _ = _plan_exit(argv)  # the same programs again, as --json
+    code, out, _ = run_plan(*argv, "--json")  # the same programs again
     assert code == 2
     train = json.loads(out)["steps"]["train"]
     mem = train["memory_per_device"]
@@ -320,13 +309,13 @@ def test_no_batch_fits_says_when_the_least_one_is_within_the_hbm_but_refused(mon
                           "layout of this mesh: use more or larger chips"), advice
 
 
-def test_a_batch_that_cannot_fit_gets_the_largest_batch_a_compile_found_to_fit(capsys):
+def test_a_batch_that_cannot_fit_gets_the_largest_batch_a_compile_found_to_fit():
     """1024-token passages: 384 queries per device need ~28 GB of temporaries, more than any layout
     frees. The advice is a batch the plan compiled, found by the line through the step's
     temporaries at 384 and at one query per task; planned again at that batch, the step fits."""
     long = [a for a in TINY if "PASSAGE_LEN" not in a and "PER_DEVICE_BATCH" not in a]
     long += ["--gin.PASSAGE_LEN=1024", "--gin_file=sharding/fsdp.gin"]
-    code, out, err = run_plan(capsys, "--topology", "v5e:2x2", *long, "--gin.PER_DEVICE_BATCH=384")
+    code, out, err = run_plan("--topology", "v5e:2x2", *long, "--gin.PER_DEVICE_BATCH=384")
     assert code == 2
     # why, from the refused compile's own buffer assignment: the attention scores of 1024-token passages
     at_peak = re.search(r"^train step:.*?\n  at the peak, [^:]*: ([^\n]*)", out, re.S | re.M)
@@ -340,7 +329,7 @@ def test_a_batch_that_cannot_fit_gets_the_largest_batch_a_compile_found_to_fit(c
     assert advised, f"expected a compiled batch that fits: {lines[0]}"
     batch = int(advised[1])
     assert 2 < batch < 384, batch
-    code, out, err = run_plan(capsys, "--topology", "v5e:2x2", *long, f"--gin.PER_DEVICE_BATCH={batch}")
+    code, out, err = run_plan("--topology", "v5e:2x2", *long, f"--gin.PER_DEVICE_BATCH={batch}")
     assert code == 0, err
     peak = re.search(r"train step:.*?peak ([\d,.]+) MiB of 16,384.0 MiB", out, re.S)
     assert peak and float(peak[1].replace(",", "")) == pytest.approx(int(advised[2].replace(",", "")), abs=1), out
@@ -552,7 +541,7 @@ def test_the_plan_names_the_pinned_libtpu_that_requirements_dev_installs():
     assert pins == [planner.PINNED_LIBTPU]
 
 
-def test_a_scanned_step_is_timed_by_its_unrolled_programs(capsys):
+def test_a_scanned_step_is_timed_by_its_unrolled_programs():
     """The plan of a step with scanned layers takes its time from the 1- and 2-layer unrolled programs."""
     report = plan_json("v5e:2x2", "data_parallel", "--gin.NUM_LAYERS=3", "--gin.T5Config.scan_layers=True")
     for name in ("train", "encode"):

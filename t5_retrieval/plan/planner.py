@@ -177,7 +177,8 @@ def compile_timed(lowered: jax.stages.Lowered, *, peak_breakdown: bool = False) 
     reports ask, since the dump is large and written inside the timing (T5-XXL: 210 MB of program
     text and buffer assignment)."""
     release_host_memory()
-    with tempfile.TemporaryDirectory(prefix="t5r-plan-") as dump_dir, _not_cached():
+    dump = tempfile.TemporaryDirectory(prefix="t5r-plan-") if peak_breakdown else contextlib.nullcontext("")
+    with dump as dump_dir, _not_cached():
         options = peak.compile_options(dump_dir) if peak_breakdown else None
         start = time.perf_counter()
         try:
