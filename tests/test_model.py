@@ -2,6 +2,7 @@
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -38,6 +39,32 @@ def test_bf16_compute_keeps_fp32_params_and_finite_embeddings():
     full = DualEncoder(TINY).apply({"params": params}, TOKENS)
     np.testing.assert_allclose(np.asarray(out), np.asarray(full), atol=0.1, rtol=0.1,
                                err_msg="bf16 embeddings should stay close to fp32 ones")
+
+
+def _matmul_output_dtypes(model: DualEncoder, params) -> list[jnp.dtype]:
+    def matmuls(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn.outvars[0].aval.dtype
+            for inner in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from matmuls(inner)
+
+    return list(matmuls(jax.make_jaxpr(lambda p: model.apply({"params": p}, TOKENS))(params).jaxpr))
+
+
+def test_bf16_attention_logits_when_asked_keep_every_matmul_in_bf16_and_embed_close():
+    """By default attention logits and softmax are float32 under bf16 compute (the only float32
+    matmul outputs); `float32_attention_logits=False` computes them in bf16, as t5x does."""
+    bf16 = T5Config(**{**TINY.__dict__, "dtype": "bfloat16"})
+    params = DualEncoder(bf16).init(jax.random.PRNGKey(0), TOKENS)["params"]
+    default = DualEncoder(bf16)
+    in_bf16 = DualEncoder(T5Config(**{**bf16.__dict__, "float32_attention_logits": False}))
+    assert jnp.float32 in _matmul_output_dtypes(default, params)
+    assert set(_matmul_output_dtypes(in_bf16, params)) == {jnp.dtype("bfloat16")}
+    out, reference = in_bf16.apply({"params": params}, TOKENS), default.apply({"params": params}, TOKENS)
+    assert np.all(np.isfinite(np.asarray(out))), "padding's masked logits must not overflow in bf16"
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference), atol=0.05, rtol=0.05)
+    assert not np.array_equal(np.asarray(out), np.asarray(reference)), "the option must change the computation"
 
 
 def test_st5_enc_switches_project_and_normalise():

@@ -56,6 +56,10 @@ class T5Config:
     remat: bool = False  # recompute each layer in the backward pass to save activation memory
     remat_policy: str = "nothing_saveable"  # with remat, what the backward pass keeps (REMAT_POLICIES)
     scan_layers: bool = False  # one scanned layer body: compile time independent of depth, same params
+    # Attention logits and softmax in float32 whatever `dtype`. False computes them in `dtype`, as
+    # t5x and MaxText do by default: T5-base's bf16 train step on v5e is estimated 8% faster, for a
+    # softmax rounded to bf16.
+    float32_attention_logits: bool = True
 
     def __post_init__(self) -> None:
         if self.remat_policy not in REMAT_POLICIES:
@@ -64,6 +68,11 @@ class T5Config:
     @property
     def compute_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
+
+    @property
+    def logits_dtype(self) -> jnp.dtype:
+        """The dtype attention logits are computed, biased and normalised in."""
+        return jnp.dtype(jnp.float32) if self.float32_attention_logits else self.compute_dtype
 
 
 def attend(weights: jax.Array, values: jax.Array) -> jax.Array:
@@ -164,20 +173,21 @@ class Attention(nn.Module):
         names = ("batch", "length", "heads", "kv")
         q = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_q, wq), names)
         dropout = nn.Dropout(cfg.dropout_rate)
+        bias = bias.astype(cfg.logits_dtype)
         if inputs_q.shape[1] == 1:
             # One query position (the dual encoder's single decoder step): fold the key and value
             # projections into the query side instead of projecting every memory state. Same
             # result up to float reassociation, O(L*d*h) instead of O(L*d*h*d_kv) per layer.
             q_in_memory_space = jnp.einsum("bqhk,dhk->bqhd", q, wk)
             logits = jnp.einsum("bqhd,bsd->bhqs", q_in_memory_space, inputs_kv,
-                                preferred_element_type=jnp.float32) + bias
+                                preferred_element_type=cfg.logits_dtype) + bias
             weights = dropout(jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype), deterministic=deterministic)
             context = jnp.einsum("bhqs,bsd->bqhd", weights, inputs_kv)
             out = jnp.einsum("bqhd,dhk->bqhk", context, wv)
         else:
             k = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wk), names)
             v = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wv), names)
-            logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + bias
+            logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=cfg.logits_dtype) + bias
             weights = dropout(jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype), deterministic=deterministic)
             out = attend(weights, v)
         out = jnp.einsum("bqhk,hkd->bqd", out, wo)
