@@ -2,10 +2,10 @@
 
 import flax.linen as nn
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_equations import equations
 
 from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
 from t5_retrieval.models.t5 import T5, T5Config, relative_position_bucket
@@ -42,14 +42,8 @@ def test_bf16_compute_keeps_fp32_params_and_finite_embeddings():
 
 
 def _matmul_output_dtypes(model: DualEncoder, params) -> list[jnp.dtype]:
-    def matmuls(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                yield eqn.outvars[0].aval.dtype
-            for inner in jax.extend.core.jaxprs_in_params(eqn.params):
-                yield from matmuls(inner)
-
-    return list(matmuls(jax.make_jaxpr(lambda p: model.apply({"params": p}, TOKENS))(params).jaxpr))
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, TOKENS))(params).jaxpr
+    return [eqn.outvars[0].aval.dtype for eqn in equations(jaxpr) if eqn.primitive.name == "dot_general"]
 
 
 def test_bf16_attention_logits_when_asked_keep_every_matmul_in_bf16_and_embed_close():

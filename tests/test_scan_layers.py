@@ -8,6 +8,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jaxpr_equations import equations
 
 from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.models import t5
@@ -77,13 +78,8 @@ def test_scanned_bert_outputs_and_gradients_match_unrolled():
 
 def _scan_outputs(jaxpr: jax.extend.core.Jaxpr) -> list[jax.core.ShapedArray]:
     """The stacked outputs (ys) of every `scan` in `jaxpr`, nested ones included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            found += [v.aval for v in eqn.outvars[eqn.params["num_carry"]:]]
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _scan_outputs(sub)
-    return found
+    return [v.aval for eqn in equations(jaxpr) if eqn.primitive.name == "scan"
+            for v in eqn.outvars[eqn.params["num_carry"]:]]
 
 
 def _assert_bf16_stacking_is_float32_stacking(monkeypatch, grad_fn, params: dict, layer_params: dict,
@@ -168,11 +164,8 @@ def test_rematerialised_unrolled_t5_initialises_and_matches_with_dropout():
 def _dot_count(cfg: T5Config, params: dict) -> int:
     """dot_generals in the gradient's program, inside scans and remat included (a recomputed
     forward matmul counts again)."""
-    def count(jaxpr) -> int:
-        return sum(1 if eqn.primitive.name == "dot_general" else 0 for eqn in jaxpr.eqns) + sum(
-            count(sub.jaxpr if hasattr(sub, "jaxpr") else sub) for eqn in jaxpr.eqns
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params))
-    return count(jax.make_jaxpr(jax.grad(lambda p: _t5_loss(cfg, p)))(params).jaxpr)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: _t5_loss(cfg, p)))(params).jaxpr
+    return sum(eqn.primitive.name == "dot_general" for eqn in equations(jaxpr))
 
 
 def test_remat_policies_give_the_plain_gradients_and_recompute_less_as_they_save_more():
