@@ -71,9 +71,9 @@ def main(argv: list[str]) -> int:
     cfg = t5_config(args.size)
     model = T5(cfg)
     tokens = jnp.asarray(random_tokens(np.random.default_rng(args.seed), args.batch, args.length, cfg.vocab_size))
-    variables = jax.jit(lambda key: model.init(key, tokens, method=T5.encode))(jax.random.PRNGKey(args.seed))
+    variables = jax.jit(lambda key: model.init(key, (tokens,), method=T5.encode))(jax.random.PRNGKey(args.seed))
     start = time.perf_counter()
-    encode = jax.jit(lambda v, t: model.apply(v, t, method=T5.encode)).lower(variables, tokens).compile()
+    encode = jax.jit(lambda v, t: model.apply(v, (t,), method=T5.encode)[0]).lower(variables, tokens).compile()
     compile_s = time.perf_counter() - start
 
     key_a, key_b = jax.random.split(jax.random.PRNGKey(args.seed))

@@ -5,10 +5,11 @@ softmax loss over that task's *global* sub-batch (its negatives come from every 
 from another task).
 
 Two ways to get gradients, same losses:
-- naive multi-task (no multi-task transform): all tasks' queries go through the model in one call
-  per query length (tasks read their queries at their own lengths: `query_shape_groups`) and all
-  passages in another, the task losses are summed, and one backward pass gives the gradient of
-  the sum. Few large matmuls instead of 2K small ones.
+- naive multi-task (no multi-task transform): all tasks' queries and passages go through the model
+  in one pass of each stack, as groups of one shape each (the queries of each length, since tasks
+  read their queries at their own lengths: `query_shape_groups`; the passages), the task losses are
+  summed, and one backward pass gives the gradient of the sum. Few large matmuls instead of 2K
+  small ones, and each layer's weights read once per step.
 - per-task gradients (TACO, PCGrad, ...): tasks are processed one after another, so that only one
   task's activations are alive at a time: tasks with sub-batches of one shape by a `lax.scan` (one
   compiled backward pass for all of them), such groups chained by `optimization_barrier` (the
@@ -21,7 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import flax.linen as nn
 import flax.struct
@@ -80,6 +81,13 @@ def query_tower(model: nn.Module, task_index: int) -> int | None:
     return model.config.query_tower(task_index)
 
 
+def embed_groups(model: nn.Module, params: Params, groups: Sequence[jax.Array], rng: jax.Array,
+                 tower: int | None = None) -> tuple[jax.Array, ...]:
+    """Training-mode embeddings of each group of token ids, all in one pass of the model's stacks."""
+    return cast(tuple[jax.Array, ...], model.apply({"params": params}, tuple(groups), deterministic=False,
+                                                   rngs={"dropout": rng}, tower=tower, method="embed_groups"))
+
+
 def passage_embeddings(model: nn.Module, params: Params, task_batch: dict[str, jax.Array], rng: jax.Array,
                        stop_gradient: bool) -> jax.Array:
     """The passage side of the loss: stored embeddings (a frozen passage encoder, so constants) when
@@ -91,14 +99,31 @@ def passage_embeddings(model: nn.Module, params: Params, task_batch: dict[str, j
     return jax.lax.stop_gradient(passages) if stop_gradient else passages
 
 
+def query_and_passage_embeddings(model: nn.Module, params: Params, query_groups: Sequence[jax.Array],
+                                 passage_batch: dict[str, jax.Array], rng: jax.Array, tower: int | None,
+                                 stop_passage_gradient: bool) -> tuple[list[jax.Array], jax.Array]:
+    """Embeddings of each group of queries (read by query tower `tower`) and of the passages.
+
+    When one encoder reads both and the loss differentiates through the passages, the passages
+    join the queries' pass (`embed_groups`): one pass of each stack instead of one per group.
+    Stored passage embeddings, or passages whose gradient is stopped, are embedded apart, so the
+    backward pass does not run through them.
+    """
+    if tower is None and "passage_tokens" in passage_batch and not stop_passage_gradient:
+        *queries, passages = embed_groups(model, params, (*query_groups, passage_batch["passage_tokens"]), rng)
+        return queries, passages
+    query_rng, passage_rng = jax.random.split(rng)
+    queries = list(embed_groups(model, params, query_groups, query_rng, tower))
+    return queries, passage_embeddings(model, params, passage_batch, passage_rng, stop_passage_gradient)
+
+
 def task_loss_fn(model: nn.Module, logit_scale: float, stop_passage_gradient: bool = False) -> Callable:
     """(params, task_batch, rng, task_index) -> (loss, metrics) for one task's sub-batch."""
 
     def loss_fn(params: Params, task_batch: dict[str, jax.Array], rng: jax.Array, task_index: int = 0):
-        query_rng, passage_rng = jax.random.split(rng)
-        queries = apply_params(model, params, task_batch["query_tokens"], deterministic=False,
-                              rngs={"dropout": query_rng}, tower=query_tower(model, task_index))
-        passages = passage_embeddings(model, params, task_batch, passage_rng, stop_passage_gradient)
+        (queries,), passages = query_and_passage_embeddings(
+            model, params, (task_batch["query_tokens"],), task_batch, rng, query_tower(model, task_index),
+            stop_passage_gradient)
         return in_batch_softmax_loss(queries, passages, logit_scale)
 
     return loss_fn
@@ -183,25 +208,25 @@ def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_
     """params -> (sum of task losses, (losses [K], metrics)), every task's texts in one model call."""
 
     def total_loss(params: Params):
-        query_rng, passage_rng = jax.random.split(rng)
         key = "passage_embeddings" if "passage_embeddings" in batch[task_names[0]] else "passage_tokens"
         passages = {key: jnp.concatenate([batch[t][key] for t in task_names])}
         if model.config.query_towers:  # each task's queries through its own tower
+            query_rng, passage_rng = jax.random.split(rng)
             query_emb = jnp.concatenate([
                 apply_params(model, params, batch[t]["query_tokens"], deterministic=False,
                             rngs={"dropout": jax.random.fold_in(query_rng, k)}, tower=k)
                 for k, t in enumerate(task_names)])
-        else:  # one call per query length, the embeddings put back in task order
+            passage_emb = passage_embeddings(model, params, passages, passage_rng, stop_passage_gradient)
+        else:  # one group per query length (and the passages) in one pass, put back in task order
+            shape_groups = query_shape_groups(batch, task_names)
+            grouped, passage_emb = query_and_passage_embeddings(
+                model, params, [jnp.concatenate([batch[t]["query_tokens"] for t in names]) for names in shape_groups],
+                passages, rng, query_tower(model, 0), stop_passage_gradient)
             by_task: dict[str, jax.Array] = {}
-            for g, names in enumerate(query_shape_groups(batch, task_names)):
-                queries = jnp.concatenate([batch[t]["query_tokens"] for t in names])
-                embedded = apply_params(model, params, queries, deterministic=False,
-                                       rngs={"dropout": jax.random.fold_in(query_rng, g) if g else query_rng},
-                                       tower=query_tower(model, 0))
+            for names, embedded in zip(shape_groups, grouped, strict=True):
                 rows = [batch[t]["query_tokens"].shape[0] for t in names]
                 by_task.update(zip(names, jnp.split(embedded, list(itertools.accumulate(rows))[:-1])))
             query_emb = jnp.concatenate([by_task[t] for t in task_names])
-        passage_emb = passage_embeddings(model, params, passages, passage_rng, stop_passage_gradient)
         losses, metrics = [], {}
         q_start = p_start = 0
         for name in task_names:

@@ -47,7 +47,7 @@ def bert_tokens(batch: int = 4, length: int = 17, seed: int = 1) -> np.ndarray:
 def import_dir(directory: str):
     cfg = hf_bert_import.bert_config_from_hf(hf_bert_import.read_hf_config(directory))
     model = Bert(cfg)
-    target = abstract_params(model, jnp.ones((1, 4), jnp.int32))
+    target = abstract_params(model, (jnp.ones((1, 4), jnp.int32),))
     return cfg, model, hf_bert_import.load_bert(directory, target, cfg)
 
 
@@ -65,7 +65,7 @@ def test_hidden_states_cls_and_mean_embeddings_match_transformers(hf_dir):
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(tokens, dtype=torch.long),
                  attention_mask=torch.tensor(mask, dtype=torch.long)).last_hidden_state.numpy()
-    hidden = np.asarray(model.apply({"params": params}, jnp.asarray(tokens)))
+    hidden = np.asarray(model.apply({"params": params}, (jnp.asarray(tokens),))[0])
     diff = np.abs(hidden[mask] - ref[mask]).max()
     assert diff < 1e-4, f"last hidden states differ from transformers by {diff:.2e} (expected < 1e-4)"
 
@@ -139,7 +139,7 @@ def test_a_config_that_changes_numerics_is_refused_naming_the_field_and_both_val
     directory, _ = hf_dir
     file_cfg = hf_bert_import.bert_config_from_hf(hf_bert_import.read_hf_config(directory))
     model_cfg = dataclasses.replace(file_cfg, **{field: value})
-    target = abstract_params(Bert(model_cfg), jnp.ones((1, 4), jnp.int32))
+    target = abstract_params(Bert(model_cfg), (jnp.ones((1, 4), jnp.int32),))
     checkpoint_value, model_value = re.escape(repr(getattr(file_cfg, field))), re.escape(repr(value))
     pattern = rf"{field}: checkpoint {checkpoint_value} \(config.json {key}\), model {model_value}"
     with pytest.raises(HFImportError, match=pattern):

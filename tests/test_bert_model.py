@@ -17,7 +17,7 @@ TOKENS = jnp.array([[2, 5, 6, 7, 3, 0], [2, 9, 3, 0, 0, 0]], jnp.int32)
 
 
 def test_every_parameter_has_logical_axis_names():
-    boxed = jax.eval_shape(lambda: Bert(TINY).init(jax.random.PRNGKey(0), TOKENS))["params"]
+    boxed = jax.eval_shape(lambda: Bert(TINY).init(jax.random.PRNGKey(0), (TOKENS,)))["params"]
     specs = jax.tree_util.tree_flatten_with_path(nn.get_partition_spec(boxed),
                                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
     shapes = jax.tree.leaves(nn.unbox(boxed))
@@ -29,7 +29,7 @@ def test_every_parameter_has_logical_axis_names():
 
 
 def test_tensor_parallel_rules_shard_heads_mlp_and_vocab():
-    boxed = jax.eval_shape(lambda: Bert(TINY).init(jax.random.PRNGKey(0), TOKENS))["params"]
+    boxed = jax.eval_shape(lambda: Bert(TINY).init(jax.random.PRNGKey(0), (TOKENS,)))["params"]
     specs = nn.logical_to_mesh(nn.get_partition_spec(boxed), sharding.logical_axis_rules("tensor_parallel"))
     layer = specs["layers_0"]
     assert layer["attention"]["query_kernel"] == jax.sharding.PartitionSpec(None, "model", None)
@@ -61,7 +61,7 @@ def test_pooling_ignores_padding(pooling):
 
 def test_cls_and_mean_pooling_differ_and_mean_averages_token_states():
     params = BertDualEncoder(TINY).init(jax.random.PRNGKey(0), TOKENS)["params"]
-    states = np.asarray(Bert(TINY).apply({"params": params["bert"]}, TOKENS))
+    states = np.asarray(Bert(TINY).apply({"params": params["bert"]}, (TOKENS,))[0])
     cls = np.asarray(BertDualEncoder(TINY, BertDualEncoderConfig(pooling="cls")).apply({"params": params}, TOKENS))
     mean = np.asarray(BertDualEncoder(TINY, BertDualEncoderConfig(pooling="mean")).apply({"params": params}, TOKENS))
     np.testing.assert_allclose(cls, states[:, 0], atol=1e-6, err_msg="cls pooling must be the first token's state")
@@ -86,7 +86,7 @@ def test_invalid_configs_are_rejected_with_the_choices():
     with pytest.raises(ValueError, match="not both"):
         BertDualEncoderConfig(query_towers=2, separate_query_encoder=True)
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        Bert(TINY).init(jax.random.PRNGKey(0), jnp.ones((1, 17), jnp.int32))
+        Bert(TINY).init(jax.random.PRNGKey(0), (jnp.ones((1, 17), jnp.int32),))
 
 
 def test_rematerialised_layers_give_the_same_embeddings_and_gradients():

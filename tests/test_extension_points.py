@@ -255,6 +255,9 @@ class ToyDualEncoder(nn.Module):
                 self(tokens, deterministic, tower=k)
         return (self.toy if tower is None else self.query_toy[tower])(tokens)
 
+    def embed_groups(self, tokens, deterministic: bool = True, tower: int | None = None) -> tuple:
+        return tuple(self(group, deterministic, tower) for group in tokens)
+
 
 def toy_forward_flops(config: dict[str, Any], rows: int, length: int) -> float:
     return float(2 * rows * config["toy"]["dim"] ** 2)

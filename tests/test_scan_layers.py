@@ -13,6 +13,7 @@ from jaxpr_equations import equations
 from t5_retrieval.data.batching.random_batches import RandomBatches
 from t5_retrieval.models import t5
 from t5_retrieval.models.bert import Bert, BertConfig
+from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
 from t5_retrieval.models.dual_encoder import DualEncoder
 from t5_retrieval.models.t5 import T5, T5Config
 from t5_retrieval.train_step import summed_gradient
@@ -32,7 +33,7 @@ def _t5_loss(cfg: T5Config, params: dict, deterministic: bool = True, rng: jax.A
 
 
 def _bert_loss(cfg: BertConfig, params: dict) -> jax.Array:
-    return jnp.mean(jnp.square(Bert(cfg).apply({"params": params}, TOKENS)))
+    return jnp.mean(jnp.square(Bert(cfg).apply({"params": params}, (TOKENS,))[0]))
 
 
 def _assert_trees_close(a: dict, b: dict) -> None:
@@ -67,13 +68,13 @@ def test_scanned_t5_initialises_the_unrolled_parameter_tree():
 def test_scanned_t5_encode_decode_and_gradients_match_unrolled():
     params = _t5_params()
     _assert_scan_matches_unrolled(_t5_loss, T5_CFG, params)
-    encoded = T5(T5_CFG).apply({"params": params}, TOKENS, method=T5.encode)
-    scanned = T5(dataclasses.replace(T5_CFG, scan_layers=True)).apply({"params": params}, TOKENS, method=T5.encode)
+    encoded = T5(T5_CFG).apply({"params": params}, (TOKENS,), method=T5.encode)[0]
+    scanned = T5(dataclasses.replace(T5_CFG, scan_layers=True)).apply({"params": params}, (TOKENS,), method=T5.encode)[0]
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(encoded), atol=1e-5)
 
 
 def test_scanned_bert_outputs_and_gradients_match_unrolled():
-    _assert_scan_matches_unrolled(_bert_loss, BERT_CFG, Bert(BERT_CFG).init(jax.random.PRNGKey(0), TOKENS)["params"])
+    _assert_scan_matches_unrolled(_bert_loss, BERT_CFG, Bert(BERT_CFG).init(jax.random.PRNGKey(0), (TOKENS,))["params"])
 
 
 def _scan_outputs(jaxpr: jax.extend.core.Jaxpr) -> list[jax.core.ShapedArray]:
@@ -113,7 +114,7 @@ def test_scanned_bf16_layers_build_their_matrices_gradients_in_bf16_and_compute_
         _assert_bf16_stacking_is_float32_stacking(monkeypatch, grad_fn, params, params["encoder"]["layers_0"],
                                                   T5_CFG.num_encoder_layers)
     bert = dataclasses.replace(BERT_CFG, dtype="bfloat16", scan_layers=True)
-    params = Bert(BERT_CFG).init(jax.random.PRNGKey(0), TOKENS)["params"]
+    params = Bert(BERT_CFG).init(jax.random.PRNGKey(0), (TOKENS,))["params"]
     _assert_bf16_stacking_is_float32_stacking(monkeypatch, jax.value_and_grad(lambda p: _bert_loss(bert, p)), params,
                                               params["layers_0"], BERT_CFG.num_layers)
 
@@ -195,3 +196,38 @@ def test_an_unknown_remat_policy_is_a_config_error():
 
     with pytest.raises(ConfigError, match="T5Config.remat_policy: expected one of"):
         dataclasses.replace(T5_CFG, remat_policy="save_everything")
+
+
+def _scan_count(fn, *args) -> int:
+    return sum(eqn.primitive.name == "scan" for eqn in equations(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def test_groups_of_texts_share_one_pass_of_each_stack_and_embed_as_they_would_alone():
+    """`embed_groups` takes texts of several shapes through one scan of each stack (one loop to
+    compile, one stack of weight gradients, each layer's weights read once), and embeds each group
+    as a call of its own would; the naive train step sends its query lengths and passages that way."""
+    groups = (TOKENS, TOKENS[:, :4], jnp.tile(TOKENS, (2, 2)))
+    models = (DualEncoder(dataclasses.replace(T5_CFG, scan_layers=True, remat=True)),
+              BertDualEncoder(dataclasses.replace(BERT_CFG, scan_layers=True, remat=True)))
+    for model in models:
+        params = model.init(jax.random.PRNGKey(0), TOKENS)["params"]
+        together = model.apply({"params": params}, groups, method="embed_groups")
+        for group, embedded in zip(groups, together, strict=True):
+            alone = model.apply({"params": params}, group)
+            np.testing.assert_allclose(np.asarray(embedded), np.asarray(alone), atol=1e-6)
+
+        def loss(p, texts, model=model):
+            return sum(jnp.sum(e ** 2) for e in model.apply({"params": p}, texts, method="embed_groups"))
+
+        one_group = _scan_count(jax.grad(loss), params, groups[:1])
+        assert one_group >= 2 and _scan_count(jax.grad(loss), params, groups) == one_group
+
+    tasks = ["a", "b"]
+    rows = jax.random.randint(jax.random.PRNGKey(2), (3, 8, 10), 1, 64)
+    batch = {"a": {"query_tokens": rows[0, :4, :6], "passage_tokens": rows[1]},
+             "b": {"query_tokens": rows[0, 4:, :9], "passage_tokens": rows[2]}}
+    model = models[0]
+    params = model.init(jax.random.PRNGKey(0), TOKENS)["params"]
+    step = functools.partial(summed_gradient, model, 1.0, batch=batch, task_names=tasks, rng=jax.random.PRNGKey(1))
+    single = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, TOKENS) ** 2))
+    assert _scan_count(lambda p: step(params=p)[0], params) == _scan_count(single, params)

@@ -72,7 +72,7 @@ def test_encoder_and_first_decoder_step_match_transformers(tmp_path, version):
     ref_first_step = out.decoder_hidden_states[-1][:, 0].numpy()
     ref_logits = out.logits.numpy()
 
-    encoded = model.apply({"params": params}, jnp.asarray(tokens), method=T5.encode)
+    (encoded,) = model.apply({"params": params}, (jnp.asarray(tokens),), method=T5.encode)
     np.testing.assert_allclose(np.asarray(encoded)[mask], ref_encoded[mask], atol=1e-4, rtol=1e-4,
                                err_msg="encoder states differ from transformers")
     logits = model.apply({"params": params}, jnp.asarray(tokens), jnp.asarray(DECODER_TOKENS))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import flax.linen as nn
 import gin
@@ -29,6 +30,7 @@ from t5_retrieval.models.t5 import (
     remat_layer,
     scan_layers,
     scans_layers,
+    unrolled_layers,
     with_constraint,
 )
 
@@ -180,21 +182,20 @@ class Layer(nn.Module):
 
 
 class Bert(nn.Module):
-    """[b, l] token ids (0 = [PAD]) -> [b, l, hidden] last hidden states (no pooler head)."""
+    """Groups of [b, l] token ids (0 = [PAD]) -> their [b, l, hidden] last hidden states (no pooler
+    head), every group through each layer in one pass of the stack (see `scan_layers`)."""
 
     config: BertConfig
 
     @nn.compact
-    def __call__(self, tokens: Array, deterministic: bool = True) -> Array:
+    def __call__(self, tokens: Sequence[Array], deterministic: bool = True) -> tuple[Array, ...]:
         cfg = self.config
-        mask = tokens != PAD_ID
-        x = Embeddings(cfg, name="embeddings")(tokens, deterministic)
+        embeddings = Embeddings(cfg, name="embeddings")
+        xs = [embeddings(group, deterministic) for group in tokens]
         # Only keys are masked (as in BERT); padded query rows are ignored by the pooling.
-        bias = padding_bias(jnp.ones_like(mask), mask)
+        biases = [(padding_bias(jnp.ones_like(group != PAD_ID), group != PAD_ID),) for group in tokens]
         if scans_layers(self, cfg.scan_layers):
-            return scan_layers(self, Layer(cfg, parent=None), cfg.num_layers, x, (bias,), deterministic,
+            return scan_layers(self, Layer(cfg, parent=None), cfg.num_layers, xs, biases, deterministic,
                                "nothing_saveable" if cfg.remat else None)
         layer_cls = remat_layer(Layer) if cfg.remat else Layer
-        for i in range(cfg.num_layers):
-            x = layer_cls(cfg, name=f"layers_{i}")(x, bias, deterministic)
-        return x
+        return unrolled_layers(layer_cls, cfg, cfg.num_layers, xs, biases, deterministic)

@@ -10,6 +10,7 @@ queries and passages, or a separate query BERT (one for all tasks, DPR), or one 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -66,10 +67,19 @@ class BertDualEncoder(nn.Module):
         if self.is_initializing() and tower is None:
             for k in range(self.config.num_query_towers):  # create every tower's parameters at init
                 self(tokens, deterministic, tower=k)
+        (embedded,) = self.embed_groups((tokens,), deterministic, tower)
+        return embedded
+
+    def embed_groups(self, tokens: Sequence[jax.Array], deterministic: bool = True, tower: int | None = None
+                     ) -> tuple[jax.Array, ...]:
+        """Embeds groups of texts ([b_g, l_g] each) in one pass of the stack (`DualEncoder.embed_groups`)."""
         if tower is not None and not 0 <= tower < self.config.num_query_towers:
             raise ValueError(f"query tower {tower} requested, but the model has {self.config.num_query_towers}")
         bert = self.bert if tower is None else self.query_bert[tower]
-        encoded = bert(tokens, deterministic)
+        return tuple(self._pool(encoded, group) for encoded, group in
+                     zip(bert(tokens, deterministic), tokens, strict=True))
+
+    def _pool(self, encoded: jax.Array, tokens: jax.Array) -> jax.Array:
         if self.config.pooling == "cls":
             pooled = encoded[:, 0].astype(jax.numpy.float32)
         else:

@@ -9,6 +9,7 @@ start token (id 0) cross-attending to it, and the embedding is the decoder's fin
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -107,16 +108,29 @@ class DualEncoder(nn.Module):
                 self(tokens, deterministic, tower=k)
             if self.config.query_generation:  # and the LM head
                 self.query_generation_logits(tokens, tokens, deterministic)
+        (embedded,) = self.embed_groups((tokens,), deterministic, tower)
+        return embedded
+
+    def embed_groups(self, tokens: Sequence[jax.Array], deterministic: bool = True, tower: int | None = None
+                     ) -> tuple[jax.Array, ...]:
+        """Embeds groups of texts ([b_g, l_g] each, e.g. a step's queries of each length and its
+        passages) in one pass of the encoder and one of the decoder: under FSDP each layer's
+        weights are gathered once for all groups, and the backward pass builds one gradient per
+        stack instead of one per group."""
         if tower is not None and not 0 <= tower < self.config.num_query_towers:
             raise ValueError(f"query tower {tower} requested, but the model has {self.config.num_query_towers}")
         t5 = self.t5 if tower is None else self.query_t5[tower]
-        mask = tokens != 0
+        masks = tuple(group != 0 for group in tokens)
         encoded = t5.encode(tokens, deterministic)
         if self.config.pooling == "encdec":
-            start = jnp.zeros((tokens.shape[0], 1), dtype=tokens.dtype)
-            pooled = t5.decode(start, encoded, mask, deterministic)[:, 0]
+            starts = tuple(jnp.zeros((group.shape[0], 1), dtype=group.dtype) for group in tokens)
+            pooled = tuple(h[:, 0] for h in t5.decode(starts, encoded, masks, deterministic))
         else:
-            pooled = mean_pool(encoded, mask)
+            pooled = tuple(mean_pool(e, mask) for e, mask in zip(encoded, masks, strict=True))
+        return tuple(self._head(p) for p in pooled)
+
+    def _head(self, pooled: jax.Array) -> jax.Array:
+        """Pooled states -> embeddings: the projection if any, float32, L2-normalised if asked."""
         if self.config.projection_dim:
             pooled = self.projection(pooled)
         pooled = pooled.astype(jnp.float32)

@@ -5,7 +5,9 @@ A family is a network (T5, BERT, ...) with its dual-encoder head. Its module reg
 through `FAMILIES`, and `t5r plan` sizes any registered family, so no caller branches on a family's
 name. Conventions every family keeps, which the trainer, inference and checkpoint import rely on:
 its stored config is `{"family": name, name: <network fields>, "dual_encoder": <head fields>}`; its
-module holds the shared encoder's parameters under `name` and query towers under `query_<name>_<k>`;
+module holds the shared encoder's parameters under `name` and query towers under `query_<name>_<k>`,
+and embeds with `__call__(tokens, deterministic, tower)` and, for the train step's groups of texts of
+several shapes, `embed_groups(groups, deterministic, tower)` (a tuple, one embedding per group);
 its head config is a `dual_encoder.QueryTowers` with `logit_scale` and `query_generation`.
 """
 

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import flax.linen as nn
@@ -293,30 +293,50 @@ def _constrain_stacked(layer: nn.Module, stacked: dict, inputs: tuple[Array, ...
     return jax.tree_util.tree_map(constrain, boxed, stacked, is_leaf=is_box)
 
 
-def scan_layers(module: nn.Module, layer: nn.Module, num_layers: int, x: Array, args: tuple[Array, ...],
-                deterministic: bool, remat_policy: str | None) -> Array:
+def scan_layers(module: nn.Module, layer: nn.Module, num_layers: int, xs: Sequence[Array],
+                args: Sequence[tuple[Array, ...]], deterministic: bool, remat_policy: str | None
+                ) -> tuple[Array, ...]:
     """Runs `module`'s `layers_{i}` children as one `lax.scan` over their stacked parameters.
 
     The unrolled stack compiles a program that grows with depth; the scan compiles one layer body.
     `layer` is an unbound copy of the layer module applied functionally to each layer's slice, so
-    the parameter tree (created unrolled at init) is unchanged. Each layer's dropout key is the
-    stack's key folded with the layer index. `remat_policy`: the body rematerialised with that
+    the parameter tree (created unrolled at init) is unchanged. `xs[g]` and `args[g]` are group g's
+    input and the layer's further arguments: each layer runs every group before the next layer, so
+    one loop reads (and under FSDP gathers) each layer's weights once for all groups, and its
+    backward pass builds one stack of weight gradients instead of one per group. Each layer's
+    dropout key is the stack's key folded with the layer index (groups after the first draw
+    further masks from it). `remat_policy`: the body rematerialised with that
     `jax.checkpoint_policies` policy (None: not rematerialised).
     """
     params = nn.unbox(module.variables["params"])
-    stacked = _constrain_stacked(layer, _stack_layers(params, num_layers, layer.config.compute_dtype), (x, *args))
+    stacked = _constrain_stacked(layer, _stack_layers(params, num_layers, layer.config.compute_dtype),
+                                 (xs[0], *args[0]))
     key = None if deterministic else module.make_rng("dropout")
 
-    def body(carry: Array, sliced: tuple[dict, Array]) -> tuple[Array, None]:
+    def every_group(bound: nn.Module, xs: tuple[Array, ...]) -> tuple[Array, ...]:
+        return tuple(bound(x, *a, deterministic) for x, a in zip(xs, args, strict=True))
+
+    def body(carry: tuple[Array, ...], sliced: tuple[dict, Array]) -> tuple[tuple[Array, ...], None]:
         layer_params, index = sliced
         rngs = {} if key is None else {"dropout": jax.random.fold_in(key, index)}
-        out = layer.apply({"params": layer_params}, carry, *args, deterministic, rngs=rngs)
-        return cast(Array, out), None
+        out = layer.apply({"params": layer_params}, carry, rngs=rngs, method=every_group)
+        return cast(tuple[Array, ...], out), None
 
     step = body if remat_policy is None else jax.checkpoint(body, policy=getattr(jax.checkpoint_policies,
                                                                                 remat_policy))
-    x, _ = jax.lax.scan(step, x, (stacked, jnp.arange(num_layers)))
-    return x
+    out, _ = jax.lax.scan(step, tuple(xs), (stacked, jnp.arange(num_layers)))
+    return out
+
+
+def unrolled_layers(layer_cls: type[nn.Module], config: Any, num_layers: int, xs: Sequence[Array],
+                    args: Sequence[tuple[Array, ...]], deterministic: bool) -> tuple[Array, ...]:
+    """The `layers_{i}` children created in the calling compact method and applied in turn, every
+    group through each layer before the next (the unscanned form of `scan_layers`)."""
+    out = tuple(xs)
+    for i in range(num_layers):
+        layer = layer_cls(config, name=f"layers_{i}")
+        out = tuple(layer(x, *a, deterministic) for x, a in zip(out, args, strict=True))
+    return out
 
 
 def scans_layers(module: nn.Module, scan: bool) -> bool:
@@ -343,27 +363,30 @@ def _layer(cls: type[nn.Module], cfg: T5Config) -> type[nn.Module]:
 
 
 class Encoder(nn.Module):
+    """Encodes groups of texts of their own shapes through one stack (see `scan_layers`)."""
+
     config: T5Config
     embedder: nn.Module
 
     @nn.compact
-    def __call__(self, tokens: Array, mask: Array, deterministic: bool) -> Array:
+    def __call__(self, tokens: Sequence[Array], deterministic: bool) -> tuple[Array, ...]:
         cfg = self.config
-        x = self.embedder(tokens).astype(cfg.compute_dtype)
-        x = with_constraint(x, ("batch", "length", "embed"))
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        length = tokens.shape[1]
-        bias = RelativePositionBias(cfg, bidirectional=True, name="relpos_bias")(length, length)
-        bias = bias + padding_bias(mask, mask)
+        dropout = nn.Dropout(cfg.dropout_rate)
+        position_bias = RelativePositionBias(cfg, bidirectional=True, name="relpos_bias")
+        xs, biases = [], []
+        for group in tokens:
+            x = with_constraint(self.embedder(group).astype(cfg.compute_dtype), ("batch", "length", "embed"))
+            xs.append(dropout(x, deterministic=deterministic))
+            mask, length = group != 0, group.shape[1]
+            biases.append((position_bias(length, length) + padding_bias(mask, mask),))
         if scans_layers(self, cfg.scan_layers):
-            x = scan_layers(self, EncoderLayer(cfg, parent=None), cfg.num_encoder_layers, x, (bias,),
-                            deterministic, remat_policy(cfg))
+            out = scan_layers(self, EncoderLayer(cfg, parent=None), cfg.num_encoder_layers, xs, biases,
+                              deterministic, remat_policy(cfg))
         else:
-            layer_cls = _layer(EncoderLayer, cfg)
-            for i in range(cfg.num_encoder_layers):
-                x = layer_cls(cfg, name=f"layers_{i}")(x, bias, deterministic)
-        x = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="final_norm")(x)
-        return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+            out = unrolled_layers(_layer(EncoderLayer, cfg), cfg, cfg.num_encoder_layers, xs, biases, deterministic)
+        final_norm = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="final_norm")
+        final_dropout = nn.Dropout(cfg.dropout_rate)
+        return tuple(final_dropout(final_norm(x), deterministic=deterministic) for x in out)
 
 
 class Decoder(nn.Module):
@@ -371,26 +394,28 @@ class Decoder(nn.Module):
     embedder: nn.Module
 
     @nn.compact
-    def __call__(self, tokens: Array, encoded: Array, encoder_mask: Array, deterministic: bool) -> Array:
-        """Teacher-forced causal decoding; returns the final-norm hidden states [b, t, d_model]."""
+    def __call__(self, tokens: Sequence[Array], encoded: Sequence[Array], encoder_masks: Sequence[Array],
+                 deterministic: bool) -> tuple[Array, ...]:
+        """Teacher-forced causal decoding of each group; its final-norm hidden states [b, t, d_model]."""
         cfg = self.config
-        x = self.embedder(tokens).astype(cfg.compute_dtype)
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        length = tokens.shape[1]
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        self_bias = RelativePositionBias(cfg, bidirectional=False, name="relpos_bias")(length, length)
-        self_bias = self_bias + jnp.where(causal, 0.0, NEG_INF)[None, None]
-        decoder_mask = jnp.ones(tokens.shape, dtype=bool)
-        cross_bias = padding_bias(decoder_mask, encoder_mask)
+        dropout = nn.Dropout(cfg.dropout_rate)
+        position_bias = RelativePositionBias(cfg, bidirectional=False, name="relpos_bias")
+        xs, args = [], []
+        for group, memory, memory_mask in zip(tokens, encoded, encoder_masks, strict=True):
+            xs.append(dropout(self.embedder(group).astype(cfg.compute_dtype), deterministic=deterministic))
+            length = group.shape[1]
+            causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+            self_bias = position_bias(length, length) + jnp.where(causal, 0.0, NEG_INF)[None, None]
+            cross_bias = padding_bias(jnp.ones(group.shape, dtype=bool), memory_mask)
+            args.append((memory, self_bias, cross_bias))
         if scans_layers(self, cfg.scan_layers):
-            x = scan_layers(self, DecoderLayer(cfg, parent=None), cfg.num_decoder_layers, x,
-                            (encoded, self_bias, cross_bias), deterministic, remat_policy(cfg))
+            out = scan_layers(self, DecoderLayer(cfg, parent=None), cfg.num_decoder_layers, xs, args,
+                              deterministic, remat_policy(cfg))
         else:
-            layer_cls = _layer(DecoderLayer, cfg)
-            for i in range(cfg.num_decoder_layers):
-                x = layer_cls(cfg, name=f"layers_{i}")(x, encoded, self_bias, cross_bias, deterministic)
-        x = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="final_norm")(x)
-        return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+            out = unrolled_layers(_layer(DecoderLayer, cfg), cfg, cfg.num_decoder_layers, xs, args, deterministic)
+        final_norm = RMSNorm(cfg.layer_norm_epsilon, cfg.compute_dtype, name="final_norm")
+        final_dropout = nn.Dropout(cfg.dropout_rate)
+        return tuple(final_dropout(final_norm(x), deterministic=deterministic) for x in out)
 
 
 class T5(nn.Module):
@@ -398,6 +423,7 @@ class T5(nn.Module):
 
     `encode` and `decode` are separate entry points so that a dual encoder can run the decoder for a
     single step; `logits` gives the LM head (tied embeddings are scaled by d_model^-0.5 as in T5 v1.0).
+    Both take groups of texts, each group its own shape, and run them through one pass of each stack.
     """
 
     config: T5Config
@@ -415,13 +441,13 @@ class T5(nn.Module):
                                     kernel_init=param_init(("embed", "vocab"),
                                                            nn.initializers.normal(cfg.d_model ** -0.5)))
 
-    def encode(self, tokens: Array, deterministic: bool = True) -> Array:
-        """[b, l] token ids (0 = padding) -> [b, l, d_model] final-norm encoder states."""
-        return self.encoder(tokens, tokens != 0, deterministic)
+    def encode(self, tokens: Sequence[Array], deterministic: bool = True) -> tuple[Array, ...]:
+        """Groups of [b, l] token ids (0 = padding) -> their [b, l, d_model] final-norm encoder states."""
+        return self.encoder(tokens, deterministic)
 
-    def decode(self, decoder_tokens: Array, encoded: Array, encoder_mask: Array,
-               deterministic: bool = True) -> Array:
-        return self.decoder(decoder_tokens, encoded, encoder_mask, deterministic)
+    def decode(self, decoder_tokens: Sequence[Array], encoded: Sequence[Array], encoder_masks: Sequence[Array],
+               deterministic: bool = True) -> tuple[Array, ...]:
+        return self.decoder(decoder_tokens, encoded, encoder_masks, deterministic)
 
     def logits(self, hidden: Array) -> Array:
         if self.config.tie_word_embeddings:
@@ -430,8 +456,8 @@ class T5(nn.Module):
 
     def __call__(self, tokens: Array, decoder_tokens: Array, deterministic: bool = True) -> Array:
         """Teacher-forced LM logits [b, t, vocab]; used by the generative auxiliary loss."""
-        encoded = self.encode(tokens, deterministic)
-        hidden = self.decode(decoder_tokens, encoded, tokens != 0, deterministic)
+        (encoded,) = self.encode((tokens,), deterministic)
+        (hidden,) = self.decode((decoder_tokens,), (encoded,), (tokens != 0,), deterministic)
         return self.logits(hidden)
 
 
