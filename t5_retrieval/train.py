@@ -286,17 +286,20 @@ def train(model_dir: str,
 
 def log_query_passes(model: nn.Module, batch: dict[str, dict[str, np.ndarray]], task_names: list[str],
                      per_task: bool) -> None:
-    """Logs each task's query length and the query passes the step compiles, one per sub-batch shape
-    (per-task gradients: one `lax.scan` body per group of same-shaped tasks; naive: one model call
-    per query length, or per task with per-task towers)."""
+    """Logs each task's query length and how the step reads the queries: per-task gradients compile
+    one pass (a `lax.scan` body) per group of same-shaped tasks; the naive step one model call per
+    task with per-task towers, else one call for all query shapes (`embed_groups`)."""
     if per_task:
         groups = [[task_names[k] for k in group] for group in task_groups(model, batch, task_names)]
+        how = f"the step compiles {len(groups)} task pass(es), one per sub-batch shape"
     elif model.config.query_towers:
         groups = [[name] for name in task_names]
+        how = f"the step compiles {len(groups)} query pass(es), one per task's tower"
     else:
         groups = query_shape_groups(batch, task_names)
-    log.info("query lengths: %s; the step compiles %d query pass(es), one per shape: %s",
-             ", ".join(f"{name} {batch[name]['query_tokens'].shape[1]}" for name in task_names), len(groups),
+        how = f"the step embeds {len(groups)} query shape(s) in one pass of the model"
+    log.info("query lengths: %s; %s: %s", ", ".join(f"{name} {batch[name]['query_tokens'].shape[1]}"
+                                                     for name in task_names), how,
              "; ".join("[" + ", ".join(group) + "]" for group in groups))
 
 

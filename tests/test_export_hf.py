@@ -423,7 +423,7 @@ def test_bert_import_export_import_is_the_identity(tmp_path):
                                      num_hidden_layers=2, max_position_embeddings=40, layer_norm_eps=1e-7)
     transformers.BertModel(config).save_pretrained(tmp_path / "hf", safe_serialization=True)
     cfg = hf_bert_import.bert_config_from_hf(hf_bert_import.read_hf_config(str(tmp_path / "hf")))
-    target = abstract_params(Bert(cfg), jnp.ones((1, 4), jnp.int32))
+    target = abstract_params(Bert(cfg), (jnp.ones((1, 4), jnp.int32),))
     params = hf_bert_import.load_bert(str(tmp_path / "hf"), target, cfg)
     hf.write_bert_dir(str(tmp_path / "out"), params, cfg)
     assert hf_bert_import.bert_config_from_hf(hf_bert_import.read_hf_config(str(tmp_path / "out"))) == cfg

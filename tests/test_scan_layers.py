@@ -231,3 +231,12 @@ def test_groups_of_texts_share_one_pass_of_each_stack_and_embed_as_they_would_al
     step = functools.partial(summed_gradient, model, 1.0, batch=batch, task_names=tasks, rng=jax.random.PRNGKey(1))
     single = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, TOKENS) ** 2))
     assert _scan_count(lambda p: step(params=p)[0], params) == _scan_count(single, params)
+
+
+def test_one_array_where_groups_are_expected_is_refused_not_read_row_by_row():
+    import pytest
+
+    with pytest.raises(TypeError, match=r"got one array of shape \(2, 6\): pass \(tokens,\)"):
+        Bert(BERT_CFG).init(jax.random.PRNGKey(0), TOKENS)
+    with pytest.raises(TypeError, match=r"got one array of shape \(2, 6\): pass \(tokens,\)"):
+        T5(T5_CFG).init(jax.random.PRNGKey(0), TOKENS, method=T5.encode)

@@ -55,7 +55,7 @@ def test_training_says_what_it_is_doing(tmp_path, caplog):
         run(tmp_path / "model", "train.num_steps = 2", "train.checkpoint_every = 1")
     text = caplog.text
     for expected in (f"model {tmp_path / 'model'}: T5 dual encoder", "parameters", "device(s) (cpu)", "mesh {",
-                     "peak learning rate 0.001", "the step compiles 1 query pass(es), one per shape",
+                     "peak learning rate 0.001", "the step embeds 1 query shape(s) in one pass of the model",
                      "step 1 compiled and ran in", "saved checkpoint "
                      f"{tmp_path / 'model' / '2'}", f"finished {tmp_path / 'model'} at step 2"):
         assert expected in text, f"{expected!r} not logged:\n{text}"

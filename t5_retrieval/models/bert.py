@@ -30,6 +30,7 @@ from t5_retrieval.models.t5 import (
     remat_layer,
     scan_layers,
     scans_layers,
+    token_groups,
     unrolled_layers,
     with_constraint,
 )
@@ -190,6 +191,7 @@ class Bert(nn.Module):
     @nn.compact
     def __call__(self, tokens: Sequence[Array], deterministic: bool = True) -> tuple[Array, ...]:
         cfg = self.config
+        tokens = token_groups(tokens)
         embeddings = Embeddings(cfg, name="embeddings")
         xs = [embeddings(group, deterministic) for group in tokens]
         # Only keys are masked (as in BERT); padded query rows are ignored by the pooling.

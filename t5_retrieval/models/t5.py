@@ -23,6 +23,7 @@ import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from t5_retrieval.errors import ConfigError
 
@@ -293,6 +294,14 @@ def _constrain_stacked(layer: nn.Module, stacked: dict, inputs: tuple[Array, ...
     return jax.tree_util.tree_map(constrain, boxed, stacked, is_leaf=is_box)
 
 
+def token_groups(tokens: Sequence[Array]) -> tuple[Array, ...]:
+    """`tokens` as a tuple of groups; one array (whose rows would pass for groups) is refused."""
+    if isinstance(tokens, jax.Array | np.ndarray):
+        raise TypeError(f"expected a sequence of [b, l] token arrays (groups of texts), got one array of shape "
+                        f"{tokens.shape}: pass (tokens,)")
+    return tuple(tokens)
+
+
 def scan_layers(module: nn.Module, layer: nn.Module, num_layers: int, xs: Sequence[Array],
                 args: Sequence[tuple[Array, ...]], deterministic: bool, remat_policy: str | None
                 ) -> tuple[Array, ...]:
@@ -374,7 +383,7 @@ class Encoder(nn.Module):
         dropout = nn.Dropout(cfg.dropout_rate)
         position_bias = RelativePositionBias(cfg, bidirectional=True, name="relpos_bias")
         xs, biases = [], []
-        for group in tokens:
+        for group in token_groups(tokens):
             x = with_constraint(self.embedder(group).astype(cfg.compute_dtype), ("batch", "length", "embed"))
             xs.append(dropout(x, deterministic=deterministic))
             mask, length = group != 0, group.shape[1]
@@ -401,7 +410,7 @@ class Decoder(nn.Module):
         dropout = nn.Dropout(cfg.dropout_rate)
         position_bias = RelativePositionBias(cfg, bidirectional=False, name="relpos_bias")
         xs, args = [], []
-        for group, memory, memory_mask in zip(tokens, encoded, encoder_masks, strict=True):
+        for group, memory, memory_mask in zip(token_groups(tokens), encoded, encoder_masks, strict=True):
             xs.append(dropout(self.embedder(group).astype(cfg.compute_dtype), deterministic=deterministic))
             length = group.shape[1]
             causal = jnp.tril(jnp.ones((length, length), dtype=bool))
