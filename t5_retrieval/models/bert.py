@@ -195,7 +195,7 @@ class Bert(nn.Module):
         embeddings = Embeddings(cfg, name="embeddings")
         xs = [embeddings(group, deterministic) for group in tokens]
         # Only keys are masked (as in BERT); padded query rows are ignored by the pooling.
-        biases = [(padding_bias(jnp.ones_like(group != PAD_ID), group != PAD_ID),) for group in tokens]
+        biases = [(padding_bias(jnp.ones_like(mask), mask),) for mask in (group != PAD_ID for group in tokens)]
         if scans_layers(self, cfg.scan_layers):
             return scan_layers(self, Layer(cfg, parent=None), cfg.num_layers, xs, biases, deterministic,
                                "nothing_saveable" if cfg.remat else None)
