@@ -1,4 +1,4 @@
-"""The docs/pods.md table: `t5r plan` over T5 sizes x sharding layouts x TPU slices, naive and TACO.
+"""The planning table (docs/pods_table.md): `t5r plan` over T5 sizes x sharding layouts x TPU slices, naive and TACO.
 
 Each cell is one `t5r plan --json` process (the paper's recipe: runs/naive_multitask.gin or
 runs/taco.gin over the KILT mixture, 64 queries per device split over the tasks by the mixture's
@@ -7,11 +7,13 @@ default; runs/base.gin reads 256); or `single`, NQ alone with runs/single_task.g
 limit; a cell that does not compile in it is recorded as such. Every time and rate in the table is
 an estimate of the TPU compiler's cost model, not a measurement. `--gin NAME=value ...` binds the
 same values in every cell. Cells already in the results file are kept (an interrupted run resumes;
-runs over different grids add up to one table).
+runs over different grids add up to one table). `--table PATH` writes the table of every cell in
+the results file as a markdown page (docs/pods_table.md); with `--no_compile`, from the results
+file alone.
 
     .venv/bin/python benchmarks/bench_plan.py [--sizes small base] [--topologies v5e:4x4 v4:2x2x1]
         [--layouts fsdp data_parallel] [--methods naive taco single] [--timeout 1800] [--gin NAME=value ...]
-        [--out results.json]
+        [--out results.json] [--table docs/pods_table.md] [--no_compile]
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def table_row(cell: dict[str, Any]) -> str:
     """A markdown row: per-device memory, the estimates and what they imply, compile times."""
     head = f"| {cell['size']} | {cell['topology']} | {cell['layout']} | {cell['method']}"
     if "report" not in cell:
-        return head + f" | {cell['status']} |" + " |" * 7
+        return head + f" | {cell['status']} |" + " |" * 6
     report = cell["report"]
     # the libtpu that compiled it: its cost model and memory figures change between releases
     head += f" (libtpu {report['compiler']['libtpu']}) |" if "compiler" in report else " |"
@@ -94,6 +96,27 @@ TABLE_HEAD = ("| T5 | slice | layout | method | train step fits (peak / HBM per 
               "(36M passages) | compile train / encode |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+# The page `--table` writes: what the command was and how to read its columns, then the table.
+PAGE_HEAD = """# The planning table
+
+Written by `.venv/bin/python benchmarks/bench_plan.py ... --table docs/pods_table.md` (the grid's
+cells, each one `t5r plan --json` process, kept in `benchmarks/results/plan.json`); how to read a
+plan and what its estimates are and are not: [pods.md](pods.md). Per device: the train step's peak
+memory against the HBM (a refused step's peak is the total the compiler's message names, its
+arguments included), the parameters, optimiser and multi-task state, the temporaries; then the
+compiler's estimates. **Every time, rate, MFU and epoch here is an estimate of libtpu's cost model
+(`*`: from programs with their layers unrolled, at 1 and 2 layers and extrapolated), not a
+measurement: read it as a lower bound on the step time.** An encode rate marked "% of peak"
+implies the model's matmuls at that share of the chips' peak FLOP/s: above 100% the cost model
+under-prices the program. The libtpu that compiled a row is named in it.
+"""
+
+
+def table_page(cells: list[dict[str, Any]]) -> str:
+    """The markdown page of `--table`: PAGE_HEAD, then the table of every cell."""
+    return "\n".join([PAGE_HEAD, TABLE_HEAD, *map(table_row, cells)]) + "\n"
+
+
 def cell_key(cell: dict[str, Any]) -> tuple[Any, ...]:
     return cell["size"], cell["topology"], cell["layout"], cell["method"], tuple(cell.get("gin", ()))
 
@@ -107,6 +130,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per cell")
     parser.add_argument("--gin", nargs="*", default=["PASSAGE_LEN=160"], help="--gin. bindings for every cell")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/plan.json)")
+    parser.add_argument("--table", default=None, help="also write the table of every cell as a markdown page here")
+    parser.add_argument("--no_compile", action="store_true", help="plan no cell: only write --table from --out")
     args = parser.parse_args(argv)
     out = args.out or os.path.join(common.RESULTS_DIR, "plan.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -115,7 +140,8 @@ def main(argv: list[str]) -> int:
     cells = json.load(open(out))["cells"] if os.path.exists(out) else []
     done = {cell_key(c) for c in cells if "report" in c}
     result = {"machine": common.machine_info(blas_env=ORIGINAL_BLAS_ENV), "cells": cells}
-    for size, topology, layout, method in itertools.product(args.sizes, args.topologies, args.layouts, args.methods):
+    grid = [] if args.no_compile else itertools.product(args.sizes, args.topologies, args.layouts, args.methods)
+    for size, topology, layout, method in grid:
         cell = plan_cell(size, topology, layout, method, args.timeout, args.gin, done)
         if cell is None:
             continue
@@ -125,6 +151,11 @@ def main(argv: list[str]) -> int:
         with open(out, "w") as f:  # what has compiled so far survives an interrupted run
             json.dump(result, f, indent=1)
     compiled = [c for c in cells if "report" in c]
+    if args.table:
+        with open(args.table, "w", encoding="utf-8") as f:
+            f.write(table_page(cells))
+    if args.no_compile:
+        return 0
     common.write_results("plan", result, f"{len(compiled)} of {len(cells)} cells compiled; "
                          f"{sum(c['status'] == 'fits' for c in compiled)} fit", out)
     return 0
