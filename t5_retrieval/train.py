@@ -381,12 +381,12 @@ class NonFiniteError(FloatingPointError):
 
 def _check_multitask(state: TrainState, task_names: list[str], step: int, warned: set[str]) -> None:
     """Stops the run on a multi-task state's fatal problem (TACO's median of 0: its weights are then
-    an argmax, not TACO) and warns once about each other one."""
+    an argmax, not TACO) and warns once about each other one (once per task, however its figures move)."""
     for problem in multitask_problems(state.opt_state, task_names):
         if problem.fatal:
             raise ConfigError(f"step {step}: {problem.message}")
-        if problem.message not in warned:
-            warned.add(problem.message)
+        if problem.key not in warned:
+            warned.add(problem.key)
             log.warning("step %d: %s", step, problem.message)
 
 

@@ -125,6 +125,31 @@ def test_taco_state_reports_each_tasks_median_and_zero_fraction_and_a_zero_media
         assert float(metrics["taco/median/1"]) == 0.0 and abs(float(metrics["taco/zero_fraction/1"]) - 2 / 3) < 0.01
 
 
+def test_a_zero_median_is_warned_once_per_task_however_its_percentage_moves(caplog):
+    """The trainer's warning names a task's zero fraction, which changes from step to step; it warns
+    once per task all the same."""
+    from types import SimpleNamespace
+
+    from t5_retrieval.train import _check_multitask
+
+    rng = np.random.default_rng(2)
+    grads, params = _tree(rng, (2,)), _tree(rng)
+    tx, warned = multitask.taco(num_tasks=2, total_steps=10, allow_zero_median=True), set()
+    messages = []
+    with caplog.at_level("WARNING"):
+        for step, every in enumerate((3, 4), start=1):  # task 1: 2/3, then 3/4 of its gradient exactly 0
+            zeroed = jax.tree.map(lambda g, n=every: jnp.asarray(g).at[1].set(
+                jnp.where(jnp.arange(g[1].size).reshape(g[1].shape) % n == 0, g[1], 0.0)), grads)
+            _, state = jax.jit(tx.update)(zeroed, tx.init(params), params)
+            (problem,) = state.problems(["a", "b"])
+            assert problem.key == "taco/zero_median/b", problem
+            messages.append(problem.message)
+            _check_multitask(SimpleNamespace(opt_state=state), ["a", "b"], step, warned)
+    assert messages[0] != messages[1], "the two steps' zero fractions differ"
+    warnings = [r.getMessage() for r in caplog.records if "TACO: task" in r.getMessage()]
+    assert len(warnings) == 1 and "task 'b'" in warnings[0], warnings
+
+
 def test_taco_burn_in_returns_mean_then_switches_to_weights():
     rng = np.random.default_rng(2)
     k = 3

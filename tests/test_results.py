@@ -73,7 +73,7 @@ def test_a_trained_rows_record_reads_the_models_task_names_and_sums_stage_times(
     (run_dir / "eval" / "DONE").write_text(json.dumps({"seconds": 20.5}))
     (run_dir / "model" / "DONE").write_text(json.dumps({"seconds": 100.0, "steps": 200, "bindings": ["x = 1"]}))
     record = record_run(str(run_dir), data_dir, "taco", 0)
-    assert record.seconds == 120.5 and record.training == {"steps": 200, "bindings": ["x = 1"]}
+    assert record.seconds == 120.5 and record.training == {"model": {"steps": 200, "bindings": ["x = 1"]}}
     assert record.table == {t: {"Rprec": tables[t]["Rprec"], "recall@20": tables[t]["recall@20"]} for t in TASKS}
     title = TITLES["taco"]
     row = [line for line in markdown_table({"taco": [record]}).splitlines() if line.startswith(f"| {title} |")]

@@ -132,8 +132,8 @@ def _flat_ema(ema: Any) -> np.ndarray:
 
 def task_weights_and_entropy(ema: Any, tau: float) -> tuple[np.ndarray, np.ndarray]:
     """W = softmax_k(ema / tau) as [K, P] and its per-parameter entropy [P] (natural log)."""
-    if not tau > 0:
-        raise ConfigError(f"tau must be > 0 (TACO's softmax temperature), got {tau}")
+    if tau == 0 or not np.isfinite(tau):
+        raise ConfigError(f"tau must be finite and nonzero (TACO's softmax temperature), got {tau}")
     z = _flat_ema(ema).astype(np.float64) / tau
     z -= z.max(axis=0, keepdims=True)
     log_w = z - np.log(np.exp(z).sum(axis=0, keepdims=True))

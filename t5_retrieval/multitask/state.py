@@ -43,10 +43,14 @@ class MultitaskState(Protocol):
 
 
 class MultitaskProblem(NamedTuple):
-    """A one-line finding about a multi-task state: ``fatal`` stops the run, otherwise a warning."""
+    """A one-line finding about a multi-task state: ``fatal`` stops the run, otherwise a warning.
+
+    ``key`` names what the finding is about (e.g. one task's zero median), so the trainer warns once
+    per key even when the message's figures change from step to step."""
 
     message: str
     fatal: bool
+    key: str
 
 
 class ExportedState(NamedTuple):

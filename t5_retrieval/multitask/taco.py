@@ -80,7 +80,7 @@ class TacoState(NamedTuple):
             "it divides by is 0 and its weights collapse to a per-parameter argmax over tasks; freeze the "
             "untouched embedding tables (make_optimizer.frozen = [...], docs/taco.md) or set "
             "multitask.taco.median_over = 'nonzero'" + ("" if fatal else " (allowed: multitask.taco.allow_zero_median)"),
-            fatal) for i, name in enumerate(task_names) if median[i] == 0]
+            fatal, f"taco/zero_median/{name}") for i, name in enumerate(task_names) if median[i] == 0]
 
     def statistics(self) -> dict[str, jax.Array]:
         """Statistics of the weights W = softmax_k(ema / tau) the last update used.
@@ -143,7 +143,9 @@ def taco(
         sum while the EMA warms up (the reference uses 10% of the episode's steps). The EMA is
         updated during burn-in too.
       beta: EMA decay of the normalised sensitivities.
-      tau: softmax temperature over tasks.
+      tau: softmax temperature over tasks. Positive weights each parameter toward the tasks it is
+        most sensitive to (specialisation); negative toward the least sensitive, which
+        discourages specialisation (the paper's temperature ablation).
       median: ``"exact"`` (radix select over all K x P values) or ``"approx"`` (lower median of
         a fixed random sample of ``median_samples`` parameter positions drawn from
         ``median_seed``; exact when the model has at most that many parameters). See
@@ -245,8 +247,8 @@ def _check_arguments(num_tasks: int, total_steps: int, burn_in_fraction: float, 
         raise ConfigError(f"taco: burn_in_fraction must be in [0, 1], got {burn_in_fraction}")
     if not 0.0 <= beta < 1.0:
         raise ConfigError(f"taco: beta must be in [0, 1), got {beta}")
-    if tau <= 0:
-        raise ConfigError(f"taco: tau must be positive, got {tau}")
+    if tau == 0 or not np.isfinite(tau):
+        raise ConfigError(f"taco: tau must be finite and nonzero (negative discourages specialisation), got {tau}")
     if median not in ("exact", "approx"):
         raise ConfigError(f"taco: median must be 'exact' or 'approx', got {median!r}")
     if median_over not in MEDIAN_OVER:

@@ -80,6 +80,7 @@ from t5_retrieval.results.significance import (
     inputs_count,
     inputs_table,
 )
+from t5_retrieval.results.specialisation import specialisation_table
 from t5_retrieval.results.tables import markdown_table
 
 log = logging.getLogger(__name__)
@@ -119,4 +120,5 @@ def run_rows(work_dir: str, rows: Sequence[str], seeds: Sequence[int] = (0,), da
     changes = inputs_table(records, previous, TITLES, m)
     correction = bonferroni_sentence(m) if m else ""
     return "\n".join(t for t in (markdown_table(records), differences, without, changes, correction,
-                                 analysis_table(work_dir), qa_open_table(work_dir)) if t)
+                                 specialisation_table(records), analysis_table(work_dir), qa_open_table(work_dir))
+                      if t)

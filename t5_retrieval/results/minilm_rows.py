@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from t5_retrieval.results.common import TASKS, configured, dataset_name, dataset_table, train_model
@@ -107,8 +107,17 @@ TRAIN_BINDINGS = (
 # run under an hour there, KB re-encoding included (measured: 3,464 s naive, 3,567 s TACO).
 BOTH_TOWERS_STEPS = 120
 
-# 3 epochs of mini-KILT's 8,724 training queries at 32 per step (TRAIN_BINDINGS' 200 steps are 0.7).
-THREE_EPOCHS = 818
+# An epoch here is one pass over mini-KILT's 8,724 training queries at TRAIN_BINDINGS' 32 queries a
+# step (TRAIN_BINDINGS' 200 steps are 0.7 of one).
+MINI_KILT_TRAIN_QUERIES = 8724
+
+
+def epochs_in_steps(epochs: float) -> int:
+    """Training steps of `epochs` passes over mini-KILT's training queries at 32 a step."""
+    return round(epochs * MINI_KILT_TRAIN_QUERIES / 32)
+
+
+THREE_EPOCHS = epochs_in_steps(3)  # 818
 
 # The EMA horizon 1 / (1 - beta) scaled to the run: the paper's 0.999 (1,000 steps) would keep the
 # zero-initialised EMA at a quarter of its signal after 300 steps, so the weights stay near uniform.
@@ -279,12 +288,24 @@ RECIPE_FROZEN = (*FROZEN_EMBEDDINGS, *PAPER_MEDIAN, "warmup/make_train_iterator.
 TRACK_TACO_EMA = ("multitask.taco.burn_in_fraction = 1.0", "multitask.taco.keep_naive_scale = True")
 NAIVE_TRACKING_TACO = (*TACO_LAST_EPISODE, *TRACK_TACO_EMA)
 
+# The paper's temperature ablation: TACO whose softmax over tasks favours each parameter's least
+# sensitive tasks (tau -2 against 2), which discourages specialisation instead of promoting it.
+NEGATIVE_TAU_LAST_EPISODE = (*TACO_LAST_EPISODE, "multitask.taco.tau = -2.0")
 
-def recipe_pair_row(taco_last: bool) -> Callable[..., None]:
+# Warm-up lengths, in epochs, of the curve that asks when TACO starts to differ from naive (the paper
+# warms up for 20; `taco_recipe_frozen` for 0.7).
+WARMUP_CURVE_EPOCHS = (1, 3, 10, 20)
+
+
+def recipe_pair_row(last_episode: Sequence[str], warmup_epochs: int | None = None) -> Callable[..., None]:
     """TACO's recipe (`RECIPE_FROZEN`): the warm-up and the episodes before the last are the same for
-    TACO and its naive control, so both rows share them (`<work>/recipe_frozen_shared`, linked into
-    each row's `ance/`) and differ in the last episode alone: TACO (`taco_last`) or the sum, with
-    TACO's EMA tracked (`NAIVE_TRACKING_TACO`)."""
+    TACO and its naive control, so the rows of one warm-up share them (`<work>/recipe_frozen_shared`,
+    or `recipe_frozen_warmup_<E>ep_shared` for a warm-up of `warmup_epochs` epochs instead of
+    RECIPE_STEPS steps, linked into each row's `ance/`) and differ in the last episode alone, which
+    `last_episode` configures: TACO (`TACO_LAST_EPISODE`), the sum with TACO's EMA tracked
+    (`NAIVE_TRACKING_TACO`), or TACO at a negative temperature (`NEGATIVE_TAU_LAST_EPISODE`)."""
+    warmup = () if warmup_epochs is None else (f"warmup/train.num_steps = {epochs_in_steps(warmup_epochs)}",)
+    shared_name = "recipe_frozen_shared" if warmup_epochs is None else f"recipe_frozen_warmup_{warmup_epochs}ep_shared"
 
     def row(row_dir: str, data_dir: str, seed: int = 0) -> None:
         from t5_retrieval.ance import ance
@@ -293,9 +314,9 @@ def recipe_pair_row(taco_last: bool) -> Callable[..., None]:
         work_dir = os.path.dirname(row_dir)
         base_dir = os.path.join(work_dir, "minilm_zeroshot")
         minilm_zeroshot_row(base_dir, data_dir)
-        shared = seed_dir(work_dir, "recipe_frozen_shared", seed)
+        shared = seed_dir(work_dir, shared_name, seed)
         configured(["models/minilm_l6.gin", "runs/no_adaptive.gin"],
-                   [*recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES - 1), *RECIPE_FROZEN],
+                   [*recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES - 1), *RECIPE_FROZEN, *warmup],
                    lambda: ance(shared))
         ance_dir = os.path.join(row_dir, "ance")
         os.makedirs(ance_dir, exist_ok=True)
@@ -304,8 +325,8 @@ def recipe_pair_row(taco_last: bool) -> Callable[..., None]:
             if not os.path.lexists(link):
                 os.symlink(os.path.relpath(os.path.join(shared, name), ance_dir), link)
         configured(["models/minilm_l6.gin", "runs/no_adaptive.gin"],
-                   [*recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES), *RECIPE_FROZEN,
-                    *(TACO_LAST_EPISODE if taco_last else NAIVE_TRACKING_TACO)],
+                   [*recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES), *RECIPE_FROZEN, *warmup,
+                    *last_episode],
                    lambda: ance(ance_dir))
         publish_last_episode(row_dir, ance_dir)
 

@@ -9,7 +9,8 @@ as paths relative to the page:
 
 Kinds: `main` (the per-task table), `differences` (each method against its control), `overlap` (the
 means without the dev queries that are training queries), `change` (each row against the same
-rows under other inputs: `change NEW OLD`) and `bonferroni` (no directory: one sentence giving the
+rows under other inputs: `change NEW OLD`), `specialisation` (each multi-task run's medians and
+Fig. 2 numbers, `specialisation`) and `bonferroni` (no directory: one sentence giving the
 number m of intervals the page's tables print, which every table's Bonferroni column is corrected
 for). Refreshing rewrites every marked table from its records,
 so adding a record and refreshing is all a new run needs; the prose around the tables is the
@@ -35,6 +36,7 @@ from t5_retrieval.results.significance import (
     inputs_count,
     inputs_table,
 )
+from t5_retrieval.results.specialisation import specialisation_table
 from t5_retrieval.results.tables import markdown_table
 
 # A marker is a whole line, so one quoted in the prose (`<!-- records: ... -->`) is left alone.
@@ -72,6 +74,7 @@ KINDS: dict[str, Kind] = {
     "change": Kind(2, lambda m, new, old: inputs_table(_records(new), _records(old), TITLES, m=m),
                    lambda new, old: inputs_count(_records(new), _records(old), TITLES)),
     "bonferroni": Kind(0, lambda m: bonferroni_sentence(m)),
+    "specialisation": Kind(1, lambda m, d: specialisation_table(_records(d))),
 }
 
 

@@ -1,7 +1,8 @@
 """Run records: what one finished run of a row contributes to the tables, small enough to keep.
 
 A record holds a run's KILT table (R-precision and recall@20 per task, as `t5r eval` wrote it), its
-wall time, how it was trained, and every dev query's R-precision and recall@20 (what the paired
+wall time, how it was trained (every model's gin config, its multi-task method's statistics and
+final specialisation: `provenance`), and every dev query's R-precision and recall@20 (what the paired
 bootstrap resamples). `t5r results` writes one per finished run, `<records_dir>/<row>-seed<k>.json.gz`
 (~20 KB for mini-KILT's 2,041 dev queries), and builds its tables from a directory of them, so runs
 made at different times or on different machines add up to one table. docs/run_records/mini_kilt/
@@ -22,9 +23,11 @@ import numpy as np
 from t5_retrieval.data.records import DataError
 from t5_retrieval.errors import open_replaced_on_success
 from t5_retrieval.results.common import TASKS, dataset_name, dataset_table
+from t5_retrieval.results.provenance import training_record
 from t5_retrieval.stages import DONE
 
-FORMAT = 1
+FORMAT = 2  # 2: `training` holds every model of the run (`provenance`); 1 held the top model's DONE fields
+READABLE_FORMATS = (1, FORMAT)
 METRICS = (("Rprec", "R-prec"), ("recall@20", "R@20"))  # key in the KILT table, column label
 
 
@@ -38,7 +41,9 @@ class RunRecord:
     table: dict[str, dict[str, float]]  # task -> metric -> value over the task's dev queries
     query_ids: dict[str, list[str]]  # task -> dev query ids, in dev file order
     per_query: dict[str, dict[str, np.ndarray]]  # task -> metric -> one value per query of query_ids
-    training: dict[str, Any]  # the trained model's record (steps, gin files, bindings); {} for untrained rows
+    # Format 2: {model directory in the run: what it trained} (`provenance.training_record`); format 1:
+    # the top model's steps, gin files and bindings. {} for untrained rows.
+    training: dict[str, Any]
 
     @property
     def file_name(self) -> str:
@@ -82,12 +87,7 @@ def record_run(run_dir: str, data_dir: str, row: str, seed: int) -> RunRecord:
         scores = [metrics.kilt_scores(e.gold_pages, pages_by_id[e.id], ks=(20,)) for e in examples]
         query_ids[task] = [e.id for e in examples]
         per_query[task] = {key: np.array([s[key] for s in scores], dtype=np.float64) for key, _ in METRICS}
-    training = {}
-    model_done = os.path.join(run_dir, "model", DONE)
-    if os.path.exists(model_done):
-        with open(model_done) as f:
-            training = {k: v for k, v in json.load(f).items() if k in ("steps", "gin_files", "bindings")}
-    return RunRecord(row, seed, run_seconds(run_dir), table, query_ids, per_query, training)
+    return RunRecord(row, seed, run_seconds(run_dir), table, query_ids, per_query, training_record(run_dir))
 
 
 def _predictions_file(run_dir: str, task: str) -> str:
@@ -135,9 +135,9 @@ def read_record(path: str) -> RunRecord:
             doc = json.load(f)
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: not a run record ({e})") from e
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") not in READABLE_FORMATS:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-        raise DataError(f"{path}: run record format {found!r}, this version reads {FORMAT}")
+        raise DataError(f"{path}: run record format {found!r}, this version reads {READABLE_FORMATS}")
     try:
         queries = doc["queries"]
         return RunRecord(doc["row"], int(doc["seed"]), float(doc["seconds"]),

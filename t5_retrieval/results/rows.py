@@ -8,10 +8,14 @@ from t5_retrieval.results.minilm_rows import (
                                               BOTH_TOWERS_STEPS,
                                               COLLAPSED_MEDIAN,
                                               FROZEN_EMBEDDINGS,
+                                              NAIVE_TRACKING_TACO,
+                                              NEGATIVE_TAU_LAST_EPISODE,
                                               PAPER_MEDIAN,
                                               TACO_BINDINGS,
+                                              TACO_LAST_EPISODE,
                                               THREE_EPOCHS,
                                               TRACK_TACO_EMA,
+                                              WARMUP_CURVE_EPOCHS,
                                               bm25_row,
                                               confounders_row,
                                               dpr_muf_row,
@@ -62,9 +66,19 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "naive_recipe": ("the same recipe, top-2 mined negatives, naive in the last episode too",
                      recipe_row(taco_last=False)),
     "taco_recipe_frozen": ("TACO's recipe, embedding tables frozen (median over the trained parameters), "
-                           "sampled mined negatives", recipe_pair_row(taco_last=True)),
+                           "sampled mined negatives", recipe_pair_row(TACO_LAST_EPISODE)),
     "naive_recipe_frozen": ("the same recipe (embedding tables frozen, sampled mined negatives), naive in the last "
-                            "episode too", recipe_pair_row(taco_last=False)),
+                            "episode too", recipe_pair_row(NAIVE_TRACKING_TACO)),
+    **{name: row for epochs in WARMUP_CURVE_EPOCHS for name, row in {
+        f"taco_recipe_frozen_warmup_{epochs}ep": (
+            f"TACO's recipe (frozen tables, sampled mined negatives), {epochs}-epoch warm-up",
+            recipe_pair_row(TACO_LAST_EPISODE, epochs)),
+        f"naive_recipe_frozen_warmup_{epochs}ep": (
+            f"the same recipe, {epochs}-epoch warm-up, naive in the last episode too",
+            recipe_pair_row(NAIVE_TRACKING_TACO, epochs))}.items()},
+    "taco_recipe_frozen_warmup_20ep_negative_tau": (
+        "TACO's recipe, 20-epoch warm-up, TACO at tau -2 (discouraging specialisation)",
+        recipe_pair_row(NEGATIVE_TAU_LAST_EPISODE, 20)),
     "dpr_muf": ("DPR-MUF (fusion of the task-specific models)", dpr_muf_row),
     "query_side": ("query-side fine-tuning on qa_open (thesis)", query_side_row),
     "t5_scratch_naive": ("T5 from scratch, naive multi-task (GDMTL's control)",
@@ -95,5 +109,9 @@ CONTROLS = {
     "task_specific": "naive_noprefix",
     "taco_recipe": "naive_recipe",
     "taco_recipe_frozen": "naive_recipe_frozen",
+    **{f"taco_recipe_frozen_warmup_{epochs}ep": f"naive_recipe_frozen_warmup_{epochs}ep" for epochs in WARMUP_CURVE_EPOCHS},
+    # The temperature ablation: tau -2 against TACO's tau 2 after the same warm-up and episode 1.
+    "taco_recipe_frozen_warmup_20ep_negative_tau": "taco_recipe_frozen_warmup_20ep",
 }
-SEEDED = ("naive_noprefix", "naive_recipe", "naive_recipe_frozen", *CONTROLS)
+SEEDED = ("naive_noprefix", "naive_recipe", "naive_recipe_frozen",
+          *(f"naive_recipe_frozen_warmup_{epochs}ep" for epochs in WARMUP_CURVE_EPOCHS), *CONTROLS)
