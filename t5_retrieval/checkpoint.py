@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from t5_retrieval import checksums
+from t5_retrieval import artefact_io, checksums
 from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path, vocabulary_digest, vocabulary_files
 from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded, temp_path
@@ -47,6 +47,7 @@ from t5_retrieval.gin_utils import OPERATIVE_CONFIG
 CONFIG_FILE = "model_config.json"
 UNREADABLE_DIR = "unreadable_checkpoints"
 MODEL_FILES = "model_files"  # a step record's entries for files of the model directory
+MODEL_DIR_FILES = (OPERATIVE_CONFIG, CONFIG_FILE)  # the files of the model directory a step's record covers
 log = logging.getLogger(__name__)
 
 
@@ -140,8 +141,10 @@ def write_checksums(step_dir: epath.Path) -> None:
     config.gin (the bindings it was trained with, which name the code `t5r eval` imports); written
     whole or not at all."""
     doc = checksums.record_doc({name: checksums.entry(step_dir / name) for name in _files(step_dir)})
-    if (step_dir.parent / OPERATIVE_CONFIG).exists():
-        doc[MODEL_FILES] = {OPERATIVE_CONFIG: checksums.entry(step_dir.parent / OPERATIVE_CONFIG)}
+    model_files = {name: checksums.entry(step_dir.parent / name) for name in MODEL_DIR_FILES
+                   if (step_dir.parent / name).exists()}
+    if model_files:
+        doc[MODEL_FILES] = model_files
     tmp = epath.Path(temp_path(os.fspath(step_dir / checksums.CHECKSUMS_FILE)))  # epath's rename: object stores too
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
     tmp.replace(step_dir / checksums.CHECKSUMS_FILE)
@@ -158,19 +161,24 @@ def verify_checksums(step_dir: epath.Path, model_files: bool = True) -> tuple[in
     if not manifest.exists():
         raise CheckpointError(f"checkpoint {step_dir}: no {checksums.CHECKSUMS_FILE} (the run was killed before "
                               f"writing it, or an older t5-retrieval wrote the checkpoint); {accept}")
+    local = _local(step_dir)  # a local step's files are opened as regular files inside it only
     try:
-        doc = json.loads(manifest.read_text())
+        doc = _read_step_record(step_dir, accept)
         files = checksums.parse_record(doc, str(manifest), accept)
         listed = _listed_model_files(doc, manifest, accept)
         checksums.check_listing(str(step_dir), files, _files(step_dir), damaged)
         for name, expected in files.items():
-            checksums.check_file(step_dir / name, expected, str(manifest), damaged)
-        if model_files and (step_dir.parent / OPERATIVE_CONFIG).exists() and OPERATIVE_CONFIG not in listed:
-            raise checksums.ChecksumError(f"{step_dir.parent / OPERATIVE_CONFIG}: not covered by {manifest} "
-                                          f"(recorded by an older t5-retrieval); {accept}")
+            checksums.check_file(os.path.join(local, name) if local else step_dir / name, expected, str(manifest),
+                                 damaged, local)
+        for name in MODEL_DIR_FILES if model_files else ():
+            if (step_dir.parent / name).exists() and name not in listed:
+                raise checksums.ChecksumError(f"{step_dir.parent / name}: not covered by {manifest} "
+                                              f"(recorded by an older t5-retrieval); {accept}")
         for name, expected in listed.items() if model_files else ():
-            checksums.check_file(step_dir.parent / name, expected, str(manifest),
-                                 f"it differs from the one this checkpoint was trained with; {accept}")
+            checksums.check_file(os.path.join(os.path.dirname(local), name) if local else step_dir.parent / name,
+                                 expected, str(manifest),
+                                 f"it differs from the one this checkpoint was trained with; {accept}",
+                                 os.path.dirname(local) if local else None)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {step_dir}: unreadable {checksums.CHECKSUMS_FILE} ({e}); {accept}") from None
     except checksums.ChecksumError as e:
@@ -179,12 +187,29 @@ def verify_checksums(step_dir: epath.Path, model_files: bool = True) -> tuple[in
     return len(checked), sum(value["size"] for value in checked)
 
 
-def _listed_model_files(doc: dict[str, Any], manifest: epath.Path, fix: str) -> dict[str, Any]:
-    """The record's entries for files of the model directory (config.gin), checked like its own."""
-    listed = doc.get(MODEL_FILES, {})
-    if not isinstance(listed, dict) or set(listed) - {OPERATIVE_CONFIG}:
+def _local(step_dir: epath.Path) -> str | None:
+    """The local path of a step directory; None for one on an object store."""
+    path = os.fspath(step_dir)
+    return None if "://" in path else path
+
+
+def _read_step_record(step_dir: epath.Path, fix: str) -> Any:
+    """A step's parsed record: a local one as a regular file of the step, bounded, of bounded depth."""
+    local = _local(step_dir)
+    if local is None:
+        return json.loads((step_dir / checksums.CHECKSUMS_FILE).read_text())
+    return artefact_io.load_json(os.path.join(local, checksums.CHECKSUMS_FILE), local, checksums.RECORD_BYTES,
+                                 checksums.ChecksumError, fix)
+
+
+def _listed_model_files(doc: Any, manifest: epath.Path, fix: str) -> dict[str, Any]:
+    """The record's entries for files of the model directory (config.gin, model_config.json),
+    checked like its own."""
+    listed = doc.get(MODEL_FILES, {}) if isinstance(doc, dict) else {}
+    if not isinstance(listed, dict) or set(listed) - set(MODEL_DIR_FILES):
         raise checksums.ChecksumError(f"{manifest}: field {MODEL_FILES!r} is {json.dumps(listed)[:60]}, "
-                                      f"expected {{\"{OPERATIVE_CONFIG}\": an entry}}; {fix}")
+                                      f"expected {{\"{OPERATIVE_CONFIG}\": an entry, \"{CONFIG_FILE}\": an "
+                                      f"entry}}; {fix}")
     return checksums.parse_record(checksums.record_doc(listed), f"{manifest}: {MODEL_FILES}", fix) if listed else {}
 
 
@@ -324,15 +349,24 @@ def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def vocabulary_file(directory: str, features: dict[str, Any]) -> str | None:
     """The path of the vocabulary of the model in `directory` (None if it records none): its copy
-    there (recorded relative to it), or the absolute path a version-1 directory records; when that
-    path is gone, a copy put at the version-2 place is used (the fix the missing-file error names)."""
+    there. A version-1 directory records the absolute path it was read from, which is not read: its
+    copy at the version-2 place is (the fix `inference.check_vocabulary` names when it is missing).
+    A path that leads out of the directory (`../`, or a link) is refused: a model directory
+    reads, and `t5r export-hf` ships, no file outside it."""
     recorded = features.get("vocabulary")
     if not recorded:
         return None
-    path = os.path.join(directory, recorded)  # an absolute `recorded` stays as it is
-    if os.path.isabs(recorded) and not os.path.exists(path):
+    where = f"{os.path.join(directory, CONFIG_FILE)}: field 'features.vocabulary'"
+    if not isinstance(recorded, str):
+        raise CheckpointError(f"{where} is {json.dumps(recorded)[:60]}, expected a path inside the model directory")
+    if os.path.isabs(recorded):
         copies = [os.path.join(directory, VOCABULARY_DIR, name) for name in (SENTENCEPIECE_FILE, WORDPIECE_FILE)]
-        return next((copy for copy in copies if os.path.exists(copy)), path)
+        return next((copy for copy in copies if os.path.exists(copy)),
+                    os.path.join(directory, stored_vocabulary_name(recorded)))
+    path = os.path.join(directory, recorded)
+    if ".." in os.path.normpath(recorded).split(os.sep) or artefact_io.outside(path, directory):
+        raise CheckpointError(f"{where} is {recorded!r}, which leads outside the model directory; a model's "
+                              f"vocabulary is its own copy in {os.path.join(directory, VOCABULARY_DIR)}")
     return path
 
 
@@ -380,7 +414,7 @@ def write_config(directory: str, config: dict[str, Any],
     source = (config.get("features") or {}).get("vocabulary")
     config = upgrade_config(config)
     path = os.path.join(directory, CONFIG_FILE)
-    stored = read_config(directory) if os.path.exists(path) else None
+    stored = read_config(directory, verified=False) if os.path.exists(path) else None
     if stored is not None:
         existing = upgrade_config(stored)
         if upgrade is not None and existing != config:
@@ -396,14 +430,42 @@ def write_config(directory: str, config: dict[str, Any],
             write_json_atomic(path, config, sort_keys=True)
 
 
-def read_config(directory: str) -> dict[str, Any]:
+def read_config(directory: str, verified: bool = True) -> dict[str, Any]:
     """The model config as stored (its layout version may be older: `upgrade_config`,
-    `located_config`)."""
+    `located_config`), parsed only after it matched the newest checkpoint's record (`verified`;
+    the training run that writes the directory reads its own unverified), and always as a regular
+    file of the directory, bounded, of bounded depth. Its values: `families.check_stored_config`."""
     path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise CheckpointError(f"{directory}: no {CONFIG_FILE}; is this a t5r model directory?")
-    with open(path) as f:
-        return json.load(f)
+    size = _verified_config_size(directory) if verified else None
+    return artefact_io.load_json_object(path, directory, checksums.RECORD_BYTES if size is None else size,
+                                        CheckpointError, "restore the model directory from where it was trained")
+
+
+def _verified_config_size(directory: str) -> int | None:
+    """Checks model_config.json against the record of the newest step that has one and returns its
+    recorded size; None when no step has a record (restoring then refuses every step)."""
+    path = os.path.join(directory, CONFIG_FILE)
+    for step in reversed(saved_steps(directory)):
+        step_dir = os.path.join(directory, str(step))
+        record = os.path.join(step_dir, checksums.CHECKSUMS_FILE)
+        if not os.path.lexists(record):
+            continue
+        accept = f"if you trust it, record its checksums as it is now: t5r checksum --accept {step_dir}"
+        try:
+            doc = _read_step_record(epath.Path(step_dir), accept)
+            checksums.parse_record(doc, record, accept)
+            listed = _listed_model_files(doc, epath.Path(record), accept)
+            if CONFIG_FILE not in listed:
+                raise checksums.ChecksumError(f"{path}: not covered by {record} (recorded by an older "
+                                              f"t5-retrieval); {accept}")
+            checksums.check_file(path, listed[CONFIG_FILE], record,
+                                 f"it differs from the one this checkpoint was trained with; {accept}", directory)
+        except checksums.ChecksumError as e:
+            raise CheckpointError(str(e)) from None
+        return int(listed[CONFIG_FILE]["size"])
+    return None
 
 
 def restore_params(directory: str, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:

@@ -29,6 +29,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from t5_retrieval import artefact_io
 from t5_retrieval.errors import UserError, open_replaced_on_success
 
 CHECKSUMS_FILE = "t5r_checksums.json"
@@ -45,6 +46,8 @@ OWN_FILES = (CHECKSUMS_FILE, STAMP_FILE, PENDING_FILE)
 _OWN_TEMPORARIES = tuple(f"{name}.tmp-" for name in OWN_FILES)  # `_write_json`'s
 _NOT_CONTENT = (*OWN_FILES, STAGE_MARKER)  # files of a directory that are no part of its artefact
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+RECORD_BYTES = 64 << 20  # the most a record or stamp holds (the full KILT index's: a few hundred KiB)
+SIDECAR_BYTES = 4096  # a sidecar's one entry
 _mode = "stamp"
 
 
@@ -155,10 +158,13 @@ def record_file(path: str) -> None:
     _write_json(path + SIDECAR_SUFFIX, {"algorithm": ALGORITHM, **entry(path)})
 
 
-def check_file(path: Path, expected: dict[str, Any], where: str, rebuild: str) -> None:
-    """Raises ChecksumError unless `path` has the size and hash of `expected` (an entry of `where`)."""
+def check_file(path: Path, expected: dict[str, Any], where: str, rebuild: str, inside: str | None = None) -> None:
+    """Raises ChecksumError unless `path` has the size and hash of `expected` (an entry of `where`),
+    and, a local file, is a regular file inside the directory `inside` (default: its own)."""
     if not _exists(path):
         raise ChecksumError(f"{path}: missing (listed in {where}); {rebuild}")
+    if isinstance(path, str):
+        artefact_io.check_regular(path, inside or os.path.dirname(path) or ".", ChecksumError, rebuild)
     size = _size(path)
     if size != expected["size"]:
         raise ChecksumError(f"{path}: {size} bytes where {expected['size']} were written (truncated or "
@@ -216,12 +222,9 @@ def parse_sidecar(doc: Any, where: str, fix: str) -> dict[str, Any]:
     return _check_entry(_check_algorithm(doc, where, fix), where, fix)
 
 
-def _load_json(path: str, fix: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ChecksumError(f"{path}: unreadable checksum record ({e}); {fix}") from None
+def _load_json(path: str, fix: str, limit: int = RECORD_BYTES) -> Any:
+    """A record or sidecar: a regular file of its artefact, at most `limit` bytes of JSON of bounded depth."""
+    return artefact_io.load_json(path, os.path.dirname(path) or ".", limit, ChecksumError, fix)
 
 
 def _accept_fix(directory: str, rebuild: str) -> str:
@@ -263,8 +266,9 @@ def check_listing(directory: str, listed: dict[str, Any], on_disk: list[str], re
             raise ChecksumError(f"{os.path.join(directory, name)}: missing (listed in {where}); {rebuild}")
 
 
-def verify(directory: str, what: str, rebuild: str, *, full: bool = False) -> None:
+def verify(directory: str, what: str, rebuild: str, *, full: bool = False) -> dict[str, dict[str, Any]]:
     """Verifies the artefact in `directory` against its record; raises ChecksumError naming the file.
+    Returns the record's files ({name: {"size", "sha256"}}): a caller reads at most `size` bytes of each.
 
     `what` names the artefact for messages ("passage store"); `rebuild` says how to make it again.
     Files unchanged since the stamp are not hashed again unless `full` or `verification("full")`."""
@@ -279,11 +283,34 @@ def verify(directory: str, what: str, rebuild: str, *, full: bool = False) -> No
             continue
         key = _stat_key(path, expected[ALGORITHM])
         if stamp.get(name) != key:
-            check_file(path, expected, record_path, rebuild)
+            check_file(path, expected, record_path, rebuild, directory)
             key = _stat_key(path, expected[ALGORITHM])
         fresh[name] = key
     if fresh != stamp:
         _write_stamp(directory, fresh)
+    return files
+
+
+def verified_json(directory: str, name: str, what: str, rebuild: str,
+                  error: type[UserError] = ChecksumError) -> Any:
+    """The JSON document in the file `name` of the artefact in `directory` (its manifest, say),
+    parsed only after it matched its entry in the artefact's record: what a caller reads before
+    verifying the whole artefact, e.g. to say how to rebuild it. Content that is no JSON object is
+    `error`."""
+    files = read_record(directory, what, rebuild)
+    path, record_path = os.path.join(directory, name), os.path.join(directory, CHECKSUMS_FILE)
+    if name not in files:
+        raise ChecksumError(f"{path}: not listed in {record_path}, so nothing vouches for it; {rebuild}")
+    check_file(path, files[name], record_path, rebuild, directory)
+    return artefact_io.load_json_object(path, directory, files[name]["size"], error, rebuild)
+
+
+def read_verified_text(directory: str, name: str, files: dict[str, dict[str, Any]], rebuild: str) -> str:
+    """The text of the file `name` of an artefact `verify` just returned the record `files` of:
+    at most its recorded size, UTF-8."""
+    path = os.path.join(directory, name)
+    size = files[name]["size"] if name in files else 0
+    return artefact_io.read_text(path, size, directory, ChecksumError, rebuild)
 
 
 def verify_file(path: str, what: str, rebuild: str) -> None:
@@ -294,7 +321,8 @@ def verify_file(path: str, what: str, rebuild: str) -> None:
         raise ChecksumError(f"{path}: missing; {rebuild}")
     sidecar = path + SIDECAR_SUFFIX
     if os.path.exists(sidecar):
-        check_file(path, parse_sidecar(_load_json(sidecar, rebuild), sidecar, rebuild), sidecar, rebuild)
+        check_file(path, parse_sidecar(_load_json(sidecar, rebuild, SIDECAR_BYTES), sidecar, rebuild), sidecar,
+                   rebuild)
         return
     directory, name = os.path.split(path)
     directory = directory or "."
@@ -303,14 +331,15 @@ def verify_file(path: str, what: str, rebuild: str) -> None:
     if name not in files:
         raise ChecksumError(f"{path}: no {os.path.basename(sidecar)} and not in {record_path}, so nothing "
                             f"vouches for it; {rebuild}")
-    check_file(path, files[name], record_path, rebuild)
+    check_file(path, files[name], record_path, rebuild, directory)
 
 
 def _read_stamp(directory: str) -> dict[str, Any]:
+    """The stamp, or {} (every file hashed) for one that is missing, malformed, or not a regular
+    file of the artefact of at most RECORD_BYTES."""
     try:
-        with open(os.path.join(directory, STAMP_FILE), encoding="utf-8") as f:
-            stamp = json.load(f)
-    except (OSError, ValueError):
+        stamp = artefact_io.load_json(os.path.join(directory, STAMP_FILE), directory, RECORD_BYTES, ChecksumError)
+    except (OSError, ChecksumError):
         return {}
     return stamp if isinstance(stamp, dict) else {}
 
@@ -342,6 +371,7 @@ def verify_all(directory: str) -> tuple[int, int]:
         check_listing(directory, {}, artefact_files(directory), rebuild)
     for sidecar in sidecars:
         path = sidecar[:-len(SIDECAR_SUFFIX)]
-        check_file(path, parse_sidecar(_load_json(sidecar, rebuild), sidecar, rebuild), sidecar, rebuild)
+        check_file(path, parse_sidecar(_load_json(sidecar, rebuild, SIDECAR_BYTES), sidecar, rebuild), sidecar,
+                   rebuild, directory)
         count, size = count + 1, size + os.path.getsize(path)
     return count, size

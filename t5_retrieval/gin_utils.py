@@ -58,7 +58,7 @@ def _string_literal(value: str, name: str) -> str:
 
 _COMMAND_LINE: list[str] = []  # the `--gin.X=v` bindings `parse_args` applied
 OPERATIVE_CONFIG = "config.gin"  # in a model directory: the gin bindings its training run used (t5x's name)
-_ADDED_TO_PATH: set[str] = set()  # directories `import_modules` put on sys.path
+_FILE_LOADED: dict[str, Any] = {}  # modules `import_modules` ran from a file under a name another module holds
 
 
 def _module_root(module: Any) -> str | None:
@@ -72,40 +72,123 @@ def _module_root(module: Any) -> str | None:
     return root
 
 
+def _module_file(directory: str, name: str) -> str | None:
+    """The file that defines module `name` in `directory` (`a/b.py` or `a/b/__init__.py` for `a.b`)."""
+    base = os.path.join(directory, *name.split("."))
+    return next((path for path in (base + ".py", os.path.join(base, "__init__.py")) if os.path.isfile(path)), None)
+
+
+def _taken(name: str, path: str) -> bool:
+    """Whether `name` already means another module than the file `path` in this process: one
+    imported, or importable from `sys.path` (an installed package such as `toml` or `seqio`)."""
+    import importlib.util
+    import sys
+
+    def same(origin: str | None) -> bool:
+        return origin is not None and os.path.realpath(origin) == os.path.realpath(path)
+
+    if name in sys.modules:
+        return not same(getattr(sys.modules[name], "__file__", None))
+    if "." in name:  # a submodule is free when its package is this directory's own
+        parent = name.rpartition(".")[0]
+        parent_path = _module_file(_package_root(path, name), parent)
+        return parent_path is None or _taken(parent, parent_path)
+    try:
+        spec = importlib.util.find_spec(name)  # locates, runs nothing
+    except (ImportError, ValueError):
+        return True
+    return spec is not None and not same(spec.origin)
+
+
+def _package_root(path: str, name: str) -> str:
+    """The directory holding the top package of module `name`, defined by the file `path`."""
+    root = os.path.dirname(path)
+    for _ in range(name.count(".") + (os.path.basename(path) == "__init__.py")):
+        root = os.path.dirname(root)
+    return root
+
+
+def _load_file(name: str, path: str) -> Any:
+    """Runs the module `name` from its own file, which `sys.path` need not hold. It is entered in
+    `sys.modules` under `name` only when no other module has that name (`_taken`), so a file in a
+    directory a model records never stands in for an installed package: it runs under its name,
+    and `import toml` still finds the installed `toml`."""
+    import importlib.util
+    import sys
+
+    taken = _taken(name, path)
+    if taken and "." in name:  # a submodule needs its package, and that name is another module's
+        raise ImportError(f"{path}: its package {name.rpartition('.')[0]!r} is the name of another module")
+    if not taken and name in sys.modules:
+        return sys.modules[name]
+    key = os.path.realpath(path)
+    if taken and key in _FILE_LOADED:
+        return _FILE_LOADED[key]
+    package = [os.path.dirname(path)] if os.path.basename(path) == "__init__.py" else None
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=package)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path}: not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    if taken:
+        _FILE_LOADED[key] = module
+    else:
+        if "." in name:
+            parent = name.rpartition(".")[0]
+            _load_file(parent, _module_file(_package_root(path, name), parent) or path)
+        sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        if taken:
+            del _FILE_LOADED[key]
+        else:
+            sys.modules.pop(name, None)
+        raise
+    return module
+
+
 def import_modules(modules: str | Sequence[str] | None, search_path: Sequence[str] = (),
                    recorded_in: str | None = None) -> list[str]:
     """Imports the modules that register a user's seqio Tasks and Mixtures (t5x's
-    MIXTURE_OR_TASK_MODULE): from the directories `search_path`, `sys.path`, else the working
-    directory. `recorded_in`: the config.gin that names them, for the error message.
+    MIXTURE_OR_TASK_MODULE): each from its own file in the first of the directories `search_path`
+    that holds it, else as Python imports it (`sys.path`: PYTHONPATH, installed packages), else from
+    its file in the working directory. `sys.path` is never changed, so a directory a model records
+    adds no other module to what Python imports, and a file there loaded under an installed
+    module's name (`toml`) runs without replacing that module (`_load_file`). `recorded_in`: the
+    config.gin that names them, for the error message.
 
-    Returns the directories they came from that only this process's working directory, a relative
-    `sys.path` entry or `search_path` made importable: where a run started elsewhere must look."""
+    Returns the directories they came from that are not absolute `sys.path` entries (the working
+    directory, a relative entry, `search_path`): where a run started elsewhere must look."""
     import importlib
     import sys
 
-    portable = {os.path.normpath(p) for p in sys.path if os.path.isabs(p) and p not in _ADDED_TO_PATH}
-    for directory in reversed([os.path.abspath(d) for d in search_path]):
-        if directory not in sys.path:
-            sys.path.insert(0, directory)
-            _ADDED_TO_PATH.add(directory)
+    portable = {os.path.normpath(p) for p in sys.path if p and os.path.isabs(p)}
+    directories = list(dict.fromkeys(os.path.abspath(d) for d in search_path))
     found = []
     for name in [modules] if isinstance(modules, str) else modules or ():
         try:
-            try:
-                module = importlib.import_module(name)
-            except ModuleNotFoundError as e:
-                if e.name != name.partition(".")[0] or os.getcwd() in sys.path:
-                    raise
-                sys.path.append(os.getcwd())
-                _ADDED_TO_PATH.add(os.getcwd())
-                module = importlib.import_module(name)
+            module, root = None, None  # type: tuple[Any, str | None]
+            for directory in directories:
+                if (path := _module_file(directory, name)) is not None:
+                    module, root = _load_file(name, path), directory
+                    break
+            if module is None:
+                try:
+                    module = importlib.import_module(name)
+                    root = _module_root(module)
+                except ModuleNotFoundError as e:
+                    here = _module_file(os.getcwd(), name)
+                    if e.name != name.partition(".")[0] or here is None:
+                        raise
+                    module, root = _load_file(name, here), os.getcwd()
         except ImportError as e:
-            where = f" (the Task module {recorded_in} records)" if recorded_in else ""
+            where = f" (the Task module {recorded_in} records" if recorded_in else ""
+            if recorded_in:
+                where += f", from {', '.join(directories)})" if directories else ")"
             raise UserError(f"MIXTURE_OR_TASK_MODULE {name!r}{where}: cannot import it ({e}); put its directory on "
                             "PYTHONPATH" + (" or name another with --gin.MIXTURE_OR_TASK_MODULE" if recorded_in else "")
                             ) from None
-        root = _module_root(module)
-        if root is not None and root not in portable and root not in found:
+        if root is not None and os.path.normpath(root) not in portable and root not in found:
             found.append(root)
     return found
 

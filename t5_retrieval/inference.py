@@ -28,7 +28,7 @@ from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
 from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, tokenize, vocabulary_digest
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.models.build import build_model
+from t5_retrieval.models.build import build_model, check_stored_config
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.index import IndexMismatchError
 
@@ -176,11 +176,15 @@ def check_vocabulary(stored: dict[str, Any], checkpoint_dir: str) -> None:
     if not os.path.exists(path):
         if os.path.isabs(stored["vocabulary"]):  # an older model directory, recording where it was read from
             place = os.path.join(checkpoint_dir, checkpoint.VOCABULARY_DIR)
+            source = stored["vocabulary"]
+            copy = (f"copy it in: mkdir -p {place} && cp {source} {path}" if os.path.isfile(source) else
+                    f"copy that vocabulary (digest {recorded or 'not recorded'}) to {place}/"
+                    f"{checkpoint.SENTENCEPIECE_FILE}, or a WordPiece one to {place}/{checkpoint.WORDPIECE_FILE} "
+                    "with its tokenizer_config.json")
             raise checkpoint.CheckpointError(
-                f"{checkpoint_dir}: the model's vocabulary {path} (features.vocabulary, recorded by an older "
-                f"version) does not exist; copy that vocabulary (digest {recorded or 'not recorded'}) to "
-                f"{place}/{checkpoint.SENTENCEPIECE_FILE}, or a WordPiece one to {place}/{checkpoint.WORDPIECE_FILE} "
-                "with its tokenizer_config.json")
+                f"{checkpoint_dir}: the model's vocabulary {source} (features.vocabulary, recorded by an older "
+                f"version) is outside the model directory, which is read from its own copy {path} only, and "
+                f"that does not exist; {copy}")
         raise checkpoint.CheckpointError(f"{checkpoint_dir}: the model's vocabulary {path} (features.vocabulary) "
                                          "does not exist; copy the whole model directory, vocabulary/ with it")
     current = vocabulary_digest(path)
@@ -219,6 +223,7 @@ def load_dual_encoder(model_dir: str, step: int | None = None, batch_size: int |
     """A model directory's own network and parameters (what training, export and analysis need);
     retrieval uses `load_encoder`, which also resolves a query-side model's passage encoder."""
     stored = checkpoint.read_config(model_dir)
+    check_stored_config(stored, os.path.join(model_dir, checkpoint.CONFIG_FILE))
     check_vocabulary(stored.get("features", {}), model_dir)
     config = checkpoint.located_config(model_dir, stored)  # its vocabulary by a path that opens from here
     model = build_model(config)

@@ -189,8 +189,8 @@ def _rewrite(path, change) -> None:
 
 DAMAGES = {
     "no index.json": (lambda d: (d / "index.json").unlink(), "not an index directory"),
-    "truncated index.json": (lambda d: (d / "index.json").write_text('{"format": '), "index.json: damaged"),
-    "a list": (lambda d: (d / "index.json").write_text("[]"), "index.json: damaged"),
+    "truncated index.json": (lambda d: (d / "index.json").write_text('{"format": '), "index.json: not valid JSON"),
+    "a list": (lambda d: (d / "index.json").write_text("[]"), "index.json: a JSON array, expected an object"),
     "another format": (lambda d: _rewrite(d / "index.json", lambda r: r.update(format="faiss-v1")),
                        "field 'format' is 'faiss-v1', expected 't5r-index-v2'"),
     "an unknown backend": (lambda d: _rewrite(d / "index.json", lambda r: r.update(backend="faiss")),
@@ -207,6 +207,10 @@ def test_a_missing_or_damaged_index_directory_is_a_clear_error(tmp_path, any_bac
     build(tmp_path, any_backend, 12).save(str(tmp_path / "idx"))
     apply, message = DAMAGES[damage]
     apply(tmp_path / "idx")
+    if damage != "no index.json":  # every file is verified before it is read: the changed one fails its checksum
+        with pytest.raises(checksums.ChecksumError, match="index.json|passage_ids.txt"):
+            index.load_index(str(tmp_path / "idx"))
+        checksums.record(str(tmp_path / "idx"))  # accepted as it is (`t5r checksum --accept`): still refused
     with pytest.raises(index.IndexMismatchError, match=message):
         index.load_index(str(tmp_path / "idx"))
 

@@ -84,10 +84,17 @@ def test_a_vocabulary_changed_since_training_is_refused_naming_both_digests(tmp_
 
 
 def test_a_model_without_a_recorded_digest_loads_and_its_fingerprint_follows_the_vocabulary_content(tmp_path):
-    """An older model directory (layout version 1): the vocabulary by absolute path, no digest."""
+    """An older model directory (layout version 1, accepted with `t5r checksum --accept`): the
+    vocabulary by absolute path, which is not read (a model directory reads no file outside it),
+    no digest. The error's command copies it in, and the copy is the model's vocabulary."""
     import json
+    import shlex
     import shutil
+    import subprocess
 
+    import pytest
+
+    from t5_retrieval import cli
     from t5_retrieval.inference import load_encoder
 
     vocab = _wordpiece(tmp_path / "vocab.txt", ["paris", "berlin"])
@@ -98,8 +105,13 @@ def test_a_model_without_a_recorded_digest_loads_and_its_fingerprint_follows_the
     with open(f"{model_dir}/{checkpoint.CONFIG_FILE}", "w") as f:
         json.dump(config, f)
     shutil.rmtree(f"{model_dir}/{checkpoint.VOCABULARY_DIR}")
+    assert cli.main(["checksum", "--accept", f"{model_dir}/0"]) == 0
+    with pytest.raises(checkpoint.CheckpointError, match="outside the model directory") as refused:
+        load_encoder(model_dir)
+    command = str(refused.value).rpartition("copy it in: ")[2]
+    assert subprocess.run(command, shell=True).returncode == 0, shlex.quote(command)
     before = load_encoder(model_dir).fingerprint
     assert load_encoder(model_dir).fingerprint == before, "the fingerprint is a function of the model"
-    _wordpiece(tmp_path / "vocab.txt", ["berlin", "paris"])
+    _wordpiece(tmp_path / "model" / "vocabulary" / "vocab.txt", ["berlin", "paris"])
     after = load_encoder(model_dir).fingerprint
     assert after != before, "an index built with the old vocabulary must not match the model with the new one"

@@ -95,7 +95,8 @@ def test_a_query_side_model_reached_through_a_symbolic_link_finds_its_base(tiny,
 
 def v1_model_dir(tiny, model_dir: str, vocabulary: str) -> str:
     """A copy of the tiny model as an older version wrote it: no `version`, the vocabulary by the
-    absolute path it was read from, no copy inside."""
+    absolute path it was read from, no copy inside; its checksums recorded as they are
+    (`t5r checksum --accept`, what a user does for an older directory they trust)."""
     shutil.copytree(tiny.model_dirs[0], model_dir)
     stored = checkpoint.read_config(model_dir)
     v1 = {key: value for key, value in stored.items() if key != "version"}
@@ -103,10 +104,14 @@ def v1_model_dir(tiny, model_dir: str, vocabulary: str) -> str:
     with open(os.path.join(model_dir, checkpoint.CONFIG_FILE), "w") as f:
         json.dump(v1, f)
     shutil.rmtree(os.path.join(model_dir, checkpoint.VOCABULARY_DIR))
+    (step,) = [name for name in os.listdir(model_dir) if name.isdigit()]
+    assert cli.main(["checksum", "--accept", os.path.join(model_dir, step)]) == 0
     return model_dir
 
 
-def test_an_older_model_directory_loads_from_its_absolute_path_and_is_upgraded_when_written(tiny, tmp_path):
+def test_an_older_model_directory_reads_its_vocabulary_from_inside_only_and_is_upgraded_when_written(tiny, tmp_path):
+    import subprocess
+
     from t5_retrieval.inference import load_encoder
 
     venv = tmp_path / "venv"
@@ -114,16 +119,20 @@ def test_an_older_model_directory_loads_from_its_absolute_path_and_is_upgraded_w
     vocabulary = str(venv / "spm.model")
     shutil.copyfile(tiny.vocabulary, vocabulary)
     model_dir = v1_model_dir(tiny, str(tmp_path / "v1"), vocabulary)
-    assert load_encoder(model_dir).vocabulary is not None, "the absolute path exists: it loads"
+    # The absolute path exists, but a model directory reads no file outside it: the error copies it in.
+    with pytest.raises(checkpoint.CheckpointError, match=f"{vocabulary} .*is outside the model directory") as refused:
+        load_encoder(model_dir)
+    command = str(refused.value).rpartition("copy it in: ")[2]
+    assert command.startswith("mkdir -p ") and subprocess.run(command, shell=True).returncode == 0, command
+    fingerprint = load_encoder(model_dir).fingerprint
     checkpoint.write_config(model_dir, checkpoint.read_config(model_dir))  # as a resumed run: upgraded on disk
-    upgraded = checkpoint.read_config(model_dir)
+    upgraded = checkpoint.read_config(model_dir, verified=False)  # rewritten: the next checkpoint records it
     assert upgraded["version"] == checkpoint.CONFIG_VERSION
     assert upgraded["features"]["vocabulary"] == "vocabulary/spiece.model"
     assert vocabulary_digest(os.path.join(model_dir, "vocabulary", "spiece.model")) == vocabulary_digest(vocabulary)
 
     # Another older directory whose venv is gone: the error says where a copy goes, and with it, it loads.
     gone = v1_model_dir(tiny, str(tmp_path / "v1_gone"), vocabulary)
-    fingerprint = load_encoder(gone).fingerprint
     os.remove(vocabulary)
     with pytest.raises(checkpoint.CheckpointError, match=f"{vocabulary} .*does not exist; copy that vocabulary "
                                                          f".* to {gone}/vocabulary/spiece.model"):

@@ -66,7 +66,13 @@ def test_an_old_model_directory_still_loads_and_resolves(tmp_path):
     config["features"]["tasks"] = {name: {k: v for k, v in record.items() if k in ("dataset", "prefix", "index")}
                                    for name, record in config["features"]["tasks"].items()}
     path.write_text(json.dumps(config))
+    import os
+
+    from t5_retrieval import cli
     from t5_retrieval.inference import load_encoder
+
+    (step,) = [name for name in os.listdir(model_dir) if name.isdigit()]
+    assert cli.main(["checksum", "--accept", os.path.join(model_dir, step)]) == 0  # as an older version's
 
     encoder = load_encoder(model_dir)
     assert encoder.tasks.resolve("fever") == "demo_fever"

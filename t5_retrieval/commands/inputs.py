@@ -115,9 +115,10 @@ def import_task_modules(args: argparse.Namespace) -> None:
     modules, path = gin_utils.recorded_task_modules(config)
     unnamed = [m for m in modules if m not in args.task_module]
     if unnamed:
+        where = f" from {', '.join(path)} (make_train_iterator.task_module_path)" if path else ""
         raise UserError(f"{config}: the model's Tasks are registered by the module(s) {', '.join(unnamed)} it records "
-                        "(make_train_iterator.task_module), and loading a model runs no code it names; if you "
-                        "trust them, pass " + " ".join(f"--task_module={m}" for m in unnamed))
+                        f"(make_train_iterator.task_module){where}, and loading a model runs no code it names; if "
+                        "you trust them, pass " + " ".join(f"--task_module={m}" for m in unnamed))
     gin_utils.import_modules(args.task_module, path, recorded_in=config)
 
 

@@ -7,8 +7,13 @@ rebuilds exactly the module that wrote it. `initial_params` loads the weights a 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import math
 import os
+import types
+import typing
 from typing import Any
 
 import flax.linen as nn
@@ -25,7 +30,7 @@ from t5_retrieval.models import (  # noqa: F401 (the model families: importing o
     dual_encoder,
     pretrained,  # gin: @minilm_l6_dir
 )
-from t5_retrieval.models.families import FAMILIES, family_of, get_family, hf_family
+from t5_retrieval.models.families import FAMILIES, UNNAMED, family_of, get_family, hf_family
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,93 @@ def _with_current_run(records: dict[str, dict[str, Any]], current: dict[str, Any
     return {name: {**{key: current[name][key] for key in ("index", "text_preprocessors")
                       if key in current.get(name, {}) and key not in record}, **record}
             for name, record in records.items()}
+
+
+# Values a stored config's string fields may take where the network's config class does not check them.
+KNOWN_VALUES = {"dtype": ("float32", "bfloat16", "float16"), "mlp_activation": ("relu", "gated-gelu")}
+
+
+def _value_problem(value: Any, hint: Any, default: Any) -> str | None:
+    """What is wrong with a stored field of a config dataclass (`hint` its type, `default` its
+    default value), or None: ints positive (at least 0 where the default is 0), floats finite."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None:
+        return None if type(None) in options else "expected a value, not null"
+    if bool in options:
+        return None if isinstance(value, bool) else "expected true or false"
+    if int in options:
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if default == 0 else 1):
+            return "expected an integer >= 0" if default == 0 else "expected a positive integer"
+        return None
+    if float in options:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else "expected a finite number"
+    if str in options:
+        return None if isinstance(value, str) else "expected a string"
+    return None
+
+
+def _check_section(section: Any, cls: type, where: str, name: str) -> None:
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where}: field {name!r} is {json.dumps(section)[:60]}, expected an object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key, value in section.items():
+        if key not in fields:
+            raise ConfigError(f"{where}: field '{name}.{key}' is unknown to this version ({cls.__name__} has "
+                              f"{', '.join(fields)})")
+        problem = _value_problem(value, hints[key], fields[key].default)
+        if problem is None and key in KNOWN_VALUES and value not in KNOWN_VALUES[key]:
+            problem = f"expected one of {KNOWN_VALUES[key]}"
+        if problem:
+            raise ConfigError(f"{where}: field '{name}.{key}' is {json.dumps(value)[:60]}, {problem}")
+    try:
+        cls(**section)  # the class's own checks (pooling, remat policy)
+    except (ConfigError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: field {name!r}: {str(e).splitlines()[0]}") from None
+
+
+def _check_features(features: Any, where: str) -> None:
+    if not isinstance(features, dict):
+        raise ConfigError(f"{where}: field 'features' is {json.dumps(features)[:60]}, expected an object")
+    for key in ("query_len", "passage_len"):
+        if key in features and _value_problem(features[key], int, 1):
+            raise ConfigError(f"{where}: field 'features.{key}' is {json.dumps(features[key])[:60]}, expected a "
+                              "positive integer")
+    for key in ("vocabulary", "vocabulary_digest"):
+        if _value_problem(features.get(key), str | None, None):
+            raise ConfigError(f"{where}: field 'features.{key}' is {json.dumps(features[key])[:60]}, expected a "
+                              "string")
+    tasks = features.get("tasks", {})
+    if not isinstance(tasks, dict):
+        raise ConfigError(f"{where}: field 'features.tasks' is {json.dumps(tasks)[:60]}, expected an object")
+    for task, record in tasks.items():
+        field = f"features.tasks.{task}"
+        if not isinstance(record, dict):
+            raise ConfigError(f"{where}: field '{field}' is {json.dumps(record)[:60]}, expected an object")
+        for key, hint, default in (("query_len", int | None, 1), ("prefix", str | None, None),
+                                   ("dataset", str, None), ("truncation", str, None), ("index", int, 0)):
+            if key in record and (problem := _value_problem(record[key], hint, default)):
+                raise ConfigError(f"{where}: field '{field}.{key}' is {json.dumps(record[key])[:60]}, {problem}")
+
+
+def check_stored_config(config: Any, where: str) -> None:
+    """Raises ConfigError naming the file `where` and the field of a stored model config that this
+    version cannot build a model from: a family it does not know, a field of the wrong type, a size
+    that is not a positive integer (`num_heads` 0), a value outside its known set, a malformed
+    task record. Run before anything is built from a config read from disk."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where}: a JSON {type(config).__name__}, expected an object")
+    name = config.get("family", UNNAMED)
+    if name not in FAMILIES:
+        raise ConfigError(f"{where}: field 'family' is {json.dumps(name)[:60]}, expected one of {tuple(FAMILIES)}")
+    family = FAMILIES[name]
+    for key, cls in ((family.name, family.network), ("dual_encoder", family.head)):
+        if key not in config:
+            raise ConfigError(f"{where}: no field {key!r}; is this a t5r model directory?")
+        _check_section(config[key], cls, where, key)
+    if "features" in config:
+        _check_features(config["features"], where)
 
 
 def build_model(config: dict[str, Any]) -> nn.Module:

@@ -16,7 +16,6 @@ files; a backend adds its assets and its search (`scann_index`, `exact_index`, `
 from __future__ import annotations
 
 import abc
-import json
 import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -42,17 +41,13 @@ class IndexMismatchError(UserError, ValueError):
 
 
 def read_record(directory: str) -> dict[str, Any]:
-    """`index.json` of `directory`, with "backend" filled in for a ScaNN directory of format v1."""
+    """`index.json` of `directory`, with "backend" filled in for a ScaNN directory of format v1;
+    read only after it matched its entry in the directory's checksum record."""
     path = os.path.join(directory, INDEX_JSON)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise IndexMismatchError(f"{path}: not an index directory (no {INDEX_JSON}; run `t5r index`)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise IndexMismatchError(f"{path}: damaged ({e}); rebuild the index with `t5r index`") from None
-    if not isinstance(record, dict):
-        raise IndexMismatchError(f"{path}: damaged (not a JSON object); rebuild the index with `t5r index`")
+    record = checksums.verified_json(directory, INDEX_JSON, "index", "rebuild the index with `t5r index`",
+                                     IndexMismatchError)
     if record.get("format") == SCANN_V1_FORMAT:
         record = {**record, "backend": "scann"}
     elif record.get("format") != FORMAT:
@@ -153,14 +148,13 @@ class StoredIndex(abc.ABC):
             raise IndexMismatchError(f"{os.path.join(directory, INDEX_JSON)}: field 'backend' is "
                                      f"{record['backend']!r}, not {cls.backend!r} (index.load_index reads any backend)")
         path = os.path.join(directory, embedding_store.IDS_FILE)
-        try:
-            with open(path, encoding="utf-8") as f:
-                ids = f.read().splitlines()
-        except FileNotFoundError:
-            raise IndexMismatchError(f"{path}: missing; rebuild the index with `t5r index`") from None
+        rebuild = cls._rebuild_hint(directory, record)
+        files = checksums.verify(directory, "index", rebuild)  # the ids and the backend's assets, before any is read
+        if embedding_store.IDS_FILE not in files:
+            raise IndexMismatchError(f"{path}: missing; rebuild the index with `t5r index`")
+        ids = checksums.read_verified_text(directory, embedding_store.IDS_FILE, files, rebuild).splitlines()
         if ids_digest(ids) != record["ids_sha256"] or len(ids) != record["num_passages"]:
             raise IndexMismatchError(f"{path}: does not match {INDEX_JSON}'s ids_sha256")
-        checksums.verify(directory, "index", cls._rebuild_hint(directory, record))  # the backend's assets too
         return cls._load(directory, record, ids)
 
     @classmethod

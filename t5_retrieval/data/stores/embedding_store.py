@@ -20,7 +20,6 @@ refused instead of mixing embeddings.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -102,24 +101,27 @@ class Manifest:
                        ids_sha256=str(row["ids_sha256"]), meta=dict(row.get("meta", {})))
         except KeyError as e:
             raise EmbeddingsError(f"{path}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise EmbeddingsError(f"{path}: a field has a value of the wrong type ({e})") from None
 
 
 def read_manifest(directory: str) -> Manifest:
+    """The manifest, read only after it matched its entry in the directory's checksum record."""
     path = os.path.join(directory, MANIFEST)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise EmbeddingsError(f"{path}: no embeddings manifest (run `t5r encode` first)")
-    with open(path, encoding="utf-8") as f:
-        try:
-            row = json.load(f)
-        except json.JSONDecodeError as e:
-            raise EmbeddingsError(f"{path}: malformed json ({e.msg})") from None
+    row = checksums.verified_json(directory, MANIFEST, "embeddings directory", _rerun_hint(directory), EmbeddingsError)
     return Manifest.from_json(row, path)
 
 
 def read_ids(directory: str) -> list[str]:
-    path = os.path.join(directory, IDS_FILE)
-    with open(path, encoding="utf-8") as f:
-        return f.read().splitlines()
+    """The passage ids, read only after they matched their entry in the directory's checksum record."""
+    rebuild = _rerun_hint(directory)
+    files = checksums.read_record(directory, "embeddings directory", rebuild)
+    if IDS_FILE in files:
+        checksums.check_file(os.path.join(directory, IDS_FILE), files[IDS_FILE],
+                             os.path.join(directory, checksums.CHECKSUMS_FILE), rebuild, directory)
+    return checksums.read_verified_text(directory, IDS_FILE, files, rebuild).splitlines()
 
 
 def prepare(directory: str, manifest: Manifest, passage_ids: Sequence[str]) -> None:
@@ -308,8 +310,8 @@ def _rerun_hint(directory: str) -> str:
 def check_complete(directory: str, manifest: Manifest | None = None) -> Manifest:
     """The manifest of a directory whose every shard is written and whose manifest and ids match
     their record (each shard is verified against its own when read: `iter_shards`)."""
-    manifest = manifest or read_manifest(directory)
     checksums.verify(directory, "embeddings directory", _rerun_hint(directory))
+    manifest = manifest or read_manifest(directory)
     problems = {s: p for s in range(manifest.num_shards) if (p := shard_problem(directory, manifest, s))}
     if not problems:
         return manifest

@@ -301,6 +301,31 @@ def _rebuild_hint(directory: str, manifest: dict[str, Any]) -> str:
             f"--words_per_passage={manifest.get('words_per_passage', 100)} --overwrite")
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_manifest(manifest: dict[str, Any], path: str, files: set[str]) -> None:
+    """DataError naming the field of a manifest that does not describe a store of the files `files`
+    (its record's): counts, the shards and the page map, each a file of the store."""
+    fix = "rebuild the store with `t5r data kb`"
+    for field in ("num_passages", "num_pages"):
+        if not _count(manifest.get(field)):
+            raise DataError(f"{path}: field {field!r} is {json.dumps(manifest.get(field))[:60]}, expected a count; {fix}")
+    if manifest.get("page_map") not in files:
+        raise DataError(f"{path}: field 'page_map' is {json.dumps(manifest.get('page_map'))[:60]}, expected a file of "
+                        f"the store; {fix}")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        raise DataError(f"{path}: field 'shards' is {json.dumps(shards)[:60]}, expected a list; {fix}")
+    for i, shard in enumerate(shards):
+        name = shard.get("file") if isinstance(shard, dict) else None
+        if (not isinstance(name, str) or not name.endswith(".jsonl") or name not in files
+                or name.replace(".jsonl", ".offsets.npy") not in files or not _count(shard.get("num_passages"))):
+            raise DataError(f"{path}: shards[{i}] is {json.dumps(shard)[:60]}, expected {{\"file\": a .jsonl file "
+                            f"of the store, \"num_passages\": a count}}; {fix}")
+
+
 class PassageStore:
     """Read access to a passage store: streaming iteration, id order, page map, random access.
 
@@ -324,17 +349,17 @@ class PassageStore:
         if not os.path.isdir(directory):
             raise DataError(f"{directory}: no such directory" + ("" if os.path.isabs(directory) else
                                                                  f" (in the working directory {os.getcwd()})"))
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             raise DataError(f"{directory}: no {MANIFEST}; not a passage store, or its build did not finish "
                             "(rebuild it with `t5r data kb`)")
-        try:
-            with open(path, encoding="utf-8") as f:
-                manifest = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{path}: damaged ({e}); rebuild the store with `t5r data kb`") from None
+        # The manifest is parsed only after it matched its record entry, the store's other files
+        # only after all of them did.
+        manifest = checksums.verified_json(directory, MANIFEST, "passage store", "rebuild it with `t5r data kb`",
+                                           DataError)
         if manifest.get("format") != FORMAT:
             raise DataError(f"{path}: field 'format' is {manifest.get('format')!r}, expected {FORMAT!r}")
-        checksums.verify(directory, "passage store", _rebuild_hint(directory, manifest))
+        files = checksums.verify(directory, "passage store", _rebuild_hint(directory, manifest))
+        _check_manifest(manifest, path, set(files))
         return cls(directory, manifest)
 
     def __len__(self) -> int:
