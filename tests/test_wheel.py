@@ -41,6 +41,9 @@ def test_installed_wheel_runs_help_and_a_train_step_from_elsewhere(tmp_path):
         declared = {line.split(":", 1)[1].strip().split(">")[0].split("=")[0].split("<")[0].lower()
                     for line in f if line.startswith("Requires-Dist:")}
     assert {"uvicorn", "h11", "starlette"} <= declared, f"the HTTP server's libraries are not dependencies: {declared}"
+    with open(glob.glob(str(site / "t5_retrieval-*.dist-info" / "METADATA"))[0]) as f:
+        setuptools = [line.split(":", 1)[1].strip() for line in f if line.startswith("Requires-Dist: setuptools")]
+    assert setuptools and "<81" in setuptools[0], f"tensorboard needs pkg_resources (setuptools < 81): {setuptools}"
 
     # as a user's shell: no JAX_COMPILATION_CACHE_DIR (the suite's own would take the place of the one
     # `t5r train` picks, which is checked below)
