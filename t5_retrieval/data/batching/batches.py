@@ -201,7 +201,8 @@ def choose_negatives(ids: Sequence[str], count: int, hard_negatives: str, seed: 
     """An example's hard negatives for a run: the first `count` of its list (best first), or
     (``"sampled"``) `count` drawn uniformly without replacement from the whole list, in list order,
     the same for every host layout and resume: the RNG is keyed by (seed, example id). The TACO
-    authors' scripts shuffle each query's mined list (top-k minus gold) and train on the first of it."""
+    paper's text samples the hard negatives from the mined list (top-k minus gold); the authors' KILT
+    scripts train on the first of it, in mined order (no shuffle)."""
     if hard_negatives == "first" or len(ids) <= count:
         return ids[:count]
     rng = np.random.default_rng([seed, _SAMPLE_STREAM, zlib.crc32(example_id.encode("utf-8"))])
