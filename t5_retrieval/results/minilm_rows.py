@@ -273,11 +273,12 @@ TACO_LAST_EPISODE = (f"ance.multitask_episodes = [{RECIPE_EPISODES}]", "ance.epi
                      "multitask.taco.tau = 2.0", "multitask.taco.median = 'approx'",
                      "multitask.taco.burn_in_fraction = 0.1", *TACO_BINDINGS)
 
-# The recipe as the TACO authors' scripts run it where this machine allows: the warm-up without dataset
-# prefixes (the episodes add them), every stage with MiniLM's embedding tables frozen (so TACO's median
-# over all trained parameters is not 0, and the naive control trains the same parameters), and each
-# episode's 2 hard negatives per query drawn uniformly from its whole mined list (top-110 minus gold
-# pages), seeded by the row's seed.
+# The recipe as the TACO paper describes it, where this machine allows: the warm-up without dataset
+# prefixes (the episodes add them, as the authors' scripts do), every stage with MiniLM's embedding
+# tables frozen (so TACO's median over all trained parameters is not 0, and the naive control trains
+# the same parameters), and each episode's 2 hard negatives per query drawn uniformly from its whole
+# mined list (top-110 minus gold pages; the paper's "we sample two hard negatives"; the authors' KILT
+# scripts take the top 2 instead, as `recipe_row` does), seeded by the row's seed.
 RECIPE_FROZEN = (*FROZEN_EMBEDDINGS, *PAPER_MEDIAN, "warmup/make_train_iterator.mixture_or_task_names = 'mini_kilt_noprefix'",
                  "episode/make_train_iterator.hard_negatives = 'sampled'")
 
