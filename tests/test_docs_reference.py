@@ -4,6 +4,7 @@ writes it."""
 
 import argparse
 import ast
+import glob
 import os
 import re
 import subprocess
@@ -91,3 +92,44 @@ def test_pods_table_page_opens_as_bench_plan_writes_it():
         "docs/pods_table.md: its head differs from bench_plan.PAGE_HEAD; rewrite it with " \
         ".venv/bin/python benchmarks/bench_plan.py --no_compile --table docs/pods_table.md"
     assert bench_plan_constant("TABLE_HEAD") in page
+
+
+DOCS = sorted(glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))
+
+
+def heading_anchors(path: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but `-` and `_` dropped,
+    spaces as `-`, a repeated heading numbered."""
+    text = re.sub(r"```.*?```", "", open(path, encoding="utf-8").read(), flags=re.S)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        number = 0
+        while (candidate := slug if number == 0 else f"{slug}-{number}") in anchors:
+            number += 1
+        anchors.add(candidate)
+    return anchors
+
+
+def relative_links(path: str) -> list[str]:
+    text = re.sub(r"```.*?```", "", open(path, encoding="utf-8").read(), flags=re.S)
+    return [link for link in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", link)]
+
+
+def test_the_docs_index_links_every_page():
+    index = os.path.join(REPO, "docs", "README.md")
+    linked = {os.path.normpath(os.path.join(REPO, "docs", link.partition("#")[0])) for link in relative_links(index)}
+    unlinked = [os.path.relpath(p, REPO) for p in DOCS
+                if p != index and p not in linked and os.path.dirname(p) != os.path.join(REPO, "docs", "run_records")]
+    assert not unlinked, f"docs/README.md links no guide, reference or record to {unlinked}"
+    assert "docs/README.md" in {link.partition("#")[0] for link in relative_links(os.path.join(REPO, "README.md"))}
+
+
+@pytest.mark.parametrize("path", [os.path.join(REPO, "README.md"), *DOCS], ids=lambda p: os.path.relpath(p, REPO))
+def test_every_relative_link_of_the_docs_resolves(path):
+    for link in relative_links(path):
+        target, _, anchor = link.partition("#")
+        resolved = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path
+        assert os.path.exists(resolved), f"{os.path.relpath(path, REPO)}: ({link}) names no file"
+        if anchor and resolved.endswith(".md"):
+            assert anchor in heading_anchors(resolved), f"{os.path.relpath(path, REPO)}: ({link}) names no heading"
