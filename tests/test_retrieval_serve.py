@@ -46,9 +46,9 @@ def make_service(idx: index.Index, encoder=None, **limits) -> serve.SearchServic
 
 
 @contextlib.contextmanager
-def running(service: serve.SearchService, **options):
+def running(service: serve.SearchService, warm_up: bool = True, **options):
     """A real server on 127.0.0.1 (OS-assigned port) in a thread; yields its base URL and the server."""
-    httpd = http_server.make_server(service, "127.0.0.1", 0, http_server.ServerOptions(**options))
+    httpd = http_server.make_server(service, "127.0.0.1", 0, http_server.ServerOptions(**options), warm_up)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
@@ -354,7 +354,7 @@ def test_an_address_counts_in_the_ipv4_24_or_the_ipv6_64_it_is_in_as_configured(
     narrow = http_server.ServerOptions(ipv4_range_prefix=32, ipv6_range_prefix=48)
     assert narrow.address_range("203.0.113.77") == "203.0.113.77/32"
     assert narrow.address_range("2001:db8:1:2:aaaa::1") == "2001:db8:1::/48"
-    with pytest.raises(ValueError, match="ipv4_range_prefix must be in \\[0, 32\\]"):
+    with pytest.raises(ValueError, match="ipv4_range_prefix must be a number in \\[0, 32\\]"):
         http_server.ServerOptions(ipv4_range_prefix=33)
 
 
@@ -518,7 +518,7 @@ class BlockingEncoder(HashedBagOfWordsEncoder):
 
 def test_a_full_worker_pool_answers_503_and_recovers(kb_index):
     encoder = BlockingEncoder()
-    with serving(make_service(kb_index, encoder), workers=1, max_queued=0) as url:
+    with serving(make_service(kb_index, encoder), workers=1, max_queued=0, warm_up=False) as url:
         first: list = []
         thread = threading.Thread(target=lambda: first.append(post(url, {"task": "nq", "query": "Everest"})))
         thread.start()
@@ -649,6 +649,8 @@ def test_cli_serves_with_a_token_stripped_of_surrounding_whitespace(cli_dirs, tm
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         line = proc.stdout.readline()
+        while line.startswith("INFO:"):  # the log line on file descriptors comes first
+            line = proc.stdout.readline()
         assert line.startswith("t5r serve: http://127.0.0.1:") and "bearer token required" in line, line
         url = line.split()[2].rsplit("/", 1)[0]
         assert get(url)[0] == 401

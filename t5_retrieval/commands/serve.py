@@ -22,7 +22,13 @@ from t5_retrieval.commands.inputs import (
 )
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.retrieval.http_app import bearer_token
-from t5_retrieval.retrieval.http_server import TOKEN_ENV, ServerOptions, bind_address, make_server
+from t5_retrieval.retrieval.http_server import (
+    OPTION_RANGES,
+    TOKEN_ENV,
+    ServerOptions,
+    bind_address,
+    make_server,
+)
 from t5_retrieval.retrieval.index import load_index
 from t5_retrieval.retrieval.serve import SearchService, ServeLimits
 
@@ -54,6 +60,26 @@ def _check_listenable(host: str, port: int, auth_token: str | None) -> None:
     except OSError as e:
         raise UserError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); another server "
                         "probably uses it: stop it or choose another --port") from None
+
+
+MAX_BODY_MEMORY_MB = (1 / 1024, float(1 << 30))  # 1 KiB .. 1 PiB
+
+
+def _checked(flag: str, value: float, low: float, high: float) -> float:
+    """`value` of `--flag`, or a one-line UserError if it is outside [low, high] (NaN is outside every range)."""
+    if not low <= value <= high:
+        raise UserError(f"--{flag} {value}: must be a number in [{low:g}, {high:g}]")
+    return value
+
+
+def _server_options(args: argparse.Namespace) -> ServerOptions:
+    """The server's bounds from the flags, each checked (one line naming the flag, exit 2)."""
+    numbers = {name: _checked(name, getattr(args, name), *OPTION_RANGES[name])
+               for name in ("workers", "max_queued", "read_timeout_s", "max_connections", "max_connections_per_range",
+                            "ipv4_range_prefix", "ipv6_range_prefix")}
+    memory_mb = _checked("max_body_memory_mb", args.max_body_memory_mb, *MAX_BODY_MEMORY_MB)
+    return ServerOptions(**numbers, max_body_memory_bytes=int(memory_mb * 2**20),  # type: ignore[arg-type]
+                         auth_token=_auth_token(args.auth_token_file))
 
 
 def main(argv: list[str]) -> int:
@@ -94,12 +120,7 @@ def main(argv: list[str]) -> int:
     add_verify_flag(parser)
     args = parse_args(parser, argv, reads=TASK_MODULE)
     logs.setup()
-    options = ServerOptions(workers=args.workers, max_queued=args.max_queued, read_timeout_s=args.read_timeout_s,
-                            max_connections=args.max_connections,
-                            max_connections_per_range=args.max_connections_per_range,
-                            ipv4_range_prefix=args.ipv4_range_prefix, ipv6_range_prefix=args.ipv6_range_prefix,
-                            max_body_memory_bytes=int(args.max_body_memory_mb * 2**20),
-                            auth_token=_auth_token(args.auth_token_file))
+    options = _server_options(args)
     _check_listenable(args.host, args.port, options.auth_token)  # before minutes of loading, not after
     with checksums.verification(args.verify):  # the store, index and model are verified as they open
         store = PassageStore.open(args.kb_dir)

@@ -11,23 +11,28 @@ wrong token (401) before routing; a missing Content-Length (411), a body over
 not fit beside the bytes bodies hold now (503) before the body is read; a body whose bytes, as they
 arrive, no longer fit the memory budget (503) while it is read. Those replies close the connection,
 since the unread body would otherwise be read and thrown away. Only a complete body takes a worker
-thread (503 when all are busy and `max_queued` requests wait). Paths are matched as written: no
+thread, in steps that wait in its address range's queue (`fair_share.FairQueue`: 503 when all
+workers are busy and `max_queued` requests wait). `GET /health` is 503 with the reason while the
+service is broken (`SearchService.probe`); errors a broken service repeats are logged at most once
+every 10 s (`RateLimitedLog`). Paths are matched as written: no
 redirect (Starlette's for a trailing slash would point at the request's Host, which the client
 chooses).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import hmac
+import json
 import logging
+import math
 import re
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -39,6 +44,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from t5_retrieval.errors import ConfigError
+from t5_retrieval.retrieval.fair_share import QUERIES_PER_STEP, FairQueue, Refused
 from t5_retrieval.retrieval.serve import RequestError, SearchService, bounded_int
 
 log = logging.getLogger(__name__)
@@ -49,7 +55,6 @@ CLOSE = {"Connection": "close"}
 # RFC 6750's b64token: what can follow "Bearer " in an Authorization header, so a token a client
 # can send at all.
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
-T = TypeVar("T")
 
 
 def bearer_token(text: str, source: str) -> str:
@@ -210,30 +215,6 @@ async def read_body(request: Request, bodies: BodyBudget, body: BodyRead) -> byt
     return data
 
 
-class WorkerPool:
-    """`workers` threads run complete requests (parse, encode, search); `max_queued` more may wait
-    for one, and one more gets 503. Slow or stalled clients never get here, so they hold no thread."""
-
-    def __init__(self, workers: int, max_queued: int):
-        self.workers, self.max_queued = workers, max_queued
-        self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="t5r-serve")
-        self._in_progress = 0  # running or queued; touched only from the event loop
-
-    async def run(self, function: Callable[..., T], *args: Any) -> T:
-        if self._in_progress >= self.workers + self.max_queued:
-            raise HTTPException(HTTPStatus.SERVICE_UNAVAILABLE,
-                                f"server busy ({self.workers} workers, {self.max_queued} queued); retry later",
-                                RETRY_AFTER)
-        self._in_progress += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
-        finally:
-            self._in_progress -= 1
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
 def _content_length(request: Request, limit: int) -> int:
     """The declared size of the body, before it is read; refuses one over `limit`, a missing length
     and a chunked body (whose framing h11 would follow even beside a Content-Length)."""
@@ -248,6 +229,10 @@ def _content_length(request: Request, limit: int) -> int:
     return length
 
 
+def _client(request: Request) -> tuple[str, int]:
+    return (request.client.host, request.client.port) if request.client else ("", 0)
+
+
 def _require_json(request: Request) -> None:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
@@ -255,22 +240,86 @@ def _require_json(request: Request) -> None:
                             f"Content-Type must be application/json, got {content_type or 'none'!r}", CLOSE)
 
 
-def answer(service: SearchService, body: bytes | bytearray) -> tuple[int, dict[str, Any]]:
-    """(status, JSON reply) for one complete body; runs on a worker thread."""
+class RateLimitedLog:
+    """Logs a kind of event at most once per `every_s` seconds, with how many were not logged since:
+    a server out of file descriptors, or with a broken model, meets the same error on every accept
+    or request, and must not fill the disk with it."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.logger, self.every_s, self.clock = logger, every_s, clock
+        self._last: dict[str, float] = {}
+        self._unlogged: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()  # worker threads and the event loop both log
+
+    def __call__(self, kind: str, level: int, message: str, *args: Any, exc_info: bool = False) -> bool:
+        """Logs `message % args` unless `kind` was logged less than `every_s` ago; True if logged."""
+        with self._lock:
+            now = self.clock()
+            if now - self._last.get(kind, -math.inf) < self.every_s:
+                self._unlogged[kind] += 1
+                return False
+            self._last[kind] = now
+            unlogged = self._unlogged.pop(kind, 0)
+        suffix = f" ({unlogged} more like it in the last {self.every_s:g} s not logged)" if unlogged else ""
+        self.logger.log(level, message + suffix, *args, exc_info=exc_info)
+        return True
+
+
+rate_limited = RateLimitedLog(log)
+
+
+def json_bytes(reply: Any) -> bytes:
+    """A reply as Starlette's JSONResponse renders it, made on a worker thread (a reply of 64 x 100
+    hits takes milliseconds to render: not on the event loop, which every connection shares)."""
+    return json.dumps(reply, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def answer_step(service: SearchService, steps: Generator[None, None, dict[str, Any]]) -> tuple[int, bytes] | None:
+    """Runs one step of a search on a worker thread: None if more remain, else (status, JSON reply)."""
     try:
-        return HTTPStatus.OK, service.handle_search(body)
+        next(steps)
+        return None
+    except StopIteration as done:
+        return HTTPStatus.OK, json_bytes(done.value)
     except RequestError as e:
-        return e.status, {"error": str(e)}
+        return e.status, json_bytes({"error": str(e)})
     except Exception as e:  # A bug must cost one request, not the server.
-        log.exception("search failed")
-        return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"internal error: {type(e).__name__}"}
+        rate_limited("search failed", logging.ERROR, "search failed", exc_info=True)
+        if not service.probe():  # the warm-up search fails too: /health says so
+            rate_limited("broken", logging.ERROR, "the search service is broken: %s", service.broken)
+        return HTTPStatus.INTERNAL_SERVER_ERROR, json_bytes({"error": f"internal error: {type(e).__name__}"})
 
 
-def search_app(service: SearchService, pool: WorkerPool, bodies: BodyBudget, token: str | None) -> Starlette:
-    """The ASGI app serving `service`: routes, the token, the limits and JSON errors."""
+PROBE_EVERY_S = 2.0  # a broken service's /health searches again at most this often, to see it recover
+
+
+def search_app(service: SearchService, pool: FairQueue, bodies: BodyBudget, token: str | None,
+               range_of: Callable[[str], str] = str) -> Starlette:
+    """The ASGI app serving `service`: routes, the token, the limits and JSON errors. Worker time
+    goes to address ranges (`range_of` a client's host) by `pool`'s fairness rule."""
+    last_probe = [-math.inf]
+
+    @contextlib.contextmanager
+    def admitted(request: Request) -> Iterator[Any]:
+        """A request's place in `pool` (503 if there is none, or if it is given up for another range's)."""
+        try:
+            job = pool.begin(range_of(_client(request)[0]))
+        except Refused as e:
+            raise HTTPException(HTTPStatus.SERVICE_UNAVAILABLE, str(e), RETRY_AFTER) from None
+        try:
+            yield job
+        except Refused as e:
+            raise HTTPException(HTTPStatus.SERVICE_UNAVAILABLE, str(e), RETRY_AFTER) from None
+        finally:
+            pool.end(job)
 
     async def health(request: Request) -> Response:
-        return JSONResponse(service.health())
+        if service.broken is not None and time.monotonic() - last_probe[0] >= PROBE_EVERY_S:
+            last_probe[0] = time.monotonic()  # broken: search again (on a worker) to see whether it recovered
+            with admitted(request) as job:
+                await pool.run(job, service.probe)
+        return JSONResponse(service.health(),
+                            HTTPStatus.OK if service.broken is None else HTTPStatus.SERVICE_UNAVAILABLE)
 
     async def search(request: Request) -> Response:
         try:
@@ -278,15 +327,19 @@ def search_app(service: SearchService, pool: WorkerPool, bodies: BodyBudget, tok
         except RequestError as e:
             return error_reply(e.status, str(e), CLOSE)
         _require_json(request)
-        client = (request.client.host, request.client.port) if request.client else ("", 0)
+        client = _client(request)
         bodies.check_room(client, length)
         with bodies.account(client) as body_read:
             try:
                 body = await read_body(request, bodies, body_read)
             except ClientDisconnect:  # The client left, or the server timed it out: this reply is never sent.
                 return Response(status_code=HTTPStatus.REQUEST_TIMEOUT)
-            status, reply = await pool.run(answer, service, body)
-        return JSONResponse(reply, status)
+            with admitted(request) as job:
+                steps = service.search_steps(body, QUERIES_PER_STEP)
+                while (done := await pool.run(job, answer_step, service, steps)) is None:
+                    pass
+        status, reply = done
+        return Response(reply, status, media_type="application/json")
 
     async def http_error(request: Request, error: Exception) -> Response:
         """Starlette's own refusals (404, 405) and ours, as JSON; the unread body closes the connection."""

@@ -37,12 +37,19 @@ tests of the HTTP layer's refusals fail if it stops.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import errno
 import functools
 import ipaddress
 import json
+import logging
+import os
+import re
+import resource
 import socket
 import threading
+import time
 from http import HTTPStatus
 from typing import Any
 
@@ -50,16 +57,19 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from t5_retrieval.errors import ConfigError
+from t5_retrieval.errors import ConfigError, UserError
+from t5_retrieval.retrieval.fair_share import FairQueue
 from t5_retrieval.retrieval.http_app import (
     MAX_HEAD_BYTES,
     RETRY_AFTER,
     BodyBudget,
-    WorkerPool,
     bearer_token,
+    rate_limited,
     search_app,
 )
-from t5_retrieval.retrieval.serve import SearchService
+from t5_retrieval.retrieval.serve import WARM_UP_QUERY, SearchService
+
+log = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 1024  # connections the kernel queues before accept (capped by net.core.somaxconn)
 TOKEN_ENV = "T5R_SERVE_TOKEN"
@@ -91,13 +101,10 @@ class ServerOptions:
     auth_token: str | None = None  # if set, every request needs `Authorization: Bearer <token>`
 
     def __post_init__(self):
-        if (self.workers < 1 or self.max_queued < 0 or self.max_connections < 1 or self.max_connections_per_range < 1
-                or self.max_body_memory_bytes < 1 or not self.read_timeout_s > 0):
-            raise ConfigError(f"ServerOptions: need workers, max_connections, max_connections_per_range and "
-                             f"max_body_memory_bytes >= 1, max_queued >= 0 and read_timeout_s > 0, got {self}")
-        if not (0 <= self.ipv4_range_prefix <= 32 and 0 <= self.ipv6_range_prefix <= 128):
-            raise ConfigError(f"ServerOptions: ipv4_range_prefix must be in [0, 32] and ipv6_range_prefix in "
-                             f"[0, 128], got {self.ipv4_range_prefix} and {self.ipv6_range_prefix}")
+        for name, (low, high) in OPTION_RANGES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ConfigError(f"ServerOptions.{name} must be a number in [{low:g}, {high:g}], got {value!r}")
         if self.auth_token is not None:
             bearer_token(self.auth_token, "ServerOptions.auth_token")
 
@@ -112,6 +119,97 @@ class ServerOptions:
         prefix = self.ipv4_range_prefix if address.version == 4 else self.ipv6_range_prefix
         return str(ipaddress.ip_network((address, prefix), strict=False))
 
+
+
+# Each number's bounds: the least that can work, the most that makes sense (NaN is in no range).
+OPTION_RANGES: dict[str, tuple[float, float]] = {
+    "workers": (1, 1024), "max_queued": (0, 1 << 20), "read_timeout_s": (0.001, 86_400),
+    "max_connections": (1, 1 << 24), "max_connections_per_range": (1, 1 << 24),
+    "ipv4_range_prefix": (0, 32), "ipv6_range_prefix": (0, 128), "max_body_memory_bytes": (1, 1 << 50),
+}
+# Descriptors kept for what is not a connection: the listening socket, the event loop's, logs, the
+# model's and index's files opened later, the store's shard a search reads (one per worker thread, two
+# with a reply being written), and one more connection to refuse with 503.
+DESCRIPTOR_HEADROOM = 64
+RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # accept failures to wait out
+ACCEPT_QUIET_S = 0.5  # after one, accept is not retried for this long (asyncio retries after 1 s)
+
+
+def open_descriptors() -> int:
+    """File descriptors this process holds now (0 where the OS does not list them)."""
+    for listing in ("/proc/self/fd", "/dev/fd"):
+        with contextlib.suppress(OSError):
+            return len(os.listdir(listing)) - 1  # less the listing's own
+    return 0
+
+
+def fit_to_descriptors(options: ServerOptions) -> ServerOptions:
+    """`options` with `max_connections` no more than the file descriptor limit (RLIMIT_NOFILE) leaves
+    beside the descriptors open now and DESCRIPTOR_HEADROOM (+ 2 per worker), after raising the soft
+    limit to the hard one where allowed; says so in one log line. Past the limit, accept fails
+    (EMFILE) and so does every file a search opens: the connections must run out first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    before = soft
+    if hard != soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    held = open_descriptors()
+    kept = held + DESCRIPTOR_HEADROOM + 2 * options.workers
+    room = soft - kept
+    limit = f"file descriptor limit {soft}" + (f" (raised from {before})" if soft != before else "")
+    if room < 1:
+        raise ConfigError(f"the {limit} leaves no room for connections beside the {held} open and the "
+                          f"{kept - held} kept for files; start t5r serve from a shell with a higher limit, "
+                          f"e.g. after `ulimit -n {kept + options.max_connections}`")
+    if options.max_connections > room:
+        log.warning("%s: %d open, %d kept for model, index, store and log files: at most %d connections "
+                    "(--max_connections %d lowered)", limit, held, kept - held, room, options.max_connections)
+        return dataclasses.replace(options, max_connections=room)
+    log.info("%s: %d open, %d kept for files, %d for connections (--max_connections %d)", limit, held,
+             kept - held, room, options.max_connections)
+    return options
+
+
+class ListeningSocket(socket.socket):
+    """The listening socket, quiet when the process is out of descriptors (or memory).
+
+    asyncio retries a failed accept a second later, but first tries the rest of its batch (up to
+    the backlog) and logs each failure with a traceback: a flood of log. Here the first failure is
+    raised (so asyncio waits its second), the rest of the batch look like an empty queue, and the
+    failure is logged at most once every 10 s."""
+
+    quiet_until = 0.0
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if time.monotonic() < self.quiet_until:
+            raise BlockingIOError(errno.EAGAIN, "accept paused after running out of resources")
+        try:
+            return super().accept()
+        except OSError as e:
+            if e.errno not in RESOURCE_ERRNOS:
+                raise
+            self.quiet_until = time.monotonic() + ACCEPT_QUIET_S
+            rate_limited("accept", logging.WARNING, "cannot accept connections (%s): retrying every second",
+                         os.strerror(e.errno or 0))
+            raise
+
+
+def _quiet_accept_errors(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The event loop's error handler: accept failures `ListeningSocket` logged are not logged again."""
+    error = context.get("exception")
+    if isinstance(error, OSError) and error.errno in RESOURCE_ERRNOS and "accept" in context.get("message", ""):
+        return
+    loop.default_exception_handler(context)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server with `_quiet_accept_errors` on its event loop (set before it accepts)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(_quiet_accept_errors)
+        await super().startup(sockets)
 
 
 def json_error_bytes(status: HTTPStatus, message: str, headers: dict[str, str] | None = None) -> bytes:
@@ -379,11 +477,33 @@ class RequestPhases:
         await self.app(scope, receive_tracked, send_tracked)
 
 
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def check_host(host: str) -> None:
+    """Refuses (one line) a --host that is neither an IP address nor a DNS name (RFC 1123 labels)."""
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host.split("%")[0])
+        return
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise ConfigError(f"--host {host!r} is neither an IP address nor a host name (letters, digits and "
+                          "inner hyphens, in labels of 1-63 separated by single dots)")
+
+
+def check_port(port: int) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port!r} is not a TCP port: give one in [1, 65535], or 0 for any free port")
+
+
 def bind_address(host: str, port: int, auth_token: str | None) -> tuple[socket.AddressFamily, Any]:
-    """Where to bind `host`; refuses, before binding, a non-loopback address without a token."""
+    """Where to bind `host`; refuses, before binding, a malformed host or port, and a non-loopback
+    address without a token."""
+    check_host(host)
+    check_port(port)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
+    except (socket.gaierror, UnicodeError) as e:
         raise ConfigError(f"--host {host!r} does not resolve: {e}") from None
     loopback = all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
     if not loopback and auth_token is None:
@@ -394,19 +514,34 @@ def bind_address(host: str, port: int, auth_token: str | None) -> tuple[socket.A
 
 class SearchServer:
     """uvicorn serving one SearchService on a socket bound when the server is made, so that the port
-    is known and connections queue in the listen backlog before `serve_forever` runs."""
+    is known and connections queue in the listen backlog before `serve_forever` runs.
+
+    Before it binds, it searches once of every kind (`SearchService.warm_up`) and answers one
+    request of each route in process (`warm_up`): what a request imports, compiles or opens on first
+    use is done then, not when the machine may be out of descriptors; then it sizes
+    `max_connections` to the descriptors left (`fit_to_descriptors`). A warm-up that fails stops it."""
 
     def __init__(self, service: SearchService, host: str = "127.0.0.1", port: int = 0,
-                 options: ServerOptions | None = None):
-        self.options = options or ServerOptions()
-        family, address = bind_address(host, port, self.options.auth_token)
-        self.socket = socket.create_server(address[:2], family=family, backlog=LISTEN_BACKLOG)
+                 options: ServerOptions | None = None, warm_up: bool = True):
+        options = options or ServerOptions()
+        family, address = bind_address(host, port, options.auth_token)
+        self._pool = FairQueue(options.workers, options.max_queued)
+        table = ConnectionTable(options)
+        self.bodies = body_budget(options, service.limits.max_body_bytes, table)  # event loop only
+        app = RequestPhases(search_app(service, self._pool, self.bodies, options.auth_token, options.address_range),
+                            table)
+        if warm_up:
+            try:
+                service.warm_up()
+            except Exception as e:  # whatever a search raises: nothing can be served
+                raise UserError(f"the warm-up search fails ({type(e).__name__}: {str(e)[:300]}); this model, index "
+                                "and store cannot answer searches, so nothing is served") from e
+            warm_up_app(app, service, options.auth_token)
+        self.options = table.options = fit_to_descriptors(options)
+        listening = socket.create_server(address[:2], family=family, backlog=LISTEN_BACKLOG)
+        self.socket = ListeningSocket(listening.family, listening.type, listening.proto, fileno=listening.detach())
         self.server_address = self.socket.getsockname()
-        self._pool = WorkerPool(self.options.workers, self.options.max_queued)
-        table = ConnectionTable(self.options)
-        self.bodies = body_budget(self.options, service.limits.max_body_bytes, table)  # event loop only
-        app = RequestPhases(search_app(service, self._pool, self.bodies, self.options.auth_token), table)
-        self._server = uvicorn.Server(uvicorn.Config(
+        self._server = _Uvicorn(uvicorn.Config(
             app, http=functools.partial(GuardedProtocol, table),  # type: ignore[arg-type]
             ws="none", lifespan="off", loop="asyncio", interface="asgi3",
             log_config=None, access_log=False, proxy_headers=False, server_header=False,
@@ -435,7 +570,41 @@ class SearchServer:
         self.socket.close()
 
 
+def warm_up_app(app: ASGIApp, service: SearchService, token: str | None) -> None:
+    """Answers, in process, one request of each kind the routes handle (a search, a refused one,
+    /health, an unknown path), so that every module and code path they use has run once."""
+    auth = [(b"authorization", f"Bearer {token}".encode())] if token else []
+    body = json.dumps({"task": service.tasks[0], "query": WARM_UP_QUERY}).encode()
+    json_head = [(b"content-type", b"application/json"), *auth]
+    requests = [("POST", "/search", [*json_head, (b"content-length", str(len(body)).encode())], body),
+                ("POST", "/search", [*json_head, (b"content-length", b"1")], b"{"),
+                ("GET", "/health", auth, b""), ("GET", "/nowhere", auth, b"")]
+
+    async def run(method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "root_path": "", "headers": [(b"host", b"t5r"), *headers], "client": ("127.0.0.1", 0),
+                 "server": ("127.0.0.1", 0)}
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> Message:
+            return messages.pop() if messages else {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            pass
+
+        await app(scope, receive, send)
+
+    async def run_all() -> None:
+        for request in requests:
+            with contextlib.suppress(Exception):  # the statuses do not matter here, the code paths do
+                await run(*request)
+
+    asyncio.run(run_all())
+
+
 def make_server(service: SearchService, host: str = "127.0.0.1", port: int = 0,
-                options: ServerOptions | None = None) -> SearchServer:
-    """A server for `service`, bound and listening but not yet serving (port 0: the OS picks one)."""
-    return SearchServer(service, host, port, options)
+                options: ServerOptions | None = None, warm_up: bool = True) -> SearchServer:
+    """A server for `service`, warmed up (see SearchServer), bound and listening but not yet serving
+    (port 0: the OS picks one)."""
+    return SearchServer(service, host, port, options, warm_up)

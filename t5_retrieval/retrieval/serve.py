@@ -11,6 +11,8 @@ model. The HTTP transport around it is `http_app.py` (routes, token, limits, JSO
       -> {"task", "k", "results": [[hit, ...], ...]}    for "queries"
       hit = {"rank", "passage_id", "wikipedia_id", "title", "score"}
     GET /health   -> {"status": "ok", "passages", "dim", "fingerprint", "tasks"}
+                     or {"status": "broken", "reason", ...} (503) once a search failed and the
+                     warm-up search (`probe`) fails too, until a search succeeds again
 
 `t5r serve` (t5_retrieval/commands/serve.py) runs it over a model directory and its index.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -60,6 +62,7 @@ class RequestError(ValueError):
         self.status = status
 
 
+WARM_UP_QUERY = "warm up"  # what `warm_up` and `probe` search
 MAX_INT_DIGITS = 18  # every count and size the API takes fits in 18 digits (and in an int64)
 
 
@@ -105,15 +108,50 @@ class SearchService:
         self._searchers = {task: dense_searcher(encoder, index, task, self.limits.max_queries, lock)
                            for task in self.tasks}
 
+        self.broken: str | None = None  # why searches fail, if the warm-up search fails too (`probe`)
+
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "passages": len(self.index), "dim": self.index.dim,
+        """What `GET /health` answers: status "ok", or "broken" with the reason (see `probe`)."""
+        status = {"status": "ok"} if self.broken is None else {"status": "broken", "reason": self.broken}
+        return {**status, "passages": len(self.index), "dim": self.index.dim,
                 "fingerprint": self.index.fingerprint, "tasks": list(self.tasks)}
+
+    def warm_up(self) -> None:
+        """Runs every kind of search a request can cause (each task; the most queries and results at
+        once; queries of every length up to `max_query_chars`), so that whatever a search imports,
+        compiles or opens on first use does so now, before the server listens: not later, when the
+        machine may be out of file descriptors and an import half done stays broken. Raises what a
+        search raises."""
+        for task in self.tasks:
+            self.search([WARM_UP_QUERY], self.limits.max_k, task=task)
+        self.search([WARM_UP_QUERY] * self.limits.max_queries, self.limits.max_k, task=self.tasks[0])
+        words = 1
+        while words * len("warm ") <= self.limits.max_query_chars:  # every length bucket an encoder compiles
+            self.search([" ".join(["warm"] * words)], 1, task=self.tasks[0])
+            words += 16
+
+    def probe(self) -> bool:
+        """Searches the warm-up query: if that fails too, the service is broken (`health` says why,
+        until a search succeeds again), not only the request that failed. True if it succeeded."""
+        try:
+            self.search([WARM_UP_QUERY], 1, task=self.tasks[0])
+        except Exception as e:  # whatever a search raises: it is the reason /health reports
+            self.broken = f"the warm-up search fails: {type(e).__name__}: {str(e)[:200]}".replace("\n", " ")
+            return False
+        self.broken = None
+        return True
 
     def _query(self, value: Any, field: str) -> str:
         if not isinstance(value, str):
             raise RequestError(HTTPStatus.BAD_REQUEST, f"field {field!r} must be a string")
         if not value.strip():
             raise RequestError(HTTPStatus.BAD_REQUEST, f"field {field!r} is empty")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800": a half of a UTF-16 pair, not a character
+            raise RequestError(HTTPStatus.BAD_REQUEST,
+                               f"field {field!r} is not valid text: a lone surrogate {value[e.start]!r} at character "
+                               f"{e.start}") from None
         if len(value) > self.limits.max_query_chars:
             raise RequestError(HTTPStatus.BAD_REQUEST,
                                f"field {field!r} has {len(value)} characters, more than {self.limits.max_query_chars}")
@@ -159,6 +197,18 @@ class SearchService:
                   "score": hit.score} for rank, hit in enumerate(hits, start=1)] for hits in found]
 
     def handle_search(self, body: bytes | bytearray) -> dict[str, Any]:
+        """The reply to one `POST /search` body, or RequestError."""
+        steps = self.search_steps(body, self.limits.max_queries)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def search_steps(self, body: bytes | bytearray, per_step: int) -> Generator[None, None, dict[str, Any]]:
+        """`handle_search` in steps: parsing and the first `per_step` queries, then `per_step` more
+        each, yielding between them (so that a server can give its workers to other clients between
+        steps); the reply is the generator's return value."""
         try:
             request = json.loads(body, parse_int=bounded_int)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -166,5 +216,10 @@ class SearchService:
         except RecursionError:
             raise RequestError(HTTPStatus.BAD_REQUEST, "request body is nested too deeply") from None
         task, queries, k, single = self.parse(request)
-        results = self.search(queries, k, task=task)
+        results: list[list[dict[str, Any]]] = []
+        for start in range(0, len(queries), per_step):
+            if start:
+                yield
+            results += self.search(queries[start:start + per_step], k, task=task)
+        self.broken = None  # a search that works: whatever broke it has passed
         return {"task": task, "k": k, "results": results[0] if single else results}
