@@ -11,6 +11,7 @@ argparse's: the usage line, then the same one line and status 2.
 from __future__ import annotations
 
 import errno
+import glob
 import importlib
 import logging
 import os
@@ -94,6 +95,32 @@ def user_message(error: BaseException) -> str | None:
     return None
 
 
+# Device files through which this host's processes reach an accelerator: a TPU's chips (/dev/accel*
+# on TPU VMs up to v4, VFIO groups from v5e on; libtpu opens one or the other), an NVIDIA GPU (as
+# JAX looks for one; /dev/dxg under WSL2) or an AMD GPU (the KFD driver).
+ACCELERATOR_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/dxg",
+                            "/dev/kfd")
+
+
+def run_on_cpu_without_accelerators() -> None:
+    """On a host without accelerators, JAX runs on the CPU without first trying to start a TPU.
+
+    With libtpu installed (requirements-dev.txt pins it for `t5r plan`), JAX starts its TPU backend
+    in every process that uses it: on a host without TPUs that loads libtpu and has it print its
+    complaints ("could not determine TPU accelerator type", "unexpected worker hostname ... from env
+    var TPU_WORKER_HOSTNAMES") before JAX falls back to the CPU, which users take for an error.
+    `JAX_PLATFORMS=cpu`, JAX's own switch, skips the TPU backend. It is set only where no
+    accelerator device file exists and the user has not set JAX_PLATFORMS (even to "", JAX's "choose
+    for me"), so a TPU VM or a GPU host keeps JAX's choice. `t5r plan` compiles for TPUs through
+    libtpu's topology description, which does not need the TPU backend."""
+    if "JAX_PLATFORMS" in os.environ or any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_FILES):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"  # read when JAX is imported, here and in the processes a command starts
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.config.jax_platforms is None:  # an in-process caller imported JAX already
+        jax.config.update("jax_platforms", "cpu")
+
+
 # Commands whose failure leaves library threads and exit handlers that fail again on the way out.
 _TEARDOWN_NOISE: list[str] = []
 
@@ -151,6 +178,7 @@ def _run_command(argv: list[str], debug: bool) -> int:
         return 2
     if not debug:  # TensorFlow's start-up lines (no CUDA driver, oneDNN, CPU features) say nothing to act on
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    run_on_cpu_without_accelerators()
     target, _ = COMMANDS[name]
     module_name, function_name = target.split(":")
     function = getattr(importlib.import_module(module_name), function_name)

