@@ -136,15 +136,16 @@ def begin(directory: str) -> None:
         f.write("a t5r command is writing this artefact; its checksums are recorded when it finishes\n")
 
 
-def record(directory: str, names: list[str] | None = None) -> dict[str, Any]:
+def record(directory: str, names: list[str] | None = None, accepted: dict[str, Any] | None = None) -> dict[str, Any]:
     """Writes `t5r_checksums.json` for the finished artefact in `directory` (every file in it, or
     `names` where other processes are still adding files that carry sidecars) and a stamp, since the
-    files were just hashed as they are. Returns the record."""
+    files were just hashed as they are. `accepted`: why a user vouched for the files (`t5r checksum
+    --accept`), kept in the record. Returns the record."""
     names = artefact_files(directory) if names is None else sorted(names)
     if not names:
         raise ChecksumError(f"{directory}: no files to record checksums of")
     files = {name: entry(os.path.join(directory, name)) for name in names}
-    doc = record_doc(files)
+    doc = record_doc(files) | ({"accepted": accepted} if accepted else {})
     _write_json(os.path.join(directory, CHECKSUMS_FILE), doc)
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(directory, PENDING_FILE))

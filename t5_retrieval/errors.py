@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import glob
+import json
 import os
 import re
 import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -208,6 +211,59 @@ def remove_stale_temporaries(directory: str, pattern: str = "*.tmp-*") -> list[s
         _remove(path)
         removed.append(path)
     return removed
+
+
+class LockedError(UserError):
+    """Another live process holds the lock of a directory this command would write."""
+
+
+def _lock_holder(fd: int) -> dict[str, Any]:
+    """What the holder wrote into a lock file ({"pid", "host", "since", "command"}), or {}."""
+    try:
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        holder = json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+@contextlib.contextmanager
+def directory_lock(path: str, what: str) -> Iterator[dict[str, Any]]:
+    """Holds an exclusive `flock` on the file `path` for the block, with this process's pid, host and
+    start time written into it; yields what an earlier holder left there ({} if none).
+
+    A second process asking for it while the first runs gets LockedError naming the holder. The
+    kernel releases a flock when its process ends however it ends (kill -9 too), so a lock left by a
+    killed run is no lock: the next run takes it over (the yielded record names the killed one,
+    whose entry was never cleared). The file stays (removing it would let two runs lock two
+    different files of one name); a run that ends clears its entry. On a file system without
+    locks (some network mounts) the block runs unlocked."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            who = (f"pid {holder.get('pid')} on host {holder.get('host')}, since {holder.get('since')}"
+                   if holder else "its pid is not recorded yet")
+            stop = f"; or stop it (on {holder.get('host')}: kill {holder.get('pid')})" if holder else ""
+            raise LockedError(f"{os.path.dirname(path) or '.'}: another run is writing this {what} ({who}; "
+                              f"{path}); wait for it to end{stop}, then run this command again") from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        previous = _lock_holder(fd)
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv)[:500]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode("utf-8"), 0)
+        try:
+            yield previous
+        finally:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # releases the flock
 
 
 class _CapturedStderr:

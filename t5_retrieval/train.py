@@ -8,6 +8,7 @@ mesh -> data -> model + sharded init -> optimiser -> restore -> jitted step -> l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -30,7 +31,7 @@ from t5_retrieval import checkpoint, gin_utils, sharding
 from t5_retrieval.data.batching import batches as _batches  # also registers its gin configurables
 from t5_retrieval.data.batching import random_batches as _random_batches  # noqa: F401  (registers its gin configurables)
 from t5_retrieval.data.records import write_text_atomic
-from t5_retrieval.errors import ConfigError, UserError
+from t5_retrieval.errors import ConfigError, UserError, directory_lock
 from t5_retrieval.inference import load_encoder, write_base_record
 from t5_retrieval.models.build import build_model, init_params, initial_params, model_config, upgraded_config
 from t5_retrieval.models.families import family_of
@@ -62,6 +63,37 @@ def portable_bindings() -> None:
     found = gin_utils.import_modules(gin_utils.bound_value("make_train_iterator.task_module"), recorded)
     if found:
         gin.bind_parameter("make_train_iterator.task_module_path", list(dict.fromkeys([*recorded, *found])))
+
+
+LOCK_FILE = "t5r_train.lock"  # in a model directory: held by the run training it (`hold_model_dir`)
+
+
+@contextlib.contextmanager
+def hold_model_dir(model_dir: str) -> Iterator[None]:
+    """Holds `<model_dir>/t5r_train.lock` for the block, so two runs never train one model
+    directory at once (they would race for its checkpoints); a second run gets one line naming the
+    first. A lock left by a killed run is taken over (the kernel releases it with its process) and
+    the takeover logged. In a multi-process job process 0 takes it, the one that writes the model
+    directory, and tells the others whether it got it, so every process stops, or none."""
+    with contextlib.ExitStack() as stack:
+        refusal: UserError | None = None
+        if jax.process_index() == 0:
+            try:
+                previous = stack.enter_context(directory_lock(os.path.join(model_dir, LOCK_FILE), "model directory"))
+            except UserError as e:
+                refusal = e
+            else:
+                if previous:
+                    log.info("%s: taking over the lock of a run that ended without releasing it (pid %s on host %s, "
+                             "since %s)", model_dir, previous.get("pid"), previous.get("host"), previous.get("since"))
+        if jax.process_count() > 1:
+            refused = int(multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)))
+            if refused and refusal is None:
+                refusal = UserError(f"{model_dir}: process 0 of this job found the model directory in use by another "
+                                    "run (its log names it); wait for that run to end, then run this command again")
+        if refusal is not None:
+            raise refusal
+        yield
 
 
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "t5_retrieval", "xla")

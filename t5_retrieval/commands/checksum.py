@@ -3,7 +3,8 @@
 Every stage verifies what it opens; this command does it on demand and in full (ignoring the
 verified stamp), e.g. after copying an index to a serving machine, and refuses a file no record
 lists. `--accept` records the checksums of an artefact as it is now: for one written by an older
-t5-retrieval, after you have checked it. A checkpoint step's record also covers its model
+t5-retrieval, after you have checked it. One a run stopped writing (`t5r_checksums.pending`) may be
+incomplete, and is accepted only with `--reason`, which the record keeps. A checkpoint step's record also covers its model
 directory's config.gin.
 """
 
@@ -14,6 +15,7 @@ import os
 import time
 
 from t5_retrieval import checksums
+from t5_retrieval.errors import UserError, shell_command
 
 
 def add_verify_flag(parser: argparse.ArgumentParser) -> None:
@@ -35,14 +37,23 @@ def _step_dir(directory: str):  # -> etils.epath.Path | None
     return epath.Path(os.path.abspath(directory)) if checkpoint.is_step_dir(directory) else None
 
 
-def _accept(directory: str) -> tuple[int, int]:
+def _accept(directory: str, reason: str | None) -> tuple[int, int]:
     step_dir = _step_dir(directory)
     if step_dir is not None:
         from t5_retrieval import checkpoint
 
         checkpoint.write_checksums(step_dir)
         return checkpoint.verify_checksums(step_dir)
-    files = checksums.record(directory)["files"]
+    pending = os.path.exists(os.path.join(directory, checksums.PENDING_FILE))
+    if pending and not reason:
+        raise checksums.ChecksumError(
+            f"{directory}: {checksums.PENDING_FILE} says a t5r run was writing this artefact and stopped before it "
+            "finished, so its files may be incomplete and --accept would vouch for them; rebuild it with the command "
+            "that wrote it (`t5r index` for an index), or, if you have checked every file: "
+            f"t5r checksum --accept --reason='<what you checked>' {shell_command([directory])}")
+    accepted = {"reason": reason, "at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "was_pending": pending} if reason else None
+    files = checksums.record(directory, accepted=accepted)["files"]
     return len(files), sum(f["size"] for f in files.values())
 
 
@@ -62,12 +73,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--accept", action="store_true",
                         help="record the checksums of every file as it is now (for an artefact you trust "
                              "that has none), instead of verifying")
+    parser.add_argument("--reason", default=None,
+                        help="with --accept: why you trust the files, kept in the record; needed for an artefact "
+                             "a run stopped writing (t5r_checksums.pending)")
     args = parser.parse_args(argv)
+    if args.reason is not None and (not args.accept or not args.reason.strip()):
+        raise UserError(f"--reason={args.reason!r}: a reason is given with --accept, and says what you checked")
     if not os.path.isdir(args.directory):
         raise checksums.ChecksumError(f"{args.directory}: not a directory")
     start = time.perf_counter()
     if args.accept:
-        count, size = _accept(args.directory)
+        count, size = _accept(args.directory, args.reason and args.reason.strip())
         print(f"t5r checksum: recorded {count} files of {args.directory} ({size / 2**20:.1f} MiB)")
         return 0
     count, size = _verify(args.directory)

@@ -24,6 +24,7 @@ def _process() -> tuple[int, int]:
 def main(argv: list[str]) -> int:
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
+    from t5_retrieval.commands.outputs import EMBEDDINGS, check_output_dir
     from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.errors import writable_output_dir
 
@@ -33,6 +34,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output_dir", required=True, help="embeddings directory (resumed if it exists)")
     parser.add_argument("--no_progress", action="store_true", help="hide the progress bar")
     args = parse_args(parser, argv, reads=TASK_MODULE)
+    check_output_dir(args.output_dir, "--output_dir", "t5r encode", own_kinds=(EMBEDDINGS,))
     with writable_output_dir(args.output_dir, "--output_dir"):
         store = PassageStore.open(args.kb_dir)
         encoder = encoder_from_flags(args)

@@ -16,12 +16,14 @@ from t5_retrieval.retrieval.evaluate import evaluate, format_table, write_result
 def main(argv: list[str]) -> int:
     """`t5r eval`: KILT metrics per task for an index and a query encoder."""
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
+    from t5_retrieval.commands.outputs import check_output_dir
     from t5_retrieval.errors import writable_output_dir
 
     parser = argparse.ArgumentParser(prog="t5r eval", description=__doc__.splitlines()[0])
     add_search_flags(parser, default_split="dev")
     parser.add_argument("--output_dir", required=True)
     args = parse_args(parser, argv, reads=TASK_MODULE)
+    check_output_dir(args.output_dir, "--output_dir", "t5r eval")
     with writable_output_dir(args.output_dir, "--output_dir"):  # checked before retrieval, not after it
         inputs = load_search_inputs(args)
         result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store)

@@ -12,6 +12,7 @@ import argparse
 
 from t5_retrieval import logs
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
+from t5_retrieval.commands.outputs import check_output_dir
 from t5_retrieval.errors import UserError
 
 
@@ -23,6 +24,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kb_dir", required=True, help="passage store the index was built from")
     parser.add_argument("--output_dir", required=True, help="new SavedModel directory, e.g. <base>/1")
     args = parse_args(parser, argv, reads=TASK_MODULE)
+    check_output_dir(args.output_dir, "--output_dir", "t5r export")
     logs.setup()
 
     from t5_retrieval.data.stores.kb import PassageStore

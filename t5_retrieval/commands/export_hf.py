@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from t5_retrieval import logs
+from t5_retrieval.commands.outputs import check_output_dir
 from t5_retrieval.export import hf
 
 
@@ -16,6 +17,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output_dir", required=True, help="new Hugging Face directory")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     args = parser.parse_args(argv)
+    check_output_dir(args.output_dir, "--output_dir", "t5r export-hf")
     logs.setup()
     record = hf.export_hf(args.checkpoint_dir, args.output_dir, args.step)
     layout = ("queries: query_encoder/, passages: passage_encoder/" if record["query_encoder"] != "." else

@@ -7,6 +7,7 @@ import json
 
 from t5_retrieval import logs
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
+from t5_retrieval.commands.outputs import check_output_dir
 from t5_retrieval.fusion import fuse
 from t5_retrieval.retrieval.evaluate import format_table
 
@@ -24,6 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--calibration_split", default="dev", help="split the temperature is calibrated on")
     parser.add_argument("--output_dir", required=True)
     args = parse_args(parser, argv, reads=TASK_MODULE)
+    check_output_dir(args.output_dir, "--output_dir", "t5r fuse")
     logs.setup()
     result = fuse.fuse_experts(args.expert, args.data_dir, args.output_dir, kb_dir=args.kb_dir,
                                tasks=[t for t in args.tasks.split(",") if t], split=args.split,

@@ -8,6 +8,7 @@ import argparse
 from t5_retrieval import checksums, logs
 from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import parse_args
+from t5_retrieval.commands.outputs import INDEX, UNFINISHED, check_output_dir
 from t5_retrieval.errors import writable_output_dir
 from t5_retrieval.retrieval import index as index_lib
 
@@ -24,6 +25,8 @@ def main(argv: list[str]) -> int:
     add_verify_flag(parser)  # the shards are hashed in full anyway; `full` adds the manifest and ids
     args = parse_args(parser, argv)
     logs.setup()
+    # An index it rewrites, or one a killed `t5r index` left unfinished (its pending marker, no index.json).
+    check_output_dir(args.output_dir, "--output_dir", "t5r index", own_kinds=(INDEX, UNFINISHED))
     backend = {} if args.backend is None else {"backend": args.backend}
     with checksums.verification(args.verify), writable_output_dir(args.output_dir, "--output_dir"):
         index = index_lib.build_index(args.embeddings_dir, staging_dir=args.staging_dir, **backend)

@@ -15,6 +15,7 @@ from t5_retrieval.retrieval.mine import mine_negatives
 def main(argv: list[str]) -> int:
     """`t5r mine`: hard negatives for every training query with the current model."""
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
+    from t5_retrieval.commands.outputs import check_output_dir
     from t5_retrieval.data import layout
     from t5_retrieval.data.records import write_negatives
     from t5_retrieval.errors import writable_output_dir
@@ -24,6 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--source", required=True, help="negatives name, e.g. ance-1 (bm25 is the data stage's)")
     args = parse_args(parser, argv, reads=TASK_MODULE)
     out_dir = layout.negatives_dir(args.data_dir, args.source)
+    check_output_dir(out_dir, "--data_dir/negatives/--source", "t5r mine")
     with writable_output_dir(out_dir, "--data_dir/negatives/--source"):
         inputs = load_search_inputs(args)
         for task, task_examples in inputs.examples.items():

@@ -8,6 +8,7 @@ import json
 
 from t5_retrieval import logs, query_side
 from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
+from t5_retrieval.commands.outputs import MODEL, check_output_dir
 
 
 def main(argv: list[str]) -> int:
@@ -26,6 +27,7 @@ def main(argv: list[str]) -> int:
                              "the new questions take")
     parser.add_argument("--output_dir", required=True)
     args = parse_args(parser, argv, reads=TASK_MODULE)
+    check_output_dir(args.output_dir, "--output_dir", "t5r query-side", own_kinds=(MODEL,))
     logs.setup()
     report = query_side.fine_tune_query_side(
         args.checkpoint_dir, args.index_dir, args.embeddings_dir, args.kb_dir, args.qa_dir,

@@ -52,12 +52,19 @@ class Example:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, row: dict[str, Any]) -> Example:
+    def from_json(cls, row: dict[str, Any], path: str | os.PathLike[str] = "<examples>", line_no: int = 0) -> Example:
+        """The example of one examples-file row; DataError naming `path:line_no` and the field for a
+        missing field or a value of another type (a null query is refused, never read as "None")."""
+        gold = require(row, "gold_pages", path, line_no)
+        if not isinstance(gold, list):
+            raise DataError(f"{path}:{line_no}: field 'gold_pages' must be a list of lists of page ids "
+                            f"(got {json_kind(gold)})")
         return cls(
-            id=str(row["id"]), task=str(row["task"]), query=str(row["query"]),
-            gold_pages=tuple(tuple(str(p) for p in s) for s in row["gold_pages"]),
-            positive_passages=tuple(str(p) for p in row.get("positive_passages", ())),
-            answers=tuple(str(a) for a in row.get("answers", ())),
+            id=id_field(row, "id", path, line_no), task=text_field(row, "task", path, line_no),
+            query=text_field(row, "query", path, line_no),
+            gold_pages=tuple(id_list(s, f"gold_pages[{i}]", path, line_no) for i, s in enumerate(gold)),
+            positive_passages=id_list(row.get("positive_passages", []), "positive_passages", path, line_no),
+            answers=text_list(row.get("answers", []), "answers", path, line_no),
         )
 
 
@@ -96,6 +103,71 @@ def require(obj: dict[str, Any], field: str, path: str | os.PathLike[str], line_
     return obj[field]
 
 
+# Input rules for ids and text (docs/data.md). An id becomes a line of page_map.tsv and
+# passage_ids.txt, a column of a TREC run and a key joining negatives to examples: a JSON null or a
+# list must never turn into the text "None" or "[...]", and a tab or line break would split a line.
+_BREAKS = ("\t", "\n", "\r")
+
+
+def json_kind(value: Any) -> str:
+    """How a JSON value is named in an error: null, true, a number 3, a list, an object, an empty string."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return f"a number {json.dumps(value)[:40]}"
+    if isinstance(value, str):
+        return "an empty string" if not value.strip() else f"the string {json.dumps(value)[:60]}"
+    return "a list" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__
+
+
+def check_id(value: Any, field: str, path: str | os.PathLike[str], line_no: int) -> str:
+    """An id as the KILT scorer compares ids, `str(value).strip()`, for a string or an integer (KILT
+    files write some ids as numbers); DataError naming file:line and field for null, a boolean, a
+    float, a list, an object, an empty id, or one holding a tab or a line break."""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        key = str(value).strip()
+        if not key:
+            raise DataError(f"{path}:{line_no}: field {field!r} is empty; an id must be a non-empty string")
+        if any(c in key for c in _BREAKS):
+            raise DataError(f"{path}:{line_no}: field {field!r} is {json.dumps(key)[:80]}, which holds a tab or a "
+                            "line break; ids are written one per line into tab-separated files, so none may hold one")
+        return key
+    raise DataError(f"{path}:{line_no}: field {field!r} must be a non-empty string (got {json_kind(value)})")
+
+
+def id_field(obj: dict[str, Any], field: str, path: str | os.PathLike[str], line_no: int) -> str:
+    """`check_id` of obj[field], which must be present."""
+    return check_id(require(obj, field, path, line_no), field, path, line_no)
+
+
+def check_text(value: Any, field: str, path: str | os.PathLike[str], line_no: int) -> str:
+    """A text field: a string (maybe empty), never a null or number read as its spelling."""
+    if not isinstance(value, str):
+        raise DataError(f"{path}:{line_no}: field {field!r} must be a string (got {json_kind(value)})")
+    return value
+
+
+def text_field(obj: dict[str, Any], field: str, path: str | os.PathLike[str], line_no: int) -> str:
+    """`check_text` of obj[field], which must be present."""
+    return check_text(require(obj, field, path, line_no), field, path, line_no)
+
+
+def id_list(value: Any, field: str, path: str | os.PathLike[str], line_no: int) -> tuple[str, ...]:
+    """A JSON list of ids (`check_id` each)."""
+    if not isinstance(value, list):
+        raise DataError(f"{path}:{line_no}: field {field!r} must be a list of ids (got {json_kind(value)})")
+    return tuple(check_id(v, f"{field}[{i}]", path, line_no) for i, v in enumerate(value))
+
+
+def text_list(value: Any, field: str, path: str | os.PathLike[str], line_no: int) -> tuple[str, ...]:
+    """A JSON list of strings (`check_text` each)."""
+    if not isinstance(value, list):
+        raise DataError(f"{path}:{line_no}: field {field!r} must be a list of strings (got {json_kind(value)})")
+    return tuple(check_text(v, f"{field}[{i}]", path, line_no) for i, v in enumerate(value))
+
+
 def write_jsonl_atomic(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> int:
     """Writes rows to path via a temporary file and a rename, so a crash never leaves a half file."""
     count = 0
@@ -129,10 +201,7 @@ def read_examples(path: str | os.PathLike[str]) -> list[Example]:
     examples: list[Example] = []
     line_of_id: dict[str, int] = {}
     for line_no, row in read_jsonl(path):
-        try:
-            example = Example.from_json(row)
-        except KeyError as e:
-            raise DataError(f"{path}:{line_no}: missing field {e.args[0]!r}") from None
+        example = Example.from_json(row, path, line_no)
         if not normalize_query(example.query):  # as `t5r data tasks` refuses it; no encoder could embed it
             raise DataError(f"{path}:{line_no}: field 'query' is empty (example {example.id!r})")
         check_unique_id(path, line_no, example.id, line_of_id)
@@ -152,8 +221,8 @@ def read_negatives(path: str | os.PathLike[str]) -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {}
     line_of_id: dict[str, int] = {}
     for line_no, row in read_jsonl(path):
-        negatives = require(row, "negatives", path, line_no)
-        example_id = str(require(row, "id", path, line_no))
+        negatives = id_list(require(row, "negatives", path, line_no), "negatives", path, line_no)
+        example_id = id_field(row, "id", path, line_no)
         check_unique_id(path, line_no, example_id, line_of_id)
-        out[example_id] = tuple(str(n) for n in negatives)
+        out[example_id] = negatives
     return out

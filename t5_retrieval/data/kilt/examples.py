@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from t5_retrieval.data.records import DataError, Example, check_unique_id, read_jsonl, require
+from t5_retrieval.data.records import DataError, Example, check_id, check_unique_id, json_kind, read_jsonl, require
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.text import normalize_query
 
@@ -63,12 +63,12 @@ def kilt_file(input_dir: str, task: str, split: str) -> str:
     return path
 
 
-def _field(where: str, obj: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+def _field(where: str, obj: Any, key: str, kind: type, what: str) -> Any:
     if not isinstance(obj, dict) or key not in obj:
         raise DataError(f"{where}: missing field {key!r}")
     value = obj[key]
     if not isinstance(value, kind):
-        raise DataError(f"{where}: field {key!r} has type {type(value).__name__}")
+        raise DataError(f"{where}: field {key!r} must be {what} (got {json_kind(value)})")
     return value
 
 
@@ -90,14 +90,12 @@ def convert_task_file(path: str, task: str, store: PassageStore, best_passage: B
         where = f"{path}:{line_no}"
         stats.read += 1
         # The official scorer strips ids: "x" and "x " are one example there, so they are here.
-        example_id = str(require(row, "id", path, line_no)).strip()
-        if not example_id:
-            raise DataError(f"{where}: field 'id' is empty")
+        example_id = check_id(require(row, "id", path, line_no), "id", path, line_no)
         check_unique_id(path, line_no, example_id, line_of_id)
-        query = _field(where, row, "input", str)
+        query = _field(where, row, "input", str, "a string")
         if not normalize_query(query):
             raise DataError(f"{where}: field 'input' is empty (example {example_id!r})")
-        outputs = _field(where, row, "output", list)
+        outputs = _field(where, row, "output", list, "a list")
         gold_sets: list[tuple[str, ...]] = []
         answers: list[str] = []
         spans: dict[str, tuple[int, int]] = {}
@@ -110,11 +108,15 @@ def convert_task_file(path: str, task: str, store: PassageStore, best_passage: B
                 answers.append(answer)
             if "provenance" not in output:
                 continue
-            provenance = _field(f"{where}: output[{i}]", output, "provenance", list)
+            provenance = _field(f"{where}: output[{i}]", output, "provenance", list, "a list")
             pages: list[str] = []
             for j, prov in enumerate(provenance):
-                page = str(_field(f"{where}: output[{i}].provenance[{j}]", prov, "wikipedia_id", (str, int))).strip()
+                field = f"output[{i}].provenance[{j}]"
+                page = check_id(_field(f"{where}: {field}", prov, "wikipedia_id", object, "an id"),
+                                f"{field}.wikipedia_id", path, line_no)
                 bleu = prov.get("bleu_score")
+                if bleu is not None and (not isinstance(bleu, (int, float)) or isinstance(bleu, bool)):
+                    raise DataError(f"{where}: field '{field}.bleu_score' must be a number (got {json_kind(bleu)})")
                 if min_bleu is not None and bleu is not None and float(bleu) < min_bleu:
                     continue
                 if page not in pages:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from t5_retrieval import checksums
-from t5_retrieval.data.records import DataError, Passage, read_jsonl, require
+from t5_retrieval.data.records import DataError, Passage, check_id, id_field, read_jsonl, require, text_field
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
 from t5_retrieval.errors import ConfigError, remove_stale_temporaries, replaced_on_success
 
@@ -120,22 +120,14 @@ class _UniqueKeys:
             yield from read_jsonl(self.path)
 
 
-def _id(value: Any, field: str, path: str, line_no: int) -> str:
-    """A page or passage id as the KILT scorer compares ids: `str(value).strip()`, so `"demo00002 "`
-    is the page `demo00002` (not a second page), and never empty."""
-    key = str(value).strip()
-    if not key:
-        raise DataError(f"{path}:{line_no}: field {field!r} is empty; every passage and page needs an id")
-    return key
-
-
 def iter_knowledge_source(path: str, words_per_passage: int = 100) -> Iterator[tuple[Passage, Span]]:
     """Streams passages from a KILT knowledge source (jsonl: wikipedia_id, wikipedia_title, text)."""
     pages = _UniqueKeys(path, "page (wikipedia_id)", lambda row: str(row.get("wikipedia_id")).strip())
     for line_no, row in read_jsonl(path):
-        wikipedia_id = _id(require(row, "wikipedia_id", path, line_no), "wikipedia_id", path, line_no)
+        # Ids as the KILT scorer compares them (`records.check_id`): `"demo00002 "` is the page `demo00002`.
+        wikipedia_id = id_field(row, "wikipedia_id", path, line_no)
         pages.add(wikipedia_id, line_no)
-        title = str(require(row, "wikipedia_title", path, line_no))
+        title = text_field(row, "wikipedia_title", path, line_no)
         text = require(row, "text", path, line_no)
         if not isinstance(text, list) or not all(isinstance(p, str) for p in text):
             raise DataError(f"{path}:{line_no}: field 'text' must be a list of paragraph strings")
@@ -159,7 +151,8 @@ def iter_dpr_tsv(path: str) -> Iterator[tuple[Passage, Span | None]]:
                 raise DataError(f"{path}:{line_no}: expected 3 tab-separated fields (id, text, title), "
                                 f"got {len(fields)}")
             pid, text, title = fields
-            pid = _id(pid, "id", path, line_no)
+            pid = check_id(pid, "id", path, line_no)
+            check_id(title, "title", path, line_no)  # the page key: one line of page_map.tsv
             ids.add(pid, line_no)
             if text.startswith('"') and text.endswith('"'):
                 text = text[1:-1].replace('""', '"')
@@ -171,11 +164,15 @@ def iter_passages_jsonl(path: str) -> Iterator[tuple[Passage, Span | None]]:
     `kb/passages.jsonl`; they are stored as they are."""
     ids = _UniqueKeys(path, "passage id", lambda row: str(row.get("id")).strip())
     for line_no, row in read_jsonl(path):
-        fields = [_id(require(row, f, path, line_no), f, path, line_no) for f in ("id", "wikipedia_id")]
-        fields += [str(require(row, f, path, line_no)) for f in ("title", "text")]
+        fields = [id_field(row, f, path, line_no) for f in ("id", "wikipedia_id")]
+        fields += [text_field(row, f, path, line_no) for f in ("title", "text")]
         ids.add(fields[0], line_no)
         span = row.get("span")
-        yield Passage(*fields), (int(span[0]), int(span[1])) if isinstance(span, list) else None
+        if span is not None and not (isinstance(span, list) and len(span) == 2 and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in span)):
+            raise DataError(f"{path}:{line_no}: field 'span' must be [first paragraph, last paragraph] or null "
+                            f"(got {json.dumps(span)[:60]})")
+        yield Passage(*fields), (span[0], span[1]) if span is not None else None
 
 
 def source_format(path: str) -> str:
