@@ -16,7 +16,7 @@ from test_retrieval_serve import KB, address, get, make_service, post, search_fr
 
 from t5_retrieval import cli
 from t5_retrieval.data.stores import embedding_store
-from t5_retrieval.retrieval import fair_share, http_server, scann_index
+from t5_retrieval.retrieval import http_server, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,13 +194,19 @@ def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():
 
 # --- fair worker time ---------------------------------------------------------------------------
 
+def fair_share():
+    from t5_retrieval.retrieval import fair_share  # imported here: each test fails on its own before it existed
+
+    return fair_share
+
+
 def _record(log: list[str], name: str, seconds: float) -> str:
     time.sleep(seconds)
     log.append(name)
     return name
 
 
-async def _request(queue: fair_share.FairQueue, where: str, name: str, steps: int, seconds: float,
+async def _request(queue, where: str, name: str, steps: int, seconds: float,
                    log: list[str], finished: dict[str, float]) -> None:
     job = queue.begin(where)
     try:
@@ -213,7 +219,7 @@ async def _request(queue: fair_share.FairQueue, where: str, name: str, steps: in
 
 def test_a_range_flooding_the_workers_leaves_another_range_a_step_or_two_to_wait():
     async def scenario():
-        queue = fair_share.FairQueue(workers=1, max_queued=1000)
+        queue = fair_share().FairQueue(workers=1, max_queued=1000)
         log: list[str] = []
         finished: dict[str, float] = {}
         # Nine ranges, five requests of four 20 ms steps each: 3.6 s of work queued.
@@ -237,7 +243,7 @@ def test_a_range_flooding_the_workers_leaves_another_range_a_step_or_two_to_wait
 
 def test_a_flooding_range_gets_no_more_worker_time_than_the_others_when_all_wait():
     async def scenario():
-        queue = fair_share.FairQueue(workers=1, max_queued=1000)
+        queue = fair_share().FairQueue(workers=1, max_queued=1000)
         log: list[str] = []
         tasks = [asyncio.create_task(_request(queue, "10.0.0.0/24", f"heavy{q}", 4, 0.01, log, {})) for q in range(10)]
         tasks += [asyncio.create_task(_request(queue, "10.0.1.0/24", f"light{q}", 1, 0.01, log, {})) for q in range(10)]
@@ -253,7 +259,7 @@ def test_a_flooding_range_gets_no_more_worker_time_than_the_others_when_all_wait
 
 def test_when_the_queue_is_full_the_range_with_the_most_waiting_gives_up_its_newest():
     async def scenario():
-        queue = fair_share.FairQueue(workers=1, max_queued=3)
+        queue = fair_share().FairQueue(workers=1, max_queued=3)
         log: list[str] = []
         results = await asyncio.gather(
             *[_request(queue, "10.0.0.0/24", f"flood{q}", 1, 0.05, log, {}) for q in range(4)],
@@ -263,9 +269,9 @@ def test_when_the_queue_is_full_the_range_with_the_most_waiting_gives_up_its_new
 
     log, results = asyncio.run(scenario())
     assert "other.0" in log, (log, results)
-    refused = [r for r in results if isinstance(r, fair_share.Refused)]
+    refused = [r for r in results if isinstance(r, fair_share().Refused)]
     assert len(refused) == 1 and "your address range has the most requests waiting" in str(refused[0]), results
-    assert isinstance(results[3], fair_share.Refused), "the newest of the flooding range's requests gives way"
+    assert isinstance(results[3], fair_share().Refused), "the newest of the flooding range's requests gives way"
 
 
 async def _delayed(coroutine):
