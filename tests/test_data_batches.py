@@ -230,3 +230,33 @@ def test_the_iterator_trains_on_sampled_hard_negatives_when_asked(data_dir, voca
     assert not np.array_equal(first, sampled), "negatives drawn from 20 BM25 ranks differ from the top 2"
     with pytest.raises(ValueError, match="hard_negatives must be one of"):
         _iterator(data_dir, vocab, names=("demo_trex",), hard_negatives="random")
+
+
+@pytest.mark.parametrize("positive_passages", ["first", "cycle"])
+def test_cycled_positives_train_on_each_gold_page_in_turn_one_per_pass(data_dir, vocab, positive_passages):
+    """HotpotQA's questions have a positive passage on each of their two gold pages: "first" trains on
+    the first only (the default), "cycle" on the next one on every pass over the task."""
+    store = PassageStore.open(os.path.join(data_dir, "kb"))
+    spec = retrieval_tasks.describe(seqio.get_mixture_or_task("demo_hotpotqa"))
+    examples = read_examples(layout.examples_path(data_dir, spec.dataset, "train"))  # the iterator's rows, in order
+    two_pages = {e.id for e in examples if len(e.positive_passages) > 1}
+    assert two_pages, "the demo's HotpotQA has two-page questions"
+    it = _iterator(data_dir, vocab, names=("demo_hotpotqa",), local_data_devices=1,
+                   positive_passages=positive_passages)
+    size, n = it.subbatch_sizes[0], len(examples)
+    trained: dict[str, set[str]] = {}
+    for step in range(3 * n // size):
+        sub = next(it)["demo_hotpotqa"]
+        rows = it._rows(0, step)[0]  # which example each query of the step is
+        for i, row in enumerate(rows):
+            example = examples[row]
+            cycle = (step * size + i) // n
+            turn = cycle % len(example.positive_passages) if positive_passages == "cycle" else 0
+            expected = example.positive_passages[turn]
+            want = to_fixed_length(encode_with_eos_markers(vocab, passage_text(store.get(expected))), PLEN)
+            np.testing.assert_array_equal(sub["passage_tokens"][i * (1 + NNEG)], want, err_msg=f"{step} {i} {example.id}")
+            trained.setdefault(example.id, set()).add(expected)
+    both = [e for e in examples if e.id in two_pages and trained[e.id] == set(e.positive_passages)]
+    assert len(both) == (len(two_pages) if positive_passages == "cycle" else 0), (len(both), len(two_pages))
+    with pytest.raises(ValueError, match="positive_passages must be one of"):
+        _iterator(data_dir, vocab, names=("demo_hotpotqa",), positive_passages="all")

@@ -48,6 +48,7 @@ Batch: TypeAlias = "Mapping[str, Mapping[str, np.ndarray | jax.Array]]"
 _FILL_STREAM = 7919  # separates the random-negative RNG stream from the permutation streams
 _SAMPLE_STREAM = 104729  # and the stream that samples hard negatives from an example's list
 HARD_NEGATIVES = ("first", "sampled")
+POSITIVE_PASSAGES = ("first", "cycle")
 FEW_SHOT_SEED = 128  # fixes the few-shot subset, independent of the run seed and the host
 
 
@@ -56,6 +57,7 @@ class _TaskData:
     name: str
     query_tokens: np.ndarray      # int32[n, the task's query length]
     positives: np.ndarray         # int64[n] store indices
+    all_positives: np.ndarray     # int64[n, P] every positive (column 0 = positives), -1 = none
     negatives: np.ndarray         # int64[n, N] store indices, -1 = missing (filled at random)
     gold_pages: list[frozenset[str]]
     size: int                     # host-local sub-batch size
@@ -72,8 +74,10 @@ class TrainIterator:
 
     def __init__(self, tasks: list[_TaskData], store: PassageStore, vocab: Vocabulary, passage_len: int,
                  num_negatives: int, seed: int, host_index: int, host_count: int,
-                 features: dict[str, Any] | None = None, passage_table: np.ndarray | None = None):
+                 features: dict[str, Any] | None = None, passage_table: np.ndarray | None = None,
+                 positive_passages: str = "first"):
         self._tasks = tasks
+        self._positive_passages = positive_passages
         # How queries and passages become model inputs; recorded with checkpoints for inference.
         self.features = features or {}
         self._store = store
@@ -134,22 +138,31 @@ class TrainIterator:
             self._perm_cache[key] = rng.permutation(n)
         return self._perm_cache[key]
 
-    def _rows(self, task_index: int, step: int) -> np.ndarray:
+    def _rows(self, task_index: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The task's example rows of `step`, and for each the pass over the task (cycle) it is in."""
         task = self._tasks[task_index]
         n = len(task.positives)
         positions = np.arange(step * task.size, (step + 1) * task.size)
-        return np.array([self._permutation(task_index, int(p // n))[p % n] for p in positions])
+        return (np.array([self._permutation(task_index, int(p // n))[p % n] for p in positions]), positions // n)
+
+    def _positive(self, task: _TaskData, row: int, cycle: int) -> int:
+        """The row's positive passage: its first, or (``"cycle"``) its positives in turn, one per pass."""
+        if self._positive_passages == "first":
+            return int(task.positives[row])
+        row_positives = task.all_positives[row][task.all_positives[row] >= 0]
+        return int(row_positives[cycle % len(row_positives)])
 
     def _subbatch(self, task_index: int, task: _TaskData, step: int) -> dict[str, np.ndarray]:
-        rows = self._rows(task_index, step)
+        rows, cycles = self._rows(task_index, step)
         fill_rng = np.random.default_rng([self._seed, _FILL_STREAM, task_index, *self._host, step])
         passage_ids = []
-        for row in rows:
+        for row, cycle in zip(rows, cycles):
+            positive = self._positive(task, row, int(cycle))
             negs = [int(x) for x in task.negatives[row] if x >= 0]
             if len(negs) < self._num_negatives:
-                negs += self._random_negatives(fill_rng, task.gold_pages[row], int(task.positives[row]),
+                negs += self._random_negatives(fill_rng, task.gold_pages[row], positive,
                                                negs, self._num_negatives - len(negs))
-            passage_ids += [int(task.positives[row]), *negs]
+            passage_ids += [positive, *negs]
         if self._passage_table is not None:
             passages = {"passage_embeddings": self._passage_table[passage_ids]}
         else:
@@ -236,10 +249,16 @@ def _task_data(info: TaskSpec, examples: TaskExamples, negatives: dict[str, tupl
         raise DataError(f"seqio Task {info.name!r}: the query of example {bad!r} does not end with the vocabulary's "
                         f"end id {end}; end the Task's preprocessors with seqio.preprocessors.append_eos_after_trim "
                         "(add_retrieval_task does)")
+    width = max(len(examples.all_positives[i]) for i in usable)
+    all_positives = np.full((len(usable), width), -1, np.int64)
+    for r, i in enumerate(usable):
+        row = [store.index_of(p) for p in examples.all_positives[i]]
+        all_positives[r, : len(row)] = row
     return _TaskData(
         name=info.name,
         query_tokens=np.stack([_fit(examples.queries[i], query_len) for i in usable]),
         positives=np.array([store.index_of(examples.positives[i]) for i in usable], np.int64),
+        all_positives=all_positives,
         negatives=negs,
         gold_pages=[frozenset(examples.gold_pages[i]) for i in usable],
         size=size, skipped=len(examples) - len(usable), missing_negatives=missing)
@@ -249,7 +268,7 @@ def _subset(examples: TaskExamples, keep: Sequence[int] | np.ndarray) -> TaskExa
     return TaskExamples([examples.ids[i] for i in keep], [examples.queries[i] for i in keep],
                         [examples.positives[i] for i in keep],
                         None if examples.negatives is None else [examples.negatives[i] for i in keep],
-                        [examples.gold_pages[i] for i in keep])
+                        [examples.gold_pages[i] for i in keep], [examples.all_positives[i] for i in keep])
 
 
 @gin.configurable
@@ -260,7 +279,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                         max_examples_per_task: int | None = None, passage_template: str = PASSAGE_TEMPLATE,
                         passage_embeddings: str | None = None, cache_dir: str | None = None,
                         task_module: str | Sequence[str] | None = None,
-                        task_module_path: Sequence[str] = (), hard_negatives: str = "first") -> TrainIterator:
+                        task_module_path: Sequence[str] = (), hard_negatives: str = "first",
+                        positive_passages: str = "first") -> TrainIterator:
     """Builds the per-task training iterator over a registered seqio Mixture or Task.
 
     Names resolve through seqio (`retrieval_tasks.resolve`); per-device sub-batch sizes come from the
@@ -285,6 +305,11 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     by `seed` and the example id: `choose_negatives`); when an example has fewer, the rest are
     random KB passages outside its gold pages, drawn deterministically from (seed, task, host, step).
     Examples without a positive passage in the KB are skipped and counted (logged).
+
+    Positives: an example with several positive passages (HotpotQA's two gold pages) trains on its
+    first (``positive_passages="first"``, as the TACO and DPR scripts do) or on each in turn, the
+    next one on every pass over its task (``"cycle"``: a pure function of the step, so resume is
+    exact).
     Each host reads examples i with i % host_count == host_index (seqio.ShardInfo style).
     `passage_template` is how a passage becomes text (`text.PASSAGE_TEMPLATES`; recorded in the
     features). `max_examples_per_task` keeps a fixed random subset of each task (MT-DPR's few-shot
@@ -301,6 +326,9 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     gin_utils.import_modules(task_module, task_module_path)
     if hard_negatives not in HARD_NEGATIVES:
         raise ConfigError(f"make_train_iterator.hard_negatives must be one of {HARD_NEGATIVES}, got {hard_negatives!r}")
+    if positive_passages not in POSITIVE_PASSAGES:
+        raise ConfigError(f"make_train_iterator.positive_passages must be one of {POSITIVE_PASSAGES}, "
+                          f"got {positive_passages!r}")
     if not 0 <= host_index < host_count:
         raise ValueError(f"host_index {host_index} not in [0, {host_count})")
     vocab = _load_vocabulary(vocabulary)
@@ -351,7 +379,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     if passage_embeddings is not None:
         table, features["passage_embeddings"] = passage_table(passage_embeddings, store)
     return TrainIterator(task_data, store, vocab, passage_len, num_negatives, seed, host_index, host_count,
-                         features, table)
+                         features, table, positive_passages)
 
 
 def _negatives_hint(data_dir: str, negatives_dir: str, info: TaskSpec, split: str,

@@ -30,7 +30,7 @@ from t5_retrieval.data.records import DataError
 from t5_retrieval.data.tasks.retrieval_tasks import vocabulary_identity
 from t5_retrieval.errors import remove_stale_temporaries, replaced_on_success
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every positive passage of an example ("positives"), not only the first
 REQUIRED_FEATURES = ("id", "query", "positive")
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,13 @@ class TaskExamples:
     positives: list[str]                           # KB passage id, "" = none
     negatives: list[tuple[str, ...]] | None        # None when the Task has no "negatives" feature
     gold_pages: list[tuple[str, ...]]
+    # Every positive passage, the first being `positives[i]` (one per gold page, e.g. HotpotQA's two);
+    # (positives[i],) for a Task without the optional "positives" feature.
+    all_positives: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.all_positives:
+            self.all_positives = [(p,) if p else () for p in self.positives]
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -140,6 +147,11 @@ def _strings(value: Any) -> tuple[str, ...]:
         if np.size(value) else ()
 
 
+def _with_first(first: str, positives: tuple[str, ...]) -> tuple[str, ...]:
+    """An example's positives with its "positive" first (a Task may list it anywhere, or not at all)."""
+    return ((first,) if first else ()) + tuple(p for p in positives if p and p != first)
+
+
 def _rows(value: Any) -> list[Any]:
     """A batched feature as one entry per example: ragged (variable length) or dense."""
     if hasattr(value, "row_splits"):  # a RaggedTensorValue: [batch, None]
@@ -162,13 +174,16 @@ def _read(task: Any, split: str, query_len: int | None, batch_size: int = 1024) 
     if query_spec.shape.rank != 1 or not query_spec.dtype.is_integer:
         raise DataError(f"seqio Task {task.name!r} ({split}): \"query\" must be token ids (int[n]), got "
                         f"{query_spec.dtype.name}{query_spec.shape}; tokenise it in the Task")
-    out = TaskExamples([], [], [], [] if "negatives" in ds.element_spec else None, [])
+    out = TaskExamples([], [], [], [] if "negatives" in ds.element_spec else None, [], [])
     for batch in ds.ragged_batch(batch_size).as_numpy_iterator():
         out.ids += [_strings(v)[0] for v in _rows(batch["id"])]
         out.queries += [np.asarray(q, np.int32) for q in _rows(batch["query"])]
         out.positives += [_strings(v)[0] if np.size(v) else "" for v in _rows(batch["positive"])]
         n = len(_rows(batch["id"]))
         out.gold_pages += [_strings(v) for v in _rows(batch["gold_pages"])] if "gold_pages" in batch else [()] * n
+        first = out.positives[-n:]
+        out.all_positives += ([_with_first(f, _strings(v)) for f, v in zip(first, _rows(batch["positives"]))]
+                              if "positives" in batch else [(f,) if f else () for f in first])
         if out.negatives is not None:
             out.negatives += [_strings(v) for v in _rows(batch["negatives"])]
     return out
@@ -181,7 +196,7 @@ def _read(task: Any, split: str, query_len: int | None, batch_size: int = 1024) 
 def _save(examples: TaskExamples, path: str) -> None:
     lengths = np.array([len(q) for q in examples.queries], np.int64)
     strings = {"ids": examples.ids, "positives": examples.positives, "gold_pages": examples.gold_pages,
-               "negatives": examples.negatives}
+               "negatives": examples.negatives, "all_positives": examples.all_positives}
     with replaced_on_success(path, ".npz") as tmp:
         np.savez(tmp, query_tokens=np.concatenate(examples.queries or [np.zeros(0, np.int32)]),
                  query_lengths=lengths, strings=np.array(json.dumps(strings)))
@@ -194,7 +209,7 @@ def _load(path: str) -> TaskExamples:
     negatives = strings["negatives"]
     return TaskExamples(strings["ids"], list(queries), strings["positives"],
                         None if negatives is None else [tuple(n) for n in negatives],
-                        [tuple(g) for g in strings["gold_pages"]])
+                        [tuple(g) for g in strings["gold_pages"]], [tuple(p) for p in strings["all_positives"]])
 
 
 def cache_path(task: Any, split: str, cache_dir: str, query_len: int | None = None) -> str:

@@ -5,6 +5,8 @@ A retrieval Task is any `seqio.Task` whose examples, after its preprocessors, ca
   "id"          string    unique within a split (joins mined negatives files to examples)
   "query"       int32[n]  token ids in the vocabulary's conventions, ending with its end id
   "positive"    string    a KB passage id (training); "" = none in the KB, the example is skipped
+  "positives"   string[p] optional: every positive passage (e.g. one per gold page), which
+                          `make_train_iterator.positive_passages = 'cycle'` trains on in turn
   "negatives"   string[m] optional: KB passage ids of hard negatives (a negatives directory wins)
   "gold_pages"  string[g] optional: page ids never drawn as random negatives (and graded in eval)
 
@@ -196,6 +198,7 @@ def _kilt_examples(split: str, shuffle_files: bool, seed: int | None = None, *, 
         "query": tf.constant([e.query for e in examples], tf.string),
         "positive": tf.constant([e.positive_passages[0] if e.positive_passages else "" for e in examples],
                                 tf.string),
+        "positives": _string_lists([list(e.positive_passages) for e in examples]),
         "gold_pages": _string_lists([sorted({p for s in e.gold_pages for p in s}) for e in examples]),
     }
     return tf.data.Dataset.from_tensor_slices(features)
