@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5_retrieval import checkpoint, sharding
+from t5_retrieval import artefact_io, checkpoint, sharding
 from t5_retrieval.data.records import Passage, write_json_atomic
 from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
@@ -294,8 +294,15 @@ def write_base_record(model_dir: str, base_dir: str, base_fingerprint: str, **in
 
 
 def read_base_record(model_dir: str) -> dict[str, Any]:
-    with open(os.path.join(model_dir, QUERY_SIDE_FILE)) as f:
-        return json.load(f)
+    """A query-side model's `query_side.json`: a regular file of the directory, bounded, an object
+    whose `base_checkpoint` is a path and `base_fingerprint` a string."""
+    path = os.path.join(model_dir, QUERY_SIDE_FILE)
+    record = artefact_io.load_json_object(path, model_dir, 1 << 20, checkpoint.CheckpointError)
+    for field in ("base_checkpoint", "base_fingerprint"):
+        if not isinstance(record.get(field), str) or not record[field]:
+            raise checkpoint.CheckpointError(f"{path}: field {field!r} is {json.dumps(record.get(field))[:60]}, "
+                                             "expected a non-empty string")
+    return record
 
 
 def base_dir_of(model_dir: str) -> str:

@@ -232,6 +232,14 @@ def test_deeply_nested_json_in_a_record_or_manifest_is_one_line(tiny, tmp_path, 
     refused(argv, capsys, os.path.join(directory, name), "nested deeper than 64 levels")
 
 
+def test_a_query_side_record_nested_too_deep_is_one_line(tiny, tmp_path, capsys, clean_gin):
+    model_dir = copy(tiny.model_dirs[0], tmp_path / "query_side")
+    record = os.path.join(model_dir, "query_side.json")
+    with open(record, "w") as f:
+        f.write(DEEP)
+    refused(eval_argv(tiny, str(tmp_path / "eval"), model_dir=model_dir), capsys, record, "nested deeper")
+
+
 def test_a_stamp_nested_too_deep_is_ignored_and_every_file_hashed(tiny, tmp_path, capsys, clean_gin):
     index_dir = copy(tiny.index_dirs[0], tmp_path / "index")
     with open(os.path.join(index_dir, checksums.STAMP_FILE), "w") as f:
@@ -274,6 +282,7 @@ FILES = {  # what t5r index opens in an embeddings directory, and whether the co
     "record": (checksums.CHECKSUMS_FILE, True),
     "shard sidecar": ("shard-00000-of-00001.npy.sha256.json", True),
     "manifest": ("manifest.json", True),
+    "shard": ("shard-00000-of-00001.npy", True),
     "stamp": (checksums.STAMP_FILE, False),  # a cache: without it every file is hashed
 }
 

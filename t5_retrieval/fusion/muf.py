@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from t5_retrieval import artefact_io
 from t5_retrieval.errors import ConfigError
 
 ENSEMBLE_JSON = "ensemble.json"
@@ -326,8 +327,7 @@ class Ensemble:
         path = os.path.join(directory, ENSEMBLE_JSON)
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: not an ensemble directory (no {ENSEMBLE_JSON})")
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
+        meta = artefact_io.load_json_object(path, directory, 1 << 20, ConfigError)
         config = EnsembleConfig(**meta["config"])
         template = init_members(config, int(meta["dim"]), jax.random.PRNGKey(0))
         with open(os.path.join(directory, PARAMS_FILE), "rb") as f:

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import gin
 import numpy as np
 
-from t5_retrieval import checksums
+from t5_retrieval import artefact_io, checksums
 from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
 from t5_retrieval.data.stores.passages import ids_digest
 from t5_retrieval.errors import ConfigError, UserError, disk_full, remove_stale_temporaries, replaced_on_success
@@ -165,6 +165,10 @@ def shard_problem(directory: str, manifest: Manifest, shard: int) -> str | None:
     path = os.path.join(directory, manifest.shard_name(shard))
     if not os.path.exists(path):
         return "missing"
+    try:  # a FIFO would block np.load, a link out of the directory is not this run's shard
+        artefact_io.check_regular(path, directory, EmbeddingsError)
+    except EmbeddingsError as e:
+        return str(e).partition(": ")[2]
     start, stop = manifest.shard_rows(shard)
     expected = (stop - start, manifest.dim)
     try:

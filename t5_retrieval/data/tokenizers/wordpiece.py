@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import re
 import sys
@@ -35,6 +34,7 @@ import seqio
 import tensorflow as tf
 import tokenizers
 
+from t5_retrieval import artefact_io
 from t5_retrieval.data.records import DataError
 from t5_retrieval.data.tokenizers.conventions import PAD_ID, TokenConventions
 
@@ -187,8 +187,8 @@ class WordPieceVocabulary(seqio.Vocabulary):
         config_file = os.path.join(os.path.dirname(vocab_file), "tokenizer_config.json")
         lower_case = True
         if os.path.exists(config_file):
-            with open(config_file) as f:
-                lower_case = bool(json.load(f).get("do_lower_case", True))
+            config = artefact_io.load_json_object(config_file, None, 1 << 20, DataError)
+            lower_case = bool(config.get("do_lower_case", True))
         return cls(vocab_file, lower_case=lower_case)
 
     # -- seqio.Vocabulary ----------------------------------------------------------------------
