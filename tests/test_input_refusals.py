@@ -323,6 +323,34 @@ def test_a_second_train_on_a_model_dir_is_refused_and_a_killed_runs_lock_taken_o
     assert open(lock).read() == "", "a run that ends clears its entry"
 
 
+def test_a_multi_process_job_on_a_locked_model_dir_stops_in_every_process_without_hanging(tmp_path):
+    """Process 0 takes the lock and tells the others: both exit 2 (no process waits in a collective)."""
+    from process_harness import job_flags
+    from process_harness import start as start_process
+
+    from t5_retrieval.errors import directory_lock
+
+    model_dir = str(tmp_path / "model")
+    os.makedirs(model_dir)
+    command = ["train", f"--model_dir={model_dir}", *TINY, "--gin.train.num_steps=2"]
+    logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
+    with directory_lock(os.path.join(model_dir, "t5r_train.lock"), "model directory"):  # another run holds it
+        procs = [start_process(flags, command, log, 1) for flags, log in zip(job_flags(2), logs)]
+        try:
+            for proc in procs:
+                proc.wait(timeout=TIMEOUT_S)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    texts = [open(log).read() for log in logs]
+    assert [proc.returncode for proc in procs] == [2, 2], texts
+    assert f"another run is writing this model directory (pid {os.getpid()} on host " in texts[0], texts[0][-2000:]
+    assert "process 0 of this job found the model directory in use by another run" in texts[1], texts[1][-2000:]
+    assert sorted(os.listdir(model_dir)) == ["t5r_train.lock"], "neither process wrote the model directory"
+
+
 # --- accepting a pending artefact ---------------------------------------------------------------------
 
 
