@@ -337,7 +337,8 @@ def search_app(service: SearchService, pool: FairQueue, bodies: BodyBudget, toke
             with admitted(request) as job:
                 steps = service.search_steps(body, QUERIES_PER_STEP)
                 while (done := await pool.run(job, answer_step, service, steps)) is None:
-                    pass
+                    if await request.is_disconnected():  # nobody waits for the rest: give the workers to others
+                        return Response(status_code=HTTPStatus.REQUEST_TIMEOUT)
         status, reply = done
         return Response(reply, status, media_type="application/json")
 

@@ -17,7 +17,12 @@ uvicorn lacks, in a protocol that wraps uvicorn's own and sees each connection f
   clients, a body that does not arrive included, hold a socket until then, never a thread;
 - JSON bodies for the errors uvicorn answers itself (a malformed request, 400; a head that h11
   finds too long before it ends, 431);
-- Nagle off on every connection (asyncio sets it only on sockets it made itself).
+- Nagle off on every connection (asyncio sets it only on sockets it made itself);
+- descriptors: `max_connections` fitted to RLIMIT_NOFILE (`fit_to_descriptors`), and accept failures
+  for want of them waited out quietly (`ListeningSocket`, and `_Uvicorn`, which puts an error
+  handler on uvicorn's event loop before it accepts);
+- a warm-up before the socket listens (`SearchServer`): nothing imported or compiled on a client's
+  first request.
 
 Where each request stands (head in, body in, reply out) comes from a small ASGI middleware around
 the app (`RequestPhases`), which finds its connection by the client address and port uvicorn puts
@@ -132,6 +137,7 @@ OPTION_RANGES: dict[str, tuple[float, float]] = {
 # with a reply being written), and one more connection to refuse with 503.
 DESCRIPTOR_HEADROOM = 64
 RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # accept failures to wait out
+GRACEFUL_SHUTDOWN_S = 5  # on SIGTERM, requests under way get this long to finish, then are cancelled
 ACCEPT_QUIET_S = 0.5  # after one, accept is not retried for this long (asyncio retries after 1 s)
 
 
@@ -547,6 +553,7 @@ class SearchServer:
             log_config=None, access_log=False, proxy_headers=False, server_header=False,
             headers=[("Server", "t5r-serve")], backlog=LISTEN_BACKLOG,
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             # An idle connection's deadline too; uvicorn hands it to call_later, which takes a float.
             timeout_keep_alive=self.options.read_timeout_s))  # type: ignore[arg-type]
         self._stopped = threading.Event()
