@@ -48,8 +48,8 @@ def _accept(directory: str, reason: str | None) -> tuple[int, int]:
     if pending and not reason:
         raise checksums.ChecksumError(
             f"{directory}: {checksums.PENDING_FILE} says a t5r run was writing this artefact and stopped before it "
-            "finished, so its files may be incomplete and --accept would vouch for them; rebuild it with the command "
-            "that wrote it (`t5r index` for an index), or, if you have checked every file: "
+            "finished, so its files may be incomplete and --accept would vouch for them; run the command that wrote it "
+            "again to rebuild it, or, if you have checked every file: "
             f"t5r checksum --accept --reason='<what you checked>' {shell_command([directory])}")
     accepted = {"reason": reason, "at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                 "was_pending": pending} if reason else None
