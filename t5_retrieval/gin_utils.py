@@ -14,6 +14,7 @@ from typing import Any
 
 import gin
 
+from t5_retrieval import artefact_io
 from t5_retrieval.errors import ConfigError, UserError
 
 # The project's gin files ship inside the package (a wheel carries them; `gin_configs/` at the top
@@ -57,6 +58,7 @@ def _string_literal(value: str, name: str) -> str:
 
 
 _COMMAND_LINE: list[str] = []  # the `--gin.X=v` bindings `parse_args` applied
+GIN_FILE_BYTES = 64 << 20  # the most of a config.gin `operative_values` reads (a run's is a few KiB)
 OPERATIVE_CONFIG = "config.gin"  # in a model directory: the gin bindings its training run used (t5x's name)
 _FILE_LOADED: dict[str, Any] = {}  # modules `import_modules` ran from a file under a name another module holds
 
@@ -197,8 +199,9 @@ def recorded_task_modules(config_path: str) -> tuple[list[str], list[str]]:
     """The MIXTURE_OR_TASK_MODULE(s) a training run's config.gin records
     (`make_train_iterator.task_module`) and the directories to import them from
     (`make_train_iterator.task_module_path`); nothing for a file that records none."""
-    if not os.path.exists(config_path):
+    if not os.path.lexists(config_path):
         return [], []
+    artefact_io.check_regular(config_path, os.path.dirname(config_path) or ".")  # the model directory's own
     modules: list[str] = []
     for value in operative_values(config_path, "make_train_iterator", "task_module"):
         modules += [value] if isinstance(value, str) else list(value or ())
@@ -285,8 +288,7 @@ def operative_values(config_path: str, configurable: str, parameter: str) -> lis
     parts = configurable.split(".")
     names = "|".join(re.escape(".".join(parts[i:])) for i in range(len(parts)))
     pattern = re.compile(rf"^(?:\S+/)?(?:{names})\.{re.escape(parameter)}\s*=\s*(.+?)\s*$")
-    with open(config_path) as f:
-        lines = _statements(f.read())
+    lines = _statements(artefact_io.read_text(config_path, GIN_FILE_BYTES))  # a regular file, bounded
     macros: dict[str, str] = dict((m[1], m[2]) for line in lines if (m := re.match(r"^([A-Z_][A-Z0-9_]*)\s*=\s*(.+?)\s*$", line)))
 
     def literal(text: str) -> Any:
