@@ -277,3 +277,42 @@ def test_when_the_queue_is_full_the_range_with_the_most_waiting_gives_up_its_new
 async def _delayed(coroutine):
     await asyncio.sleep(0.01)
     return await coroutine
+
+
+class SlowEncoder(HashedBagOfWordsEncoder):
+    """30 ms per encode call, like a model: a search of 64 queries is 8 steps, 240 ms of worker time."""
+
+    def encode_queries(self, texts, task):
+        time.sleep(0.03)
+        return super().encode_queries(texts, task)
+
+
+def test_over_http_a_range_flooding_with_the_largest_searches_leaves_another_range_served_quickly(kb_index):
+    heavy = json.dumps({"task": "nq", "queries": ["capital of Germany"] * 64, "k": 4}).encode()
+    light = json.dumps({"task": "nq", "query": "highest mountain", "k": 1}).encode()
+    with serving(make_service(kb_index, SlowEncoder(dim=256)), workers=1) as url:
+        stop = threading.Event()
+        flood_statuses: list[int] = []
+
+        def flood(source: str) -> None:
+            while not stop.is_set():
+                flood_statuses.append(search_from(url, heavy, source)[0])
+
+        # Eight clients of one /24 (two addresses): FIFO, each light search would wait ~8 x 240 ms.
+        threads = [threading.Thread(target=flood, args=(f"127.0.1.{2 + i % 2}",)) for i in range(8)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(0.5)
+            latencies = []
+            for _ in range(5):
+                start = time.perf_counter()
+                status, reply = search_from(url, light, "127.0.0.1")
+                latencies.append(time.perf_counter() - start)
+                assert status == 200 and reply["results"][0]["title"] == "Mount Everest", (status, reply)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+    assert max(latencies) < 0.5, f"latencies {[round(x, 3) for x in latencies]} s beside a flood of 240 ms searches"
+    assert flood_statuses and set(flood_statuses) == {200}, "the flooding range is served too, in its turn"

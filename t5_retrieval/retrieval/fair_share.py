@@ -2,15 +2,17 @@
 
 A request is run as a few *steps* (parse and the first queries, then the next `QUERIES_PER_STEP`
 queries each), and each step waits in its range's queue for a worker. When a worker is free, the
-next step is taken from the waiting range that has used the least worker time (wall seconds its
-steps ran), the earliest to arrive among equals; within a range, first in, first out, a request's
-later steps before the range's new requests. Only ranges with work in flight are tracked, and a
+next step is taken from the waiting range that runs the fewest steps now and, among those, has
+used the least worker time (wall seconds its steps ran), the earliest to arrive among equals; within
+a range, first in, first out, a request's later steps before the range's new requests. So a range
+gets a second worker only when every waiting range has one. Only ranges with work in flight are tracked, and a
 range that starts again begins at the least time of those in flight, so time not used is not
 banked (start-time fair queueing, as Linux's CFS schedules threads).
 
-The bound: a request whose range has nothing else waiting is next in line as soon as it arrives,
-so it waits for one worker to finish the step it runs (at most `QUERIES_PER_STEP` queries of
-`max_k` results), however many ranges flood the server with the most expensive searches.
+The bound: a request whose range has nothing else in flight is next in line as soon as it arrives
+(unless ranges with no step running and less time used wait too: one step each), so it waits for
+one worker to finish the step it runs (at most `QUERIES_PER_STEP` queries of `max_k` results),
+however many ranges flood the server with the most expensive searches.
 
 How many requests may wait: `workers` run and `max_queued` more wait, counted per request. When
 all are taken, a newcomer whose range has at least two fewer requests in flight than the range
@@ -61,6 +63,7 @@ class FairQueue:
         self.clock = clock
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="t5r-serve")
         self.running = 0
+        self._running_by_range: collections.Counter[str] = collections.Counter()
         self.used: dict[str, float] = {}  # worker seconds of each range with requests in flight
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._arrival: dict[str, int] = {}  # tie-breaker: when the range last started being tracked
@@ -104,8 +107,7 @@ class FairQueue:
         except BaseException:
             started = step.started
             if started.done() and not started.cancelled() and started.exception() is None:
-                self.running -= 1  # it had a worker, and was cancelled before it ran
-                self._dispatch()
+                self._finished(step.where)  # it had a worker, and was cancelled before it ran
             else:
                 self._forget(step)
             raise
@@ -116,17 +118,25 @@ class FairQueue:
         finally:
             if request.where in self.used:
                 self.used[request.where] += timed.elapsed
-            self.running -= 1
-            self._dispatch()
+            self._finished(step.where)
+
+    def _finished(self, where: str) -> None:
+        self.running -= 1
+        self._running_by_range[where] -= 1
+        if not self._running_by_range[where]:
+            del self._running_by_range[where]
+        self._dispatch()
 
     def _dispatch(self) -> None:
         while self.running < self.workers and self._queues:
-            where = min(self._queues, key=lambda w: (self.used.get(w, 0.0), self._arrival.get(w, 0)))
+            where = min(self._queues, key=lambda w: (self._running_by_range[w], self.used.get(w, 0.0),
+                                                     self._arrival.get(w, 0)))
             queue = self._queues[where]
             step = queue.popleft()
             if not queue:
                 del self._queues[where]
             self.running += 1
+            self._running_by_range[where] += 1
             step.started.set_result(None)
 
     def _forget(self, step: _Step) -> None:

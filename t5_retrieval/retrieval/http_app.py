@@ -277,10 +277,11 @@ def json_bytes(reply: Any) -> bytes:
 def answer_step(service: SearchService, steps: Generator[None, None, dict[str, Any]]) -> tuple[int, bytes] | None:
     """Runs one step of a search on a worker thread: None if more remain, else (status, JSON reply)."""
     try:
-        next(steps)
-        return None
-    except StopIteration as done:
-        return HTTPStatus.OK, json_bytes(done.value)
+        try:
+            next(steps)
+            return None
+        except StopIteration as done:
+            return HTTPStatus.OK, json_bytes(done.value)  # inside the outer try: a reply that cannot render is a 500
     except RequestError as e:
         return e.status, json_bytes({"error": str(e)})
     except Exception as e:  # A bug must cost one request, not the server.

@@ -135,7 +135,8 @@ OPTION_RANGES: dict[str, tuple[float, float]] = {
 # Descriptors kept for what is not a connection: the listening socket, the event loop's, logs, the
 # model's and index's files opened later, the store's shard a search reads (one per worker thread, two
 # with a reply being written), and one more connection to refuse with 503.
-DESCRIPTOR_HEADROOM = 64
+DESCRIPTOR_HEADROOM = 96
+ACCEPT_BATCH = 16  # connections asyncio accepts in one go (the rest wait in the listen backlog)
 RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # accept failures to wait out
 GRACEFUL_SHUTDOWN_S = 5  # on SIGTERM, requests under way get this long to finish, then are cancelled
 ACCEPT_QUIET_S = 0.5  # after one, accept is not retried for this long (asyncio retries after 1 s)
@@ -187,6 +188,13 @@ class ListeningSocket(socket.socket):
     failure is logged at most once every 10 s."""
 
     quiet_until = 0.0
+
+    def listen(self, backlog: int = LISTEN_BACKLOG) -> None:
+        """asyncio passes its `backlog` both to listen() and as the number of connections to accept in
+        one go; it is given ACCEPT_BATCH, so that a burst of connections to refuse (each holds a
+        descriptor until the loop closes it, an iteration later) cannot take the descriptors kept
+        for files, while the kernel still queues LISTEN_BACKLOG."""
+        super().listen(LISTEN_BACKLOG)
 
     def accept(self) -> tuple[socket.socket, Any]:
         if time.monotonic() < self.quiet_until:
@@ -551,7 +559,7 @@ class SearchServer:
             app, http=functools.partial(GuardedProtocol, table),  # type: ignore[arg-type]
             ws="none", lifespan="off", loop="asyncio", interface="asgi3",
             log_config=None, access_log=False, proxy_headers=False, server_header=False,
-            headers=[("Server", "t5r-serve")], backlog=LISTEN_BACKLOG,
+            headers=[("Server", "t5r-serve")], backlog=ACCEPT_BATCH,  # see ListeningSocket.listen
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             # An idle connection's deadline too; uvicorn hands it to call_later, which takes a float.
