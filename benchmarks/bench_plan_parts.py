@@ -62,10 +62,11 @@ def planned(plan_argv: list[str]) -> Planned:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--topology", required=True)
+    parser.add_argument("--per_tensorcore", action="store_true")
     args = parse_args(parser, [*(f"--gin.{b.replace(' = ', '=')}" for b in plan_command.UNREAD_MACROS),
                                *plan_argv], reads=TASK_MODULE)
     settings = plan_command.train_settings()
-    target = planner.describe_topology(args.topology, 1)
+    target = planner.describe_topology(args.topology, 1, args.per_tensorcore)
     rules = sharding.logical_axis_rules()
     return Planned(settings, model_config(), sharding.make_mesh(devices=target.devices), rules,
                    steps.task_shapes(settings), target)
@@ -216,8 +217,8 @@ def main(argv: list[str]) -> int:
 
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(`t5r plan` flags: --topology, --gin_file, --gin.*; this script's own options)."""
-    plan_flags = ("--topology", "--gin_file", "--gin.")
+    """(`t5r plan` flags: --topology, --per_tensorcore, --gin_file, --gin.*; this script's own options)."""
+    plan_flags = ("--topology", "--per_tensorcore", "--gin_file", "--gin.")
     plan, own = [], []
     for arg in argv:
         (plan if arg.startswith(plan_flags) else own).append(arg)

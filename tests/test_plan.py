@@ -165,15 +165,35 @@ def test_tiny_t5_compiles_for_v5e_with_per_device_state_as_counted(layout, extra
         assert report["problems"] == []
 
 
-def test_v4_topology_compiles_per_tensor_core():
+def test_v4_is_planned_as_jax_runs_it_one_megacore_device_per_chip():
+    """JAX runs a v4 chip as one device (both TensorCores, the chip's 32 GiB); libtpu's default chip
+    configuration would describe two devices of 16 GiB."""
     report = plan_json("v4:2x2x1", "fsdp")
-    # libtpu describes a v4 chip as two devices (its TensorCores), each with half the chip's HBM.
+    assert report["devices"] == 4 and report["mesh"]["data"] * report["mesh"]["model"] == 4, report["mesh"]
+    assert report["chip"]["chip_config"] == "megacore" and report["chip"]["devices_per_chip"] == 1
+    assert report["chip"]["hbm_bytes_per_device"] == 32 * 1024 ** 3
+    assert report["chip"]["peak_bf16_flops_per_device"] == 275e12
+    assert report["steps"]["train"]["peak_bf16_flops"] == 4 * 275e12
+    assert report["steps"]["train"]["memory_per_device"]["params"] == expected_param_bytes("fsdp", report["mesh"])
+    assert report["steps"]["train"]["fits"] and report["steps"]["train"]["estimated_step_seconds"]
+
+
+def test_v4_per_tensorcore_plans_two_devices_per_chip():
+    report = plan_json("v4:2x2x1", "fsdp", "--per_tensorcore")
     assert report["devices"] == 8
+    assert report["chip"]["chip_config"] == "per_tensorcore" and report["chip"]["devices_per_chip"] == 2
     assert report["chip"]["hbm_bytes_per_device"] == 16 * 1024 ** 3
     assert report["chip"]["peak_bf16_flops_per_device"] == 275e12 / 2
     # MFU divides by the peak of all 4 chips
     assert report["steps"]["train"]["peak_bf16_flops"] == 4 * 275e12
     assert report["steps"]["train"]["memory_per_device"]["params"] == expected_param_bytes("fsdp", report["mesh"])
+
+
+def test_per_tensorcore_is_refused_for_chips_libtpu_describes_as_one_device():
+    code, out, err = run_plan("--topology", "v5e:2x2", *TINY, "--per_tensorcore")
+    assert code == 2 and out == ""
+    assert err.strip() == ("t5r plan: error: --per_tensorcore: only v4 chips can be planned per TensorCore "
+                           "(libtpu describes a v5e chip as one device); drop the flag for --topology=v5e:2x2"), err
 
 
 def test_parameters_a_rule_set_leaves_unsharded_are_reported():
@@ -201,6 +221,7 @@ def test_parameters_a_rule_set_leaves_unsharded_are_reported():
 def test_json_report_schema():
     report = plan_json("v5e:2x2", "data_parallel", *WITH_DROPOUT)  # the plan of the first test, cached
     assert set(report) == REPORT_KEYS
+    assert report["chip"]["chip_config"] == "default" and report["chip"]["devices_per_chip"] == 1
     assert report["compiler"] == {"jax": jax.__version__, "libtpu": libtpu_version()}
     for name in ("train", "encode"):
         step = report["steps"][name]
@@ -404,7 +425,10 @@ def _t5_base_mesh_and_config(*bindings: str) -> tuple[object, dict]:
         config = model_config()
     finally:
         gin.clear_config()
-    devices = planner.describe_topology("v4:2x2x1" if not bindings else "v5e:2x2", 1).devices
+    # T5-base on v4's TensorCores: the programs these tests' figures were read from
+    target = planner.describe_topology("v4:2x2x1", 1, per_tensorcore=True) if not bindings else \
+        planner.describe_topology("v5e:2x2", 1)
+    devices = target.devices
     return Mesh(np.array(devices).reshape(len(devices), 1), ("data", "model")), config
 
 

@@ -67,6 +67,9 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:4x4, v4:2x2x1, v5p:4x4x4")
     parser.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN (the data axis spans them)")
+    parser.add_argument("--per_tensorcore", action="store_true",
+                        help="v4 only: one device per TensorCore (2 per chip, 16 GiB each) instead of one megacore "
+                             "device per chip (32 GiB), which is how JAX runs v4 by default")
     parser.add_argument("--replicated_mib", type=float, default=1.0,
                         help="report parameters at least this large that a sharding layout leaves replicated")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (for tools)")
@@ -75,7 +78,7 @@ def main(argv: list[str]) -> int:
     rules = sharding.logical_axis_rules()
     layout = next(name for name, r in sharding.LAYOUTS.items() if r == rules)
     report = planner.plan(args.topology, args.num_slices, layout, rules, model_config(), train_settings(),
-                          int(args.replicated_mib * planner.MIB))
+                          int(args.replicated_mib * planner.MIB), per_tensorcore=args.per_tensorcore)
     print(json.dumps(report, indent=1) if args.json else planner.format_text(report))
     train_step = report["steps"]["train"]
     if not train_step["fits"]:

@@ -1,7 +1,8 @@
 """Published per-chip constants of the TPU generations `t5r plan` compiles for, in one table.
 
-A JAX device is a TensorCore where a chip shows two (v4 topologies as libtpu describes them), so
-per-device figures divide the chip's by the devices per chip `planner` observes.
+A JAX device is a chip, or a TensorCore where a chip shows two (v4 planned with
+`--per_tensorcore`), so per-device figures divide the chip's by the devices per chip `planner`
+observes.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ class Chip:
     peak_bf16_flops: float  # per chip, dense bf16 matmul FLOP/s
     source: str
     accelerator_type: str   # a slice name of this generation, as TPU VMs state their own
+    # libtpu's chip configuration for one device per chip where its default is one per TensorCore:
+    # JAX runs a v4 chip as one "megacore" device (both TensorCores, the chip's 32 GiB), while
+    # libtpu's default configuration describes it as two devices of 16 GiB. None: the default is
+    # already one device per chip (v5p, whose chips have two TensorCores too) or the chip has one
+    # TensorCore (v5e, v6e).
+    megacore_config: str | None = None
 
 
 # Google Cloud TPU system-architecture pages (the "chip specifications" tables), read 2026.
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("v4", 32 * GIB, 275e12, "https://cloud.google.com/tpu/docs/v4", "v4-8"),
+    "v4": Chip("v4", 32 * GIB, 275e12, "https://cloud.google.com/tpu/docs/v4", "v4-8", "megacore"),
     "v5e": Chip("v5e", 16 * GIB, 197e12, "https://cloud.google.com/tpu/docs/v5e", "v5litepod-4"),
     "v5p": Chip("v5p", 95 * GIB, 459e12, "https://cloud.google.com/tpu/docs/v5p", "v5p-8"),
     "v6e": Chip("v6e", 32 * GIB, 918e12, "https://cloud.google.com/tpu/docs/v6e", "v6e-4"),

@@ -63,14 +63,22 @@ REPLICATING_LAYOUT = "data_parallel"
 ADVICE_COMPILES = 3
 
 
+# The chip configuration a plan describes its topology with, as the report names it: libtpu's
+# "default" (one device per chip, for every generation but v4), "megacore" (a v4 chip as one device,
+# as JAX runs v4 by default) or, for v4 with `--per_tensorcore`, libtpu's default configuration of
+# v4 (one device per TensorCore).
+PER_TENSORCORE = "per_tensorcore"
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """The devices of one or more slices of a topology, and what each device has: a v4 chip is two
-    devices (one per TensorCore), so a device has half the chip's HBM and peak FLOP/s."""
+    """The devices of one or more slices of a topology, and what each device has: a chip's HBM and
+    peak FLOP/s, or half of them where a chip is two devices (v4 per TensorCore)."""
 
     chip: Chip
     devices: list[Any]
     chips: int  # in all slices
+    chip_config: str = "default"  # "default", the chip's megacore configuration or PER_TENSORCORE
 
     @property
     def devices_per_chip(self) -> float:
@@ -90,11 +98,16 @@ class Target:
         return self.chip.peak_bf16_flops * self.chips
 
 
-def describe_topology(name: str, num_slices: int) -> Target:
-    """The devices of `num_slices` slices of topology `name` ('v5e:4x4'), described by libtpu."""
+def describe_topology(name: str, num_slices: int, per_tensorcore: bool = False) -> Target:
+    """The devices of `num_slices` slices of topology `name` ('v5e:4x4'), described by libtpu: one
+    per chip, as JAX runs them (a v4 chip in libtpu's megacore configuration), or with
+    `per_tensorcore` (v4 only) one per TensorCore, as libtpu's default configuration describes v4."""
     chip, chips_per_slice = parse_topology(name)
     if num_slices < 1:
         raise ConfigError(f"--num_slices={num_slices}: must be >= 1")
+    if per_tensorcore and chip.megacore_config is None:
+        raise ConfigError(f"--per_tensorcore: only v4 chips can be planned per TensorCore (libtpu describes a "
+                          f"{chip.name} chip as one device); drop the flag for --topology={name}")
     if importlib.util.find_spec("libtpu") is None:
         raise UserError("libtpu is not installed, and only it compiles for TPUs: "
                         "pip install -r requirements-dev.txt (it pins libtpu)")
@@ -106,12 +119,15 @@ def describe_topology(name: str, num_slices: int) -> Target:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", chip.accelerator_type)
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     from jax.experimental import topologies
+    megacore = chip.megacore_config if not per_tensorcore else None
     try:
-        topology = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=num_slices)
+        topology = topologies.get_topology_desc(topology_name=name, platform="tpu", num_slices=num_slices,
+                                                **({"chip_config_name": megacore} if megacore else {}))
     except Exception as e:  # libtpu's error for a shape it does not know
         reason = " ".join(str(e).split())[:200]
         raise ConfigError(f"--topology={name!r}: libtpu cannot describe it ({reason})") from None
-    return Target(chip, list(topology.devices), chips_per_slice * num_slices)
+    return Target(chip, list(topology.devices), chips_per_slice * num_slices,
+                  PER_TENSORCORE if per_tensorcore else megacore or "default")
 
 
 def bytes_per_device(tree: Any, shardings: Any) -> int:
@@ -534,10 +550,11 @@ def steps_per_epoch(tasks: Sequence[TaskShape], data_shards: int) -> int | None:
 
 
 def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, config: dict[str, Any],
-         settings: TrainSettings, replicated_threshold_bytes: int, make_mesh: Any = sharding.make_mesh
-         ) -> dict[str, Any]:
-    """Compiles the train and KB encode steps for the topology; returns the JSON-able report."""
-    target = describe_topology(topology, num_slices)
+         settings: TrainSettings, replicated_threshold_bytes: int, make_mesh: Any = sharding.make_mesh,
+         per_tensorcore: bool = False) -> dict[str, Any]:
+    """Compiles the train and KB encode steps for the topology (`describe_topology`); returns the
+    JSON-able report."""
+    target = describe_topology(topology, num_slices, per_tensorcore)
     mesh = make_mesh(devices=target.devices)
     data_shards = mesh.shape["data"]
     model = build_model(config)
@@ -593,7 +610,8 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     report = {
         "topology": topology, "num_slices": num_slices, "devices": len(target.devices),
         "mesh": {k: int(v) for k, v in mesh.shape.items()}, "layout": layout,
-        "chip": {"name": target.chip.name, "hbm_bytes_per_device": target.hbm_per_device,
+        "chip": {"name": target.chip.name, "chip_config": target.chip_config,
+                 "devices_per_chip": target.devices_per_chip, "hbm_bytes_per_device": target.hbm_per_device,
                  "peak_bf16_flops_per_device": target.peak_flops_per_device, "source": target.chip.source},
         "tasks": [{"name": t.name, "per_device_rows": t.rows, "query_len": t.query_len,
                    "train_examples": t.train_examples} for t in tasks],
@@ -688,7 +706,8 @@ def _mib(n: float) -> str:
 def format_text(report: dict[str, Any]) -> str:
     """The report as a person reads it: a block per step, then the problems, one per line."""
     chip = report["chip"]
-    lines = [f"{report['topology']} x {report['num_slices']} slice(s): {report['devices']} devices, mesh "
+    lines = [f"{report['topology']} x {report['num_slices']} slice(s): {report['devices']} devices "
+             f"({chip['devices_per_chip']:g} per chip, chip configuration {chip['chip_config']}), mesh "
              f"{report['mesh']}, layout {report['layout']}; per device {_mib(chip['hbm_bytes_per_device'])} HBM, "
              f"{chip['peak_bf16_flops_per_device'] / 1e12:,.1f} TFLOP/s bf16 peak ({chip['source']})",
              "compiled by libtpu {libtpu} for jax {jax}; every time below is an estimate of its cost model".format(
