@@ -135,10 +135,14 @@ def test_a_cpu_run_prints_no_accelerator_or_onednn_lines_unless_debug(tmp_path):
     index = [sys.executable, "-m", "t5_retrieval.cli", "index", f"--embeddings_dir={emb}"]  # imports ScaNN, TF
     noisy = subprocess.run([*index[:3], "--debug", *index[3:], f"--output_dir={tmp_path / 'a'}"],
                            capture_output=True, text=True, env=env)
-    assert noisy.returncode == 0 and "oneDNN" in noisy.stderr, "the check must see TensorFlow's lines"
+    # Which of them TensorFlow prints depends on the CPU (oneDNN's notice on some, the instruction-set
+    # one on others): the check needs to see at least one.
+    chatter = ("oneDNN", "cuda", "cuInit", "cpu_feature_guard", "rebuild TensorFlow")
+    assert noisy.returncode == 0 and any(line in noisy.stderr for line in chatter), \
+        f"the check must see TensorFlow's lines: {noisy.stderr[-2000:]}"
     quiet = subprocess.run([*index, f"--output_dir={tmp_path / 'b'}"], capture_output=True, text=True, env=env)
     assert quiet.returncode == 0, quiet.stderr
-    for line in ("oneDNN", "cuda", "cuInit", "cpu_feature_guard"):
+    for line in chatter:
         assert line not in quiet.stderr, quiet.stderr
 
 
