@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from t5_retrieval.errors import ConfigError
+from t5_retrieval.models.attention import check_implementation, fused_attention, kernel_bias, uses_kernel
 from t5_retrieval.models.t5 import (
     attend,
     padding_bias,
@@ -57,11 +58,14 @@ class BertConfig:
     dtype: str = "float32"  # compute dtype; "bfloat16" for bf16 activations (params stay fp32)
     remat: bool = False  # recompute each layer in the backward pass to save activation memory
     scan_layers: bool = False  # one scanned layer body: compile time independent of depth, same params
+    # The attention core, as T5Config.attention (gin macro ATTENTION_IMPL; never stored with a model).
+    attention: str = "xla"
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"BertConfig: hidden_size {self.hidden_size} is not a multiple of "
                               f"num_heads {self.num_heads}")
+        check_implementation(self.attention, self.dtype, "BertConfig")
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -137,14 +141,22 @@ class SelfAttention(nn.Module):
         return q, k, v
 
     @nn.compact
-    def __call__(self, x: Array, bias: Array, deterministic: bool) -> Array:
+    def __call__(self, x: Array, key_mask: Array, deterministic: bool) -> Array:
+        """`key_mask` [b, l]: the keys to attend to (padding is not; BERT masks keys only)."""
         cfg = self.config
         q, k, v = self._project_qkv(x)
         q = q * jnp.asarray(cfg.d_kv ** -0.5, cfg.compute_dtype)
-        logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + bias
-        weights = jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype)
-        weights = nn.Dropout(cfg.dropout_rate)(weights, deterministic=deterministic)
-        context = attend(weights, v)
+        bias = padding_bias(jnp.ones_like(key_mask), key_mask)
+        if cfg.attention == "pallas_tpu" and uses_kernel(cfg.attention, x.shape[1]):
+            # padding as segment ids: no [b, heads, q, k] bias is built
+            context = fused_attention(cfg.attention, q, k, v, key_mask=key_mask)
+        elif uses_kernel(cfg.attention, x.shape[1]):
+            context = fused_attention(cfg.attention, q, k, v, kernel_bias(bias, x.shape[0], cfg.num_heads, cfg.attention))
+        else:
+            logits = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) + bias
+            weights = jax.nn.softmax(logits, axis=-1).astype(cfg.compute_dtype)
+            weights = nn.Dropout(cfg.dropout_rate)(weights, deterministic=deterministic)
+            context = attend(weights, v)
         wo = self._param("out_kernel", (cfg.num_heads, cfg.d_kv, cfg.hidden_size),
                          _normal(cfg, ("heads", "kv", "embed")))
         bo = self._param("out_bias", (cfg.hidden_size,), _zeros(("embed",)))
@@ -173,10 +185,10 @@ class Layer(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x: Array, bias: Array, deterministic: bool) -> Array:
+    def __call__(self, x: Array, key_mask: Array, deterministic: bool) -> Array:
         cfg = self.config
         drop = nn.Dropout(cfg.dropout_rate)
-        attended = SelfAttention(cfg, name="attention")(x, bias, deterministic)
+        attended = SelfAttention(cfg, name="attention")(x, key_mask, deterministic)
         x = layer_norm(cfg, "attention_norm")(x + drop(attended, deterministic=deterministic))
         x = layer_norm(cfg, "mlp_norm")(x + drop(MLP(cfg, name="mlp")(x), deterministic=deterministic))
         return with_constraint(x, ("batch", "length", "embed"))
@@ -195,9 +207,9 @@ class Bert(nn.Module):
         embeddings = Embeddings(cfg, name="embeddings")
         xs = [embeddings(group, deterministic) for group in tokens]
         # Only keys are masked (as in BERT); padded query rows are ignored by the pooling.
-        biases = [(padding_bias(jnp.ones_like(mask), mask),) for mask in (group != PAD_ID for group in tokens)]
+        masks = [(group != PAD_ID,) for group in tokens]
         if scans_layers(self, cfg.scan_layers):
-            return scan_layers(self, Layer(cfg, parent=None), cfg.num_layers, xs, biases, deterministic,
+            return scan_layers(self, Layer(cfg, parent=None), cfg.num_layers, xs, masks, deterministic,
                                "nothing_saveable" if cfg.remat else None)
         layer_cls = remat_layer(Layer) if cfg.remat else Layer
-        return unrolled_layers(layer_cls, cfg, cfg.num_layers, xs, biases, deterministic)
+        return unrolled_layers(layer_cls, cfg, cfg.num_layers, xs, masks, deterministic)

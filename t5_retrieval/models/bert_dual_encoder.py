@@ -108,4 +108,5 @@ def load_hf_bert(directory: str, target: Any, cfg: BertConfig) -> Any:
 BERT_FAMILY = register_family(ModelFamily(
     name="bert", network=BertConfig, head=BertDualEncoderConfig, module=BertDualEncoder,
     depth_keys=("num_layers",), forward_flops=bert_forward_flops, dropout_keys=("dropout_rate",),
+    runtime_keys=("attention",),
     hf_import=HFImport(model_type="bert", load=load_hf_bert)))

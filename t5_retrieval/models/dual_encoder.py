@@ -175,5 +175,5 @@ def load_hf_t5(directory: str, target: Any, cfg: T5Config) -> Any:
 T5_FAMILY = register_family(ModelFamily(
     name="t5", network=T5Config, head=DualEncoderConfig, module=DualEncoder,
     depth_keys=("num_encoder_layers", "num_decoder_layers"), forward_flops=t5_forward_flops, dropout_keys=("dropout_rate",),
-    float32_params=("scale", "rel_embedding"),
+    float32_params=("scale", "rel_embedding"), runtime_keys=("attention",),
     hf_import=HFImport(model_type="t5", load=load_hf_t5)))

@@ -55,11 +55,17 @@ class ModelFamily:
     # Names of the parameters the network reads in float32 whatever its compute dtype; it reads every
     # other one cast to that dtype (`as_read`). None: not declared, parameters are read as stored.
     float32_params: tuple[str, ...] | None = None
+    # Network fields that choose how the chips compute, not what (the attention kernel): left out of
+    # the stored config, so a config built from stored data takes them from the run's gin bindings.
+    runtime_keys: tuple[str, ...] = ()
+
+    def _stored(self, network: Any) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(network).items() if k not in self.runtime_keys}
 
     def config(self) -> dict[str, Any]:
         """The architecture as plain data, the dataclasses constructed here so that gin bindings apply."""
         named = {} if self.name == UNNAMED else {"family": self.name}
-        return {**named, self.name: dataclasses.asdict(self.network()),
+        return {**named, self.name: self._stored(self.network()),
                 "dual_encoder": dataclasses.asdict(self.head())}
 
     def network_config(self, config: dict[str, Any]) -> Any:
@@ -86,9 +92,10 @@ class ModelFamily:
     def upgraded(self, stored: dict[str, Any]) -> dict[str, Any]:
         """A stored config's architecture with fields added since at their defaults (the same model)."""
         out = dict(stored)
-        for key, cls in ((self.name, self.network), ("dual_encoder", self.head)):
-            if key in stored:
-                out[key] = dataclasses.asdict(cls(**stored[key]))
+        if self.name in stored:
+            out[self.name] = self._stored(self.network(**stored[self.name]))
+        if "dual_encoder" in stored:
+            out["dual_encoder"] = dataclasses.asdict(self.head(**stored["dual_encoder"]))
         return out
 
 

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5_retrieval.errors import ConfigError
+from t5_retrieval.models.attention import NEG_INF, check_implementation, fused_attention, kernel_bias, uses_kernel
 
 Array = jax.Array
-NEG_INF = -1e10  # masked attention logit; finite so fully-masked rows stay NaN-free
 # `jax.checkpoint_policies` a rematerialised layer may use, from keeping nothing (every activation
 # recomputed) to keeping the outputs of its weight matmuls (only attention and elementwise
 # recomputed) or of every matmul.
@@ -61,10 +61,16 @@ class T5Config:
     # t5x and MaxText do by default: T5-base's bf16 train step on v5e is estimated 8% faster, for a
     # softmax rounded to bf16.
     float32_attention_logits: bool = True
+    # The attention core: "xla", "pallas_tpu" (flash attention on TPU) or "cudnn" (fused attention
+    # on NVIDIA GPUs; bf16/fp16), gin macro ATTENTION_IMPL (models/attention.py, docs/attention.md).
+    # How the chips compute, not what: never stored with a model (`ModelFamily.runtime_keys`), so a
+    # model directory loads anywhere with the run's own choice.
+    attention: str = "xla"
 
     def __post_init__(self) -> None:
         if self.remat_policy not in REMAT_POLICIES:
             raise ConfigError(f"T5Config.remat_policy: expected one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+        check_implementation(self.attention, self.dtype, "T5Config")
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -174,6 +180,12 @@ class Attention(nn.Module):
         names = ("batch", "length", "heads", "kv")
         q = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_q, wq), names)
         dropout = nn.Dropout(cfg.dropout_rate)
+        if uses_kernel(cfg.attention, inputs_q.shape[1]):
+            # `bias` as `stack_bias` made it for the kernel; no dropout on attention probabilities.
+            k = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wk), names)
+            v = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_kv, wv), names)
+            out = fused_attention(cfg.attention, q, k, v, bias)
+            return with_constraint(jnp.einsum("bqhk,hkd->bqd", out, wo), ("batch", "length", "embed"))
         bias = bias.astype(cfg.logits_dtype)
         if inputs_q.shape[1] == 1:
             # One query position (the dual encoder's single decoder step): fold the key and value
@@ -255,6 +267,14 @@ def padding_bias(query_mask: Array, key_mask: Array) -> Array:
     """[b, 1, q, k] additive bias that hides padded keys (and rows of padded queries)."""
     allowed = query_mask[:, None, :, None] & key_mask[:, None, None, :]
     return jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)
+
+
+def stack_bias(cfg: T5Config, bias: Array, batch: int) -> Array:
+    """A stack's attention bias [b or 1, heads or 1, q, k] as its layers take it: unchanged for the
+    XLA path, laid out for the configured kernel otherwise (`attention.kernel_bias`, once per stack)."""
+    if not uses_kernel(cfg.attention, bias.shape[-2]):
+        return bias
+    return kernel_bias(bias, batch, cfg.num_heads, cfg.attention)
 
 
 def _plain(tree: Any) -> Any:
@@ -387,7 +407,8 @@ class Encoder(nn.Module):
             x = with_constraint(self.embedder(group).astype(cfg.compute_dtype), ("batch", "length", "embed"))
             xs.append(dropout(x, deterministic=deterministic))
             mask, length = group != 0, group.shape[1]
-            biases.append((position_bias(length, length) + padding_bias(mask, mask),))
+            bias = position_bias(length, length) + padding_bias(mask, mask)
+            biases.append((stack_bias(cfg, bias, group.shape[0]),))
         if scans_layers(self, cfg.scan_layers):
             out = scan_layers(self, EncoderLayer(cfg, parent=None), cfg.num_encoder_layers, xs, biases,
                               deterministic, remat_policy(cfg))
@@ -416,7 +437,8 @@ class Decoder(nn.Module):
             causal = jnp.tril(jnp.ones((length, length), dtype=bool))
             self_bias = position_bias(length, length) + jnp.where(causal, 0.0, NEG_INF)[None, None]
             cross_bias = padding_bias(jnp.ones(group.shape, dtype=bool), memory_mask)
-            args.append((memory, self_bias, cross_bias))
+            batch = group.shape[0]
+            args.append((memory, stack_bias(cfg, self_bias, batch), stack_bias(cfg, cross_bias, batch)))
         if scans_layers(self, cfg.scan_layers):
             out = scan_layers(self, DecoderLayer(cfg, parent=None), cfg.num_decoder_layers, xs, args,
                               deterministic, remat_policy(cfg))

@@ -1,0 +1,285 @@
+"""Fused attention (`models/attention.py`) against the plain attention it replaces.
+
+Pallas TPU flash attention runs here in Pallas's interpret mode (`force_tpu_interpret_mode(True)`:
+the kernel body run as a scan over its grid on CPU); cuDNN's call runs through jax's XLA
+implementation of the same `jax.nn.dot_product_attention` call, which checks this project's layout,
+bias and padding (cuDNN itself needs an NVIDIA GPU). Shapes are tiny and lengths not multiples of
+the kernel's 128: interpret mode takes seconds per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from t5_retrieval.errors import ConfigError
+from t5_retrieval.models import attention
+from t5_retrieval.models.bert import BertConfig
+from t5_retrieval.models.bert_dual_encoder import BertDualEncoder
+from t5_retrieval.models.dual_encoder import DualEncoder, DualEncoderConfig
+from t5_retrieval.models.t5 import T5Config, padding_bias
+
+B, N, H = 2, 2, 8
+TQ, TK = 24, 37  # a cross-attention's shape; neither a multiple of the kernel's 128
+
+
+def plain_attention(q, k, v, bias):
+    """softmax(q k^T + bias) v, [b, t, heads, d] in and out: the models' XLA path, in float32."""
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v, precision="highest")
+
+
+def qkv(tq: int = TQ, tk: int = TK, seed: int = 0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (B, tq, N, H))
+    k, v = (jax.random.normal(key, (B, tk, N, H)) for key in keys[1:3])
+    return q, k, v, jax.random.normal(keys[3], (B, tq, N, H))  # the last: a cotangent for the gradient
+
+
+def masks(tq: int, tk: int) -> tuple[jax.Array, jax.Array]:
+    """Row 0 padded (20 of its queries, 30 of its keys real), row 1 not."""
+    q_mask = jnp.arange(tq)[None] < jnp.array([[20], [tq]])
+    k_mask = jnp.arange(tk)[None] < jnp.array([[30], [tk]])
+    return q_mask, k_mask
+
+
+def value_and_grads(attend, q, k, v, *rest, cotangent):
+    """The output and the gradient of <output, cotangent> w.r.t. every argument, one jit."""
+    def loss(*args):
+        out = attend(*args)
+        return jnp.sum(out * cotangent), out
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(3 + len(rest))), has_aux=True))(
+        q, k, v, *rest)
+    return out, grads
+
+
+def worst(a, b) -> float:
+    """The largest difference relative to the largest magnitude of `b`."""
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+# Measured on CPU (float32), relative to the largest value: forward <= 2.3e-7, gradients <= 4.4e-7.
+FORWARD_TOL, GRADIENT_TOL = 2e-6, 5e-6
+
+
+def test_pallas_flash_attention_with_t5_bias_equals_plain_attention_forward_and_gradient():
+    """T5: a learned relative position bias [1, heads, q, k] with padding folded in as NEG_INF,
+    broadcast and padded to 128 by `kernel_bias`; gradients reach q, k, v and the position bias."""
+    q, k, v, cotangent = qkv()
+    positions = jax.random.normal(jax.random.PRNGKey(7), (1, N, TQ, TK))
+    q_mask, k_mask = masks(TQ, TK)
+    padding = padding_bias(q_mask, k_mask)
+
+    def fused(q, k, v, positions):
+        bias = attention.kernel_bias(positions + padding, B, N, "pallas_tpu")
+        assert bias.shape == (B, N, 24, 128)  # queries to a multiple of 8, keys of 128
+        return attention.pallas_tpu_attention(q, k, v, bias)
+
+    with pltpu.force_tpu_interpret_mode(True):
+        out, grads = value_and_grads(fused, q, k, v, positions, cotangent=cotangent)
+    ref_out, ref_grads = value_and_grads(lambda q, k, v, p: plain_attention(q, k, v, p + padding), q, k, v,
+                                         positions, cotangent=cotangent)
+    assert out.shape == (B, TQ, N, H)
+    # every row, padded queries too (they spread over the real keys, as the XLA path's do)
+    assert worst(out, ref_out) < FORWARD_TOL, worst(out, ref_out)
+    for name, got, want in zip(("q", "k", "v", "position bias"), grads, ref_grads, strict=True):
+        assert worst(got, want) < GRADIENT_TOL, f"d/d{name}: {worst(got, want)}"
+    assert float(jnp.max(jnp.abs(ref_grads[3]))) > 0.1, "the position bias must receive a gradient"
+
+
+def test_pallas_flash_attention_with_bert_padding_as_segment_ids_equals_plain_attention():
+    """BERT: no bias, padded keys as segment 0 (the kernel's segment ids); q scaled beforehand."""
+    t = 29
+    q, k, v, cotangent = qkv(t, t, seed=1)
+    q = q * H ** -0.5
+    _, key_mask = masks(t, t)
+    with pltpu.force_tpu_interpret_mode(True):
+        out, grads = value_and_grads(lambda q, k, v: attention.pallas_tpu_attention(q, k, v, key_mask=key_mask),
+                                     q, k, v, cotangent=cotangent)
+    bias = padding_bias(jnp.ones_like(key_mask), key_mask)
+    ref_out, ref_grads = value_and_grads(lambda q, k, v: plain_attention(q, k, v, bias), q, k, v, cotangent=cotangent)
+    assert worst(out, ref_out) < FORWARD_TOL, worst(out, ref_out)
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        assert worst(got, want) < GRADIENT_TOL, f"d/d{name}: {worst(got, want)}"
+
+
+def test_cudnn_call_layout_bias_and_padding_equal_plain_attention_under_jax_xla_implementation():
+    """The exact `jax.nn.dot_product_attention` call 'cudnn' makes ([B, T, N, H], a full bias padded
+    to even lengths), run by jax's XLA implementation: odd lengths, T5 bias and padding."""
+    tq, tk = 23, 37
+    q, k, v, cotangent = qkv(tq, tk, seed=2)
+    positions = jax.random.normal(jax.random.PRNGKey(3), (1, N, tq, tk))
+    q_mask, k_mask = masks(tq, tk)
+    padding = padding_bias(q_mask, k_mask)
+
+    def via_jax(q, k, v, positions):
+        bias = attention.kernel_bias(positions + padding, B, N, "cudnn")
+        assert bias.shape == (B, N, 24, 38)
+        return attention.cudnn_attention(q, k, v, bias, jax_implementation="xla")
+
+    out, grads = value_and_grads(via_jax, q, k, v, positions, cotangent=cotangent)
+    ref_out, ref_grads = value_and_grads(lambda q, k, v, p: plain_attention(q, k, v, p + padding), q, k, v,
+                                         positions, cotangent=cotangent)
+    assert worst(out, ref_out) < FORWARD_TOL, worst(out, ref_out)
+    for name, got, want in zip(("q", "k", "v", "position bias"), grads, ref_grads, strict=True):
+        assert worst(got, want) < GRADIENT_TOL, f"d/d{name}: {worst(got, want)}"
+
+
+def test_cudnn_without_the_cuda_plugin_is_one_clear_line():
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    if fused_attention_stablehlo.cuda_versions is not None:
+        pytest.skip("jax's CUDA plugin is installed: cuDNN is detected")
+    q, k, v, _ = qkv(8, 8)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    bias = attention.kernel_bias(jnp.zeros((1, 1, 8, 8)), B, N, "cudnn")
+    with pytest.raises(ConfigError) as refused:
+        attention.cudnn_attention(q, k, v, bias)
+    assert str(refused.value) == (
+        f"attention 'cudnn': cuDNN is not detected. (this jax has no CUDA plugin; pip install "
+        f"\"jax[cuda12]=={jax.__version__}\" on a GPU host, or run with --gin.ATTENTION_IMPL=\"'xla'\")")
+
+
+def test_an_implementation_is_checked_when_the_config_is_built():
+    with pytest.raises(ConfigError) as unknown:
+        T5Config(attention="flash")
+    assert str(unknown.value).splitlines()[0] == (
+        "T5Config.attention: expected one of ('xla', 'pallas_tpu', 'cudnn'), got 'flash'")
+    with pytest.raises(ConfigError) as float32:
+        BertConfig(attention="cudnn")
+    assert str(float32.value).splitlines()[0] == (
+        "BertConfig.attention 'cudnn': cuDNN's fused attention takes bfloat16 or float16, and BertConfig.dtype is "
+        "'float32'; --gin.DTYPE=\"'bfloat16'\" computes in bfloat16")
+    assert T5Config(attention="cudnn", dtype="bfloat16").attention == "cudnn"
+
+
+TINY_T5 = T5Config(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_encoder_layers=1,
+                   num_decoder_layers=1, dropout_rate=0.0)
+TOKENS = np.array([[5, 6, 7, 8, 9, 3] + [0] * 7, [4] * 12 + [2]], np.int32)  # 13 positions, row 0 padded
+
+
+def test_tiny_t5_dual_encoder_with_pallas_equals_xla():
+    """The model-level switch: ST5-EncDec's embedding (encoder self-attention through the kernel,
+    the one decoder step on the XLA path) and the teacher-forced decoder (causal self-attention
+    and cross-attention through the kernel) of a tiny T5, 'pallas_tpu' against 'xla'."""
+    head = DualEncoderConfig(query_generation=True)  # with the LM head
+    model = DualEncoder(TINY_T5, head)
+    params = model.init(jax.random.PRNGKey(0), TOKENS)["params"]
+    decoder_tokens = TOKENS[:, :9]
+
+    def outputs(cfg: T5Config):
+        def run(params):
+            model = DualEncoder(cfg, head)
+            embedded = model.apply({"params": params}, TOKENS)
+            # GDMTL's teacher-forced T5: the encoder, then the decoder over 9 positions
+            logits = model.apply({"params": params}, TOKENS, decoder_tokens,
+                                 method=DualEncoder.query_generation_logits)
+            return embedded, logits
+        return jax.jit(run)(params)
+
+    with pltpu.force_tpu_interpret_mode(True):
+        fused = outputs(dataclasses.replace(TINY_T5, attention="pallas_tpu"))
+        jaxpr = str(jax.make_jaxpr(lambda p: DualEncoder(dataclasses.replace(TINY_T5, attention="pallas_tpu")).apply(
+            {"params": p}, TOKENS))(params))
+    plain = outputs(TINY_T5)
+    assert jaxpr.count("pallas_call") == 1, "the encoder's self-attention alone runs the kernel"
+    for name, got, want in zip(("embedding", "decoder logits"), fused, plain, strict=True):
+        assert worst(got, want) < FORWARD_TOL, f"{name}: {worst(got, want)}"
+
+
+def test_tiny_bert_dual_encoder_with_pallas_equals_xla():
+    cfg = BertConfig(vocab_size=64, hidden_size=16, num_heads=2, intermediate_size=32, num_layers=1,
+                     max_position_embeddings=32, dropout_rate=0.0)
+    params = BertDualEncoder(cfg).init(jax.random.PRNGKey(0), TOKENS)["params"]
+
+    def embed(cfg: BertConfig):
+        return jax.jit(lambda p: BertDualEncoder(cfg).apply({"params": p}, TOKENS))(params)
+
+    with pltpu.force_tpu_interpret_mode(True):
+        fused = embed(dataclasses.replace(cfg, attention="pallas_tpu"))
+    assert worst(fused, embed(cfg)) < FORWARD_TOL, worst(fused, embed(cfg))
+
+
+def test_gin_macro_selects_the_kernel_and_the_stored_config_leaves_it_out():
+    """`ATTENTION_IMPL` reaches the network config a model is built from, but not the config stored
+    with a model: a model directory loads anywhere, with the loading run's own choice."""
+    from t5_retrieval import gin_utils
+    from t5_retrieval.models.build import build_model, model_config, upgraded_config
+
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(["models/t5_tiny.gin"], ["ATTENTION_IMPL = 'pallas_tpu'"])
+        config = model_config()
+        assert "attention" not in config["t5"]
+        assert build_model(config).t5_config.attention == "pallas_tpu"
+        stored = {**config, "t5": {**config["t5"], "attention": "cudnn"}}  # as if a version had stored it
+        assert upgraded_config(stored, config) == config
+        gin.clear_config()
+        gin_utils.parse_gin(["models/bert_tiny.gin"], ["ATTENTION_IMPL = 'pallas_tpu'"])
+        bert = model_config()
+        assert "attention" not in bert["bert"]
+        assert build_model(bert).bert_config.attention == "pallas_tpu"
+    finally:
+        gin.clear_config()
+    assert build_model(config).t5_config.attention == "xla"  # no binding: the default
+
+
+def test_flash_cost_counts_the_padded_matmuls():
+    fwd = attention.flash_cost(2, 12, 160, 160, 64, 2, with_bias=True)
+    assert fwd["flops"] == 2 * 2 * 2 * 12 * 160 * 256 * 64  # keys padded to 256: two matmuls
+    assert fwd["bytes"] == 2 * 2 * 12 * (160 + 256) * 64 * 2 + 2 * 12 * 160 * 256 * 4
+    bwd = attention.flash_cost(2, 12, 160, 160, 64, 2, with_bias=True, backward=True)
+    assert bwd["flops"] == 3.5 * fwd["flops"]
+
+
+TINY_PLAN = ["--topology", "v5e:2x2", "--gin_file=models/t5_tiny.gin", "--gin_file=runs/base.gin",
+             "--gin_file=sharding/fsdp.gin", "--gin.MIXTURE_OR_TASK_NAME=['demo_fever', 'demo_trex']",
+             "--gin.QUERY_LEN=16", "--gin.PASSAGE_LEN=32", "--gin.VOCAB_SIZE=512", "--gin.D_MODEL=32", "--gin.D_FF=64",
+             "--gin.NUM_LAYERS=1", "--gin.NUM_NEGATIVES=1", "--gin.PER_DEVICE_BATCH=2",
+             "--gin.T5Config.scan_layers=False", "--gin.DROPOUT=0.0", "--json"]
+
+
+def test_plan_compiles_the_tiny_t5_train_step_with_pallas_flash_attention_for_v5e(monkeypatch):
+    """`t5r plan` lowers the kernel for the TPU (Mosaic) inside the FSDP train and encode steps, per
+    device shard, and libtpu compiles them; the train step carries the backward kernels too."""
+    pytest.importorskip("libtpu", reason="t5r plan compiles with libtpu (pip install -r requirements-dev.txt)")
+    import contextlib
+    import io
+    import json
+
+    from t5_retrieval import cli
+    from t5_retrieval.plan import planner
+
+    programs, compile_timed = [], planner.compile_timed
+
+    def recording(lowered, **kwargs):
+        programs.append(lowered.as_text())
+        return compile_timed(lowered, **kwargs)
+
+    monkeypatch.setattr(planner, "compile_timed", recording)
+    out, err = io.StringIO(), io.StringIO()
+    gin.clear_config()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["plan", *TINY_PLAN, "--gin.ATTENTION_IMPL='pallas_tpu'"])
+    finally:
+        gin.clear_config()
+    assert code == 0, err.getvalue()
+    report = json.loads(out.getvalue())
+    for name in ("train", "encode"):
+        step = report["steps"][name]
+        assert step["fits"] and step["estimated_step_seconds"] > 0, (name, report["problems"])
+    train, encode = programs[:2]
+    kernels = {program: {name: text.count(f'kernel_name = "_flash_attention{name}_kernel"')
+                         for name in ("", "_dkv", "_dq")} for program, text in (("train", train), ("encode", encode))}
+    # the encoder's self-attention (the one decoder step stays on XLA); its gradient in training
+    assert kernels["encode"][""] >= 1 and kernels["encode"]["_dkv"] == 0, kernels
+    assert kernels["train"][""] >= 1 and kernels["train"]["_dkv"] == kernels["train"]["_dq"] == kernels["train"][""], (
+        kernels)
+    assert "sdy.manual_computation" in train or "shard_map" in train, "the kernel runs on each device's shard"
