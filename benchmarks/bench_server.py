@@ -15,23 +15,31 @@ are done or `--max_seconds` pass. Then, each time while 20 clients search from 1
   together more than `--max_connections`: the other clients must see no error;
 - a slow-body group: 8 addresses (8 /24s) x 8 connections that declare a 1 MiB body, send one byte
   of it and wait, reopened when closed: the other clients' searches must see no 503.
-Last, twice, `--large_bodies` searches with 1 MiB bodies from 8 addresses, all at once, sampling
-the server's resident memory before, at its peak and after. A `GET /health` round trip is the reference for the
-search overhead.
+Then, twice, `--large_bodies` searches with 1 MiB bodies from 8 addresses, all at once, sampling
+the server's resident memory before, at its peak and after. Then a cost flood: `--flood_addresses`
+addresses (a /24 each) x `--flood_clients` keep-alive clients, each sending the most expensive valid
+search (64 queries of 4,096 characters, k=100) again as soon as it is answered, while 20 clients of
+20 other /24s search, then 20 clients of one /24. Last, descriptor exhaustion: a fresh server
+under RLIMIT_NOFILE `--descriptors` (1024, as `ulimit -n` often is), and a group of
+`--exhaust_addresses` x `--exhaust_sockets` idle connections (more than the limit), reopened as they are closed, while the 20 clients search; then /health, and
+the server's log lines. A `GET /health` round trip is the reference for the search overhead.
 
     .venv/bin/python benchmarks/bench_server.py [--passages 10000 --requests 300 --clients 1 20 100 --stalled 400
                                                  --hog_sockets 1025 --group_addresses 9 --group_sockets 128
-                                                 --large_bodies 800]
+                                                 --large_bodies 800 --flood_addresses 9 --flood_clients 20
+                                                 --descriptors 1024 --exhaust_addresses 14 --exhaust_sockets 100]
 Writes benchmarks/results/server.json and prints one summary line.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import http.client
 import json
 import os
+import resource
 import selectors
 import socket
 import subprocess
@@ -39,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import IO
 
 import common
 import numpy as np
@@ -52,6 +61,7 @@ BODY_BYTES = (1 << 20) - 1  # ServeLimits.max_body_bytes is 1 MiB
 BODY_ADDRESSES = 8
 SLOW_BODY_ADDRESSES, SLOW_BODY_SOCKETS = 8, 8  # the slow-body group
 REOPEN_S = 0.2  # a group reopens a connection the server closed this long after
+MAX_QUERIES, MAX_QUERY_CHARS, MAX_K = 64, 4096, 100  # ServeLimits' defaults: the most a valid search may cost
 
 from t5_retrieval.data.records import Passage  # noqa: E402
 from t5_retrieval.data.stores import embedding_store  # noqa: E402
@@ -69,11 +79,17 @@ def synthetic_passages(n: int, seed: int = 0) -> list[Passage]:
             for i, row in enumerate(words)]
 
 
-def start_server(kb_dir: str, index_dir: str, dim: int, read_timeout_s: float) -> tuple[subprocess.Popen, str, int]:
+def start_server(kb_dir: str, index_dir: str, dim: int, read_timeout_s: float, descriptors: int | None = None,
+                 log: IO[str] | None = None) -> tuple[subprocess.Popen, str, int]:
+    """The CLI serving on a free port; with `descriptors`, under that RLIMIT_NOFILE (soft and hard),
+    its log to `log`."""
     cmd = [sys.executable, "-m", "t5_retrieval.cli", "serve", "--lexical_baseline_dim", str(dim),
            "--index_dir", index_dir, "--kb_dir", kb_dir, "--tasks", "nq", "--port", "0",
            "--read_timeout_s", str(read_timeout_s)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    limit = None if descriptors is None else functools.partial(
+        resource.setrlimit, resource.RLIMIT_NOFILE, (descriptors, descriptors))
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log or subprocess.DEVNULL, text=True,
+                            preexec_fn=limit)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("t5r serve: http://"):
@@ -83,16 +99,18 @@ def start_server(kb_dir: str, index_dir: str, dim: int, read_timeout_s: float) -
     return proc, host, int(port)
 
 
-def load(host: str, port: int, method: str, path: str, bodies: list[bytes], clients: int, max_seconds: float):
-    """Sends bodies round-robin from `clients` threads; returns latencies (s), errors, wall seconds."""
+def load(host: str, port: int, method: str, path: str, bodies: list[bytes], clients: int, max_seconds: float,
+         sources: list[str] | None = None):
+    """Sends bodies round-robin from `clients` threads (client i from address `sources[i]`, else
+    127.0.0.1); returns latencies (s), errors, wall seconds."""
     latencies: list[float] = []
     errors: list[str] = []
     next_index = iter(range(len(bodies)))
     lock = threading.Lock()
     deadline = time.perf_counter() + max_seconds
 
-    def worker() -> None:
-        conn = http.client.HTTPConnection(host, port, timeout=30)
+    def worker(source: str) -> None:
+        conn = http.client.HTTPConnection(host, port, timeout=30, source_address=(source, 0))
         while time.perf_counter() < deadline:
             with lock:
                 i = next(next_index, None)
@@ -110,7 +128,7 @@ def load(host: str, port: int, method: str, path: str, bodies: list[bytes], clie
             except (OSError, http.client.HTTPException) as e:
                 error = type(e).__name__
                 conn.close()
-                conn = http.client.HTTPConnection(host, port, timeout=30)
+                conn = http.client.HTTPConnection(host, port, timeout=30, source_address=(source, 0))
             elapsed = time.perf_counter() - start
             with lock:
                 latencies.append(elapsed)
@@ -119,7 +137,7 @@ def load(host: str, port: int, method: str, path: str, bodies: list[bytes], clie
         conn.close()
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    threads = [threading.Thread(target=worker, args=(sources[i] if sources else "127.0.0.1",)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
@@ -267,6 +285,87 @@ def under_group(host: str, port: int, addresses: list[str], per_address: int, op
             "search": search}
 
 
+def max_cost_body(rng: np.random.Generator, queries: int = MAX_QUERIES, chars: int = MAX_QUERY_CHARS,
+                  k: int = MAX_K) -> bytes:
+    """The most expensive valid search ServeLimits allows: `queries` queries of `chars` characters
+    (real words of the KB), `k` results each."""
+    texts = [" ".join(VOCAB[w] for w in rng.integers(0, len(VOCAB), size=chars))[:chars].strip()
+             for _ in range(queries)]
+    return json.dumps({"task": "nq", "queries": texts, "k": k}).encode()
+
+
+def cost_flood(host: str, port: int, addresses: list[str], per_address: int, body: bytes,
+               stop: threading.Event, counts: dict[str, int]) -> None:
+    """`per_address` keep-alive clients from each of `addresses`, each sending `body` again as soon
+    as it is answered, until `stop` is set. `counts`: replies by status, and connection errors."""
+    lock = threading.Lock()
+
+    def client(source: str) -> None:
+        conn = http.client.HTTPConnection(host, port, timeout=60, source_address=(source, 0))
+        while not stop.is_set():
+            try:
+                conn.request("POST", "/search", body=body, headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                response.read()
+                outcome = str(response.status)
+            except (OSError, http.client.HTTPException) as e:
+                outcome = type(e).__name__
+                conn.close()
+                conn = http.client.HTTPConnection(host, port, timeout=60, source_address=(source, 0))
+                time.sleep(REOPEN_S)
+            with lock:
+                counts[outcome] = counts.get(outcome, 0) + 1
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(a,)) for a in addresses for _ in range(per_address)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def under_cost_flood(host: str, port: int, addresses: list[str], per_address: int, flood_body: bytes,
+                     bodies: list[bytes], max_seconds: float) -> dict:
+    """The searching clients' stats while `cost_flood` runs (after it has run for 2 s): first 20
+    clients of 20 /24s of their own (127.0.100.1, 127.0.101.1, ...), then 20 clients of one /24
+    (127.0.0.1), who share its one share of the workers."""
+    stop = threading.Event()
+    counts: dict[str, int] = {}
+    flood = threading.Thread(target=cost_flood, args=(host, port, addresses, per_address, flood_body, stop, counts))
+    flood.start()
+    try:
+        time.sleep(2)
+        own_ranges = [f"127.0.{100 + i}.1" for i in range(STALLED_CLIENTS)]
+        search = stats(*load(host, port, "POST", "/search", bodies, STALLED_CLIENTS, max_seconds, own_ranges))
+        one_range = stats(*load(host, port, "POST", "/search", bodies, STALLED_CLIENTS, max_seconds))
+    finally:
+        stop.set()
+        flood.join()
+    return {"addresses": addresses, "per_address": per_address, "body_bytes": len(flood_body),
+            "flood_replies": dict(sorted(counts.items())), "other_clients": STALLED_CLIENTS, "search": search,
+            "search_from_one_range": one_range}
+
+
+def descriptor_exhaustion(kb_dir: str, index_dir: str, dim: int, descriptors: int, addresses: list[str],
+                          per_address: int, bodies: list[bytes], max_seconds: float) -> dict:
+    """A fresh server under RLIMIT_NOFILE `descriptors`, a group holding more connections than that
+    (`hold_group`, reopening what is closed), and the searching clients' stats meanwhile; the
+    server's log lines and bytes, and /health after."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc, host, port = start_server(kb_dir, index_dir, dim, read_timeout_s=4 * max_seconds,
+                                        descriptors=descriptors, log=log)
+        try:
+            group = under_group(host, port, addresses, per_address, b"", bodies, max_seconds)
+            health = stats(*load(host, port, "GET", "/health", bodies[:20], 1, max_seconds))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        log.seek(0)
+        lines = log.read().splitlines()
+    return {"descriptors": descriptors, **group, "health_after": health, "server_log_lines": len(lines),
+            "server_log_bytes": sum(len(line) + 1 for line in lines), "server_log_first": lines[:3]}
+
+
 def still_open(sock: socket.socket) -> bool:
     """True if the server has neither closed nor answered this connection."""
     sock.setblocking(False)
@@ -297,6 +396,14 @@ def main(argv: list[str]) -> int:
                         help="addresses (a /24 each) of the connection group")
     parser.add_argument("--group_sockets", type=int, default=128, help="connections per address of that group")
     parser.add_argument("--large_bodies", type=int, default=800, help="searches with 1 MiB bodies")
+    parser.add_argument("--flood_addresses", type=int, default=9, help="addresses (a /24 each) of the cost flood")
+    parser.add_argument("--flood_clients", type=int, default=20,
+                        help="clients per address of the cost flood, each sending the most expensive valid search")
+    parser.add_argument("--descriptors", type=int, default=1024,
+                        help="RLIMIT_NOFILE of the server of the descriptor-exhaustion attack")
+    parser.add_argument("--exhaust_addresses", type=int, default=14,
+                        help="addresses (a /24 each) of the descriptor-exhaustion group")
+    parser.add_argument("--exhaust_sockets", type=int, default=100, help="connections per address of that group")
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--max_seconds", type=float, default=8.0, help="per level")
     args = parser.parse_args(argv)
@@ -346,12 +453,19 @@ def main(argv: list[str]) -> int:
                                       SLOW_BODY_SOCKETS, slow_head, bodies, args.max_seconds)
             # Twice: memory the allocator keeps after the first burst must be reused by the second, not added to.
             bodies_runs = [large_bodies(host, port, args.large_bodies, proc.pid) for _ in range(2)]
+            flood = under_cost_flood(host, port, [f"127.0.{60 + i}.1" for i in range(args.flood_addresses)],
+                                     args.flood_clients, max_cost_body(rng), bodies, args.max_seconds)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+        exhaustion = descriptor_exhaustion(kb_dir, index_dir, args.dim, args.descriptors,
+                                           [f"127.0.{80 + i}.1" for i in range(args.exhaust_addresses)],
+                                           args.exhaust_sockets, bodies, args.max_seconds)
 
     errors = (sum(r["errors"] for r in search.values()) + under_stall["errors"] + under_hog["errors"]
-              + group["search"]["errors"] + slow_bodies["search"]["errors"])
+              + group["search"]["errors"] + slow_bodies["search"]["errors"] + flood["search"]["errors"]
+              + flood["search_from_one_range"]["errors"]
+              + exhaustion["search"]["errors"] + exhaustion["health_after"]["errors"])
     result = {"machine": common.machine_info(), "passages": args.passages, "dim": args.dim, "k": args.k,
               "search_by_clients": search, "health_reference_1_client": health,
               "stalled": {"connections": args.stalled, "per_address": PER_ADDRESS, "still_open_after": open_after,
@@ -361,7 +475,8 @@ def main(argv: list[str]) -> int:
                                           "refused_503_of_the_last_half": hog_refused, "held_open": hog_open,
                                           "other_clients": STALLED_CLIENTS, "search": under_hog},
               "connection_group": group, "slow_body_group": slow_bodies,
-              "large_bodies": bodies_runs, "errors": errors}
+              "large_bodies": bodies_runs, "cost_flood": flood, "descriptor_exhaustion": exhaustion,
+              "errors": errors}
     levels = ", ".join(f"{c} clients p50 {r['p50_ms']:.1f}/p99 {r['p99_ms']:.1f} ms {r['qps']:.0f} qps "
                        f"{r['errors']} err" for c, r in search.items())
     common.write_results("server", result, (
@@ -379,6 +494,18 @@ def main(argv: list[str]) -> int:
         + f"; {args.large_bodies} x 1 MiB bodies, twice: "
         + "; ".join(f"{r['statuses']} RSS {r['rss_mib_before']:.0f} -> peak {r['rss_mib_peak']:.0f} -> "
                     f"{r['rss_mib_after']:.0f} MiB" for r in bodies_runs)
+        + f"; cost flood ({len(flood['addresses'])} /24s x {flood['per_address']} clients of {MAX_QUERIES} x "
+          f"{MAX_QUERY_CHARS}-char queries, k={MAX_K}: replies {flood['flood_replies']}): {STALLED_CLIENTS} other "
+          f"clients of a /24 each p50 {flood['search']['p50_ms']:.1f}/p99 {flood['search']['p99_ms']:.1f} ms "
+          f"{flood['search']['errors']} err {flood['search']['error_kinds']}, of one /24 p50 "
+          f"{flood['search_from_one_range']['p50_ms']:.1f}/p99 {flood['search_from_one_range']['p99_ms']:.1f} ms "
+          f"{flood['search_from_one_range']['errors']} err"
+        + f"; descriptor exhaustion (RLIMIT_NOFILE {exhaustion['descriptors']}, {len(exhaustion['addresses'])} /24s x "
+          f"{exhaustion['per_address']}; of its {exhaustion['group']['opened']} connections the server closed "
+          f"{exhaustion['group']['closed_by_server']}): {STALLED_CLIENTS} other clients p50 "
+          f"{exhaustion['search']['p50_ms']:.1f}/p99 {exhaustion['search']['p99_ms']:.1f} ms "
+          f"{exhaustion['search']['errors']} err {exhaustion['search']['error_kinds']}, /health after "
+          f"{exhaustion['health_after']['errors']} err, server log {exhaustion['server_log_lines']} lines"
         + f"; {errors} errors in all"))
     return 0 if errors == 0 and open_after == args.stalled else 1
 

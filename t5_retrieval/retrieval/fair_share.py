@@ -2,17 +2,19 @@
 
 A request is run as a few *steps* (parse and the first queries, then the next `QUERIES_PER_STEP`
 queries each), and each step waits in its range's queue for a worker. When a worker is free, the
-next step is taken from the waiting range that runs the fewest steps now and, among those, has
-used the least worker time (wall seconds its steps ran), the earliest to arrive among equals; within
-a range, first in, first out, a request's later steps before the range's new requests. So a range
-gets a second worker only when every waiting range has one. Only ranges with work in flight are tracked, and a
-range that starts again begins at the least time of those in flight, so time not used is not
-banked (start-time fair queueing, as Linux's CFS schedules threads).
+next step is taken from the waiting range that has used the least worker time (wall seconds its
+steps ran, its running steps' so far included), the earliest to arrive among equals; within a
+range, first in, first out, a request's later steps before the range's new requests. Only ranges
+with work in flight are tracked, and a range that starts again begins at the least time of those
+in flight, so time not used is not banked (start-time fair queueing, as Linux's CFS schedules
+threads). A range thus gets its share of the workers, 1/n of them with n ranges in flight: many
+clients of one range share that range's share.
 
-The bound: a request whose range has nothing else in flight is next in line as soon as it arrives
-(unless ranges with no step running and less time used wait too: one step each), so it waits for
-one worker to finish the step it runs (at most `QUERIES_PER_STEP` queries of `max_k` results),
-however many ranges flood the server with the most expensive searches.
+The bound: a request whose range has nothing else in flight starts at the least time of the
+ranges in flight, so it is next in line as soon as it arrives (after, at most, one step of the
+range it ties with), and waits for one worker to finish the step it runs (at most
+`QUERIES_PER_STEP` queries of `max_k` results), however many ranges flood the server with the most
+expensive searches.
 
 How many requests may wait: `workers` run and `max_queued` more wait, counted per request. When
 all are taken, a newcomer whose range has at least two fewer requests in flight than the range
@@ -63,7 +65,7 @@ class FairQueue:
         self.clock = clock
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="t5r-serve")
         self.running = 0
-        self._running_by_range: collections.Counter[str] = collections.Counter()
+        self._started: dict[str, list[float]] = {}  # when each running step of a range started
         self.used: dict[str, float] = {}  # worker seconds of each range with requests in flight
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._arrival: dict[str, int] = {}  # tie-breaker: when the range last started being tracked
@@ -77,7 +79,8 @@ class FairQueue:
         if total >= self.workers + self.max_queued and not self._make_room(self._in_flight[where]):
             raise Refused(f"server busy ({self.workers} workers, {self.max_queued} queued); retry later")
         if not self._in_flight[where]:
-            self.used[where] = min(self.used.values(), default=0.0)  # not banked while idle
+            now = self.clock()
+            self.used[where] = min((self._time(w, now) for w in self.used), default=0.0)  # not banked while idle
             self._arrival[where] = next(self._order)
         self._in_flight[where] += 1
         request = _Request(where)
@@ -107,7 +110,7 @@ class FairQueue:
         except BaseException:
             started = step.started
             if started.done() and not started.cancelled() and started.exception() is None:
-                self._finished(step.where)  # it had a worker, and was cancelled before it ran
+                self._finished(step.where, 0.0)  # it had a worker, and was cancelled before it ran
             else:
                 self._forget(step)
             raise
@@ -116,28 +119,34 @@ class FairQueue:
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
         finally:
-            if request.where in self.used:
-                self.used[request.where] += timed.elapsed
-            self._finished(step.where)
+            self._finished(step.where, timed.elapsed)
 
-    def _finished(self, where: str) -> None:
+    def _finished(self, where: str, elapsed: float) -> None:
+        """A step of `where` has ended after `elapsed` seconds: charged, and its worker given to the next."""
         self.running -= 1
-        self._running_by_range[where] -= 1
-        if not self._running_by_range[where]:
-            del self._running_by_range[where]
+        started = self._started[where]
+        started.remove(min(started))  # the oldest start stands for it: the sum over running steps is the same
+        if not started:
+            del self._started[where]
+        if where in self.used:
+            self.used[where] += elapsed
         self._dispatch()
 
     def _dispatch(self) -> None:
         while self.running < self.workers and self._queues:
-            where = min(self._queues, key=lambda w: (self._running_by_range[w], self.used.get(w, 0.0),
-                                                     self._arrival.get(w, 0)))
+            now = self.clock()
+            where = min(self._queues, key=lambda w: (self._time(w, now), self._arrival.get(w, 0)))
             queue = self._queues[where]
             step = queue.popleft()
             if not queue:
                 del self._queues[where]
             self.running += 1
-            self._running_by_range[where] += 1
+            self._started.setdefault(where, []).append(now)
             step.started.set_result(None)
+
+    def _time(self, where: str, now: float) -> float:
+        """The worker time `where` has used: its finished steps', and its running steps' so far."""
+        return self.used.get(where, 0.0) + sum(now - start for start in self._started.get(where, ()))
 
     def _forget(self, step: _Step) -> None:
         queue = self._queues.get(step.where)
