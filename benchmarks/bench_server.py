@@ -21,8 +21,9 @@ addresses (a /24 each) x `--flood_clients` keep-alive clients, each sending the 
 search (64 queries of 4,096 characters, k=100) again as soon as it is answered, while 20 clients of
 20 other /24s search, then 20 clients of one /24. Last, descriptor exhaustion: a fresh server
 under RLIMIT_NOFILE `--descriptors` (1024, as `ulimit -n` often is), and a group of
-`--exhaust_addresses` x `--exhaust_sockets` idle connections (more than the limit), reopened as they are closed, while the 20 clients search; then /health, and
-the server's log lines. A `GET /health` round trip is the reference for the search overhead.
+`--exhaust_addresses` x `--exhaust_sockets` idle connections (more than the limit), reopened as
+they are closed, while the 20 clients search; then /health, and the server's log lines. A
+`GET /health` round trip is the reference for the search overhead.
 
     .venv/bin/python benchmarks/bench_server.py [--passages 10000 --requests 300 --clients 1 20 100 --stalled 400
                                                  --hog_sockets 1025 --group_addresses 9 --group_sockets 128
