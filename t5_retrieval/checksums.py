@@ -225,7 +225,11 @@ def parse_sidecar(doc: Any, where: str, fix: str) -> dict[str, Any]:
 
 def _load_json(path: str, fix: str, limit: int = RECORD_BYTES) -> Any:
     """A record or sidecar: a regular file of its artefact, at most `limit` bytes of JSON of bounded depth."""
-    return artefact_io.load_json(path, os.path.dirname(path) or ".", limit, ChecksumError, fix)
+    try:
+        return artefact_io.load_json(path, os.path.dirname(path) or ".", limit, ChecksumError)
+    except ChecksumError as e:
+        raise ChecksumError(f"{path}: unreadable checksum record ({str(e).removeprefix(path + ': ')}); {fix}"
+                            ) from None
 
 
 def _accept_fix(directory: str, rebuild: str) -> str:

@@ -140,6 +140,9 @@ def test_model_config_json_is_covered_by_the_step_record_and_its_values_are_chec
         edit_json(config, lambda c, f=field, v=value: c.update(t5={**good, f: v}))
         accept(step_dir(model_dir))
         refused(argv, capsys, f"{config}: field 't5.{field}' is {json.dumps(value)}, expected")
+    edit_json(config, lambda c: (c.update(t5=good), c["features"]["tasks"]["demo_fever"].update(truncation="middle")))
+    accept(step_dir(model_dir))
+    refused(argv, capsys, f"{config}: field 'features.tasks.demo_fever.truncation' is \"middle\", expected one of")
 
 
 def test_an_edited_task_prefix_is_a_checksum_error_not_an_index_of_another_model(tiny, tmp_path, capsys, clean_gin):

@@ -92,8 +92,9 @@ def test_a_damaged_index_names_what_is_damaged(dirs, tmp_path, capsys, damage):
     idx = tmp_path / "idx"
     shutil.copytree(dirs["index"], idx)
     if damage == "index.json":
-        (idx / "index.json").write_text('{"format": ')
-        expected = f"{idx / 'index.json'}: damaged"
+        size = (idx / "index.json").stat().st_size
+        (idx / "index.json").write_text('{"format": ')  # verified before it is parsed
+        expected = f"{idx / 'index.json'}: 11 bytes where {size} were written (truncated or overwritten)"
     else:
         asset = max((p for p in (idx / "scann").iterdir() if p.suffix == ".npy"), key=lambda p: p.stat().st_size)
         size = asset.stat().st_size

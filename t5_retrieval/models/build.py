@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from t5_retrieval import checkpoint, sharding
 from t5_retrieval.data.tasks.task_spec import upgrade_records
 from t5_retrieval.data.text import PASSAGE_TEMPLATE
+from t5_retrieval.data.tokenizers.query_inputs import TRUNCATIONS
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.models import (  # noqa: F401 (the model families: importing one registers it)
     bert_dual_encoder,
@@ -132,7 +133,7 @@ def _check_features(features: Any, where: str) -> None:
         if key in features and _value_problem(features[key], int, 1):
             raise ConfigError(f"{where}: field 'features.{key}' is {json.dumps(features[key])[:60]}, expected a "
                               "positive integer")
-    for key in ("vocabulary", "vocabulary_digest"):
+    for key in ("vocabulary", "vocabulary_digest", "passage_template"):
         if _value_problem(features.get(key), str | None, None):
             raise ConfigError(f"{where}: field 'features.{key}' is {json.dumps(features[key])[:60]}, expected a "
                               "string")
@@ -147,6 +148,9 @@ def _check_features(features: Any, where: str) -> None:
                                    ("dataset", str, None), ("truncation", str, None), ("index", int, 0)):
             if key in record and (problem := _value_problem(record[key], hint, default)):
                 raise ConfigError(f"{where}: field '{field}.{key}' is {json.dumps(record[key])[:60]}, {problem}")
+        if record.get("truncation", TRUNCATIONS[0]) not in TRUNCATIONS:
+            raise ConfigError(f"{where}: field '{field}.truncation' is {json.dumps(record['truncation'])[:60]}, "
+                              f"expected one of {TRUNCATIONS}")
 
 
 def check_stored_config(config: Any, where: str) -> None:
@@ -157,7 +161,7 @@ def check_stored_config(config: Any, where: str) -> None:
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: a JSON {type(config).__name__}, expected an object")
     name = config.get("family", UNNAMED)
-    if name not in FAMILIES:
+    if not isinstance(name, str) or name not in FAMILIES:
         raise ConfigError(f"{where}: field 'family' is {json.dumps(name)[:60]}, expected one of {tuple(FAMILIES)}")
     family = FAMILIES[name]
     for key, cls in ((family.name, family.network), ("dual_encoder", family.head)):
