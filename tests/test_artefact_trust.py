@@ -51,6 +51,12 @@ def eval_argv(tiny, out: str, model_dir: str | None = None, index_dir: str | Non
             f"--data_dir={data_dir or tiny.data_dir}", "--tasks=demo_fever", "--split=dev", f"--output_dir={out}"]
 
 
+def serve_argv(tiny, index_dir: str | None = None, kb_dir: str | None = None) -> list[str]:
+    """`t5r serve`, which opens the model, the index and the KB before it listens (so it exits here)."""
+    return ["serve", f"--checkpoint_dir={tiny.model_dirs[0]}", f"--index_dir={index_dir or tiny.index_dirs[0]}",
+            f"--kb_dir={kb_dir or os.path.join(tiny.data_dir, 'kb')}", "--port=0"]
+
+
 def copy(source: str, target) -> str:
     shutil.copytree(source, str(target), symlinks=True)
     return str(target)
@@ -199,6 +205,7 @@ def test_a_flipped_bit_in_an_index_passage_ids_file_is_one_line_not_a_decode_tra
         f.seek(0)
         f.write(bytes([byte[0] ^ 0x80]))  # a high bit: no longer UTF-8
     refused(eval_argv(tiny, str(tmp_path / "eval"), index_dir=index_dir), capsys, ids, "fails its sha256 checksum")
+    refused(serve_argv(tiny, index_dir=index_dir), capsys, ids, "fails its sha256 checksum")
 
 
 def test_a_kb_manifest_that_is_a_list_is_one_line(tiny, tmp_path, capsys, clean_gin):
@@ -208,8 +215,10 @@ def test_a_kb_manifest_that_is_a_list_is_one_line(tiny, tmp_path, capsys, clean_
         f.write("[]")
     argv = eval_argv(tiny, str(tmp_path / "eval"), data_dir=data_dir)
     refused(argv, capsys, manifest, "were written")
+    refused(serve_argv(tiny, kb_dir=os.path.join(data_dir, "kb")), capsys, manifest, "were written")
     accept(os.path.join(data_dir, "kb"))
     refused(argv, capsys, f"{manifest}: a JSON array, expected an object")
+    refused(serve_argv(tiny, kb_dir=os.path.join(data_dir, "kb")), capsys, f"{manifest}: a JSON array, expected an object")
 
 
 NESTED = {  # (artefact, file): accepted after the change, so that the file itself is parsed
