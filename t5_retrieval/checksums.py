@@ -271,27 +271,29 @@ def check_listing(directory: str, listed: dict[str, Any], on_disk: list[str], re
             raise ChecksumError(f"{os.path.join(directory, name)}: missing (listed in {where}); {rebuild}")
 
 
-def verify(directory: str, what: str, rebuild: str, *, full: bool = False) -> dict[str, dict[str, Any]]:
+def verify(directory: str, what: str, rebuild: str, *, full: bool = False, stamp: bool = True
+           ) -> dict[str, dict[str, Any]]:
     """Verifies the artefact in `directory` against its record; raises ChecksumError naming the file.
     Returns the record's files ({name: {"size", "sha256"}}): a caller reads at most `size` bytes of each.
 
     `what` names the artefact for messages ("passage store"); `rebuild` says how to make it again.
-    Files unchanged since the stamp are not hashed again unless `full` or `verification("full")`."""
+    Files unchanged since the stamp are not hashed again unless `full` or `verification("full")`.
+    `stamp=False`: leave no stamp (an export, which must carry nothing of this machine)."""
     files = read_record(directory, what, rebuild)
     check_listing(directory, files, artefact_files(directory), rebuild)
     record_path = os.path.join(directory, CHECKSUMS_FILE)
-    stamp = {} if full or _mode == "full" else _read_stamp(directory)
+    stamped = {} if full or _mode == "full" or not stamp else _read_stamp(directory)
     fresh = {}
     for name, expected in files.items():
         path = os.path.join(directory, name)
         if not os.path.exists(path):  # a file that has since got its own sidecar: verified by it
             continue
         key = _stat_key(path, expected[ALGORITHM])
-        if stamp.get(name) != key:
+        if stamped.get(name) != key:
             check_file(path, expected, record_path, rebuild, directory)
             key = _stat_key(path, expected[ALGORITHM])
         fresh[name] = key
-    if fresh != stamp:
+    if stamp and fresh != stamped:
         _write_stamp(directory, fresh)
     return files
 
@@ -358,10 +360,10 @@ def _write_stamp(directory: str, keys: dict[str, list[Any]]) -> None:
         pass
 
 
-def verify_all(directory: str) -> tuple[int, int]:
+def verify_all(directory: str, stamp: bool = True) -> tuple[int, int]:
     """Hashes every file the records in `directory` list (its `t5r_checksums.json` and any sidecars),
     ignoring the stamp, and refuses a file no record lists; returns (files, bytes) verified. What
-    `t5r checksum <dir>` runs."""
+    `t5r checksum <dir>` runs. `stamp=False`: write no stamp (an export)."""
     if not os.path.isdir(directory):
         raise ChecksumError(f"{directory}: not a directory")
     rebuild = "rebuild it with the t5r command that wrote it"
@@ -369,7 +371,7 @@ def verify_all(directory: str) -> tuple[int, int]:
                 if name.endswith(SIDECAR_SUFFIX)]
     count = size = 0
     if os.path.exists(os.path.join(directory, CHECKSUMS_FILE)) or not sidecars:
-        verify(directory, "this artefact", rebuild, full=True)
+        verify(directory, "this artefact", rebuild, full=True, stamp=stamp)
         files = read_record(directory, "this artefact", rebuild)
         count, size = len(files), sum(value["size"] for value in files.values())
     else:

@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data negatives": ("t5_retrieval.commands.data:negatives_main", "Mine BM25 hard negatives."),
     "data demo": ("t5_retrieval.commands.data:demo_main", "Write the built-in synthetic KILT-format data."),
     "data download-kilt": ("t5_retrieval.commands.data:download_main", "Download official KILT files."),
-    "data slice": ("t5_retrieval.commands.data:slice_main", "Rebuild the shipped real-data demo slice from mini-KILT."),
+    "data slice": ("t5_retrieval.commands.data:slice_main", "Unpack the shipped mini-KILT demo slice (or rebuild it)."),
     "vocab train": ("t5_retrieval.commands.data:vocab_main", "Train a sentencepiece vocabulary on a KB."),
     "analyze": ("t5_retrieval.commands.analyze:main", "TACO task-specialisation figures and numbers."),
     "encode": ("t5_retrieval.commands.encode:main", "Embed the KB with a checkpoint into shards."),

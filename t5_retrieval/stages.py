@@ -92,7 +92,7 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
     from t5_retrieval.data import layout
     from t5_retrieval.data.stores import embedding_store
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.data.tasks.retrieval_tasks import split_examples
+    from t5_retrieval.data.tasks.retrieval_tasks import set_data_dir, split_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.evaluate import evaluate, write_results
     from t5_retrieval.retrieval.index import build_index, load_index
@@ -119,8 +119,9 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
         index = load_index(index_path)
         index.check(encoder, store.ids())
         tasks = encoder.tasks
+        set_data_dir(data_dir)  # a seqio Task over `kilt_examples_source` reads its examples there
         # Tables are keyed by the model's task names, as the results tables read them.
-        specs = [tasks.spec(d) for d in datasets or tasks.datasets()]
+        specs = [tasks.spec(d) for d in datasets or list(tasks)]
         examples = {spec.name: split_examples(data_dir, spec.dataset, spec.name, eval_split) for spec in specs}
         result = evaluate(encoder, index, examples, store)
         result.tables = {task: result.tables[task] for task in sorted(result.tables)}
@@ -142,7 +143,7 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
     from t5_retrieval.data import layout
     from t5_retrieval.data.records import write_negatives
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.data.tasks.retrieval_tasks import split_examples
+    from t5_retrieval.data.tasks.retrieval_tasks import set_data_dir, split_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.index import load_index
     from t5_retrieval.retrieval.mine import mine_negatives
@@ -151,14 +152,18 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
         store = PassageStore.open(layout.kb_dir(data_dir))
         encoder, index = load_encoder(model_dir), load_index(index_dir)
         index.check(encoder, store.ids())
+        set_data_dir(data_dir)  # a seqio Task over `kilt_examples_source` reads its examples there
         counts = {}
-        for dataset in encoder.tasks.datasets():
-            task = encoder.tasks.resolve(dataset)
-            # Queries are encoded as the model's task for this dataset (its prefix).
-            examples = split_examples(data_dir, dataset, task, "train")
+        for task in encoder.tasks:
+            spec = encoder.tasks.spec(task)
+            if spec.negatives_name in counts:  # tasks reading one dataset's text as written share its file
+                continue
+            # Queries are encoded as the model's task (its prefix); the file is named as training reads it.
+            examples = split_examples(data_dir, spec.dataset, task, "train")
             rows = mine_negatives(encoder, index, examples, store, k=depth,
-                                  exclude_answers=dataset in answer_checkable)
-            counts[dataset] = write_negatives(layout.negatives_path(negatives_dir, dataset, "train"), rows)
+                                  exclude_answers=spec.dataset in answer_checkable)
+            counts[spec.negatives_name] = write_negatives(
+                layout.negatives_path(negatives_dir, spec.negatives_name, "train"), rows)
         return {"negatives": counts, "model": model_dir, "answer_checkable": sorted(answer_checkable)}
 
     stage(negatives_dir, "mine", run, leader_only=True)

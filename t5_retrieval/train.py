@@ -32,7 +32,14 @@ from t5_retrieval.data.batching import batches as _batches  # also registers its
 from t5_retrieval.data.batching import random_batches as _random_batches  # noqa: F401  (registers its gin configurables)
 from t5_retrieval.data.records import write_text_atomic
 from t5_retrieval.errors import ConfigError, UserError, directory_lock
-from t5_retrieval.inference import load_encoder, write_base_record
+from t5_retrieval.inference import (
+    QUERY_SIDE_FILE,
+    base_dir_of,
+    is_query_side_dir,
+    load_encoder,
+    read_base_record,
+    write_base_record,
+)
 from t5_retrieval.models.build import build_model, init_params, initial_params, model_config, upgraded_config
 from t5_retrieval.models.families import family_of
 from t5_retrieval.multitask import exported_state, multitask_metrics, multitask_problems, multitask_statistics
@@ -259,7 +266,7 @@ def train(model_dir: str,
                           f"({', '.join(task_names)}); set one query tower per task")
     checkpoint.write_config(model_dir, config, upgrade=lambda stored: upgraded_config(stored, config))
     if "passage_embeddings" in data.features:
-        record_passage_base(model_dir, init_from, data.features["passage_embeddings"], config)
+        init_from = record_passage_base(model_dir, init_from, data.features["passage_embeddings"], config)
 
     model = build_model(config)
     params_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
@@ -335,12 +342,21 @@ def log_query_passes(model: nn.Module, batch: dict[str, dict[str, np.ndarray]], 
              "; ".join("[" + ", ".join(group) + "]" for group in groups))
 
 
-def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, str], config: dict[str, Any]) -> None:
+def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, str], config: dict[str, Any]) -> str:
     """Training over stored passage embeddings only makes sense from the model that wrote them:
     checks that `init_from` is it, and marks `model_dir` as a query-side model over that base (so
-    encode/index/eval/serve embed passages with the base and accept the base's indexes)."""
+    encode/index/eval/serve embed passages with the base and accept the base's indexes). Returns
+    the base to start from.
+
+    A model directory that already records a base with the embeddings' fingerprint (a resumed run,
+    maybe of a copy moved with its base) keeps its record, which is relative to it, and starts from
+    that base: config.gin's `init_from` names where the base was when the run began."""
     if config["dual_encoder"].get("query_generation"):
         raise ConfigError("make_train_iterator.passage_embeddings: GDMTL's query generation needs passage tokens")
+    kept = _recorded_base(model_dir, table["fingerprint"])
+    if kept is not None:
+        log.info("%s: keeps its base model %s (%s)", model_dir, kept, QUERY_SIDE_FILE)
+        return kept
     if not init_from or not os.path.exists(os.path.join(init_from, checkpoint.CONFIG_FILE)):
         raise ConfigError(f"make_train_iterator.passage_embeddings (written by the model with fingerprint "
                           f"{table['fingerprint']!r}) needs train.init_from to be the t5r model directory that "
@@ -353,6 +369,19 @@ def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, 
     if jax.process_index() == 0:
         write_base_record(model_dir, init_from, base.fingerprint, trained_by="t5r train",
                           passage_embeddings_digest=table["digest"])
+    return init_from
+
+
+def _recorded_base(model_dir: str, fingerprint: str) -> str | None:
+    """The base model directory `model_dir`'s query_side.json records, when it records one whose
+    model has `fingerprint`; else None."""
+    if not is_query_side_dir(model_dir):
+        return None
+    base_dir = base_dir_of(model_dir)
+    if read_base_record(model_dir)["base_fingerprint"] != fingerprint or \
+            not os.path.exists(os.path.join(base_dir, checkpoint.CONFIG_FILE)):
+        return None
+    return base_dir if load_encoder(base_dir).fingerprint == fingerprint else None
 
 
 def export_multitask_state(opt_state: Any, task_names: list[str], model_dir: str) -> None:

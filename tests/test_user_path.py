@@ -149,15 +149,15 @@ def test_readme_stage_commands_run_in_order_and_produce_every_stage_output(tmp_p
     # encode + index
     with open("run/index/index.json") as f:
         assert json.load(f)["num_passages"] == len(PassageStore.open("data/kb").ids())
-    # eval: keyed by dataset by default, by the given names with --tasks; same numbers either way
+    # eval: keyed by the model's task names, also when --tasks names a task by its dataset; same numbers
     with open("run/eval/results.json") as f:
         default = json.load(f)
     with open("run/eval_fever/results.json") as f:
         named = json.load(f)
-    check_metrics(default, ["fever", "nq"])
-    check_metrics(named, ["fever"])
-    assert named["fever"] == default["fever"], "naming the task must not change its scores"
-    for task in ("fever", "nq"):
+    check_metrics(default, ["demo_fever", "demo_nq"])
+    check_metrics(named, ["demo_fever"])
+    assert named["demo_fever"] == default["demo_fever"], "naming the task must not change its scores"
+    for task in ("demo_fever", "demo_nq"):
         check_trec_run("run/eval", task)
     # mine: negatives named by dataset, one row per train query, none on a gold page
     store = PassageStore.open("data/kb")

@@ -57,10 +57,19 @@ def _accept(directory: str, reason: str | None) -> tuple[int, int]:
     return len(files), sum(f["size"] for f in files.values())
 
 
+def is_export(directory: str) -> bool:
+    """`directory` is a `t5r export` or `t5r export-hf` output: a directory made to be copied, which
+    carries no stamp of the machine it is on (export/portable.py)."""
+    from t5_retrieval.commands.outputs import HF_EXPORT, SAVEDMODEL, kind_of
+
+    found = kind_of(directory)
+    return found is not None and found[0] in (SAVEDMODEL, HF_EXPORT)
+
+
 def _verify(directory: str) -> tuple[int, int]:
     step_dir = _step_dir(directory)
     if step_dir is None:
-        return checksums.verify_all(directory)
+        return checksums.verify_all(directory, stamp=not is_export(directory))
     from t5_retrieval import checkpoint
 
     return checkpoint.verify_checksums(step_dir)

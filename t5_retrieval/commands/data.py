@@ -56,19 +56,34 @@ def tasks_main(argv: list[str]) -> int:
 
 
 def negatives_main(argv: list[str]) -> int:
+    from t5_retrieval import gin_utils
     from t5_retrieval.data.kilt.prepare import prepare_negatives
-    from t5_retrieval.data.tasks.retrieval_tasks import split_examples
+    from t5_retrieval.data.tasks import retrieval_tasks
 
     p = argparse.ArgumentParser("t5r data negatives", description="BM25 hard negatives -> <data_dir>/negatives/bm25.")
     p.add_argument("--data_dir", required=True)
     p.add_argument("--tasks", type=_csv, required=True,
-                   help="comma-separated datasets with examples files (t5r data tasks), or registered seqio Tasks "
-                        "(their query text after their preprocessors; --gin.MIXTURE_OR_TASK_MODULE registers yours)")
+                   help="comma-separated datasets with examples files (t5r data tasks), written to {dataset}-{split}.jsonl, "
+                        "or registered seqio Tasks (their query text after their preprocessors), written to "
+                        "{task}-{split}.jsonl for a Task whose preprocessors rewrite it, else to its dataset's file")
     p.add_argument("--splits", type=_csv, default=["train"])
     p.add_argument("--top_k", type=int, default=100)
+    p.add_argument("--task_module", action="append", default=[], metavar="NAME",
+                   help="import this module that registers your seqio Tasks (repeatable), as "
+                        "--gin.MIXTURE_OR_TASK_MODULE does")
     a = parse_args(p, argv, reads=TASK_MODULE)
-    _report(prepare_negatives(a.data_dir, a.tasks, a.splits, top_k=a.top_k,
-                              read=lambda task, split: split_examples(a.data_dir, task, task, split)))
+    gin_utils.import_modules(a.task_module)
+    retrieval_tasks.set_data_dir(a.data_dir)  # a Task over `kilt_examples_source` reads this directory
+    if not all(retrieval_tasks.registered_task(name) or retrieval_tasks.has_examples_files(a.data_dir, name, a.splits)
+               for name in a.tasks):
+        import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, by name)
+    sources: dict[str, tuple[str, str]] = {}  # file name -> (dataset, Task) whose negatives it holds
+    for name in a.tasks:
+        spec = retrieval_tasks.file_or_task(name)
+        sources.setdefault(spec.negatives_name, (spec.dataset, spec.name))
+    _report(prepare_negatives(a.data_dir, list(sources), a.splits, top_k=a.top_k,
+                              read=lambda name, split: retrieval_tasks.split_examples(a.data_dir, *sources[name],
+                                                                                      split)))
     return 0
 
 
@@ -108,11 +123,24 @@ def download_main(argv: list[str]) -> int:
 def slice_main(argv: list[str]) -> int:
     from t5_retrieval.data.kilt import demo_slice as kilt_slice
 
-    p = argparse.ArgumentParser("t5r data slice", description=kilt_slice.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mini_kilt", required=True, help="the mini-KILT directory (train/dev files and kb/)")
-    p.add_argument("--out", required=True, help="the .tar.gz to write")
+    p = argparse.ArgumentParser(
+        "t5r data slice", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Unpack the shipped real-data demo slice of mini-KILT (KILT-format task files and kb/passages.jsonl) "
+                    "to <out>/mini_kilt_slice, or, with --mini_kilt, rebuild the slice's archive.\n\n"
+                    + kilt_slice.__doc__)
+    p.add_argument("--out", required=True,
+                   help="the directory to unpack the slice under; with --mini_kilt, the .tar.gz to write")
+    p.add_argument("--mini_kilt", default=None, help="rebuild the archive from this mini-KILT directory (train/dev "
+                                                      "files and kb/)")
     a = p.parse_args(argv)
+    if a.mini_kilt is None:
+        target = kilt_slice.extract(kilt_slice.SHIPPED, a.out)
+        with open(os.path.join(target, "stats.json"), encoding="utf-8") as f:
+            stats = json.load(f)
+        print(f"{target}: the demo slice of mini-KILT, tasks {', '.join(stats['tasks'])} over {stats['kb_pages']} "
+              f"pages; next: t5r data kb --source={os.path.join(target, 'kb', 'passages.jsonl')} --data_dir=data, "
+              f"then t5r data tasks --input_dir={target} --data_dir=data --tasks={','.join(stats['tasks'])}")
+        return 0
     files = kilt_slice.build_slice(a.mini_kilt)
     kilt_slice.write_archive(files, a.out)
     stats = json.loads(files["stats.json"])

@@ -2,7 +2,8 @@
 
 `t5r eval --index_dir=... --data_dir=... --output_dir=... (--checkpoint_dir=... | --lexical_baseline_dim=N)`
 writes results.json, results.txt, predictions/{task}.jsonl (official KILT format) and
-predictions/{task}.trec (TREC run), keyed by the names given to --tasks, else by dataset.
+predictions/{task}.trec (TREC run), each keyed and named by the model's name of the task
+(`demo_fever`, whether --tasks names it so, by its dataset or by a Mixture).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import rerun
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import DataError, Example
-from t5_retrieval.data.tasks.retrieval_tasks import has_split, registered_task, split_examples
+from t5_retrieval.data.tasks.retrieval_tasks import has_split, registered_task, set_data_dir, split_examples
 from t5_retrieval.data.tasks.task_names import TaskSet
+from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.errors import UserError
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import (
@@ -47,12 +48,13 @@ def encoder_from_flags(args: argparse.Namespace) -> Encoder:
 class SearchInputs:
     """What `t5r eval` and `t5r mine` both start from, checked against each other.
 
-    `examples` and `datasets` are keyed by the task names the user gave (`--tasks`, either form),
-    else by dataset; each example's `task` is the model's name for it (its query prefix)."""
+    `examples` and `specs` are keyed by the model's name of each task (`--tasks` names them in any
+    form), the name `t5r eval`'s results and predictions files and each example's `task` carry; a
+    model that records no tasks (the lexical baseline) keys them by the names given, else by dataset."""
 
     store: Any  # data.kb.PassageStore
     examples: dict[str, list[Example]]
-    datasets: dict[str, str]  # the same keys -> the dataset whose example (and negatives) files they are
+    specs: dict[str, TaskSpec]  # the same keys -> the task (its dataset, and its negatives files' name)
     index: Index
     encoder: Encoder
 
@@ -91,9 +93,10 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
         encoder = encoder_from_flags(args)
     index.check(encoder, store.ids())
     import_task_modules(args)
-    examples, datasets = task_examples(encoder, args.data_dir, args.split, [t for t in args.tasks.split(",") if t],
-                                       lambda **flags: rerun(args, **flags))
-    return SearchInputs(store, examples, datasets, index, encoder)
+    set_data_dir(args.data_dir)  # a seqio Task over `kilt_examples_source` reads its examples there
+    examples = task_examples(encoder, args.data_dir, args.split, [t for t in args.tasks.split(",") if t],
+                             lambda **flags: rerun(args, **flags))
+    return SearchInputs(store, examples, {task: encoder.tasks.spec(task) for task in examples}, index, encoder)
 
 
 def import_task_modules(args: argparse.Namespace) -> None:
@@ -138,20 +141,21 @@ def expand_task_names(tasks: TaskSet, names: Sequence[str]) -> list[str]:
 
 
 def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str],
-                  rerun: Callable[..., str]) -> tuple[dict[str, list[Example]], dict[str, str]]:
-    """(examples, dataset) per task name: `names` in either form, or every dataset the model was trained
-    on (every examples file found for `split`, for an encoder that records no tasks). `rerun(**flags)`
-    is the command line with those flags changed, for the error's suggestions.
+                  rerun: Callable[..., str]) -> dict[str, list[Example]]:
+    """Examples per task, keyed by the model's name of it: the tasks `names` name in any form, or
+    every task the model was trained on (every examples file found for `split`, keyed by dataset, for
+    an encoder that records no tasks). `rerun(**flags)` is the command line with those flags changed,
+    for the error's suggestions.
 
     Raises UnknownTaskError for a name the model does not know, DataError naming every task
     without examples for `split` (none is left out in silence) with the commands that work."""
     tasks = encoder.tasks
     if not tasks:
-        examples = load_task_examples(data_dir, split, names)
-        return examples, {name: name for name in examples}
+        return load_task_examples(data_dir, split, names)
     import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, read when a KILT file is missing)
 
-    names = expand_task_names(tasks, names) if names else tasks.datasets()
+    names = list(dict.fromkeys(tasks.resolve(name) for name in expand_task_names(tasks, names))) if names \
+        else list(tasks)
     datasets = {name: tasks.dataset_of(name) for name in names}
     missing = [name for name in names if not has_split(data_dir, datasets[name], tasks.resolve(name), split)]
     if missing:
@@ -164,7 +168,7 @@ def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[s
                 encoder, task, f"{layout.examples_path(data_dir, datasets[name], split)} is scored as written: its "
                 "seqio Task is not registered to rewrite it (name its module with --gin.MIXTURE_OR_TASK_MODULE)")
         examples[name] = split_examples(data_dir, datasets[name], task, split)
-    return examples, datasets
+    return examples
 
 
 def _missing_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str], missing: Sequence[str],

@@ -1,7 +1,9 @@
 """`t5r mine`: hard negatives for every training query with the current model (ANCE).
 
 `t5r mine --index_dir=... --data_dir=... --source=ance-1 (--checkpoint_dir=... | --lexical_baseline_dim=N)`
-writes `<data_dir>/negatives/<source>/{dataset}-{split}.jsonl` (named by dataset, as training reads them).
+writes `<data_dir>/negatives/<source>/{name}-{split}.jsonl`, named as training reads them: by the
+task's dataset when it reads the dataset's examples as written, by its own name when its
+preprocessors rewrite the query text (`TaskSpec.negatives_name`; docs/data.md, "File names").
 """
 
 from __future__ import annotations
@@ -28,8 +30,13 @@ def main(argv: list[str]) -> int:
     check_output_dir(out_dir, "--data_dir/negatives/--source", "t5r mine")
     with writable_output_dir(out_dir, "--data_dir/negatives/--source"):
         inputs = load_search_inputs(args)
+        written: dict[str, str] = {}
         for task, task_examples in inputs.examples.items():
-            path = layout.negatives_path(out_dir, inputs.datasets[task], args.split)
+            path = layout.negatives_path(out_dir, inputs.specs[task].negatives_name, args.split)
+            if path in written:  # two tasks reading one dataset's text as written share its file
+                print(f"t5r mine: {task}: shares {path} with {written[path]}, mined as {written[path]}")
+                continue
             count = write_negatives(path, mine_negatives(inputs.encoder, inputs.index, task_examples, inputs.store))
+            written[path] = task
             print(f"t5r mine: {task}: {count} queries -> {path}")
     return 0

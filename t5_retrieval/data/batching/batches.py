@@ -352,14 +352,23 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
             keep = np.random.default_rng(FEW_SHOT_SEED).choice(len(examples), max_examples_per_task, replace=False)
             examples = _subset(examples, np.sort(keep))
         examples = _subset(examples, range(host_index, len(examples), host_count))
-        negatives_file = layout.negatives_path(negatives_dir, info.dataset, split)
-        if os.path.exists(negatives_file):
+        negatives_file = task_negatives_file(negatives_dir, info, split)
+        if negatives_file is not None:
             task_negatives, source = read_negatives(negatives_file), negatives_file
         elif examples.negatives is not None:
             task_negatives, source = None, f"seqio Task {info.name}"
         else:
-            raise DataError(f"{negatives_file}: missing, and seqio Task {info.name} has no \"negatives\" feature; "
+            raise DataError(f"{layout.negatives_path(negatives_dir, info.negatives_name, split)}: missing, and seqio "
+                            f"Task {info.name} has no \"negatives\" feature; "
                             + _negatives_hint(data_dir, negatives_dir, info, split, task_module, task_module_path))
+        log.info("task %s: hard negatives from %s", info.name, source)
+        if info.negatives_name != info.dataset and negatives_file == layout.negatives_path(negatives_dir, info.dataset,
+                                                                                           split):
+            log.warning("task %s: its preprocessors (%s) rewrite the query text, and %s holds negatives mined for "
+                        "dataset %s's text as written; for negatives of its own text (%s), %s", info.name,
+                        ", ".join(info.text_preprocessors), negatives_file, info.dataset,
+                        layout.negatives_path(negatives_dir, info.name, split),
+                        _negatives_hint(data_dir, negatives_dir, info, split, task_module, task_module_path))
         data = _task_data(info, examples, task_negatives, store, conventions_of(vocab), length,
                           num_negatives, size * local_data_devices, source, hard_negatives, seed)
         if data.skipped or data.missing_negatives:
@@ -382,6 +391,18 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                          features, table, positive_passages)
 
 
+def task_negatives_file(negatives_dir: str, info: TaskSpec, split: str) -> str | None:
+    """The negatives file task `info` trains with, or None: `{task}-{split}.jsonl`, else the one its
+    query text shares (`TaskSpec.negatives_name`: its dataset's, for a task reading the dataset's
+    examples as written), else, for a task whose preprocessors rewrite the text, its dataset's (mined
+    for the text as written; older versions named every negatives file by dataset)."""
+    for name in dict.fromkeys([info.name, info.negatives_name, info.dataset]):
+        path = layout.negatives_path(negatives_dir, name, split)
+        if os.path.exists(path):
+            return path
+    return None
+
+
 def _negatives_hint(data_dir: str, negatives_dir: str, info: TaskSpec, split: str,
                     task_module: str | Sequence[str] | None, task_module_path: Sequence[str]) -> str:
     """What to run for a Task without negatives: `t5r data negatives` over its KILT examples file,
@@ -389,12 +410,13 @@ def _negatives_hint(data_dir: str, negatives_dir: str, info: TaskSpec, split: st
     directory only)."""
     if os.path.abspath(negatives_dir) != os.path.abspath(layout.negatives_dir(data_dir, "bm25")):
         return f"the negatives directory {negatives_dir} (NEGATIVES) needs a file for it, or the Task that feature"
-    command = ["t5r", "data", "negatives", f"--data_dir={data_dir}", f"--tasks={info.dataset}",
+    own_text = info.negatives_name != info.dataset  # its preprocessors rewrite the query text
+    command = ["t5r", "data", "negatives", f"--data_dir={data_dir}", f"--tasks={info.negatives_name}",
                *([f"--splits={split}"] if split != "train" else [])]
-    if not os.path.exists(layout.examples_path(data_dir, info.dataset, split)):
+    if own_text or not os.path.exists(layout.examples_path(data_dir, info.dataset, split)):
         if not task_module:  # no module to name: no command to give
             return "give the Task that feature, or write {\"id\", \"negatives\"} rows for its examples to that file"
-        command.append(f"--gin.MIXTURE_OR_TASK_MODULE={task_module!r}")
+        command += [f"--task_module={m}" for m in ([task_module] if isinstance(task_module, str) else task_module)]
         if task_module_path:
             command.insert(0, "PYTHONPATH=" + os.pathsep.join(task_module_path))
     return f"write BM25 negatives for it with `{shell_command(command)}`"

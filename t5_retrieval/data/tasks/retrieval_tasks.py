@@ -471,6 +471,18 @@ def has_split(data_dir: str, dataset: str, task_name: str, split: str) -> bool:
     return task is not None and split in task.splits
 
 
+def file_or_task(name: str) -> TaskSpec:
+    """What a name given to `t5r data negatives` stands for: the registered seqio Task `name`, else
+    the dataset whose examples files `<data_dir>/examples/{name}-{split}.jsonl` are, as a spec of its
+    own (`split_examples` names what is missing)."""
+    task = registered_task(name)
+    return describe(task) if task is not None else TaskSpec(name, name, None)
+
+
+def has_examples_files(data_dir: str, name: str, splits: Sequence[str]) -> bool:
+    return all(os.path.exists(layout.examples_path(data_dir, name, s)) for s in splits)
+
+
 def split_examples(data_dir: str, dataset: str, task_name: str, split: str) -> list[Any]:
     """The model's task `task_name` (reading `dataset`) on `split`, for evaluation and mining.
 

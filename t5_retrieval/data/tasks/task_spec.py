@@ -31,6 +31,15 @@ class TaskSpec:
     # their output, not the text a user types.
     text_preprocessors: tuple[str, ...] = ()
 
+    @property
+    def negatives_name(self) -> str:
+        """The name of its negatives files (`<negatives dir>/{negatives_name}-{split}.jsonl`). Negatives
+        belong to the query text they were mined for: a task that reads its dataset's examples as
+        written shares its dataset's file with every other such task (kilt_fever, demo_fever_noprefix
+        and `t5r data negatives --tasks=fever` all name `fever-train.jsonl`); a task whose
+        preprocessors rewrite the text has a file of its own name (docs/data.md, "File names")."""
+        return self.name if self.text_preprocessors else self.dataset
+
     def query_input(self) -> QueryInput:
         """How the model reads this task's queries."""
         if self.query_len is None:
