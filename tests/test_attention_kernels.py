@@ -209,6 +209,7 @@ def test_tiny_bert_dual_encoder_with_pallas_equals_xla():
 def test_gin_macro_selects_the_kernel_and_the_stored_config_leaves_it_out():
     """`ATTENTION_IMPL` reaches the network config a model is built from, but not the config stored
     with a model: a model directory loads anywhere, with the loading run's own choice."""
+    import t5_retrieval.multitask  # noqa: F401  (registers multitask.taco, which bert_base.gin binds)
     from t5_retrieval import gin_utils
     from t5_retrieval.models.build import build_model, model_config, upgraded_config
 

@@ -93,7 +93,8 @@ class ModelFamily:
         """A stored config's architecture with fields added since at their defaults (the same model)."""
         out = dict(stored)
         if self.name in stored:
-            out[self.name] = self._stored(self.network(**stored[self.name]))
+            fields = {k: v for k, v in stored[self.name].items() if k not in self.runtime_keys}
+            out[self.name] = self._stored(self.network(**fields))
         if "dual_encoder" in stored:
             out["dual_encoder"] = dataclasses.asdict(self.head(**stored["dual_encoder"]))
         return out
