@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from t5_retrieval import checksums
+from t5_retrieval import artefact_io, checksums
 from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.passages import ids_digest
@@ -46,8 +46,13 @@ def read_record(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, INDEX_JSON)
     if not os.path.lexists(path):
         raise IndexMismatchError(f"{path}: not an index directory (no {INDEX_JSON}; run `t5r index`)")
-    record = checksums.verified_json(directory, INDEX_JSON, "index", "rebuild the index with `t5r index`",
-                                     IndexMismatchError)
+    try:
+        record = checksums.verified_json(directory, INDEX_JSON, "index", REBUILD, IndexMismatchError)
+    except UserError as e:  # e.g. a build a killed run left unrecorded: say how to build it again
+        hint = _unverified_rebuild_hint(directory)
+        if hint == REBUILD or not str(e).endswith(REBUILD):
+            raise
+        raise type(e)(str(e).removesuffix(REBUILD) + hint) from None
     if record.get("format") == SCANN_V1_FORMAT:
         record = {**record, "backend": "scann"}
     elif record.get("format") != FORMAT:
@@ -57,6 +62,25 @@ def read_record(directory: str) -> dict[str, Any]:
         raise IndexMismatchError(f"{path}: damaged (no field {', '.join(map(repr, missing))}); "
                                  "rebuild the index with `t5r index`")
     return record
+
+
+REBUILD = "rebuild the index with `t5r index`"
+HINT_BYTES = 1 << 16  # an index.json is a few hundred bytes
+
+
+def _unverified_rebuild_hint(directory: str) -> str:
+    """The command that builds the index in `directory` again, for a refusal before its index.json
+    could be verified: the embeddings directory and backend that file names, read within bounds
+    and used for the message's wording only (nothing is loaded from them); REBUILD when it names none."""
+    try:
+        record = artefact_io.load_json_object(os.path.join(directory, INDEX_JSON), directory, HINT_BYTES)
+    except UserError:
+        return REBUILD
+    embeddings, backend = record.get("embeddings_dir"), record.get("backend")
+    if not (isinstance(embeddings, str) and embeddings.isprintable() and isinstance(backend, str)
+            and backend.isidentifier()):
+        return REBUILD
+    return f"rebuild it: t5r index --embeddings_dir={embeddings} --output_dir={directory} --backend={backend}"
 
 
 def read_complete_store(embeddings_dir: str) -> tuple[embedding_store.Manifest, list[str]]:
