@@ -38,6 +38,25 @@ def artefact(tmp_path) -> str:
     return str(directory)
 
 
+@pytest.fixture(scope="module")
+def cli_dirs(tmp_path_factory) -> tuple[str, str]:
+    """A passage store of test_retrieval_serve's KB and a brute-force index over its lexical
+    embeddings, as `t5r serve --kb_dir --index_dir` reads them (the serve tests' command lines)."""
+    from test_retrieval_serve import KB
+
+    from t5_retrieval.data.stores import embedding_store
+    from t5_retrieval.data.stores.kb import write_passage_store
+    from t5_retrieval.retrieval import scann_index
+    from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
+
+    root = tmp_path_factory.mktemp("cli")
+    kb_dir, emb_dir, idx_dir = (str(root / d) for d in ("kb", "emb", "idx"))
+    write_passage_store(((p, None) for p in KB), kb_dir)
+    embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=64), KB, [p.id for p in KB], emb_dir, progress=False)
+    scann_index.build_scann_index(emb_dir, scann_index.ScannConfig(mode="brute_force")).save(idx_dir)
+    return kb_dir, idx_dir
+
+
 def flip_byte(path: str, offset: int = -1) -> None:
     """Flips one bit of the byte at `offset` (from the end when negative): what a damaged disk does."""
     with open(path, "r+b") as f:

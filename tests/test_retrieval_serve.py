@@ -584,18 +584,6 @@ def test_tasks_the_model_does_not_know_are_refused_at_start(kb_index):
         serve.SearchService(NamedTaskEncoder(dim=256), kb_index, PassageTable(KB), ["nq", "zsre"])
 
 
-@pytest.fixture(scope="module")
-def cli_dirs(tmp_path_factory) -> tuple[str, str]:
-    from t5_retrieval.data.stores.kb import write_passage_store
-
-    root = tmp_path_factory.mktemp("cli")
-    kb_dir, emb_dir, idx_dir = (str(root / d) for d in ("kb", "emb", "idx"))
-    write_passage_store(((p, None) for p in KB), kb_dir)
-    embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=64), KB, [p.id for p in KB], emb_dir, progress=False)
-    scann_index.build_scann_index(emb_dir, scann_index.ScannConfig(mode="brute_force")).save(idx_dir)
-    return kb_dir, idx_dir
-
-
 def test_cli_refuses_an_open_host_without_a_token_and_an_empty_token_file(cli_dirs, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(http_server.TOKEN_ENV, raising=False)
     kb_dir, idx_dir = cli_dirs

@@ -29,18 +29,6 @@ def kb_index(tmp_path_factory):
     return scann_index.build_scann_index(directory, scann_index.ScannConfig(mode="brute_force"))
 
 
-@pytest.fixture(scope="module")
-def cli_dirs(tmp_path_factory) -> tuple[str, str]:
-    from t5_retrieval.data.stores.kb import write_passage_store
-
-    root = tmp_path_factory.mktemp("cli")
-    kb_dir, emb_dir, idx_dir = (str(root / d) for d in ("kb", "emb", "idx"))
-    write_passage_store(((p, None) for p in KB), kb_dir)
-    embedding_store.write_embeddings(HashedBagOfWordsEncoder(dim=64), KB, [p.id for p in KB], emb_dir, progress=False)
-    scann_index.build_scann_index(emb_dir, scann_index.ScannConfig(mode="brute_force")).save(idx_dir)
-    return kb_dir, idx_dir
-
-
 # --- invalid text and options -------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, field", [
