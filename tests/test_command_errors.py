@@ -301,7 +301,7 @@ CASES = {
     ],
     "serve": [
         ("bad flag value", lambda x: [*LEXICAL, "--index_dir", x.index, "--kb_dir", kb(x), "--tasks", "fever",
-                                      "--port", "0", "--workers", "0"], lambda x: "workers=0"),
+                                      "--port", "0", "--workers", "0"], lambda x: "--workers 0"),
         ("bad file", lambda x: [*LEXICAL, "--index_dir", x.index, "--kb_dir", kb(x), "--tasks", "fever",
                                 "--port", "0", "--auth_token_file", empty_file(x)], lambda x: empty_file(x)),
     ],

@@ -455,7 +455,7 @@ def test_refuses_query_towers_projection_and_a_non_empty_output(t5_run, capsys):
         with pytest.raises(hf.ExportError, match=f"dual_encoder.{field}={value}"):
             hf.check_exportable({**config, "dual_encoder": {**config["dual_encoder"], field: value}})
     assert t5r(["export-hf", f"--checkpoint_dir={model_dir}", f"--output_dir={out}"]) == 2
-    assert "exists and is not empty" in capsys.readouterr().err
+    assert "is a Hugging Face export" in capsys.readouterr().err, "an existing export is never written over"
     assert not [n for n in os.listdir(os.path.dirname(out)) if ".tmp-" in n], "temp dir left behind"
 
 
