@@ -3,7 +3,7 @@
 import json
 import os
 
-import pytest
+from conftest import SHARED_DATA, needs_shared_data
 
 from t5_retrieval.data import layout
 from t5_retrieval.data.kilt.negatives import bm25_query
@@ -12,9 +12,8 @@ from t5_retrieval.data.records import read_examples
 from t5_retrieval.data.stores.bm25 import BM25Index
 from t5_retrieval.data.stores.kb import PassageStore
 
-MINI_KILT = "/work/shared/data/mini_kilt"
 TASKS = ["fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking"]
-pytestmark = pytest.mark.skipif(not os.path.isdir(MINI_KILT), reason="mini-KILT is not on this machine")
+pytestmark = needs_shared_data
 
 
 def r_precision(gold_sets, predicted_pages):
@@ -25,11 +24,11 @@ def r_precision(gold_sets, predicted_pages):
 def test_bm25_dev_r_precision_matches_the_mini_kilt_reference(tmp_path):
     data_dir = str(tmp_path)
     # The reference indexes mini-KILT's one-passage-per-paragraph file, so we build the KB from it.
-    prepare_kb(os.path.join(MINI_KILT, "kb", "passages.jsonl"), data_dir)
+    prepare_kb(os.path.join(SHARED_DATA, "kb", "passages.jsonl"), data_dir)
     store = PassageStore.open(layout.kb_dir(data_dir))
     index = BM25Index(store)
-    prepare_tasks(MINI_KILT, data_dir, TASKS, ("dev",), strict=True)
-    with open(os.path.join(MINI_KILT, "bm25_reference_dev.json")) as f:
+    prepare_tasks(SHARED_DATA, data_dir, TASKS, ("dev",), strict=True)
+    with open(os.path.join(SHARED_DATA, "bm25_reference_dev.json")) as f:
         reference = json.load(f)
     ours = {}
     for task in TASKS:
