@@ -42,6 +42,22 @@ def test_cli_reference_lists_every_command_and_every_flag_its_parser_has(pages):
                 assert f"`{action.option_strings[0]}`" in section, f"t5r {name}: {action.option_strings[0]} missing"
 
 
+def flags_without_help(parser: argparse.ArgumentParser) -> list[str]:
+    return [(action.option_strings or [action.dest])[0] for action in parser._actions
+            if not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS
+            and not (action.help or "").strip()]
+
+
+def test_every_flag_of_every_command_has_help():
+    gin_parser = argparse.ArgumentParser(prog="t5r COMMAND")
+    reference.add_gin_flags(gin_parser)
+    missing = {"(gin flags)": flags_without_help(gin_parser)}
+    missing.update({f"t5r {name}": flags_without_help(reference.command_parser(target))
+                    for name, (target, _) in cli.COMMANDS.items()})
+    missing = {name: flags for name, flags in missing.items() if flags}
+    assert not missing, f"flags with no help= (docs/cli.md shows an empty row for each): {missing}"
+
+
 def test_cli_reference_shows_defaults_and_required_flags(pages):
     serve = pages["cli.md"].split("\n## t5r serve\n", 1)[1].split("\n## ", 1)[0]
     assert "| `--port` | `PORT` | `8080` |" in serve

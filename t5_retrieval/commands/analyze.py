@@ -17,8 +17,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tau", type=float, default=None,
                         help="TACO softmax temperature (default: the one saved with the state, else the "
                              "model's config.gin, else TACO's default).")
-    parser.add_argument("--entropy_threshold", type=float, default=0.3)
-    parser.add_argument("--inactive_threshold", type=float, default=1e-6)
+    parser.add_argument("--entropy_threshold", type=float, default=0.3,
+                        help="an activated parameter whose task entropy (nats) is below this is task specific.")
+    parser.add_argument("--inactive_threshold", type=float, default=1e-6,
+                        help="a parameter whose every task's EMA sensitivity is at most this is not activated.")
     args = parse_args(parser, argv)
     saved = analysis.load_state_npz(args.state_npz)
     tau = analysis.saved_tau(args.state_npz, saved) if args.tau is None else args.tau

@@ -24,10 +24,12 @@ def kb_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser("t5r data kb", description="Knowledge source -> passage store <data_dir>/kb.")
     p.add_argument("--source", required=True,
                    help="KILT knowledge source jsonl (pages), a passages jsonl, or DPR psgs_w100.tsv")
-    p.add_argument("--data_dir", required=True)
-    p.add_argument("--words_per_passage", type=int, default=100)
-    p.add_argument("--passages_per_shard", type=int, default=1_000_000)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--data_dir", required=True, help="data directory; the passage store is written to <data_dir>/kb")
+    p.add_argument("--words_per_passage", type=int, default=100,
+                   help="words per passage when whole pages are chunked (ignored for a passages jsonl or tsv)")
+    p.add_argument("--passages_per_shard", type=int, default=1_000_000,
+                   help="passages per kb/passages-NNNNN.jsonl shard")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing <data_dir>/kb")
     a = parse_args(p, argv)
     manifest = prepare_kb(a.source, a.data_dir, words_per_passage=a.words_per_passage,
                           passages_per_shard=a.passages_per_shard, overwrite=a.overwrite)
@@ -41,12 +43,13 @@ def tasks_main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser("t5r data tasks", description="KILT task files -> <data_dir>/examples.")
     p.add_argument("--input_dir", required=True, help="directory with {task}-{split}-kilt.jsonl files")
-    p.add_argument("--data_dir", required=True)
+    p.add_argument("--data_dir", required=True,
+                   help="data directory holding kb/ (t5r data kb); examples are written to <data_dir>/examples")
     p.add_argument("--tasks", type=_csv, required=True, help="comma-separated task names (file stems)")
-    p.add_argument("--splits", type=_csv, default=["train", "dev"])
+    p.add_argument("--splits", type=_csv, default=["train", "dev"], help="comma-separated splits to convert")
     p.add_argument("--min_bleu", type=float, default=None, help="drop train provenance with bleu_score below this")
     p.add_argument("--max_train_examples", type=int, default=None, help="downsample train to N examples")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the --max_train_examples downsampling")
     p.add_argument("--strict", action="store_true", help="fail when a gold page is missing from the KB")
     a = parse_args(p, argv)
     stats = prepare_tasks(a.input_dir, a.data_dir, a.tasks, a.splits, min_bleu=a.min_bleu,
@@ -61,13 +64,15 @@ def negatives_main(argv: list[str]) -> int:
     from t5_retrieval.data.tasks import retrieval_tasks
 
     p = argparse.ArgumentParser("t5r data negatives", description="BM25 hard negatives -> <data_dir>/negatives/bm25.")
-    p.add_argument("--data_dir", required=True)
+    p.add_argument("--data_dir", required=True,
+                   help="data directory holding kb/ and examples/; negatives go to <data_dir>/negatives/bm25")
     p.add_argument("--tasks", type=_csv, required=True,
                    help="comma-separated datasets with examples files (t5r data tasks), written to {dataset}-{split}.jsonl, "
                         "or registered seqio Tasks (their query text after their preprocessors), written to "
                         "{task}-{split}.jsonl for a Task whose preprocessors rewrite it, else to its dataset's file")
-    p.add_argument("--splits", type=_csv, default=["train"])
-    p.add_argument("--top_k", type=int, default=100)
+    p.add_argument("--splits", type=_csv, default=["train"], help="comma-separated splits to mine negatives for")
+    p.add_argument("--top_k", type=int, default=100,
+                   help="BM25 passages retrieved per query; those of its gold pages are dropped, the rest kept")
     p.add_argument("--task_module", action="append", default=[], metavar="NAME",
                    help="import this module that registers your seqio Tasks (repeatable), as "
                         "--gin.MIXTURE_OR_TASK_MODULE does")
@@ -91,12 +96,13 @@ def demo_main(argv: list[str]) -> int:
     from t5_retrieval.data.kilt.synthetic import write_demo
 
     p = argparse.ArgumentParser("t5r data demo", description="Write the SYNTHETIC KILT-format demo data.")
-    p.add_argument("--out", required=True)
-    p.add_argument("--num_pages", type=int, default=300)
-    p.add_argument("--train_per_task", type=int, default=160)
-    p.add_argument("--dev_per_task", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--out", required=True,
+                   help="directory to write: kb/pages.jsonl and {task}-{split}-kilt.jsonl files")
+    p.add_argument("--num_pages", type=int, default=300, help="invented pages in the knowledge source")
+    p.add_argument("--train_per_task", type=int, default=160, help="train examples per task")
+    p.add_argument("--dev_per_task", type=int, default=40, help="dev examples per task")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generator")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     a = parse_args(p, argv)
     _report(write_demo(a.out, num_pages=a.num_pages, train_per_task=a.train_per_task,
                        dev_per_task=a.dev_per_task, seed=a.seed, overwrite=a.overwrite))
@@ -107,11 +113,11 @@ def download_main(argv: list[str]) -> int:
     from t5_retrieval.data.kilt.download import KILT_BASE_URL, download_kilt
 
     p = argparse.ArgumentParser("t5r data download-kilt", description="Download official KILT files (resumable).")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="directory to download into (SHA256SUMS is kept there)")
     p.add_argument("--files", type=_csv, default=[],
                    help="file names, e.g. fever-train-kilt.jsonl,fever-dev-kilt.jsonl")
     p.add_argument("--knowledge_source", action="store_true", help="also fetch kilt_knowledgesource.json")
-    p.add_argument("--base_url", default=KILT_BASE_URL)
+    p.add_argument("--base_url", default=KILT_BASE_URL, help="URL the file names are appended to")
     a = parse_args(p, argv)
     names = list(a.files) + (["kilt_knowledgesource.json"] if a.knowledge_source else [])
     if not names:
@@ -155,8 +161,9 @@ def vocab_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser("t5r vocab train", description="Train a T5-convention sentencepiece model on a KB.")
     p.add_argument("--kb", required=True, help="passage store directory (<data_dir>/kb)")
     p.add_argument("--out", required=True, help="model path prefix; writes PREFIX.model and PREFIX.vocab")
-    p.add_argument("--vocab_size", type=int, default=8000)
-    p.add_argument("--max_sentences", type=int, default=1_000_000)
+    p.add_argument("--vocab_size", type=int, default=8000, help="pieces in the vocabulary (a soft limit: fewer on a small KB)")
+    p.add_argument("--max_sentences", type=int, default=1_000_000,
+                   help="train on at most this many passages, the store's first")
     a = parse_args(p, argv)
     path = train_vocabulary(a.kb, a.out, vocab_size=a.vocab_size, max_sentences=a.max_sentences)
     print(f"vocabulary: {path}")

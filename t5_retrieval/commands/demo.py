@@ -14,7 +14,8 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="slice",
                         help="'slice' (the shipped mini-KILT slice), 'synthetic', or a KILT-format directory")
-    parser.add_argument("--out", default="demo_out")
+    parser.add_argument("--out", default="demo_out",
+                        help="work directory for the data, models and results; a rerun reuses what it holds")
     args = parser.parse_args(argv)
     logs.setup()
     start = time.time()

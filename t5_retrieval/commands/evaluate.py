@@ -22,7 +22,8 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="t5r eval", description=__doc__.splitlines()[0])
     add_search_flags(parser, default_split="dev")
-    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--output_dir", required=True,
+                        help="where results.json, results.txt and predictions/{task}.jsonl|.trec are written")
     args = parse_args(parser, argv, reads=TASK_MODULE)
     check_output_dir(args.output_dir, "--output_dir", "t5r eval")
     with writable_output_dir(args.output_dir, "--output_dir"):  # checked before retrieval, not after it

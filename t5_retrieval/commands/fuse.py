@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--split", default="dev", help="split to evaluate")
     parser.add_argument("--train_split", default="train", help="split the ensembles are trained on")
     parser.add_argument("--calibration_split", default="dev", help="split the temperature is calibrated on")
-    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--output_dir", required=True, help="where every fusion method's results are written")
     args = parse_args(parser, argv, reads=TASK_MODULE)
     check_output_dir(args.output_dir, "--output_dir", "t5r fuse")
     logs.setup()

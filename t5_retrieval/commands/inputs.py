@@ -76,7 +76,7 @@ def add_search_flags(parser: argparse.ArgumentParser, default_split: str) -> Non
     parser.add_argument("--tasks", default="",
                         help="comma-separated tasks, by dataset (fever) or registered name (demo_fever); "
                              "default: every dataset the model was trained on that has examples for --split")
-    parser.add_argument("--split", default=default_split)
+    parser.add_argument("--split", default=default_split, help="the examples' split to search, e.g. dev or train")
     add_verify_flag(parser)
 
 

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--as_task", required=True,
                         help="a task of the base model (registered name or dataset) whose query prefix "
                              "the new questions take")
-    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--output_dir", required=True, help="the new query-side model directory")
     args = parse_args(parser, argv, reads=TASK_MODULE)
     check_output_dir(args.output_dir, "--output_dir", "t5r query-side", own_kinds=(MODEL,))
     logs.setup()
