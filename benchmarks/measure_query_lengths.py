@@ -1,4 +1,4 @@
-"""The mini-KILT query lengths of `t5_retrieval/tasks/mini_kilt.py` and `results/t5_rows.py`, measured.
+"""The mini-KILT query lengths of `t5_retrieval/data/tasks/shipped.py` and `results/t5_rows.py`, measured.
 
 For every task's train file, the token counts of its queries as the dataset-prefixed Task formats
 them (special tokens included), with MiniLM's WordPiece, a T5-sized (32,000-piece) sentencepiece
@@ -22,6 +22,8 @@ import numpy as np
 from t5_retrieval.data import layout
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_tasks
 from t5_retrieval.data.records import read_examples
+from t5_retrieval.data.tasks.shipped import MINI_KILT as DATASETS
+from t5_retrieval.data.tasks.shipped import PAPER_QUERY_LEN
 from t5_retrieval.data.text import END_ENT, START_ENT, format_query
 from t5_retrieval.data.tokenizers.conventions import conventions_of
 from t5_retrieval.data.tokenizers.tokenize import encode_batch, load_vocabulary
@@ -29,8 +31,6 @@ from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
 from t5_retrieval.models.pretrained import minilm_l6_dir
 from t5_retrieval.results.common import TASKS
 from t5_retrieval.results.t5_rows import T5_VOCAB_SIZE
-from t5_retrieval.tasks.common import PAPER_QUERY_LEN
-from t5_retrieval.tasks.mini_kilt import DATASETS
 
 T5_SIZE = 32_000
 

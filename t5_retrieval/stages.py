@@ -92,7 +92,7 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
     from t5_retrieval.data import layout
     from t5_retrieval.data.stores import embedding_store
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.data.tasks.retrieval_tasks import set_data_dir, split_examples
+    from t5_retrieval.data.tasks.examples import task_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.evaluate import evaluate, write_results
     from t5_retrieval.retrieval.index import build_index, load_index
@@ -118,11 +118,8 @@ def index_and_evaluate(stage_dir: str, model_dir: str, data_dir: str, eval_split
         encoder = load_encoder(model_dir)
         index = load_index(index_path)
         index.check(encoder, store.ids())
-        tasks = encoder.tasks
-        set_data_dir(data_dir)  # a seqio Task over `kilt_examples_source` reads its examples there
         # Tables are keyed by the model's task names, as the results tables read them.
-        specs = [tasks.spec(d) for d in datasets or list(tasks)]
-        examples = {spec.name: split_examples(data_dir, spec.dataset, spec.name, eval_split) for spec in specs}
+        examples = task_examples(encoder.tasks, data_dir, eval_split, datasets or ())
         result = evaluate(encoder, index, examples, store)
         result.tables = {task: result.tables[task] for task in sorted(result.tables)}
         write_results(result, eval_dir)
@@ -143,7 +140,7 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
     from t5_retrieval.data import layout
     from t5_retrieval.data.records import write_negatives
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.data.tasks.retrieval_tasks import set_data_dir, split_examples
+    from t5_retrieval.data.tasks.examples import task_examples
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval.index import load_index
     from t5_retrieval.retrieval.mine import mine_negatives
@@ -152,14 +149,13 @@ def mine_stage(negatives_dir: str, model_dir: str, index_dir: str, data_dir: str
         store = PassageStore.open(layout.kb_dir(data_dir))
         encoder, index = load_encoder(model_dir), load_index(index_dir)
         index.check(encoder, store.ids())
-        set_data_dir(data_dir)  # a seqio Task over `kilt_examples_source` reads its examples there
         counts = {}
         for task in encoder.tasks:
             spec = encoder.tasks.spec(task)
             if spec.negatives_name in counts:  # tasks reading one dataset's text as written share its file
                 continue
             # Queries are encoded as the model's task (its prefix); the file is named as training reads it.
-            examples = split_examples(data_dir, spec.dataset, task, "train")
+            examples = task_examples(encoder.tasks, data_dir, "train", [task])[task]  # one task's at a time
             rows = mine_negatives(encoder, index, examples, store, k=depth,
                                   exclude_answers=spec.dataset in answer_checkable)
             counts[spec.negatives_name] = write_negatives(

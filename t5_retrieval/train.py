@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from t5_retrieval import checkpoint, gin_utils, sharding
-from t5_retrieval.data.batching import batches as _batches  # also registers its gin configurables
+from t5_retrieval.data.batching import batches as _batches  # noqa: F401  (registers its gin configurables)
 from t5_retrieval.data.batching import random_batches as _random_batches  # noqa: F401  (registers its gin configurables)
 from t5_retrieval.data.records import write_text_atomic
 from t5_retrieval.errors import ConfigError, UserError, directory_lock
@@ -250,8 +250,6 @@ def train(model_dir: str,
     use_compilation_cache(compilation_cache_dir)
     mesh = sharding.make_mesh()
     rules = sharding.logical_axis_rules()
-    if batches is _batches.make_train_iterator:  # it reads seqio Mixtures by name: register the project's
-        import t5_retrieval.tasks  # noqa: F401  (imports seqio and TensorFlow, ~5 s, so only here)
     data = batches(per_device_batch=per_device_batch, local_data_devices=sharding.local_data_devices(mesh),
                    host_index=jax.process_index(), host_count=jax.process_count(), seed=seed,
                    **(data_overrides or {}))

@@ -9,7 +9,7 @@ use_test_settings(os.environ)  # before JAX is imported: it reads these at impor
 
 import pytest  # noqa: E402
 
-import t5_retrieval.tasks  # noqa: E402,F401  (registers the tasks and mixtures, as `t5r train` does)
+import t5_retrieval.tasks  # noqa: E402,F401  (tests that ask seqio itself for a project Task, as a seqio user would)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "mini_kilt")

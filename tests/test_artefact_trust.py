@@ -262,17 +262,45 @@ def test_a_stamp_nested_too_deep_is_ignored_and_every_file_hashed(tiny, tmp_path
         assert isinstance(json.load(f), dict), "the stamp is written again after the files were hashed"
 
 
-def t5r_index_bounded(embeddings_dir: str, out: str) -> subprocess.CompletedProcess:
-    """`t5r index` in a process that may use 2 GiB and 60 s: a file that never ends, or a FIFO
-    nobody writes, would otherwise take the machine's memory or hang the test."""
-    t5r_bin = os.path.join(os.path.dirname(sys.executable), "t5r")
-    limited = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
-               "os.execv(sys.argv[1], sys.argv[1:])")  # no preexec_fn: this process runs JAX's threads
-    try:
-        return subprocess.run([sys.executable, "-c", limited, t5r_bin, "index", f"--embeddings_dir={embeddings_dir}",
-                               f"--output_dir={out}", "--backend=exact"], capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail("t5r index hung reading a file of the embeddings directory")
+# `t5r index` on each of the cases' embeddings directories, in one process (its imports paid once)
+# that may use 2 GiB, each case with its own stderr and 60 s: a file that never ends, or a FIFO
+# nobody writes, would otherwise take the machine's memory or hang the test. Prints
+# {case: [exit status, or "hung", and stderr]} as its last line.
+BOUNDED_INDEX = """
+import json, os, resource, signal, sys, tempfile, traceback
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+from t5_retrieval import cli
+
+class Hung(BaseException):  # not an Exception: the command's own error handling cannot take it for an error
+    pass
+
+def hang_up(*_):
+    raise Hung()
+
+signal.signal(signal.SIGALRM, hang_up)
+results = {}
+for case, embeddings_dir, out in json.loads(sys.argv[1]):
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile("w+") as err:
+        os.dup2(err.fileno(), 2)
+        signal.alarm(60)
+        try:
+            code = cli.main(["index", f"--embeddings_dir={embeddings_dir}", f"--output_dir={out}", "--backend=exact"])
+        except Hung:
+            code = "hung"
+        except Exception:
+            traceback.print_exc()
+            code = 1
+        finally:
+            signal.alarm(0)
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        results[case] = [code, err.read()]
+print(json.dumps(results))
+"""
 
 
 def endless(kind: str, path: str, tmp_path) -> str:
@@ -299,27 +327,49 @@ FILES = {  # what t5r index opens in an embeddings directory, and whether the co
 }
 
 
-@pytest.mark.parametrize("kind", ["/dev/zero", "FIFO"])
+KINDS = ("/dev/zero", "FIFO")
+
+
+@pytest.fixture(scope="module")
+def index_runs(tiny, tmp_path_factory) -> dict[str, tuple[str, int | str, list[str]]]:
+    """Each case's tampered copy of the tiny run's embeddings and `t5r index` on it (BOUNDED_INDEX):
+    {case: (the tampered path, exit status or "hung", stderr lines)}. The cases: every file of FILES
+    as each of KINDS, and the shard as a link to an identical copy outside."""
+    root = tmp_path_factory.mktemp("endless")
+    cases = {f"{kind} {case}": (kind, FILES[case][0]) for kind in KINDS for case in FILES}
+    cases["copy outside"] = ("copy outside", "shard-00000-of-00001.npy")
+    paths, argv = {}, []
+    for i, (name, (kind, file_name)) in enumerate(sorted(cases.items())):
+        where = root / str(i)
+        where.mkdir()
+        emb_dir = copy(os.path.join(os.path.dirname(tiny.data_dir), "emb_0"), where / "emb")
+        assert os.path.exists(os.path.join(emb_dir, file_name)), sorted(os.listdir(emb_dir))
+        paths[name] = endless(kind, os.path.join(emb_dir, file_name), where)
+        argv.append([name, emb_dir, str(where / "index")])
+    try:
+        done = subprocess.run([sys.executable, "-c", BOUNDED_INDEX, json.dumps(argv)], capture_output=True, text=True,
+                              timeout=60 * len(argv) + 300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("t5r index hung reading a file of an embeddings directory")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    return {name: (paths[name], code, err.strip().splitlines()) for name, (code, err) in results.items()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", sorted(FILES))
-def test_a_file_that_never_ends_is_refused_or_skipped_not_read(tiny, tmp_path, case, kind):
-    emb_dir = copy(os.path.join(os.path.dirname(tiny.data_dir), "emb_0"), tmp_path / "emb")
-    name, refusing = FILES[case]
-    assert os.path.exists(os.path.join(emb_dir, name)), sorted(os.listdir(emb_dir))
-    path = endless(kind, os.path.join(emb_dir, name), tmp_path)
-    done = t5r_index_bounded(emb_dir, str(tmp_path / "index"))
-    err = done.stderr.strip().splitlines()
-    if not refusing:
-        assert done.returncode == 0, done.stderr[-2000:]
+def test_a_file_that_never_ends_is_refused_or_skipped_not_read(index_runs, case, kind):
+    path, code, err = index_runs[f"{kind} {case}"]
+    assert code != "hung", f"t5r index hung reading {path}"
+    if not FILES[case][1]:
+        assert code == 0, err[-20:]
         return
-    assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
+    assert code == 2 and len(err) == 1, err[-20:]
     assert err[0].startswith(f"t5r index: error: {path}: ") and (
         "outside" in err[0] or "not a regular file" in err[0]), err[0]
 
 
-def test_a_shard_linked_to_an_identical_copy_outside_the_directory_is_refused(tiny, tmp_path):
-    emb_dir = copy(os.path.join(os.path.dirname(tiny.data_dir), "emb_0"), tmp_path / "emb")
-    path = endless("copy outside", os.path.join(emb_dir, "shard-00000-of-00001.npy"), tmp_path)
-    done = t5r_index_bounded(emb_dir, str(tmp_path / "index"))
-    err = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
+def test_a_shard_linked_to_an_identical_copy_outside_the_directory_is_refused(index_runs):
+    path, code, err = index_runs["copy outside"]
+    assert code == 2 and len(err) == 1, err[-20:]
     assert err[0].startswith(f"t5r index: error: {path}: a symbolic link to ") and "outside" in err[0], err[0]

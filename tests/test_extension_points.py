@@ -167,19 +167,17 @@ def test_a_new_index_backend_touches_only_the_files_the_page_names(tiny, library
 
 
 TOY_FAMILY = """\
-from t5_retrieval.tasks.common import Dataset, register_family
+TOY = [Dataset("fever", "FEVER", "FC", 8, 4, 12), Dataset("trex", "TREX", "SF", 8, 4, 10)]
 
-register_family("toy", [Dataset("fever", "FEVER", "FC", 8, 4, 12), Dataset("trex", "TREX", "SF", 8, 4, 10)])
 """
 
 
 def test_a_new_task_family_touches_only_the_files_the_page_names(tiny, library_copy, tmp_path):
-    (library_copy / "tasks" / "toy.py").write_text(TOY_FAMILY)
-    registry = library_copy / "tasks" / "__init__.py"
-    text = registry.read_text()
-    assert "from t5_retrieval.tasks import demo, kilt, mini_kilt" in text
-    registry.write_text(text.replace("from t5_retrieval.tasks import demo, kilt, mini_kilt",
-                                     "from t5_retrieval.tasks import demo, kilt, mini_kilt, toy"))
+    families = library_copy / "data" / "tasks" / "shipped.py"
+    text = families.read_text()
+    table = 'FAMILIES: dict[str, list[Dataset]] = {"kilt": KILT, "mini_kilt": MINI_KILT, "demo": DEMO}'
+    assert table in text
+    families.write_text(text.replace(table, TOY_FAMILY + table.replace("}", ', "toy": TOY}')))
 
     # The family's own query lengths, not the tiny run's one QUERY_LEN for every task.
     bindings = [b for b in _bindings(tiny.data_dir, tiny.vocabulary) if not b.startswith(("MIXTURE", "QUERY_LEN"))]

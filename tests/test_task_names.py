@@ -39,9 +39,10 @@ MIXTURES = {"only_fever": ["demo_fever"], "fever_and_nq": ["demo_fever", "demo_n
 
 @pytest.fixture
 def mixtures():
-    """seqio Mixtures of the registered demo Tasks (conftest registers them), removed afterwards."""
-    import seqio
+    """seqio Mixtures of the project's demo Tasks, removed afterwards."""
+    from t5_retrieval.data.tasks.retrieval_tasks import registries
 
+    seqio = registries()
     for name, members in MIXTURES.items():
         if name in seqio.MixtureRegistry.names():
             seqio.MixtureRegistry.remove(name)
@@ -101,6 +102,80 @@ def test_the_registry_module_does_not_import_the_resolver():
     imports = [module for _, module in imported_modules(retrieval_tasks.__file__)]
     assert not [m for m in imports if m.startswith("t5_retrieval.data.tasks.task_names")], \
         "retrieval_tasks -> task_names -> retrieval_tasks would be an import cycle: only the resolver imports the other"
+
+
+FRESH_PROCESS_LOOKUPS = """
+import sys
+from t5_retrieval.data.tasks import retrieval_tasks
+from t5_retrieval.data.tasks.task_names import TaskSet
+from t5_retrieval.data.tasks.shipped import MINI_KILT
+from t5_retrieval.results.common import dataset_name
+
+model = TaskSet(d.spec("mini_kilt", "") for d in MINI_KILT)
+print(",".join(model.expand(["mini_kilt_trex", "mini_kilt_without_wow"])))
+print(",".join(t.name for t, _ in retrieval_tasks.resolve("mini_kilt_noprefix")))
+print(dataset_name(["mini_kilt_typed"], "wow"))
+print(retrieval_tasks.registered_task("kilt_nq") is not None)
+print("t5_retrieval.tasks" in sys.modules)
+"""
+
+
+def test_the_projects_mixtures_resolve_in_a_process_that_imported_no_task_module():
+    """Every lookup of a name registers the project's Tasks and Mixtures first: no caller imports a module
+    for its side effect (`Searcher.search`, `dataset_name` and the planner used to find no Mixture)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS_LOOKUPS], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        "mini_kilt_trex,mini_kilt_fever,mini_kilt_hotpotqa,mini_kilt_entityquestions,mini_kilt_entity_linking",
+        "mini_kilt_fever_noprefix,mini_kilt_wow_noprefix,mini_kilt_hotpotqa_noprefix,mini_kilt_trex_noprefix,"
+        "mini_kilt_entityquestions_noprefix,mini_kilt_entity_linking_noprefix",
+        "mini_kilt_wow_typed", "True", "False"], out.stdout
+
+
+def test_a_users_task_of_a_shipped_name_is_not_replaced_by_the_shipped_one():
+    from t5_retrieval.data.tasks import retrieval_tasks
+
+    registered = retrieval_tasks.registered_task("demo_fever")
+    assert retrieval_tasks.describe(registered).prefix == "FEVER"
+    retrieval_tasks.add_retrieval_task("demo_fever", retrieval_tasks.kilt_examples_source("fever"), prefix="MINE")
+    try:
+        retrieval_tasks.register_shipped.cache_clear()
+        retrieval_tasks.register_shipped()
+        assert retrieval_tasks.describe(retrieval_tasks.registered_task("demo_fever")).prefix == "MINE"
+    finally:
+        retrieval_tasks.register_retrieval_task(registered.spec, registered.source)
+
+
+def test_one_function_assembles_a_models_task_examples(tmp_path):
+    """`t5r eval`, `t5r mine`, the stages and fusion read a model's examples through `task_examples`:
+    keyed by the model's name of each task, whichever form names it; every task lacking the split named."""
+    import json
+
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.records import DataError, Example
+    from t5_retrieval.data.tasks.examples import dataset_examples, task_examples
+
+    data_dir = str(tmp_path)
+    path = layout.examples_path(data_dir, "fever", "dev")
+    (tmp_path / "examples").mkdir()
+    with open(path, "w") as f:
+        f.write(json.dumps(Example("f1", "fever", "is it so", (("p",),)).to_json()) + "\n")
+    model = TaskSet.from_records({"kilt_fever": {"dataset": "fever", "prefix": "FEVER"},
+                                  "my_nq": {"dataset": "nq", "prefix": "NQ"}})
+    by_dataset = task_examples(model, data_dir, "dev", ["fever"])
+    assert list(by_dataset) == ["kilt_fever"] and by_dataset["kilt_fever"][0].task == "kilt_fever"
+    assert by_dataset == task_examples(model, data_dir, "dev", ["kilt_fever"])
+    with pytest.raises(DataError, match=r"^no dev examples for the model's task my_nq \(dataset nq\): no .*nq-dev"
+                                        r"\.jsonl and no registered seqio Task 'my_nq' \(no MIXTURE_OR_TASK_MODULE "
+                                        r"imported registers it\)$"):
+        task_examples(model, data_dir, "dev")  # no command to suggest: the caller gave none
+    assert list(task_examples(NONE, data_dir, "dev")) == ["fever"] == list(dataset_examples(data_dir, "dev")), \
+        "a model without tasks reads every examples file, keyed by dataset"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ def test_a_task_registered_from_its_spec_carries_it_with_its_text_preprocessors(
 
 
 def test_a_family_row_makes_each_variants_spec():
-    from t5_retrieval.tasks.common import Dataset
+    from t5_retrieval.data.tasks.shipped import Dataset
 
     row = Dataset("aidayago2", "AIDA", "EL", 10, 5, 128, MENTION_WINDOW)
     assert row.spec("kilt", "") == TaskSpec("kilt_aidayago2", "aidayago2", "AIDA", 128, MENTION_WINDOW)

@@ -79,9 +79,6 @@ def negatives_main(argv: list[str]) -> int:
     a = parse_args(p, argv, reads=TASK_MODULE)
     gin_utils.import_modules(a.task_module)
     retrieval_tasks.set_data_dir(a.data_dir)  # a Task over `kilt_examples_source` reads this directory
-    if not all(retrieval_tasks.registered_task(name) or retrieval_tasks.has_examples_files(a.data_dir, name, a.splits)
-               for name in a.tasks):
-        import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, by name)
     sources: dict[str, tuple[str, str]] = {}  # file name -> (dataset, Task) whose negatives it holds
     for name in a.tasks:
         spec = retrieval_tasks.file_or_task(name)

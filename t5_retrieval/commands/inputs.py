@@ -6,25 +6,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from t5_retrieval import checksums, gin_utils
 from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import rerun
 from t5_retrieval.data import layout
-from t5_retrieval.data.records import DataError, Example
-from t5_retrieval.data.tasks.retrieval_tasks import has_split, registered_task, set_data_dir, split_examples
-from t5_retrieval.data.tasks.task_names import TaskSet
+from t5_retrieval.data.records import Example
+from t5_retrieval.data.tasks.examples import task_examples
 from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.errors import UserError
 from t5_retrieval.inference import load_encoder
-from t5_retrieval.retrieval.encoder import (
-    Encoder,
-    HashedBagOfWordsEncoder,
-    warn_if_trained_on_rewritten_text,
-)
-from t5_retrieval.retrieval.evaluate import load_task_examples
+from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder
 from t5_retrieval.retrieval.index import Index, load_index
 
 
@@ -93,8 +86,7 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
         encoder = encoder_from_flags(args)
     index.check(encoder, store.ids())
     import_task_modules(args)
-    set_data_dir(args.data_dir)  # a seqio Task over `kilt_examples_source` reads its examples there
-    examples = task_examples(encoder, args.data_dir, args.split, [t for t in args.tasks.split(",") if t],
+    examples = task_examples(encoder.tasks, args.data_dir, args.split, [t for t in args.tasks.split(",") if t],
                              lambda **flags: rerun(args, **flags))
     return SearchInputs(store, examples, {task: encoder.tasks.spec(task) for task in examples}, index, encoder)
 
@@ -123,76 +115,3 @@ def import_task_modules(args: argparse.Namespace) -> None:
                         f"(make_train_iterator.task_module){where}, and loading a model runs no code it names; if "
                         "you trust them, pass " + " ".join(f"--task_module={m}" for m in unnamed))
     gin_utils.import_modules(args.task_module, path, recorded_in=config)
-
-
-def register_named_mixtures(tasks: TaskSet, names: Sequence[str]) -> None:
-    """Registers the project's seqio Tasks and Mixtures when one of `names` is neither one of the
-    model's tasks nor a dataset of one, so it may name one of the project's Mixtures (a
-    MIXTURE_OR_TASK_MODULE's are registered by its flag)."""
-    if tasks and not all(tasks.knows(name) for name in names):
-        import t5_retrieval.tasks  # noqa: F401  (the project's Mixtures, by name)
-
-
-def expand_task_names(tasks: TaskSet, names: Sequence[str]) -> list[str]:
-    """`names` with registered seqio Mixtures (the project's, or a MIXTURE_OR_TASK_MODULE's) replaced
-    by the model's Tasks they hold."""
-    register_named_mixtures(tasks, names)
-    return tasks.expand(names)
-
-
-def task_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str],
-                  rerun: Callable[..., str]) -> dict[str, list[Example]]:
-    """Examples per task, keyed by the model's name of it: the tasks `names` name in any form, or
-    every task the model was trained on (every examples file found for `split`, keyed by dataset, for
-    an encoder that records no tasks). `rerun(**flags)` is the command line with those flags changed,
-    for the error's suggestions.
-
-    Raises UnknownTaskError for a name the model does not know, DataError naming every task
-    without examples for `split` (none is left out in silence) with the commands that work."""
-    tasks = encoder.tasks
-    if not tasks:
-        return load_task_examples(data_dir, split, names)
-    import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, read when a KILT file is missing)
-
-    names = list(dict.fromkeys(tasks.resolve(name) for name in expand_task_names(tasks, names))) if names \
-        else list(tasks)
-    datasets = {name: tasks.dataset_of(name) for name in names}
-    missing = [name for name in names if not has_split(data_dir, datasets[name], tasks.resolve(name), split)]
-    if missing:
-        raise DataError(_missing_examples(encoder, data_dir, split, names, missing, datasets, rerun))
-    examples = {}
-    for name in names:
-        task = tasks.resolve(name)
-        if registered_task(task) is None:  # a KILT file's text as written, not the Task's preprocessed text
-            warn_if_trained_on_rewritten_text(
-                encoder, task, f"{layout.examples_path(data_dir, datasets[name], split)} is scored as written: its "
-                "seqio Task is not registered to rewrite it (name its module with --gin.MIXTURE_OR_TASK_MODULE)")
-        examples[name] = split_examples(data_dir, datasets[name], task, split)
-    return examples
-
-
-def _missing_examples(encoder: Encoder, data_dir: str, split: str, names: Sequence[str], missing: Sequence[str],
-                      datasets: dict[str, str], rerun: Callable[..., str]) -> str:
-    """Which tasks lack `split` examples and why, then each command that scores what can be scored."""
-    reasons: list[str] = []
-    on_split: dict[str, list[str]] = {}
-    for name in missing:
-        task = encoder.tasks.resolve(name)
-        registered = registered_task(task)
-        why = f"no {layout.examples_path(data_dir, datasets[name], split)}"
-        if registered is None:
-            why += f" and no registered seqio Task {task!r} (no MIXTURE_OR_TASK_MODULE imported registers it)"
-        else:
-            splits = list(registered.splits)
-            why += f", and its seqio Task has the splits {', '.join(splits)}"
-            if splits:  # the Task's split of the same kind (train, or one to evaluate on)
-                other = next((s for s in splits if (s == "train") == (split == "train")), splits[0])
-                on_split.setdefault(other, []).append(name)
-        reasons.append(task + (f" (dataset {datasets[name]})" if datasets[name] != task else "") + f": {why}")
-    commands = [f"to score {', '.join(group)} on {other}, `{rerun(tasks=','.join(group), split=other)}`"
-                for other, group in on_split.items()]
-    scorable = [name for name in names if name not in missing]
-    if scorable:
-        commands.append(f"to score the others alone, `{rerun(tasks=','.join(scorable))}`")
-    return (f"no {split} examples for the model's task{'s' if len(missing) > 1 else ''} {'; '.join(reasons)}"
-            + (". Run, " + "; or, ".join(commands) if commands else ""))

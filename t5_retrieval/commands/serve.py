@@ -18,7 +18,6 @@ from t5_retrieval.commands.inputs import (
     add_task_module_flag,
     encoder_from_flags,
     import_task_modules,
-    register_named_mixtures,
 )
 from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.retrieval.http_app import bearer_token
@@ -129,7 +128,6 @@ def main(argv: list[str]) -> int:
     index.check(encoder, store.ids())
     import_task_modules(args)
     tasks = [t for t in args.tasks.split(",") if t] or list(encoder.task_names)
-    register_named_mixtures(encoder.tasks, tasks)  # SearchService resolves every form
     if not tasks:
         raise UserError("--tasks is required: this encoder does not list its task names")
     service = SearchService(encoder, index, store, tasks, ServeLimits())

@@ -198,7 +198,7 @@ def fuse_experts(expert_specs: Sequence[str], data_dir: str, output_dir: str, kb
     """
     from t5_retrieval.data import layout
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.retrieval.evaluate import load_task_examples
+    from t5_retrieval.data.tasks.examples import dataset_examples
 
     config = FuseConfig()
     specs = _expert_specs(expert_specs, config)
@@ -209,7 +209,7 @@ def fuse_experts(expert_specs: Sequence[str], data_dir: str, output_dir: str, kb
     datasets = {x.task: x.encoder.tasks.dataset_of(x.task) for x in experts}
 
     def examples(split: str, names: Sequence[str]) -> dict[str, list[Example]]:
-        by_dataset = load_task_examples(data_dir, split, [datasets.get(n, n) for n in names])
+        by_dataset = dataset_examples(data_dir, split, [datasets.get(n, n) for n in names])
         return {n: by_dataset[datasets.get(n, n)] for n in names}
 
     eval_tasks = list(tasks) or [s.task for s in specs]

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import t5_retrieval.tasks  # noqa: F401  (registers the KILT, mini-KILT and demo tasks and mixtures)
 from t5_retrieval import gin_utils, sharding
 from t5_retrieval.data.batching.batches import task_query_lens
 from t5_retrieval.data.tasks import retrieval_tasks

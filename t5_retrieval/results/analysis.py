@@ -58,7 +58,6 @@ def probe_model(model_dir: str, out_dir: str) -> dict[str, Any]:
     """Probes a row's trained model on batches of its own training data (seed PROBE_SEED)."""
     import gin
 
-    import t5_retrieval.tasks  # noqa: F401  (registers the mixtures the rows train on)
     from t5_retrieval import gin_utils, sharding
     from t5_retrieval.data.batching.batches import make_train_iterator
     from t5_retrieval.inference import load_dual_encoder

@@ -25,7 +25,6 @@ def dataset_name(names: Iterable[str], dataset: str) -> str:
     nothing is a dataset (BM25's tables are keyed by dataset).
 
     Raises UnknownTaskError (a KeyError) when none of them, or several, read it."""
-    import t5_retrieval.tasks  # noqa: F401  (the project's Tasks, whose datasets the names are resolved by)
     from t5_retrieval.data.tasks.task_names import TaskSet
 
     return TaskSet.registered(names).resolve(dataset)

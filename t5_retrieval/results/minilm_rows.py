@@ -4,6 +4,7 @@ frozen passage embeddings, the task-specific experts and their DPR-MUF fusion.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -78,14 +79,11 @@ def write_minilm_model_dir(model_dir: str) -> dict[str, Any]:
 def zero_shot_tasks() -> dict[str, dict[str, Any]]:
     """The six tasks as the zero-shot model reads them: no prefix, and each at the query length and
     truncation of its mini-KILT Task, so that this row and every trained row read the same inputs."""
-    import seqio
+    from t5_retrieval.data.tasks.shipped import MINI_KILT
 
-    import t5_retrieval.tasks  # noqa: F401  (registers the mini-KILT Tasks)
-    from t5_retrieval.data.tasks.retrieval_tasks import describe
-
-    infos = [describe(seqio.get_mixture_or_task(f"mini_kilt_{t}_noprefix")) for t in TASKS]
-    return {t: {"dataset": t, "prefix": None, "index": i, "query_len": info.query_len, "truncation": info.truncation}
-            for i, (t, info) in enumerate(zip(TASKS, infos))}
+    rows = {d.dataset: d for d in MINI_KILT}
+    return {t: {**dataclasses.replace(rows[t].spec("mini_kilt", "_noprefix"), name=t).to_record(), "index": i}
+            for i, t in enumerate(TASKS)}
 
 
 # Every trained row fine-tunes MiniLM's query side over the zero-shot row's passage embeddings (the

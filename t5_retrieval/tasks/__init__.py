@@ -1,12 +1,17 @@
-"""The registered retrieval Tasks and Mixtures (importing this registers them) and the helpers for
-adding your own (docs/data.md, "Your own Tasks")."""
+"""The helpers for adding your own retrieval Tasks (docs/data.md, "Your own Tasks").
+
+The project's own Tasks and Mixtures (`t5_retrieval/data/tasks/shipped.py`) are registered the first
+time a name is looked up; importing this module registers them too, as a seqio Tasks module named by
+`--gin.MIXTURE_OR_TASK_MODULE` is expected to."""
 
 from t5_retrieval.data.tasks.retrieval_tasks import (  # the public helpers
     add_retrieval_task,
     add_temperature_mixture,
     kilt_examples_source,
+    register_shipped,
     run_vocabulary,
 )
-from t5_retrieval.tasks import demo, kilt, mini_kilt  # noqa: F401  (registration side effects)
+
+register_shipped()
 
 __all__ = ["add_retrieval_task", "add_temperature_mixture", "kilt_examples_source", "run_vocabulary"]

@@ -13,9 +13,10 @@ A retrieval Task is any `seqio.Task` whose examples, after its preprocessors, ca
 `add_retrieval_task` builds such a Task over any seqio source (jsonl, TFDS, a function) from text
 features: the source and the user's preprocessors produce "id", "query" (text), "positive" and the
 optional features; the helper appends the query prefix, tokenisation and truncation to the Task's
-query length (`query_inputs.py`), and the end id. The KILT, mini-KILT and demo Tasks
-(`t5_retrieval.tasks`) are registered with it over `kilt_examples_source`, each with its own query
-length. The helper registers a `RetrievalTask` carrying its `TaskSpec` (dataset, query prefix,
+query length (`query_inputs.py`), and the end id. The KILT, mini-KILT and demo Tasks (the rows of
+`shipped.py`) are registered with it over `kilt_examples_source`, each with its own query length,
+the first time a name is looked up (`register_shipped`): no caller imports a module for its
+registrations. The helper registers a `RetrievalTask` carrying its `TaskSpec` (dataset, query prefix,
 length, truncation, text preprocessors); `describe` returns it, and a plain spec for a seqio Task
 registered otherwise.
 
@@ -41,6 +42,7 @@ import gin
 
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import read_examples
+from t5_retrieval.data.tasks import shipped
 from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING, QueryInput, query_ids
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, vocabulary_digest
@@ -51,7 +53,6 @@ TEMPERATURE = 4.0
 # A Task registered without a query length reads this many tokens: the one length every task had
 # before each stated its own.
 DEFAULT_QUERY_LEN = 64
-TASK_TYPES = ("QA", "FC", "SF", "EL", "DIAL")
 _DATA_DIR: list[str] = [os.environ.get("T5R_DATA_DIR", "")]
 _VOCABULARY: list[Any] = [""]
 
@@ -311,6 +312,40 @@ def add_temperature_mixture(name: str, task_names: Sequence[str], temperature: f
         default_rate=functools.partial(seqio.mixing_rate_num_examples, temperature=temperature))
 
 
+@functools.cache
+def register_shipped() -> None:
+    """Registers the project's Tasks and Mixtures (`shipped.FAMILIES`), once: each row's Task in every
+    variant over its KILT examples, and the variants' Mixtures. A name a module of the user's has
+    registered already is left as it is (the user's Task wins, whichever was registered first)."""
+    import seqio
+
+    tasks, mixtures = set(seqio.TaskRegistry.names()), set(seqio.MixtureRegistry.names())
+    for family, rows in shipped.FAMILIES.items():
+        for d in rows:
+            assert d.task_type in shipped.TASK_TYPES, d
+        for variant in shipped.VARIANTS:
+            names = []
+            for d in rows:
+                spec = d.spec(family, variant)
+                if spec.name not in tasks:
+                    register_retrieval_task(spec, kilt_examples_source(d.dataset, d.num_train, d.num_dev))
+                names.append(spec.name)
+            for name, members in [(f"{family}{variant}", names),
+                                  *((f"{family}{variant}_without_{d.dataset}", [n for n in names if n != held_out])
+                                    for d, held_out in zip(rows, names))]:
+                if name not in mixtures:
+                    add_temperature_mixture(name, members)
+
+
+def registries() -> Any:
+    """The `seqio` module, its registries holding the project's Tasks and Mixtures (`register_shipped`)
+    beside whatever else is registered: every lookup of a name goes through it."""
+    import seqio
+
+    register_shipped()
+    return seqio
+
+
 def describe(task: Any) -> TaskSpec:
     """A registered Task's spec: a `RetrievalTask`'s own; for a plain seqio Task a user registered,
     its dataset (its KILT source's, else its name) and its text preprocessors, with no prefix and no
@@ -344,7 +379,7 @@ def resolve(names: str | Sequence[str]) -> list[tuple[Any, float]]:
 
     A Mixture's rates are its own (`Mixture.get_rate`: numbers, rate functions, any temperature); a
     single Task has rate 1; a list of Task names is mixed as the KILT Mixtures are (n^(1/4))."""
-    import seqio
+    seqio = registries()
 
     def get(name: str) -> Any:
         known = [*seqio.MixtureRegistry.names(), *seqio.TaskRegistry.names()]
@@ -457,9 +492,10 @@ def text_examples(task: Any, split: str) -> list[Any]:
 
 
 def registered_task(name: str) -> Any | None:
-    """The registered seqio Task `name`, or None. A process that never imported seqio has none
-    registered, and asking costs it no TensorFlow import."""
-    seqio = sys.modules.get("seqio")
+    """The registered seqio Task `name`, or None. Asking for one of the project's Tasks registers them
+    (`register_shipped`); asking for any other name in a process that never imported seqio costs no
+    TensorFlow import (none is registered there)."""
+    seqio = registries() if name in shipped.task_names() else sys.modules.get("seqio")
     return seqio.TaskRegistry.get(name) if seqio is not None and name in seqio.TaskRegistry.names() else None
 
 

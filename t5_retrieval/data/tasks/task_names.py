@@ -15,8 +15,9 @@ its `resolve` (one task) or `expand` (a list of names), so every form works ever
 the same messages. A model that records no tasks (the lexical baseline, whose queries have no
 prefix) takes every name as its own task and dataset.
 
-Mixtures are looked up in seqio's registry, importing seqio when a name is neither a task nor a
-dataset of the model (so the answer never depends on what happened to be imported before). The
+Mixtures are looked up in seqio's registry, importing seqio (and registering the project's Tasks
+and Mixtures) when a name is neither a task nor a dataset of the model, so the answer never depends
+on what happened to be imported before. The
 seqio registries are read through `retrieval_tasks`: this module depends on it, not the other way round.
 """
 
@@ -37,8 +38,8 @@ MixtureLookup = Callable[[str], "list[str] | None"]
 
 def registered_mixture(name: str) -> list[str] | None:
     """The Task names of the registered seqio Mixture `name`, in its declared order; None when it is
-    no registered Mixture."""
-    import seqio
+    no registered Mixture (the project's are registered on this first lookup)."""
+    seqio = retrieval_tasks.registries()
 
     if name not in seqio.MixtureRegistry.names():
         return None
@@ -179,9 +180,9 @@ class TaskSet:
         a Mixture's Tasks in its place, and any other name as its own dataset (a table of BM25 or of
         the lexical baseline is keyed by dataset).
 
-        For what holds names but no model, e.g. a results table keyed by a model's task names; the
-        caller imports the modules that register them (the project's: `t5_retrieval.tasks`)."""
-        import seqio
+        For what holds names but no model, e.g. a results table keyed by a model's task names (the
+        project's Tasks are registered on this lookup, a user's by their module)."""
+        seqio = retrieval_tasks.registries()
 
         registered = {*seqio.MixtureRegistry.names(), *seqio.TaskRegistry.names()}
         specs: dict[str, TaskSpec] = {}
