@@ -106,7 +106,7 @@ def part_estimate(plan: Planned, part: str) -> dict[str, Any]:
         batch = steps.abstract_batch(plan.tasks, plan.settings, data_shards, build_model(plan.config).embedding_dim)
         estimate = planner.loop_free_estimate(
             lambda c: steps.lower_task_gradient(build_model(c), c, plan.settings, batch[names[k]], k, plan.mesh,
-                                                plan.rules), plan.config, depth, full_depth=True)
+                                                plan.rules), plan.config, depth, full_depth=True, target=plan.target)
         return {"seconds": estimate["estimated_step_seconds"], "compile_seconds": estimate["compile_seconds"],
                 "method": estimate["method"]}
     if kind == "naive":
@@ -123,7 +123,8 @@ def part_estimate(plan: Planned, part: str) -> dict[str, Any]:
     else:
         raise ValueError(f"unknown part {part!r}")
     compiled, compile_s, refusal, _ = planner.compile_timed(lowered)
-    return {"seconds": planner.usable_estimate(planner.compiler_seconds(compiled)), "compile_seconds": round(compile_s, 1),
+    seconds = planner.usable_estimate(planner.compiler_seconds(compiled, plan.target))
+    return {"seconds": seconds, "compile_seconds": round(compile_s, 1),
             "refused": refusal}
 
 

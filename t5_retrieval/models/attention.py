@@ -45,6 +45,10 @@ PALLAS_MULTIPLE = 128  # Pallas TPU flash attention: key lengths in multiples of
 PALLAS_QUERY_MULTIPLE = 8  # and query lengths up to PALLAS_MAX_BLOCK in multiples of 8 sublanes
 PALLAS_MAX_BLOCK = 512  # a (padded) length up to this is one block; longer ones blocks of 512/256/128
 CUDNN_MULTIPLE = 2  # cuDNN with a bias, in training: even lengths
+# Matmuls of 2*b*h*q'*k'*d FLOPs each in Pallas flash attention's kernels, by the names
+# `plan.hlo.tpu_kernels` gives them: the forward (q k^T, p v); the backward's dkv kernel (q k^T
+# again, p^T do, do v^T, ds^T q) and dq kernel (q k^T, do v^T, ds k).
+PALLAS_KERNEL_MATMULS = {"flash_forward": 2, "flash_dkv": 4, "flash_dq": 3}
 
 
 def check_implementation(implementation: str, dtype: str, owner: str) -> None:
@@ -208,5 +212,7 @@ def flash_cost(batch: int, num_heads: int, q_len: int, k_len: int, head_dim: int
     kv = batch * num_heads * lk * head_dim * dtype_bytes
     bias = batch * num_heads * lq * lk * 4 if with_bias else 0
     if not backward:
-        return {"flops": 2.0 * matmul, "bytes": float(2 * qo + 2 * kv + bias)}
-    return {"flops": 7.0 * matmul, "bytes": float(2 * (2 * qo + 2 * kv + bias) + qo + 2 * kv + bias)}
+        return {"flops": PALLAS_KERNEL_MATMULS["flash_forward"] * matmul, "bytes": float(2 * qo + 2 * kv + bias)}
+    backward_matmuls = PALLAS_KERNEL_MATMULS["flash_dkv"] + PALLAS_KERNEL_MATMULS["flash_dq"]
+    return {"flops": backward_matmuls * float(matmul),
+            "bytes": float(2 * (2 * qo + 2 * kv + bias) + qo + 2 * kv + bias)}

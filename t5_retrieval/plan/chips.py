@@ -28,14 +28,17 @@ class Chip:
     # already one device per chip (v5p, whose chips have two TensorCores too) or the chip has one
     # TensorCore (v5e, v6e).
     megacore_config: str | None = None
+    # per chip, bytes/s of HBM bandwidth: what prices a kernel the compiler's cost model does not
+    # (`planner.kernel_costs`); None where not published here
+    hbm_bytes_per_second: float | None = None
 
 
 # Google Cloud TPU system-architecture pages (the "chip specifications" tables), read 2026.
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("v4", 32 * GIB, 275e12, "https://cloud.google.com/tpu/docs/v4", "v4-8", "megacore"),
-    "v5e": Chip("v5e", 16 * GIB, 197e12, "https://cloud.google.com/tpu/docs/v5e", "v5litepod-4"),
-    "v5p": Chip("v5p", 95 * GIB, 459e12, "https://cloud.google.com/tpu/docs/v5p", "v5p-8"),
-    "v6e": Chip("v6e", 32 * GIB, 918e12, "https://cloud.google.com/tpu/docs/v6e", "v6e-4"),
+    "v4": Chip("v4", 32 * GIB, 275e12, "https://cloud.google.com/tpu/docs/v4", "v4-8", "megacore", 1200e9),
+    "v5e": Chip("v5e", 16 * GIB, 197e12, "https://cloud.google.com/tpu/docs/v5e", "v5litepod-4", None, 819e9),
+    "v5p": Chip("v5p", 95 * GIB, 459e12, "https://cloud.google.com/tpu/docs/v5p", "v5p-8", None, 2765e9),
+    "v6e": Chip("v6e", 32 * GIB, 918e12, "https://cloud.google.com/tpu/docs/v6e", "v6e-4", None, 1640e9),
 }
 
 
@@ -46,5 +49,6 @@ def parse_topology(name: str) -> tuple[Chip, int]:
     if generation not in CHIPS or not sizes or not all(s.isdigit() and int(s) > 0 for s in sizes):
         forms = ", ".join(f"{g}:{'2x2x1' if g in ('v4', 'v5p') else '2x2'}" for g in CHIPS)
         raise ConfigError(f"--topology={name!r}: expected <generation>:<AxB[xC]> with a generation of "
-                          f"{sorted(CHIPS)}, e.g. {forms}")
+                          f"{sorted(CHIPS)}, e.g. {forms}; or a GPU slice <gpu>:<GPUs per host>[x<hosts>] "
+                          "of a100, h100 or h200, e.g. h100:8")
     return CHIPS[generation], math.prod(int(s) for s in sizes)

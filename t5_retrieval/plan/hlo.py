@@ -5,6 +5,10 @@ once per iteration but appears once. Asynchronous pairs count at their `-start`.
 reduce-scatter it made from an all-reduce and a slice as a fusion computation named
 `all-reduce-scatter` (an all-reduce whose result is sliced): counted as a reduce-scatter of the
 computation's result.
+
+Custom TPU kernels (Pallas, lowered by Mosaic to `tpu_custom_call`) are read the same way:
+`tpu_kernels` lists each one as written, with its operand and result shapes and whether it carries
+a cost estimate (Pallas attaches one where the kernel's author gave it).
 """
 
 from __future__ import annotations
@@ -54,3 +58,37 @@ def program_size(hlo_text: str) -> dict[str, int]:
     lines = [line for line in hlo_text.splitlines() if " = " in line]
     return {"instructions": len(lines), "fusions": sum(" fusion(" in line for line in lines),
             "convolutions": sum(" convolution(" in line for line in lines)}
+
+
+# `%name = <result shape or tuple> custom-call(...), custom_call_target="tpu_custom_call",
+# operand_layout_constraints={<operand shapes>}, ...`: a Mosaic (Pallas) kernel of a compiled TPU program
+_TPU_KERNEL = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>\S+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+custom-call\(.*?"
+                         r'custom_call_target="tpu_custom_call", '
+                         r"operand_layout_constraints=\{(?P<operands>(?:[^{}]|\{[^{}]*\})*)\}")
+# Pallas flash attention's kernels by the names jax gives them ("flash_attention" forward, its
+# residual-saving "jvp" form included; "flash_mha_bwd_dkv_..." and "flash_mha_bwd_dq_..." backward)
+FLASH_KERNELS = (("bwd_dkv", "flash_dkv"), ("bwd_dq", "flash_dq"), ("flash_attention", "flash_forward"))
+
+
+def _dims(shape: str) -> list[int]:
+    found = _ARRAY.search(shape)
+    return [int(d) for d in found["dims"].split(",") if d] if found else []
+
+
+def tpu_kernels(hlo_text: str) -> list[dict[str, object]]:
+    """Each custom TPU kernel of a compiled program as written (one in a loop body once): its
+    instruction name, kind (`FLASH_KERNELS`, else "other"), the shapes of its first two operands
+    (flash attention's q and k, [b, heads, length, head dim]), operand and result bytes, and whether
+    it carries a cost estimate."""
+    found = []
+    for line in hlo_text.splitlines():
+        kernel = _TPU_KERNEL.match(line)
+        if kernel is None:
+            continue
+        operands = [m.group(0) for m in _ARRAY.finditer(kernel["operands"])]
+        kind = next((k for marker, k in FLASH_KERNELS if marker in kernel["name"]), "other")
+        found.append({"name": kernel["name"], "kind": kind,
+                      "q": _dims(operands[0]) if operands else [], "k": _dims(operands[1]) if len(operands) > 1 else [],
+                      "bytes": sum(shape_bytes(o) for o in operands) + shape_bytes(kernel["shape"]),
+                      "cost_estimate": '"cost_estimate"' in line})
+    return found

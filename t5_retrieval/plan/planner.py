@@ -4,7 +4,8 @@ Memory per device: what XLA's buffer assignment reports for the compiled program
 outputs not aliased to donated arguments, temporaries, code), with the arguments split
 analytically by their shardings into parameters, optimiser state, multi-task state and batch. It
 is compared with the chip's HBM (`chips.py`). Times are the TPU compiler's own cost-model estimate
-(`optimal_seconds`), never a measurement.
+(`optimal_seconds`), never a measurement, plus what that model leaves out of custom kernels
+(`kernel_costs`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from t5_retrieval import sharding
 from t5_retrieval.errors import ConfigError, UserError
+from t5_retrieval.models.attention import PALLAS_KERNEL_MATMULS
 from t5_retrieval.models.build import build_model
 from t5_retrieval.models.families import family_of
-from t5_retrieval.plan import hlo, peak
+from t5_retrieval.plan import gpu, hlo, peak
 from t5_retrieval.plan.chips import Chip, parse_topology
 from t5_retrieval.plan.steps import (
     LoweredStep,
@@ -93,6 +95,12 @@ class Target:
         return self.chip.peak_bf16_flops / self.devices_per_chip
 
     @property
+    def hbm_bandwidth_per_device(self) -> float | None:
+        """HBM bytes/s of a device (None: the chip's is not known here)."""
+        bandwidth = self.chip.hbm_bytes_per_second
+        return None if bandwidth is None else bandwidth / self.devices_per_chip
+
+    @property
     def peak_flops(self) -> float:
         """Peak bf16 FLOP/s of all devices: what a step's MFU divides by."""
         return self.chip.peak_bf16_flops * self.chips
@@ -102,6 +110,8 @@ def describe_topology(name: str, num_slices: int, per_tensorcore: bool = False) 
     """The devices of `num_slices` slices of topology `name` ('v5e:4x4'), described by libtpu: one
     per chip, as JAX runs them (a v4 chip in libtpu's megacore configuration), or with
     `per_tensorcore` (v4 only) one per TensorCore, as libtpu's default configuration describes v4."""
+    if gpu.is_gpu_topology(name):  # a GPU slice, described by jax's CUDA plugin
+        return Target(*gpu.describe(name, num_slices, per_tensorcore))
     chip, chips_per_slice = parse_topology(name)
     if num_slices < 1:
         raise ConfigError(f"--num_slices={num_slices}: must be >= 1")
@@ -268,8 +278,11 @@ def fits(compiled: jax.stages.Compiled | None, memory: dict[str, int]) -> bool:
 
 
 def cost_analysis(compiled: jax.stages.Compiled | None) -> dict[str, Any]:
-    """The compiler's cost analysis of a compiled program (empty for none)."""
+    """The compiler's cost analysis of a compiled program (empty for none); XLA:GPU gives none,
+    and a GPU program gets a roofline of its own FLOPs and bytes instead (`gpu.roofline`)."""
     analysis = (compiled.cost_analysis() if compiled is not None else None) or {}
+    if not analysis and compiled is not None:
+        analysis = gpu.cost_analysis(compiled) or {}
     return analysis[0] if isinstance(analysis, list) else analysis
 
 
@@ -301,16 +314,61 @@ def _priced_seconds(analysis: dict[str, Any], hlo_text: str | None) -> float:
     return float(analysis.get("optimal_seconds", 0.0)) + hlo_text.count(UNPRICED_CUSTOM_CALL)
 
 
-def compiler_seconds(compiled: jax.stages.Compiled | None) -> float:
-    """The compiler's cost-model step time of `compiled` (`_priced_seconds`); 0 when it gives none."""
-    return _priced_seconds(cost_analysis(compiled), compiled_text(compiled)[0])
+def kernel_costs(hlo_text: str | None, target: Target) -> dict[str, Any]:
+    """The custom TPU kernels of a compiled program as written (`hlo.tpu_kernels`; one in a loop
+    body once), by kind: count, FLOPs, HBM bytes (operands and results), roofline seconds on one
+    device (FLOPs at peak or bytes at HBM bandwidth, whichever is larger) and how many carry a cost
+    estimate; and `unpriced_seconds`, what the program's estimate lacks.
+
+    libtpu's cost model prices a kernel from the cost estimate it carries (Pallas flash attention's
+    forward kernel has one), and one without (its backward `dkv` and `dq` kernels) by its bytes
+    alone, at zero FLOPs: a flash-attention gradient of [1, 8, 2048, 128] on one v5e device
+    reads 224.6 us, its forward's FLOPs at peak plus the backward kernels' bytes at 819 GB/s. So
+    each kernel without an estimate adds its roofline less its bytes' time. A kernel of unknown
+    kind gives no FLOPs (`flops` None) and adds nothing: the report says so."""
+    kinds: dict[str, dict[str, Any]] = {}
+    unpriced = 0.0
+    peak, bandwidth = target.peak_flops_per_device, target.hbm_bandwidth_per_device
+    for kernel in hlo.tpu_kernels(hlo_text or ""):
+        matmuls = PALLAS_KERNEL_MATMULS.get(str(kernel["kind"]))
+        q, k = cast(list[int], kernel["q"]), cast(list[int], kernel["k"])
+        flops = (matmuls * 2.0 * math.prod(q) * k[-2]) if matmuls and len(q) == 4 and len(k) == 4 else None
+        size = float(cast(int, kernel["bytes"]))
+        memory_s = size / bandwidth if bandwidth else 0.0
+        entry = kinds.setdefault(str(kernel["kind"]), {"count": 0, "flops": 0.0, "bytes": 0.0, "roofline_seconds": 0.0,
+                                                       "with_cost_estimate": 0})
+        entry["count"] += 1
+        entry["bytes"] += size
+        entry["with_cost_estimate"] += bool(kernel["cost_estimate"])
+        if flops is None or entry["flops"] is None:
+            entry["flops"] = None
+            entry["roofline_seconds"] += memory_s
+            continue
+        entry["flops"] += flops
+        entry["roofline_seconds"] += max(flops / peak, memory_s)
+        if not kernel["cost_estimate"]:
+            unpriced += max(flops / peak - memory_s, 0.0)
+    return {"kinds": kinds, "unpriced_seconds": unpriced}
 
 
-def timed_program(lowered: jax.stages.Lowered) -> tuple[float | None, float]:
-    """(the compiler's usable step-time estimate of `lowered`, compile seconds); the program itself
-    is not kept, so the next compile does not run beside it."""
+def compiler_seconds(compiled: jax.stages.Compiled | None, target: Target | None = None) -> float:
+    """The compiler's cost-model step time of `compiled` (`_priced_seconds`; 0 when it gives none)
+    and, given the `target` it was compiled for, the time its custom kernels' FLOPs add where that
+    model leaves them unpriced (`kernel_costs`)."""
+    text = compiled_text(compiled)[0]
+    own = _priced_seconds(cost_analysis(compiled), text)
+    return own + (kernel_costs(text, target)["unpriced_seconds"] if target is not None and own > 0 else 0.0)
+
+
+def timed_program(lowered: jax.stages.Lowered, target: Target | None = None) -> tuple[float | None, float, float]:
+    """(the usable step-time estimate of `lowered`, compile seconds, the part of the estimate that is
+    its kernels' unpriced FLOPs, `kernel_costs`, given the `target`); the program itself is not kept,
+    so the next compile does not run beside it."""
     compiled, compile_s, _, _ = compile_timed(lowered)
-    return usable_estimate(compiler_seconds(compiled)), compile_s
+    text = compiled_text(compiled)[0]
+    own = _priced_seconds(cost_analysis(compiled), text)
+    added = kernel_costs(text, target)["unpriced_seconds"] if target is not None and own > 0 else 0.0
+    return usable_estimate(own + added), compile_s, added
 
 
 def usable_estimate(seconds: float) -> float | None:
@@ -346,8 +404,8 @@ def timing_config(config: dict[str, Any], layers: int | None) -> dict[str, Any]:
 Lower = Callable[[dict[str, Any]], jax.stages.Lowered]
 
 
-def loop_free_estimate(lower: Lower, config: dict[str, Any], depth: int | None, full_depth: bool = False
-                       ) -> dict[str, Any]:
+def loop_free_estimate(lower: Lower, config: dict[str, Any], depth: int | None, full_depth: bool = False,
+                       target: Target | None = None) -> dict[str, Any]:
     """The step time from loop-free programs. libtpu's cost model prices a loop's body once, not once
     per iteration, so a program with its layers in a `lax.scan` is underestimated. `lower(config)`
     lowers the program for a model config without loops of ours.
@@ -356,7 +414,9 @@ def loop_free_estimate(lower: Lower, config: dict[str, Any], depth: int | None, 
     programs too large to compile unrolled, at 1 and 2 layers, extrapolated as if the time were affine
     in depth, t(L) = t(1) + (L - 1) (t(2) - t(1)). The cost model is not affine for gradient
     programs: deeper programs overlap more, and T5-base's NQ gradient pass reads 106 ms extrapolated,
-    78 ms unrolled at 12 layers. Without scanned layers: the step at its own depth."""
+    78 ms unrolled at 12 layers. Without scanned layers: the step at its own depth. Each program's
+    time includes its kernels' unpriced FLOPs given the `target` (`timed_program`), whose part of
+    the estimate is extrapolated alike (`kernel_seconds`)."""
     if not depth:
         depths: tuple[int | None, ...] = (None,)
         method = "its own depth"
@@ -365,22 +425,25 @@ def loop_free_estimate(lower: Lower, config: dict[str, Any], depth: int | None, 
     else:
         depths, method = (1, 2), f"extrapolated to {depth} layers"
     points: dict[str, float | None] = {}
+    kernels: list[float] = []
     spent = 0.0
     for layers in depths:
         label = "own depth" if layers is None else f"{layers} layer" + "s" * (layers > 1)
-        points[label], compile_s = timed_program(lower(timing_config(config, layers)))
+        points[label], compile_s, added = timed_program(lower(timing_config(config, layers)), target)
+        kernels.append(added)
         spent += compile_s
     if len(points) == 2:
         one, two = points["1 layer"], points["2 layers"]
         estimate = one + (depth - 1) * (two - one) if depth and one and two else None
+        kernel_s = kernels[0] + (depth - 1) * (kernels[1] - kernels[0]) if depth else 0.0
     else:
-        (estimate,) = points.values()
+        (estimate,), kernel_s = points.values(), kernels[0]
     return {"method": method, "seconds": points, "compile_seconds": round(spent, 2),
-            "estimated_step_seconds": usable_estimate(estimate or 0.0)}
+            "estimated_step_seconds": usable_estimate(estimate or 0.0), "kernel_seconds": kernel_s}
 
 
 def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], once: Sequence[tuple[str, Lower]],
-                      config: dict[str, Any], depth: int | None) -> dict[str, Any]:
+                      config: dict[str, Any], depth: int | None, target: Target | None = None) -> dict[str, Any]:
     """The time of a per-task step (TACO, PCGrad, ...) from its parts, each compiled alone: every
     distinct task pass (`label`, how many tasks share it, `lower(config)` of one task's gradient),
     unrolled at full depth by `loop_free_estimate`, times its tasks; plus the parts that run once
@@ -392,24 +455,26 @@ def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], once: Sequence[t
     task's pass unrolled at 12 layers compiles in minutes."""
     seconds: dict[str, float | None] = {}
     counted: list[tuple[int, float | None]] = []  # (runs per step, seconds) of each part
-    spent = 0.0
+    spent = kernel_s = 0.0
     method = ""
     for label, count, lower in passes:
-        part = loop_free_estimate(lower, config, depth, full_depth=True)
+        part = loop_free_estimate(lower, config, depth, full_depth=True, target=target)
         spent += part["compile_seconds"]
+        kernel_s += count * part["kernel_seconds"]
         seconds[f"{label} (x{count})"] = part["estimated_step_seconds"]
         counted.append((count, part["estimated_step_seconds"]))
         method = part["method"]
     for label, lower in once:
-        seconds[label], compile_s = timed_program(lower(config))
+        seconds[label], compile_s, added = timed_program(lower(config), target)
         spent += compile_s
+        kernel_s += added
         counted.append((1, seconds[label]))
     total = None if any(t is None for _, t in counted) else sum(c * (t or 0.0) for c, t in counted)
     depth_note = f", each {method}" if depth else ""
     return {"method": f"sum of {sum(c for _, c, _ in passes)} task passes{depth_note}, and "
                       + " and ".join(f"the {label}" for label, _ in once),
             "seconds": seconds, "compile_seconds": round(spent, 2),
-            "estimated_step_seconds": usable_estimate(total or 0.0)}
+            "estimated_step_seconds": usable_estimate(total or 0.0), "kernel_seconds": kernel_s}
 
 
 def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal: str | None, lower_s: float,
@@ -422,6 +487,8 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
     analysis = cost_analysis(compiled)
     text, unreadable = compiled_text(compiled)
     own_seconds = _priced_seconds(analysis, text)
+    kernels = kernel_costs(text, target)
+    added = kernels["unpriced_seconds"] if own_seconds > 0 else 0.0
     report: dict[str, Any] = {
         "lower_seconds": round(lower_s, 2), "compile_seconds": round(compile_s, 2),
         "hlo_bytes": len(step.lowered.as_text()),
@@ -434,19 +501,21 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "peak_bf16_flops": target.peak_flops,
         "compiler_optimal_seconds": float(analysis.get("optimal_seconds", 0.0)),
         "compiler_seconds": own_seconds,
+        "custom_kernels": kernels["kinds"],
+        "kernel_seconds": added,
         "loop_free_estimate": None,
         "hlo_unreadable": unreadable,
         "collectives": hlo.collectives(text) if text else {},
         "program": hlo.program_size(text) if text else {},
         "items_per_step": items,
     }
-    return _with_estimate(report, usable_estimate(own_seconds), "compiler")
+    return _with_estimate(report, usable_estimate(own_seconds + added), "compiler")
 
 
 def with_loop_free(report: dict[str, Any], loop_free: dict[str, Any]) -> dict[str, Any]:
     """`report` with its time from the loop-free programs (`loop_free_estimate`, `per_task_estimate`)."""
-    return _with_estimate({**report, "loop_free_estimate": loop_free}, loop_free["estimated_step_seconds"],
-                          loop_free["method"])
+    return _with_estimate({**report, "loop_free_estimate": loop_free, "kernel_seconds": loop_free["kernel_seconds"]},
+                          loop_free["estimated_step_seconds"], loop_free["method"])
 
 
 def _with_estimate(report: dict[str, Any], seconds: float | None, source: str) -> dict[str, Any]:
@@ -586,11 +655,11 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
         once = [("update", lambda c: lower_gradient_update(build_model(c), settings, len(task_names), mesh, rules))]
         if settings.gather_params_once:
             once.append(("parameter gather", lambda c: lower_param_gather(build_model(c), c, mesh, rules)))
-        train_report = with_loop_free(train_report, per_task_estimate(passes, once, config, depth))
+        train_report = with_loop_free(train_report, per_task_estimate(passes, once, config, depth, target))
     elif refusal is None and depth:
         train_report = with_loop_free(train_report, loop_free_estimate(
             lambda c: lower_train_step(build_model(c), c, settings, task_names, batch, mesh, rules)[0].lowered,
-            config, depth))
+            config, depth, target=target))
 
     start = time.perf_counter()
     encode = lower_encode_step(model, config, settings.passage_len, mesh, rules)
@@ -605,7 +674,8 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     compiled = None
     if refusal is None and depth:
         encode_report = with_loop_free(encode_report, loop_free_estimate(
-            lambda c: lower_encode_step(build_model(c), c, settings.passage_len, mesh, rules).lowered, config, depth))
+            lambda c: lower_encode_step(build_model(c), c, settings.passage_len, mesh, rules).lowered, config, depth,
+            target=target))
 
     report = {
         "topology": topology, "num_slices": num_slices, "devices": len(target.devices),
@@ -631,8 +701,8 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     if per_task and not settings.gather_params_once and params_b < bytes_per_device(train.state.params, whole):
         read = jax.eval_shape(lambda p: family_of(config).as_read(config, p), train.state.params)
         report["gathered_copy_bytes"] = bytes_per_device(read, whole)
-    report["compiler"] = compiler_versions()
-    report["problems"] = problems(report)
+    report["compiler"] = gpu.compiler_versions() if gpu.is_gpu_topology(topology) else compiler_versions()
+    report["problems"] = problems(report) + (gpu.problems(report) if gpu.is_gpu_report(report) else [])
     if not train_report["fits"]:
         report["advice"] = fit_advice(model, config, settings, mesh, layout, train_report, len(tasks))
     report["host_peak_bytes"] = host_peak_bytes()  # after the advice's compiles: T5-XXL's needed the most
@@ -703,6 +773,13 @@ def _mib(n: float) -> str:
     return f"{n / MIB:,.1f} MiB"
 
 
+def _kernel_line(kind: str, kernel: dict[str, Any]) -> str:
+    flops = ("FLOPs unknown, so only its bytes are priced here" if kernel["flops"] is None
+             else f"{kernel['flops'] / 1e9:,.2f} GFLOP")
+    return (f"{kind} x{kernel['count']} ({kernel['with_cost_estimate']} with a cost estimate): {flops}, "
+            f"{kernel['bytes'] / 1e6:,.1f} MB, roofline {kernel['roofline_seconds'] * 1e3:,.3f} ms per device")
+
+
 def format_text(report: dict[str, Any]) -> str:
     """The report as a person reads it: a block per step, then the problems, one per line."""
     chip = report["chip"]
@@ -710,6 +787,7 @@ def format_text(report: dict[str, Any]) -> str:
              f"({chip['devices_per_chip']:g} per chip, chip configuration {chip['chip_config']}), mesh "
              f"{report['mesh']}, layout {report['layout']}; per device {_mib(chip['hbm_bytes_per_device'])} HBM, "
              f"{chip['peak_bf16_flops_per_device'] / 1e12:,.1f} TFLOP/s bf16 peak ({chip['source']})",
+             gpu.compiler_line(report["compiler"]) if gpu.is_gpu_report(report) else
              "compiled by libtpu {libtpu} for jax {jax}; every time below is an estimate of its cost model".format(
                  **report["compiler"]),
              "tasks (per-device rows x query length): " + ", ".join(
@@ -745,12 +823,19 @@ def format_text(report: dict[str, Any]) -> str:
             label = "compiler's estimate" if step["estimate_source"] == "compiler" else \
                 f"compiler's estimate, {step['estimate_source']}"
             rates = ", ".join(f"{n:,.0f} {what}/s" for what, n in step["estimated_per_second"].items())
-            lines.append(f"  {label}: {step['estimated_step_seconds'] * 1e3:,.3f} ms per step, {rates}, "
+            seconds, kernel_s = step["estimated_step_seconds"], step["kernel_seconds"]
+            parts = (f" ({(seconds - kernel_s) * 1e3:,.3f} ms the cost model's + {kernel_s * 1e3:,.3f} ms of kernel "
+                     "FLOPs it leaves unpriced)" if kernel_s else "")
+            lines.append(f"  {label}: {seconds * 1e3:,.3f} ms per step{parts}, {rates}, "
                          f"MFU {step['estimated_mfu']:.1%} ({step['model_matmul_flops'] / 1e12:,.3f} TFLOP matmuls)")
         elif step["compiler_optimal_seconds"]:
             lines.append(f"  compiler's estimate: unusable ({step['compiler_seconds']:.4g} s, not a time)")
         else:
             lines.append("  compiler's estimate: none given for this program")
+        if step["custom_kernels"]:
+            lines.append("  custom kernels (each priced by the cost model from the cost estimate it carries, else by its "
+                         "bytes alone; a kernel in a loop body counted once): " + "; ".join(
+                             _kernel_line(kind, k) for kind, k in step["custom_kernels"].items()))
         collectives = step["collectives"]
         lines.append("  collectives: " + ("unknown (the program cannot be read back)" if step["hlo_unreadable"] else
                                            ", ".join(f"{op} x{c['count']} ({_mib(c['bytes'])})"
@@ -765,4 +850,4 @@ def format_text(report: dict[str, Any]) -> str:
     if "advice" in report:
         lines.append(f"advice: {report['advice']}")
     lines += [f"problem: {line}" for line in report["problems"]]
-    return "\n".join(lines)
+    return "\n".join(gpu.relabel(lines) if gpu.is_gpu_report(report) else lines)
