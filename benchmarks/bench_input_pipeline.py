@@ -68,6 +68,7 @@ def main() -> int:
     from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
     from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
     from t5_retrieval.data.stores.kb import PassageStore, passage_text
+    from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)
@@ -84,7 +85,7 @@ def main() -> int:
         write_demo(os.path.join(tmp, "raw"))
         prepare_kb(os.path.join(tmp, "raw", "kb", "pages.jsonl"), tmp)
         prepare_tasks(os.path.join(tmp, "raw"), tmp, TASKS, ("train",))
-        prepare_negatives(tmp, TASKS)
+        prepare_negatives(tmp, TASKS, index=build_bm25_index_for_kb(os.path.join(tmp, "kb")))
         vocab = seqio.SentencePieceVocabulary(a.vocab, extra_ids=100)
         it = make_train_iterator("demo", tmp, None, vocab, 64, 256, a.num_negatives, a.per_device_batch, seed=0)
         rate = measure_iterator(it, a.steps)

@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main() -> int:
     from t5_retrieval.data.records import read_jsonl
-    from t5_retrieval.data.stores.bm25 import BM25Index
-    from t5_retrieval.data.stores.kb import PassageStore, build_kb
+    from t5_retrieval.data.stores.kb import build_kb
+    from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
     p = argparse.ArgumentParser()
     p.add_argument("--source", default=None, help="a KILT knowledge source or passages jsonl, e.g. mini-KILT's "
@@ -37,7 +37,7 @@ def main() -> int:
         manifest = build_kb(a.source, os.path.join(tmp, "kb"))
         build_s = time.perf_counter() - start
         start = time.perf_counter()
-        BM25Index(PassageStore.open(os.path.join(tmp, "kb")))
+        build_bm25_index_for_kb(os.path.join(tmp, "kb"))
         index_s = time.perf_counter() - start
     result = {"pages": pages, "passages": manifest["num_passages"], "read_s": read_s, "kb_build_s": build_s,
               "bm25_index_s": index_s, "build_vs_read": build_s / read_s, "index_vs_read": index_s / read_s,

@@ -65,6 +65,7 @@ def main() -> None:
     from t5_retrieval.data.tasks import retrieval_tasks
     from t5_retrieval.data.tasks.materialize import materialize
     from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
+    from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
     tmp = tempfile.mkdtemp(prefix="bench_seqio_")
     try:
@@ -87,7 +88,7 @@ def main() -> None:
         assert again == examples
         cache_bytes = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(cache) for f in files)
 
-        prepare_negatives(data, TASKS, top_k=RECIPE["num_negatives"])
+        prepare_negatives(data, TASKS, top_k=RECIPE["num_negatives"], index=build_bm25_index_for_kb(os.path.join(data, "kb")))
         start = time.perf_counter()
         iterator = make_train_iterator("demo", data, None, vocabulary, RECIPE["query_len"], RECIPE["passage_len"],
                                        RECIPE["num_negatives"], RECIPE["per_device_batch"], cache_dir=cache)

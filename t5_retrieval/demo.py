@@ -68,12 +68,14 @@ def prepare_synthetic(out: str) -> tuple[str, str]:
     from t5_retrieval.data.kilt.prepare import prepare_missing
     from t5_retrieval.data.kilt.synthetic import write_demo
     from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
+    from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
     raw_dir = os.path.join(out, "raw")
     if not os.path.exists(os.path.join(raw_dir, "kb", "pages.jsonl")):
         write_demo(raw_dir)
     data_dir = os.path.join(out, "data")
-    prepare_missing(os.path.join(raw_dir, "kb", "pages.jsonl"), raw_dir, data_dir, _tasks_in(raw_dir))
+    prepare_missing(os.path.join(raw_dir, "kb", "pages.jsonl"), raw_dir, data_dir, _tasks_in(raw_dir),
+                    build_bm25_index_for_kb)
     vocab_prefix = os.path.join(data_dir, "spm")
     if not os.path.exists(vocab_prefix + ".model"):
         train_vocabulary(layout.kb_dir(data_dir), vocab_prefix, vocab_size=4096 - 100)

@@ -73,12 +73,14 @@ def flip_byte(path: str, offset: int = -1) -> None:
 def prepare_small_demo(root, tasks) -> str:
     """A 30-page synthetic KB with 8 train queries per task and BM25 negatives, prepared as
     `t5r data` would (`<root>/data`), for the tests that train a tiny model on real files."""
+    from t5_retrieval.data import layout
     from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
     from t5_retrieval.data.kilt.synthetic import write_demo
+    from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
     write_demo(str(root / "raw"), num_pages=30, train_per_task=8, dev_per_task=2)
     out = str(root / "data")
     prepare_kb(str(root / "raw" / "kb" / "pages.jsonl"), out)
     prepare_tasks(str(root / "raw"), out, list(tasks), ("train",))
-    prepare_negatives(out, list(tasks), top_k=5)
+    prepare_negatives(out, list(tasks), top_k=5, index=build_bm25_index_for_kb(layout.kb_dir(out)))
     return out

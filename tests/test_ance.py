@@ -14,6 +14,7 @@ from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepar
 from t5_retrieval.data.kilt.synthetic import write_demo
 from t5_retrieval.data.records import read_negatives
 from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
+from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
 TASKS = ["fever", "trex"]
 
@@ -24,7 +25,7 @@ def ance_data(root: str) -> tuple[str, str]:
     write_demo(raw, num_pages=60, train_per_task=24, dev_per_task=8)
     prepare_kb(os.path.join(raw, "kb", "pages.jsonl"), data_dir)
     prepare_tasks(raw, data_dir, TASKS)
-    prepare_negatives(data_dir, TASKS)
+    prepare_negatives(data_dir, TASKS, index=build_bm25_index_for_kb(layout.kb_dir(data_dir)))
     return data_dir, train_vocabulary(layout.kb_dir(data_dir), os.path.join(data_dir, "spm"), vocab_size=400)
 
 

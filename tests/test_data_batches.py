@@ -17,6 +17,7 @@ from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenizers.tokenize import encode_with_eos_markers, to_fixed_length, tokenize
+from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
 SPM = os.path.join(os.path.dirname(seqio.__file__), "test_data", "sentencepiece", "sentencepiece.model")
 QLEN, PLEN, NNEG = 24, 48, 2
@@ -29,7 +30,7 @@ def data_dir(tmp_path_factory):
     out = str(root / "data")
     prepare_kb(str(root / "raw" / "kb" / "pages.jsonl"), out)
     prepare_tasks(str(root / "raw"), out, TASKS, ("train",))
-    prepare_negatives(out, TASKS, top_k=20)
+    prepare_negatives(out, TASKS, top_k=20, index=build_bm25_index_for_kb(layout.kb_dir(out)))
     return out
 
 

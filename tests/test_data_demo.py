@@ -7,13 +7,13 @@ import os
 import seqio
 
 from t5_retrieval.data import layout
-from t5_retrieval.data.kilt.negatives import bm25_query
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_tasks
 from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
 from t5_retrieval.data.records import read_examples
-from t5_retrieval.data.stores.bm25 import BM25Index
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
+from t5_retrieval.retrieval import search
+from t5_retrieval.retrieval.index import build_bm25_index
 
 
 def test_demo_is_deterministic_and_labelled_synthetic(tmp_path):
@@ -33,11 +33,12 @@ def test_demo_queries_share_words_with_their_gold_page(tmp_path):
     write_demo(str(tmp_path / "raw"))
     prepare_kb(str(tmp_path / "raw" / "kb" / "pages.jsonl"), str(tmp_path))
     prepare_tasks(str(tmp_path / "raw"), str(tmp_path), TASKS, ("dev",))
-    index = BM25Index(PassageStore.open(layout.kb_dir(str(tmp_path))))
+    store = PassageStore.open(layout.kb_dir(str(tmp_path)))
+    searcher = search.bm25_searcher(build_bm25_index(store))
     for task in TASKS:
         examples = read_examples(layout.examples_path(str(tmp_path), task, "dev"))
-        hits = sum(bool(set(index.search_pages(bm25_query(e.query), 5, 50)) & set(e.gold_pages[0]))
-                   for e in examples)
+        found = searcher.search([e.query for e in examples], 50)
+        hits = sum(bool(set(search.pages(r.passage_ids, store)[:5]) & set(e.gold_pages[0])) for e, r in zip(examples, found))
         assert hits / len(examples) > 0.5, f"{task}: only {hits}/{len(examples)} dev queries find a gold page in top 5"
 
 

@@ -8,10 +8,10 @@ from t5_retrieval.data.kilt.examples import convert_task_file, kilt_file
 from t5_retrieval.data.kilt.negatives import mine_bm25_negatives
 from t5_retrieval.data.kilt.prepare import _LazyBM25
 from t5_retrieval.data.records import DataError, Example, read_examples, read_negatives
-from t5_retrieval.data.stores.bm25 import BM25Index
 from t5_retrieval.data.stores.kb import PassageStore, build_kb
 from t5_retrieval.data.tasks.mixing import subbatch_sizes, temperature_rates
 from t5_retrieval.data.text import format_query
+from t5_retrieval.retrieval.index import build_bm25_index
 
 PAGES = [
     {"wikipedia_id": "1", "wikipedia_title": "Paris", "text": [
@@ -137,7 +137,7 @@ def test_bm25_negatives_exclude_every_gold_page(tmp_path, store):
     rows = [{"id": "a", "input": "capital of France Paris Seine river", "output": [
         {"provenance": [{"wikipedia_id": "1"}]}, {"provenance": [{"wikipedia_id": "3"}]}]}]
     examples, _ = _convert(_write(tmp_path, rows), store)
-    (neg,) = mine_bm25_negatives(examples, BM25Index(store), top_k=10)
+    (neg,) = mine_bm25_negatives(examples, build_bm25_index(store), store, top_k=10)
     assert neg.id == "a" and set(neg.negatives) == {"2_0", "4_0"}, f"got {neg.negatives}"
     assert neg.negatives[0] in {"2_0", "4_0"}
 
@@ -146,9 +146,9 @@ def test_bm25_negatives_exclude_the_positive_of_an_example_without_gold_pages(st
     """A seqio Task of one's own may give a positive passage and no gold pages."""
     example = Example(id="a", task="faq", query="capital of France Paris Seine river", gold_pages=(),
                       positive_passages=("1_0",))
-    (neg,) = mine_bm25_negatives([example], BM25Index(store), top_k=10)
+    (neg,) = mine_bm25_negatives([example], build_bm25_index(store), store, top_k=10)
     (unlabelled,) = mine_bm25_negatives([Example(id="a", task="faq", query=example.query, gold_pages=())],
-                                        BM25Index(store), top_k=10)
+                                        build_bm25_index(store), store, top_k=10)
     assert "1_0" in unlabelled.negatives, "BM25 ranks the positive among the top 10"
     assert neg.negatives == tuple(p for p in unlabelled.negatives if p != "1_0"), neg.negatives
 

@@ -6,11 +6,11 @@ import os
 from conftest import SHARED_DATA, needs_shared_data
 
 from t5_retrieval.data import layout
-from t5_retrieval.data.kilt.negatives import bm25_query
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_tasks
 from t5_retrieval.data.records import read_examples
-from t5_retrieval.data.stores.bm25 import BM25Index
 from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.retrieval import search
+from t5_retrieval.retrieval.index import build_bm25_index
 
 TASKS = ["fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking"]
 pytestmark = needs_shared_data
@@ -26,7 +26,7 @@ def test_bm25_dev_r_precision_matches_the_mini_kilt_reference(tmp_path):
     # The reference indexes mini-KILT's one-passage-per-paragraph file, so we build the KB from it.
     prepare_kb(os.path.join(SHARED_DATA, "kb", "passages.jsonl"), data_dir)
     store = PassageStore.open(layout.kb_dir(data_dir))
-    index = BM25Index(store)
+    searcher = search.bm25_searcher(build_bm25_index(store))
     prepare_tasks(SHARED_DATA, data_dir, TASKS, ("dev",), strict=True)
     with open(os.path.join(SHARED_DATA, "bm25_reference_dev.json")) as f:
         reference = json.load(f)
@@ -34,7 +34,8 @@ def test_bm25_dev_r_precision_matches_the_mini_kilt_reference(tmp_path):
     for task in TASKS:
         examples = read_examples(layout.examples_path(data_dir, task, "dev"))
         assert len(examples) == reference[f"{task}/dev"]["n"]
-        scores = [r_precision(e.gold_pages, index.search_pages(bm25_query(e.query), 5, 200)) for e in examples]
+        found = searcher.search([e.query for e in examples], 200)  # pages of the top 200 passages
+        scores = [r_precision(e.gold_pages, search.pages(r.passage_ids, store)[:5]) for e, r in zip(examples, found)]
         ours[task] = sum(scores) / len(scores)
     off = {t: (round(ours[t], 3), reference[f"{t}/dev"]["r_prec"]) for t in TASKS
            if abs(ours[t] - reference[f"{t}/dev"]["r_prec"]) > 0.03}

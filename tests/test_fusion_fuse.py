@@ -13,7 +13,6 @@ from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_tasks
 from t5_retrieval.data.kilt.synthetic import write_demo
 from t5_retrieval.data.records import read_jsonl
 from t5_retrieval.data.stores import embedding_store
-from t5_retrieval.data.stores.bm25 import BM25Index
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.fusion import experts, fuse, muf
@@ -123,17 +122,17 @@ def test_bm25_hybrid_at_weight_one_is_the_bm25_ranking(demo):
     dev = evaluate.load_task_examples(data_dir, "dev", ["trex"])
     train = evaluate.load_task_examples(data_dir, "train", ["trex"])
     expert = experts.load_expert(experts.ExpertSpec.parse(specs["trex"]), store.ids())
-    bm25 = BM25Index(store)
+    bm25 = index.build_bm25_index(store)
     config = fuse.FuseConfig(depth=20, ks=(1, 5, 20), hybrid_weight=1.0)
     result = fuse.fuse_and_evaluate([expert], train, dev, store,
                                     muf.EnsembleConfig(num_epochs=1, hidden_dim=8, top_l=8), config,
-                                    hybrid_with=search.bm25_searcher(index.build_bm25_index(store)))
+                                    hybrid_with=search.bm25_searcher(bm25))
     from t5_retrieval.data.kilt.negatives import bm25_query
     from t5_retrieval.retrieval import metrics
     for example, row in zip(dev["trex"], result.results["hybrid"].predictions["trex"]):
         (top,), (scores,) = bm25.search([bm25_query(example.query)], 20)
         # Passages scoring the list minimum tie with every dense-only passage; above it, BM25 rules.
-        expected = metrics.dedup_keep_first(bm25.pages[i] for i in top[scores > scores.min()])
+        expected = metrics.dedup_keep_first(store.page_of(bm25.passage_ids[i]) for i in top[scores > scores.min()])
         got = [p["wikipedia_id"] for p in row["output"][0]["provenance"]]
         # (Equal BM25 scores may be ordered differently: compare the pages above the minimum as a set.)
         assert expected and set(got[:len(expected)]) == set(expected), f"{example.id}: weight 1 ranks by BM25 alone"

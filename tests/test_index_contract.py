@@ -3,8 +3,8 @@ one common test: built from a real embedding store, searched, saved and loaded, 
 model and a KB, damaged; then ScaNN measured against the exact backend, the oracle.
 
 BM25 runs every check that does not need embeddings: it is built from a KB's texts (not an
-embedding store, so not by `t5r index`), searched with query texts, has no model (dim 0, no
-encoder passes `check`) and its oracle is its own full score vector."""
+embedding store: `t5r index --backend=bm25 --kb_dir`, tests/test_bm25.py), searched with query texts,
+has no model (dim 0, no encoder passes `check`) and its oracle is its own full score vector."""
 
 import ast
 import json
@@ -164,7 +164,7 @@ def test_bm25_check_refuses_any_query_encoder_and_another_kb():
     kb = text_kb(30)
     built = bm25_index.build_bm25_index(kb, "kb")
     built.check(passage_ids=kb.ids())  # its own KB passes
-    with pytest.raises(index.IndexMismatchError, match="kb: a BM25 index searches query text and takes no query"):
+    with pytest.raises(index.IndexMismatchError, match="kb: a BM25 index searches query text and takes no model"):
         built.check(HashedBagOfWordsEncoder(dim=8))
     with pytest.raises(index.IndexMismatchError, match="first difference at row 29"):
         built.check(passage_ids=kb.ids()[:-1] + ["other"])

@@ -128,15 +128,15 @@ def test_the_negatives_of_a_rewritten_query_text_are_written_where_training_read
     import dataclasses
 
     from t5_retrieval.data.kilt.negatives import mine_bm25_negatives
-    from t5_retrieval.data.stores.bm25 import BM25Index
     from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.retrieval.index import build_bm25_index
 
     bm25 = layout.negatives_dir(str(work / "data"))
     own, shared = (read_negatives(layout.negatives_path(bm25, name)) for name in ("my_fever_lc", "fever"))
     examples = read_examples(layout.examples_path(str(work / "data"), "fever", "train"))
-    index = BM25Index(PassageStore.open(str(work / "data" / "kb")))
+    store = PassageStore.open(str(work / "data" / "kb"))
     expected = {row.id: row.negatives for row in mine_bm25_negatives(
-        [dataclasses.replace(e, query=rewritten(e.query)) for e in examples], index, 5)}
+        [dataclasses.replace(e, query=rewritten(e.query)) for e in examples], build_bm25_index(store), store, 5)}
     assert own == expected, "my_fever_lc-train.jsonl holds BM25 negatives of the Task's rewritten text"
     assert own != shared, "the rewritten text has other negatives than the dataset's text as written"
     read = [line for line in model["train_log"] if "hard negatives from" in line]

@@ -97,13 +97,14 @@ def user_setup(tmp_path_factory):
     from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
     from t5_retrieval.data.kilt.synthetic import write_demo
     from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
+    from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
     root = tmp_path_factory.mktemp("seqio_path")
     raw, data_dir, rows, module_dir = (str(root / d) for d in ("raw", "data", "rows", "module"))
     write_demo(raw, num_pages=40, train_per_task=12, dev_per_task=4)
     prepare_kb(os.path.join(raw, "kb", "pages.jsonl"), data_dir)
     prepare_tasks(raw, data_dir, ["fever", "nq"], ("train", "dev"))
-    prepare_negatives(data_dir, ["fever", "nq"], top_k=4)
+    prepare_negatives(data_dir, ["fever", "nq"], top_k=4, index=build_bm25_index_for_kb(layout.kb_dir(data_dir)))
     vocabulary = train_vocabulary(layout.kb_dir(data_dir), os.path.join(data_dir, "spm"), vocab_size=400)
     os.makedirs(rows)
     for dataset in ("fever", "nq"):

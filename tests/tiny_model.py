@@ -68,12 +68,13 @@ def build_tiny_run(root: str, models: tuple[tuple[int, tuple[str, ...]], ...] = 
     from t5_retrieval.data.tokenizers.train_sentencepiece import train_vocabulary
     from t5_retrieval.inference import load_encoder
     from t5_retrieval.retrieval import scann_index
+    from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
     raw, data_dir = os.path.join(root, "raw"), os.path.join(root, "data")
     write_demo(raw, num_pages=num_pages, train_per_task=8, dev_per_task=4)
     prepare_kb(os.path.join(raw, "kb", "pages.jsonl"), data_dir)
     prepare_tasks(raw, data_dir, list(TASKS))
-    prepare_negatives(data_dir, list(TASKS))
+    prepare_negatives(data_dir, list(TASKS), index=build_bm25_index_for_kb(layout.kb_dir(data_dir)))
     vocabulary = train_vocabulary(layout.kb_dir(data_dir), os.path.join(data_dir, "spm"), vocab_size=400)
     store = PassageStore.open(layout.kb_dir(data_dir))
     model_dirs, index_dirs, encoders = [], [], []

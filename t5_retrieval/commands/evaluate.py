@@ -3,15 +3,17 @@
 `t5r eval --index_dir=... --data_dir=... --output_dir=... (--checkpoint_dir=... | --lexical_baseline_dim=N)`
 writes results.json, results.txt, predictions/{task}.jsonl (official KILT format) and
 predictions/{task}.trec (TREC run), each keyed and named by the model's name of the task
-(`demo_fever`, whether --tasks names it so, by its dataset or by a Mixture).
+(`demo_fever`, whether --tasks names it so, by its dataset or by a Mixture). An index built by
+`t5r index --backend=bm25` takes no model: it searches the query texts of the examples files.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from t5_retrieval.commands.inputs import add_search_flags, load_search_inputs
-from t5_retrieval.retrieval.evaluate import evaluate, format_table, write_results
+from t5_retrieval.retrieval.evaluate import EvalResult, evaluate, format_table, write_results
 
 
 def main(argv: list[str]) -> int:
@@ -27,8 +29,50 @@ def main(argv: list[str]) -> int:
     args = parse_args(parser, argv, reads=TASK_MODULE)
     check_output_dir(args.output_dir, "--output_dir", "t5r eval")
     with writable_output_dir(args.output_dir, "--output_dir"):  # checked before retrieval, not after it
-        inputs = load_search_inputs(args)
-        result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store)
+        if _is_bm25_index(args):
+            result = _evaluate_bm25(args)
+        else:
+            inputs = load_search_inputs(args)
+            result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store)
         write_results(result, args.output_dir)
     print(format_table(result.tables), end="")
     return 0
+
+
+def _is_bm25_index(args: argparse.Namespace) -> bool:
+    """Whether --index_dir holds a BM25 index (its index.json verified before it is read)."""
+    from t5_retrieval import checksums
+    from t5_retrieval.retrieval.index import read_record
+
+    with checksums.verification(args.verify):
+        return read_record(args.index_dir)["backend"] == "bm25"
+
+
+def _evaluate_bm25(args: argparse.Namespace) -> EvalResult:
+    """A BM25 index's rankings of the query texts of `--tasks` (datasets: examples files), scored as
+    a model's are; refuses a model flag, since BM25 has none."""
+    from t5_retrieval import checksums
+    from t5_retrieval.data import layout
+    from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.errors import UserError, shell_command
+    from t5_retrieval.retrieval.evaluate import load_task_examples
+    from t5_retrieval.retrieval.index import INDEX_JSON, load_index
+
+    model_flags = [flag for flag in ("checkpoint_dir", "step", "lexical_baseline_dim")
+                   if getattr(args, flag) is not None]
+    if model_flags:
+        flags = {f"--{flag}" for flag in model_flags}
+        words, given = [], iter(args.command_line)
+        for word in given:
+            if word in flags:
+                next(given, None)  # `--flag value`: the value goes too
+            elif word.partition("=")[0] not in flags:
+                words.append(word)
+        raise UserError(f"{os.path.join(args.index_dir, INDEX_JSON)}: a BM25 index searches the query texts and takes "
+                        f"no model ({', '.join(sorted(flags))} given); run `{shell_command(words)}`")
+    with checksums.verification(args.verify):
+        store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
+        index = load_index(args.index_dir)
+    index.check(passage_ids=store.ids())
+    examples = load_task_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
+    return evaluate(None, index, examples, store)

@@ -15,8 +15,9 @@ TASKS = ("fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking"
 def prepare_data(raw_dir: str, data_dir: str) -> None:
     """KB from the paragraph passages, examples of every task, BM25 negatives (each step resumable)."""
     from t5_retrieval.data.kilt.prepare import prepare_missing
+    from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
-    prepare_missing(os.path.join(raw_dir, "kb", "passages.jsonl"), raw_dir, data_dir, TASKS)
+    prepare_missing(os.path.join(raw_dir, "kb", "passages.jsonl"), raw_dir, data_dir, TASKS, build_bm25_index_for_kb)
 
 
 def dataset_name(names: Iterable[str], dataset: str) -> str:

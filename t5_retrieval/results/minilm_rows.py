@@ -15,25 +15,19 @@ from t5_retrieval.results.common import TASKS, configured, dataset_name, dataset
 
 
 def bm25_row(row_dir: str, data_dir: str) -> None:
-    """BM25's top-100 passages per dev query, scored like `t5r eval`."""
+    """BM25's top-100 passages per dev query, scored as `t5r eval` scores a `t5r index --backend=bm25`."""
     from t5_retrieval.data import layout
-    from t5_retrieval.data.kilt.negatives import bm25_query
     from t5_retrieval.data.records import read_examples
-    from t5_retrieval.data.stores.bm25 import BM25Index
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.retrieval.evaluate import RankingScorer, write_results
+    from t5_retrieval.retrieval.evaluate import evaluate, write_results
+    from t5_retrieval.retrieval.index import build_bm25_index
     from t5_retrieval.stages import stage
 
     def run() -> dict[str, Any]:
         store = PassageStore.open(layout.kb_dir(data_dir))
-        index = BM25Index(store)
-        scorer = RankingScorer(store)
-        for task in TASKS:
-            examples = read_examples(layout.examples_path(data_dir, task, "dev"))
-            rows, scores = index.search([bm25_query(e.query) for e in examples], 100)
-            rankings = [[index.ids[i] for i in top] for top in rows]
-            scorer.add_task(task, examples, rankings, scores)  # the scores make its TREC run
-        result = scorer.result()
+        index = build_bm25_index(store, layout.kb_dir(data_dir))
+        examples = {task: read_examples(layout.examples_path(data_dir, task, "dev")) for task in TASKS}
+        result = evaluate(None, index, examples, store, depth=100)
         write_results(result, os.path.join(row_dir, "eval"))
         return {"tables": result.tables}
 

@@ -66,17 +66,17 @@ def bm25_answer_recall(data_dir: str, qa_dir: str, tasks: tuple[str, ...] = QA_O
     from t5_retrieval.data import layout
     from t5_retrieval.data.kilt.answers import AnswerTexts
     from t5_retrieval.data.kilt.qa_open import read_qa_task
-    from t5_retrieval.data.stores.bm25 import BM25Index
     from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.query_side import ranking_answer_recall
+    from t5_retrieval.retrieval.index import build_bm25_index
 
     store = PassageStore.open(layout.kb_dir(data_dir))
-    index, texts = BM25Index(store), AnswerTexts(store)
+    index, texts = build_bm25_index(store, layout.kb_dir(data_dir)), AnswerTexts(store)
     recall = {}
     for name in tasks:
         task = read_qa_task(qa_dir, name, "dev")
         rows, _ = index.search([e.query for e in task.examples], max(QA_OPEN_KS))
-        rankings = [[index.ids[i] for i in top] for top in rows]
+        rankings = [[index.passage_ids[i] for i in top] for top in rows]
         recall[name] = ranking_answer_recall(texts, task, rankings, QA_OPEN_KS)
     return {"dev": recall}
 

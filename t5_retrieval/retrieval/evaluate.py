@@ -61,7 +61,7 @@ class EvalResult:
 
 @gin.configurable(denylist=["encoder", "index", "examples_by_task", "passages"])
 def evaluate(
-    encoder: Encoder,
+    encoder: Encoder | None,
     index: Index,
     examples_by_task: Mapping[str, Sequence[Example]],
     passages: PassageLookup,
@@ -70,14 +70,18 @@ def evaluate(
     batch_size: int = 128,
     skip_answer_recall: Sequence[str] = ("fever", "wow"),
 ) -> EvalResult:
-    """Scores every task's examples; `depth` passages are retrieved per query before page dedup."""
+    """Scores every task's examples; `depth` passages are retrieved per query before page dedup.
+
+    `encoder` None searches a BM25 index with the query texts (`search.bm25_searcher`)."""
     if depth < 1:
         raise ConfigError(f"evaluate.depth must be >= 1, got {depth}")
     scorer = RankingScorer(passages, ks, skip_answer_recall)
     for task, examples in examples_by_task.items():
-        found = search.dense_searcher(encoder, index, task, batch_size).search([e.query for e in examples], depth)
+        searcher = search.bm25_searcher(index, batch_size) if encoder is None else \
+            search.dense_searcher(encoder, index, task, batch_size)
+        found = searcher.search([e.query for e in examples], depth)
         scorer.add_task(task, examples, [r.passage_ids for r in found], [r.scores for r in found],
-                        dataset=encoder.tasks.dataset_of(task))
+                        dataset=task if encoder is None else encoder.tasks.dataset_of(task))
     return scorer.result()
 
 

@@ -17,7 +17,7 @@ The third, "bm25" (`bm25_index`), searches query texts with BM25; it is built fr
 (`build_bm25_index`), has no model (dim 0) and refuses a query encoder.
 
 `t5r index --embeddings_dir=... --output_dir=... [--backend=scann|exact]` (`commands/index.py`)
-runs `build_index`.
+runs `build_index`; `t5r index --backend=bm25 --kb_dir=... --output_dir=...` runs `build_bm25_index`.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import gin
 import numpy as np
 
 from t5_retrieval.errors import UserError
-from t5_retrieval.retrieval.bm25_index import BM25TextIndex, build_bm25_index  # noqa: F401  (re-exported)
+from t5_retrieval.retrieval.bm25_index import BM25Index, build_bm25_index, build_bm25_index_for_kb  # noqa: F401
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.exact_index import ExactIndex, build_exact_index
 from t5_retrieval.retrieval.scann_index import ScannIndex, build_scann_index
 from t5_retrieval.retrieval.stored_index import INDEX_JSON, IndexMismatchError, StoredIndex, read_record
 
-BACKENDS: dict[str, type[StoredIndex]] = {"scann": ScannIndex, "exact": ExactIndex, "bm25": BM25TextIndex}
+BACKENDS: dict[str, type[StoredIndex]] = {"scann": ScannIndex, "exact": ExactIndex, "bm25": BM25Index}
 # The backends `build_index` builds from a complete embedding store: (embeddings_dir, staging_dir) -> index.
 BUILDERS: dict[str, Callable[[str, str | None], StoredIndex]] = {
     "scann": lambda embeddings_dir, staging_dir: build_scann_index(embeddings_dir, staging_dir=staging_dir),
@@ -77,6 +77,9 @@ def build_index(embeddings_dir: str, backend: str = "scann", staging_dir: str | 
 
     `staging_dir`: disk for ScaNN's temporary matrix (default: the system temp dir).
     """
+    if backend == "bm25":
+        raise UserError("a bm25 index (--backend or gin build_index.backend) is built from a KB, not from embeddings: "
+                        "t5r index --backend=bm25 --kb_dir=<data_dir>/kb --output_dir=<index_dir>")
     if backend not in BUILDERS:
         raise UserError(f"index backend {backend!r} (--backend or gin build_index.backend): "
                         f"choose one of {', '.join(BUILDERS)}")

@@ -77,10 +77,19 @@ def _unverified_rebuild_hint(directory: str) -> str:
     except UserError:
         return REBUILD
     embeddings, backend = record.get("embeddings_dir"), record.get("backend")
+    if backend == "bm25":  # built from a KB, not from embeddings
+        meta = record.get("meta")
+        return bm25_rebuild_command(directory, meta.get("kb_dir") if isinstance(meta, dict) else None)
     if not (isinstance(embeddings, str) and embeddings.isprintable() and isinstance(backend, str)
             and backend.isidentifier()):
         return REBUILD
     return f"rebuild it: t5r index --embeddings_dir={embeddings} --output_dir={directory} --backend={backend}"
+
+
+def bm25_rebuild_command(directory: str, kb_dir: Any) -> str:
+    """The `t5r index` command that builds the BM25 index in `directory` again from `kb_dir`."""
+    kb = kb_dir if isinstance(kb_dir, str) and kb_dir and kb_dir.isprintable() else "<data_dir>/kb"
+    return f"rebuild it: t5r index --backend=bm25 --kb_dir={kb} --output_dir={directory}"
 
 
 def read_complete_store(embeddings_dir: str) -> tuple[embedding_store.Manifest, list[str]]:

@@ -14,9 +14,9 @@ import gin
 
 from t5_retrieval.data import layout
 from t5_retrieval.data.kilt.examples import ConversionStats, convert_task_file, kilt_file
-from t5_retrieval.data.kilt.negatives import bm25_query, mine_bm25_negatives
+from t5_retrieval.data.kilt.negatives import TextIndex, bm25_query, mine_bm25_negatives
 from t5_retrieval.data.records import Example, read_examples, write_jsonl_atomic, write_negatives
-from t5_retrieval.data.stores.bm25 import BM25Index
+from t5_retrieval.data.stores import bm25
 from t5_retrieval.data.stores.kb import PassageStore, build_kb
 from t5_retrieval.errors import ConfigError
 
@@ -29,21 +29,22 @@ def prepare_kb(source: str, data_dir: str, words_per_passage: int = 100, passage
 
 
 class _LazyBM25:
-    """Builds the BM25 index only if some example needs a page-only positive on a multi-passage page."""
+    """Indexes the KB for BM25 only if some example needs a page-only positive on a multi-passage page
+    (with `bm25.index_passages`, as `retrieval.bm25_index.build_bm25_index` does, so both score alike)."""
 
     def __init__(self, store: PassageStore):
         self.store = store
-        self._index: BM25Index | None = None
+        self._retriever: Any = None  # a bm25s retriever
 
     @property
-    def index(self) -> BM25Index:
-        if self._index is None:
-            self._index = BM25Index(self.store)
-        return self._index
+    def retriever(self) -> Any:
+        if self._retriever is None:
+            self._retriever = bm25.index_passages(self.store)
+        return self._retriever
 
     def best_passage(self, query: str, candidates: Sequence[str]) -> str:
         positions = [self.store.index_of(pid) for pid in candidates]
-        scores = self.index.score_subset(bm25_query(query), positions)
+        scores = bm25.score_subset(self.retriever, bm25_query(query), positions)
         return candidates[int(scores.argmax())]  # argmax keeps the first passage on ties
 
 
@@ -72,29 +73,32 @@ def prepare_tasks(input_dir: str, data_dir: str, tasks: Sequence[str], splits: S
     return out
 
 
-def prepare_missing(kb_source: str, input_dir: str, data_dir: str, tasks: Sequence[str]) -> None:
+def prepare_missing(kb_source: str, input_dir: str, data_dir: str, tasks: Sequence[str],
+                    bm25_index: Callable[[str], TextIndex]) -> None:
     """The KB (from `kb_source`), the examples and the BM25 negatives of `tasks`, each built only
-    when its output is missing, so an interrupted preparation resumes."""
+    when its output is missing, so an interrupted preparation resumes. `bm25_index(kb_dir)`: the
+    BM25 index the negatives are mined with (`retrieval.index.build_bm25_index_for_kb`)."""
     if not os.path.exists(os.path.join(layout.kb_dir(data_dir), "manifest.json")):
         prepare_kb(kb_source, data_dir)
     if not all(os.path.exists(layout.examples_path(data_dir, t, "dev")) for t in tasks):
         prepare_tasks(input_dir, data_dir, tasks)
     if not all(os.path.exists(layout.negatives_path(layout.negatives_dir(data_dir), t)) for t in tasks):
-        prepare_negatives(data_dir, tasks)
+        prepare_negatives(data_dir, tasks, index=bm25_index(layout.kb_dir(data_dir)))
 
 
 @gin.configurable
-def prepare_negatives(data_dir: str, tasks: Sequence[str], splits: Sequence[str] = ("train",), top_k: int = 100,
-                      index: BM25Index | None = None,
-                      read: Callable[[str, str], Sequence[Example]] | None = None) -> dict[str, int]:
+def prepare_negatives(data_dir: str, tasks: Sequence[str], splits: Sequence[str] = ("train",), top_k: int = 100, *,
+                      index: TextIndex, read: Callable[[str, str], Sequence[Example]] | None = None) -> dict[str, int]:
     """BM25 negatives for each task/split -> `{data_dir}/negatives/bm25/{task}-{split}.jsonl`.
 
+    `index`: BM25 over the KB of `data_dir` (`retrieval.index.build_bm25_index_for_kb(layout.kb_dir(data_dir))`,
+    or a loaded `t5r index --backend=bm25`); refused if its passages are not that KB's.
     `read(task, split)`: the examples to mine for; default the processed KILT file
     `{data_dir}/examples/{task}-{split}.jsonl` (`t5r data negatives` also reads seqio Tasks)."""
     if top_k < 1:
         raise ConfigError(f"top_k must be >= 1, got {top_k}")
     store = PassageStore.open(layout.kb_dir(data_dir))
-    index = index or BM25Index(store)
+    index.check(passage_ids=store.ids())  # IndexMismatchError naming the index: built from another KB
     directory = layout.negatives_dir(data_dir, "bm25")
     os.makedirs(directory, exist_ok=True)
     counts = {}
@@ -102,5 +106,5 @@ def prepare_negatives(data_dir: str, tasks: Sequence[str], splits: Sequence[str]
         for split in splits:
             examples = read(task, split) if read else read_examples(layout.examples_path(data_dir, task, split))
             counts[f"{task}-{split}"] = write_negatives(layout.negatives_path(directory, task, split),
-                                                        mine_bm25_negatives(examples, index, top_k))
+                                                        mine_bm25_negatives(examples, index, store, top_k))
     return counts

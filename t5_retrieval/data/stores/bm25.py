@@ -11,22 +11,33 @@ saved and loaded like the vector backends) rank alike. This is the only module i
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-import bm25s
 import gin
 import numpy as np
-from bm25s.stopwords import STOPWORDS_EN
 
+from t5_retrieval.data.records import Passage
 from t5_retrieval.data.stores.kb import PassageStore
 
+if TYPE_CHECKING:
+    import bm25s  # imported where a retriever is built or loaded: it imports jax (seconds)
+
 _TOKEN = re.compile(r"\w+")
-_STOP = frozenset(STOPWORDS_EN)
+
+
+@functools.cache
+def _stop_words() -> frozenset[str]:
+    from bm25s.stopwords import STOPWORDS_EN
+
+    return frozenset(STOPWORDS_EN)
 
 
 def bm25_tokens(text: str) -> list[str]:
-    return [t for t in _TOKEN.findall(text.lower()) if t not in _STOP]
+    stop = _stop_words()
+    return [t for t in _TOKEN.findall(text.lower()) if t not in stop]
 
 
 def _query_ids(retriever: bm25s.BM25, query: str) -> np.ndarray:
@@ -51,11 +62,37 @@ def top_k(retriever: bm25s.BM25, query: str, k: int) -> tuple[np.ndarray, np.nda
     return top, scores[top]
 
 
+def score_subset(retriever: bm25s.BM25, query: str, rows: Sequence[int]) -> np.ndarray:
+    """BM25 scores (float64) of a few passages (e.g. one page's) without scoring the whole KB."""
+    candidates = np.asarray(rows, np.int64)
+    out = np.zeros(len(candidates), np.float64)
+    sc = retriever.scores
+    for token in _query_ids(retriever, query):
+        lo, hi = sc["indptr"][token], sc["indptr"][token + 1]
+        docs = sc["indices"][lo:hi]
+        hit = np.isin(docs, candidates)
+        for doc, value in zip(docs[hit], sc["data"][lo:hi][hit]):
+            out[candidates == doc] += value
+    return out
+
+
+@gin.configurable(denylist=["passages"])
+def index_passages(passages: Iterable[Passage], k1: float = 0.9, b: float = 0.4) -> bm25s.BM25:
+    """A bm25s retriever whose document i is the i-th passage, indexed as "title text"."""
+    import bm25s
+
+    retriever = bm25s.BM25(k1=k1, b=b)
+    retriever.index([bm25_tokens(f"{p.title} {p.text}") for p in passages], show_progress=False)
+    return retriever
+
+
 def save_retriever(retriever: bm25s.BM25, directory: str) -> None:
     retriever.save(directory, show_progress=False)
 
 
 def load_retriever(directory: str) -> bm25s.BM25:
+    import bm25s
+
     return bm25s.BM25.load(directory, show_progress=False)
 
 
@@ -67,6 +104,8 @@ class BM25Index:
         self.store = store
         self.ids = store.ids()
         self.pages = [store.page_of(pid) for pid in self.ids]
+        import bm25s
+
         self.retriever = bm25s.BM25(k1=k1, b=b)
         corpus = (bm25_tokens(f"{p.title} {p.text}") for p in store)
         self.retriever.index(list(corpus), show_progress=False)
