@@ -10,7 +10,6 @@ import pytest
 
 from t5_retrieval import cli
 from t5_retrieval.data import layout
-from t5_retrieval.data.kilt.negatives import mine_bm25_negatives
 from t5_retrieval.data.records import Example, Passage
 from t5_retrieval.data.stores import bm25
 from t5_retrieval.data.stores.kb import PassageStore, build_kb
@@ -28,41 +27,6 @@ PASSAGES = [  # (id, page, title, text)
 
 def kb() -> PassageTable:
     return PassageTable(Passage(pid, page, title, text) for pid, page, title, text in PASSAGES)
-
-
-def test_bm25_old_and_new_rank_alike_on_a_small_corpus():
-    from t5_retrieval.data.stores.bm25 import BM25Index as OldBM25
-
-    rng = np.random.default_rng(0)
-    words = [f"w{i}" for i in range(10)]
-    table = PassageTable(Passage(f"p{i}", f"pg{i // 3}", f"T{i % 4}", " ".join(rng.choice(words, rng.integers(2, 9))))
-                         for i in range(60))
-    queries = [" ".join(rng.choice(words, 2)) for _ in range(20)] + ["nothing known", "w1 w1 w3"]
-    old, new = OldBM25(table), bm25_index.build_bm25_index(table)
-    for k in (1, 7, 100):
-        old_rows, old_scores = old.search(queries, k)
-        new_rows, new_scores = new.search(queries, k)
-        for q in range(len(queries)):
-            np.testing.assert_array_equal(new_rows[q], old_rows[q], err_msg=f"query {queries[q]!r}, k={k}")
-            np.testing.assert_array_equal(new_scores[q], old_scores[q], err_msg=f"query {queries[q]!r}, k={k}")
-    for query in queries:
-        np.testing.assert_array_equal(bm25.score_subset(new.retriever, query, [3, 0, 59]),
-                                      old.score_subset(query, [3, 0, 59]))
-    examples = [Example(id=str(i), task="t", query=q, gold_pages=(("pg1",),)) for i, q in enumerate(queries)]
-    assert list(mine_bm25_negatives(examples, new, table, 10)) == [
-        type(n)(n.id, tuple(n.negatives)) for n in _old_mine(examples, old, 10)]
-
-
-def _old_mine(examples, old, top_k):
-    """The negatives as mined before the one class (the old class's ids and pages)."""
-    from t5_retrieval.data.kilt.negatives import bm25_query
-    from t5_retrieval.data.records import Negatives
-
-    for example in examples:
-        gold = {p for s in example.gold_pages for p in s}
-        (top,), _ = old.search([bm25_query(example.query)], top_k)
-        yield Negatives(example.id, tuple(old.ids[i] for i in top
-                                          if old.pages[i] not in gold and old.ids[i] not in example.positive_passages))
 
 
 def test_bm25_scores_are_lucenes_bm25_computed_by_hand():
