@@ -14,6 +14,7 @@ from t5_retrieval.data.kilt.synthetic import write_demo
 from t5_retrieval.data.records import read_jsonl
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore
+from t5_retrieval.data.tasks.examples import dataset_examples
 from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.fusion import experts, fuse, muf
 from t5_retrieval.retrieval import evaluate, index, scann_index, search
@@ -104,8 +105,8 @@ def test_fuse_cli_writes_tables_predictions_and_ensembles(demo, tmp_path, capsys
 
 def test_own_expert_scores_equal_t5r_eval_of_that_expert(demo):
     data_dir, store, specs = demo
-    dev = evaluate.load_task_examples(data_dir, "dev", TASKS)
-    train = evaluate.load_task_examples(data_dir, "train", ["nq"])
+    dev = dataset_examples(data_dir, "dev", TASKS)
+    train = dataset_examples(data_dir, "train", ["nq"])
     expert = experts.load_expert(experts.ExpertSpec.parse(specs["nq"]), store.ids())
     config = fuse.FuseConfig(depth=20, ks=(1, 5, 20))
     result = fuse.fuse_and_evaluate([expert], train, dev, store,
@@ -119,8 +120,8 @@ def test_own_expert_scores_equal_t5r_eval_of_that_expert(demo):
 
 def test_bm25_hybrid_at_weight_one_is_the_bm25_ranking(demo):
     data_dir, store, specs = demo
-    dev = evaluate.load_task_examples(data_dir, "dev", ["trex"])
-    train = evaluate.load_task_examples(data_dir, "train", ["trex"])
+    dev = dataset_examples(data_dir, "dev", ["trex"])
+    train = dataset_examples(data_dir, "train", ["trex"])
     expert = experts.load_expert(experts.ExpertSpec.parse(specs["trex"]), store.ids())
     bm25 = index.build_bm25_index(store)
     config = fuse.FuseConfig(depth=20, ks=(1, 5, 20), hybrid_weight=1.0)

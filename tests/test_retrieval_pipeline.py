@@ -19,6 +19,7 @@ from t5_retrieval.data.records import Example, Passage, read_jsonl, read_negativ
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore, write_passage_store
 from t5_retrieval.data.stores.passages import PassageTable
+from t5_retrieval.data.tasks.examples import dataset_examples
 from t5_retrieval.retrieval import evaluate, metrics, mine, scann_index
 from t5_retrieval.retrieval.encoder import HashedBagOfWordsEncoder
 
@@ -144,7 +145,7 @@ def test_cli_pipeline_on_real_mini_kilt(tmp_path, capsys):
     assert mine_command.main([*model, "--index_dir", idx_dir, "--data_dir", data_dir, "--split", "dev", "--source", "t"]) == 0
     negatives = read_negatives(layout.negatives_path(layout.negatives_dir(data_dir, "t"), "fever", "dev"))
     store = PassageStore.open(kb_dir)
-    first = evaluate.load_task_examples(data_dir, "dev", ["fever"])["fever"][0]
+    first = dataset_examples(data_dir, "dev", ["fever"])["fever"][0]
     assert 0 < len(negatives[first.id]) <= 110
     assert not {store.page_of(p) for p in negatives[first.id]} & set(first.gold_pages[0])
     capsys.readouterr()

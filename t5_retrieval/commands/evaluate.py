@@ -54,8 +54,8 @@ def _evaluate_bm25(args: argparse.Namespace) -> EvalResult:
     from t5_retrieval import checksums
     from t5_retrieval.data import layout
     from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.data.tasks.examples import dataset_examples
     from t5_retrieval.errors import UserError, shell_command
-    from t5_retrieval.retrieval.evaluate import load_task_examples
     from t5_retrieval.retrieval.index import INDEX_JSON, load_index
 
     model_flags = [flag for flag in ("checkpoint_dir", "step", "lexical_baseline_dim")
@@ -74,5 +74,5 @@ def _evaluate_bm25(args: argparse.Namespace) -> EvalResult:
         store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
         index = load_index(args.index_dir)
     index.check(passage_ids=store.ids())
-    examples = load_task_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
+    examples = dataset_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
     return evaluate(None, index, examples, store)

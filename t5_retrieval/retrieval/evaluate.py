@@ -14,7 +14,6 @@ ranked passages with the model's scores as a TREC run (`trec_eval`, pyserini, ra
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -192,23 +191,3 @@ def write_results(result: EvalResult, output_dir: str) -> None:
     write_text_atomic(os.path.join(output_dir, "results.txt"), format_table(result.tables))
     write_json_atomic(os.path.join(output_dir, "results.json"), result.tables)
 
-
-def load_task_examples(data_dir: str, split: str, tasks: Sequence[str] | None) -> dict[str, list[Example]]:
-    """Examples per task from `<data_dir>/examples/{task}-{split}.jsonl` (all tasks when None)."""
-    from t5_retrieval.data import layout
-    from t5_retrieval.data.records import DataError, read_examples
-
-    if not tasks:
-        suffix = f"-{split}.jsonl"
-        found = sorted(glob.glob(layout.examples_path(data_dir, "*", split)))
-        tasks = [os.path.basename(p)[:-len(suffix)] for p in found]
-        if not tasks:
-            raise DataError(f"{os.path.dirname(layout.examples_path(data_dir, 'x', split))}: no *{suffix} "
-                            "files (run `t5r data tasks`)")
-    out = {}
-    for task in tasks:
-        path = layout.examples_path(data_dir, task, split)
-        if not os.path.exists(path):
-            raise DataError(f"{path}: no examples for task {task!r}, split {split!r}")
-        out[task] = read_examples(path)
-    return out
