@@ -135,7 +135,11 @@ def python_k_limit(exported) -> int:
         return json.load(f)["num_passages"]
 
 
-def test_export_records_fingerprint_index_manifest_and_vocabulary(exported, python_path):
+def test_export_records_fingerprint_task_specs_index_manifest_and_vocabulary(exported, python_path):
+    import sentencepiece as spm
+
+    from t5_retrieval.export import portable
+
     run, savedmodel, _, _ = exported
     encoder = python_path[0]
     assets = os.path.join(savedmodel, "assets")
@@ -144,13 +148,21 @@ def test_export_records_fingerprint_index_manifest_and_vocabulary(exported, pyth
     with open(os.path.join(run.index_dirs[0], "index.json")) as f:
         manifest = json.load(f)
     assert record["fingerprint"] == encoder.fingerprint == manifest["fingerprint"]
-    assert record["index"] == manifest and record["tasks"] == {f"demo_{t}": t.upper() for t in TASKS}, record
-    assert (record["query_lens"], record["query_len"]) == ({"demo_fever": 16, "demo_trex": 12}, 16), record
+    assert record["query_network"] == {"fingerprint": encoder.fingerprint, "query_side": False}, record
+    # The index manifest, its paths cut to their last component (the embeddings directory's name).
+    assert record["index"] == portable.without_paths(manifest) and record["index"]["embeddings_dir"] == "emb_0"
     with open(os.path.join(assets, "index.json")) as f:
-        assert json.load(f) == manifest
-    # The model directory holds its own copy of the vocabulary; the export ships it under the name recorded.
-    with open(os.path.join(assets, record["vocabulary_file"]), "rb") as a, open(run.vocabulary, "rb") as b:
-        assert a.read() == b.read(), "the vocabulary asset is not the model's sentencepiece file"
+        assert json.load(f) == record["index"]
+    # Each task as its TaskSpec records it: prefix, dataset, its own query length and truncation.
+    assert record["tasks"] == {f"demo_{t}": encoder.tasks.spec(t).to_record() for t in TASKS}, record
+    assert [spec["query_len"] for spec in record["tasks"].values()] == [16, 12] and record["query_len"] == 16
+    assert record["tokenizer"] == {"kind": "sentencepiece", "extra_ids": 100, "files": ["spiece.model"]}
+    # The shipped sentencepiece file tokenises as the model's own copy; it lost only the trainer's paths.
+    shipped, original = (spm.SentencePieceProcessor(model_file=path)
+                         for path in (os.path.join(assets, "spiece.model"), run.vocabulary))
+    texts = [*TRICKY, "Paris is the capital of France."]
+    assert shipped.encode(texts) == original.encode(texts)
+    assert shipped.vocab_size() == original.vocab_size()
 
 
 def test_the_export_is_readable_by_others_and_names_no_path_of_this_machine(exported):
@@ -174,6 +186,20 @@ def test_the_export_is_readable_by_others_and_names_no_path_of_this_machine(expo
     assert os.path.exists(os.path.join(savedmodel, config["features"]["vocabulary"]))
     paths = [v for v in json.dumps(config).split('"') if os.path.isabs(v)]
     assert not paths, f"assets/model_config.json names paths of this machine: {paths}"
+    # The tiny run's directory holds the model, its vocabulary's training files, the embeddings and the index.
+    assert_names_no_path_of_this_machine(savedmodel, os.path.dirname(run.data_dir))
+
+
+def assert_names_no_path_of_this_machine(savedmodel: str, *paths: str) -> None:
+    """No file of the SavedModel (graph, variables, assets) holds the repository's, the virtualenv's
+    or the given directories' paths."""
+    needles = {p.encode() for p in (REPO, sys.prefix, os.path.realpath(sys.prefix), *paths)}
+    for directory, _, files in os.walk(savedmodel):
+        for name in files:
+            with open(os.path.join(directory, name), "rb") as f:
+                data = f.read()
+            found = [n.decode() for n in needles if n in data]
+            assert not found, f"{os.path.join(directory, name)} records {found}"
 
 
 def test_export_refuses_an_index_built_by_another_model(exported, tmp_path, capsys):

@@ -7,7 +7,7 @@ a read-only volume, or uploaded, so nothing in it may depend on where or by whom
 - Its checksum record (`t5r_checksums.json`) travels; the verification stamp (`t5r_verified.json`:
   inodes and modification times of this filesystem) does not, as it means nothing after a copy.
 - `model_config.json` names no path of the exporting machine: the vocabulary by the file the export
-  ships, any other path by its last component.
+  ships, any other path by its last component; the SavedModel's manifests (`index.json`) likewise.
 """
 
 from __future__ import annotations
@@ -32,18 +32,20 @@ def finish(directory: str) -> None:
     os.remove(os.path.join(directory, checksums.STAMP_FILE))
 
 
+def without_paths(value: Any) -> Any:
+    """`value` (JSON) with every absolute path cut to its last component (a directory's name)."""
+    if isinstance(value, dict):
+        return {k: without_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_paths(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return os.path.basename(value.rstrip(os.sep))
+    return value
+
+
 def portable_config(config: dict[str, Any], vocabulary: str) -> dict[str, Any]:
     """`config` (a model_config.json) with `features.vocabulary` set to `vocabulary` (the shipped
     copy, relative to the export) and every other absolute path cut to its last component."""
-    def strip(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [strip(v) for v in value]
-        if isinstance(value, str) and os.path.isabs(value):
-            return os.path.basename(value.rstrip(os.sep))
-        return value
-
-    out = strip(config)
+    out = without_paths(config)
     out["features"] = {**out["features"], "vocabulary": vocabulary}
     return out

@@ -7,19 +7,23 @@ truncation:
   1. `[SEP]` -> `</s>`; every run of whitespace -> one space; leading/trailing space removed.
      "Whitespace" is Python's (`str.isspace`, what `re`'s `\\s` and `str.strip` use), spelled
      out as an explicit RE2 class: RE2's own `\\s` is ASCII-only.
-  2. each `</s>`-separated segment is tokenized by sentencepiece and the segments are joined with
-     the EOS id (the T5 tokenizer's treatment of a literal `</s>`).
+  2. each `</s>`-separated segment is tokenized and the segments are joined with the vocabulary's
+     separator id (`TokenConventions.separator_id`: EOS for T5, the T5 tokenizer's treatment of a
+     literal `</s>`; [SEP] for BERT).
   3. "beginning": `"{NAME} <extra_id_1> {query}"` (or the bare query for a no-prefix task)
-     tokenized, cut to `length - 1` ids. "mention" (entity linking): the prefix, then the window
-     of `query_inputs.mention_window` around `[START_ENT] mention [END_ENT]`, the prefix, context,
-     markers and mention tokenized as separate segments (a query without both markers is cut as
-     "beginning").
-  4. EOS appended, padded with 0 to the longest task's length (padding is masked, so a shorter
-     task's embedding is that of its own length).
+     tokenized, cut to `length - 1 - len(start ids)` ids. "mention" (entity linking): the prefix,
+     then the window of `query_inputs.mention_window` around `[START_ENT] mention [END_ENT]`, the
+     prefix, context, markers and mention tokenized as separate segments (a query without both
+     markers is cut as "beginning").
+  4. the start ids (none for T5, [CLS] for BERT) before, the end id (EOS, [SEP]) after, padded
+     with 0 to the longest task's length (padding is masked, so a shorter task's embedding is that
+     of its own length).
 
-The tokenizer must be built from the same serialized sentencepiece model as the Python
-vocabulary: `seqio.SentencePieceVocabulary(...).sp_model`, i.e. the `.model` file with seqio's
-100 `<extra_id_*>` pieces added, so that `<extra_id_1>` in the prefix is one token.
+A tokenizer is anything with `tokenize(string[n]) -> int[n, (ids)]` (no special tokens) that gives
+the Python vocabulary's ids: for T5, `tensorflow_text.SentencepieceTokenizer` built from the same
+serialized model as the Python vocabulary, `seqio.SentencePieceVocabulary(...).sp_model` (the
+`.model` file with seqio's 100 `<extra_id_*>` pieces added, so that `<extra_id_1>` in the prefix
+is one token); for BERT, `export.wordpiece_tf.WordPieceTokenizer`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import re
 import tensorflow as tf
 
 from t5_retrieval.data.text import END_ENT, EXTRA_ID_1, KILT_SEP, START_ENT, T5_EOS_TEXT
-from t5_retrieval.data.tokenizers.conventions import EOS_ID, PAD_ID
+from t5_retrieval.data.tokenizers.conventions import PAD_ID, T5_CONVENTIONS, TokenConventions
 
 
 @functools.cache
@@ -52,13 +56,19 @@ def prefix_strings(prefix_names: list[str | None]) -> list[str]:
     return [f"{name} {EXTRA_ID_1} " if name else "" for name in prefix_names]
 
 
-def encode(tokenizer, texts: tf.Tensor) -> tf.RaggedTensor:
-    """int32[batch, (ids)]: `data.tokenize.encode_batch` (no end id) over a string vector."""
+def encode(tokenizer, texts: tf.Tensor, separator_id: int) -> tf.RaggedTensor:
+    """int32[batch, (ids)]: `data.tokenize.encode_batch` (no start or end ids) over a string vector."""
     segments = tf.strings.split(texts, sep=T5_EOS_TEXT)                        # [batch, (segments)]
     ids = tf.cast(tokenizer.tokenize(segments.flat_values), tf.int32)          # [segments, (ids)]
-    ids = tf.concat([ids, tf.fill([ids.nrows(), 1], EOS_ID)], axis=1)          # EOS after every segment
+    ids = tf.concat([ids, tf.fill([ids.nrows(), 1], separator_id)], axis=1)    # a separator after every segment
     joined = segments.with_flat_values(ids).merge_dims(1, 2)                   # [batch, (ids)]
     return row_slices(joined, tf.zeros_like(joined.row_lengths()), joined.row_lengths() - 1)  # not the last
+
+
+def select_rows(condition: tf.Tensor, a: tf.RaggedTensor, b: tf.RaggedTensor) -> tf.RaggedTensor:
+    """Row r of `a` where `condition[r]`, else row r of `b` (ragged rows of their own lengths)."""
+    rows = tf.range(tf.size(condition, out_type=tf.int64))
+    return tf.gather(tf.concat([b, a], axis=0), tf.where(condition, rows + tf.size(rows, out_type=tf.int64), rows))
 
 
 def row_slices(ids: tf.RaggedTensor, begin: tf.Tensor, end: tf.Tensor) -> tf.RaggedTensor:
@@ -78,14 +88,16 @@ def _mention_parts(texts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, t
     return has, left, mention, right
 
 
-def _mention_windows(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, budgets: tf.Tensor) -> tf.RaggedTensor:
+def _mention_windows(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, budgets: tf.Tensor, separator_id: int
+                     ) -> tf.RaggedTensor:
     """Prefix + `query_inputs.mention_window` of each text (which must hold both markers) in
     `budgets` ids (int64[batch], the prefix included)."""
     _, left, mention, right = _mention_parts(texts)
-    prefix, left, mention, right = (encode(tokenizer, s) for s in (prefixes, left, mention, right))
+    prefix, left, mention, right = (encode(tokenizer, s, separator_id) for s in (prefixes, left, mention, right))
     batch = tf.shape(texts, out_type=tf.int64)[:1]
     start_marker, end_marker = (
-        tf.RaggedTensor.from_tensor(tf.tile(encode(tokenizer, tf.constant([m])).to_tensor(), [batch[0], 1]))
+        tf.RaggedTensor.from_tensor(tf.tile(encode(tokenizer, tf.constant([m]), separator_id).to_tensor(),
+                                            [batch[0], 1]))
         for m in (START_ENT, END_ENT))
     markers = start_marker.row_lengths() + end_marker.row_lengths()
     budget = budgets - prefix.row_lengths()
@@ -100,19 +112,20 @@ def _mention_windows(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, budgets: 
 
 
 def tokenize_queries(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, lengths: tf.Tensor, mention: tf.Tensor,
-                     width: int) -> tf.Tensor:
+                     width: int, conventions: TokenConventions = T5_CONVENTIONS) -> tf.Tensor:
     """int32[batch, width]: `data.query_inputs.query_tokens` of each normalised query `texts[r]` with
     its task's prefix text (`prefix_strings`), length `lengths[r]` (<= width) and truncation
-    (`mention[r]`: the mention window), padded to `width`."""
-    budgets = tf.cast(lengths, tf.int64) - 1
-    whole = encode(tokenizer, tf.strings.join([prefixes, texts]))
+    (`mention[r]`: the mention window), in the vocabulary's `conventions`, padded to `width`."""
+    start = list(conventions.start_ids)
+    budgets = tf.cast(lengths, tf.int64) - 1 - len(start)
+    whole = encode(tokenizer, tf.strings.join([prefixes, texts]), conventions.separator_id)
     beginning = row_slices(whole, tf.zeros_like(budgets), tf.minimum(whole.row_lengths(), budgets))
-    windowed = _mention_windows(tokenizer, prefixes, texts, budgets)
-    use_window = tf.logical_and(mention, _mention_parts(texts)[0])
-    rows = tf.range(tf.shape(texts, out_type=tf.int64)[0])
-    ids = tf.gather(tf.concat([beginning, windowed], axis=0), tf.where(use_window, rows + tf.size(rows, out_type=tf.int64), rows))
-    ids = tf.concat([ids, tf.fill([ids.nrows(), 1], EOS_ID)], axis=1)
+    windowed = _mention_windows(tokenizer, prefixes, texts, budgets, conventions.separator_id)
+    ids = select_rows(tf.logical_and(mention, _mention_parts(texts)[0]), windowed, beginning)
+    starts = tf.tile(tf.constant(start, tf.int32, shape=[1, len(start)]), [ids.nrows(), 1])
+    ids = tf.concat([starts, ids, tf.fill([ids.nrows(), 1], conventions.end_id)], axis=1)
     return ids.to_tensor(default_value=PAD_ID, shape=[None, width])
 
 
-__all__ = ["encode", "normalize_queries", "prefix_strings", "row_slices", "tokenize_queries", "whitespace_class"]
+__all__ = ["encode", "normalize_queries", "prefix_strings", "row_slices", "select_rows", "tokenize_queries",
+           "whitespace_class"]

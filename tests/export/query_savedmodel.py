@@ -3,19 +3,20 @@
     python query_savedmodel.py SAVEDMODEL_DIR REQUESTS_JSON
 
 REQUESTS_JSON is a list of {"signature": "search"|"encode", "query": [...], "task": [...], "k": int,
-"session": bool}; prints one JSON list with, per request, the signature's outputs as lists, or
-{"error": message}. Requests with "session": true are answered twice, like a model server does it:
-TF1 `saved_model.loader.load` into a graph-mode Session (the C++ loader TF Serving uses works the
-same way: the graph, its init op for the tables, the signature's tensor names), then `Session.run`.
+"session": bool, "savedmodel": another SavedModel directory to ask instead}; prints one JSON list
+with, per request, the signature's outputs as lists, or {"error": message}. Requests with
+"session": true are answered twice, like a model server does it: TF1 `saved_model.loader.load`
+into a graph-mode Session (the C++ loader TF Serving uses works the same way: the graph, its init
+op for the tables, the signature's tensor names), then `Session.run`.
 No t5_retrieval import: only TensorFlow plus the custom-op libraries a model server must load
-(tensorflow_text's sentencepiece ops, ScaNN's ops).
+(tensorflow_text's sentencepiece, WordPiece and normalisation ops, ScaNN's ops).
 """
 
 import json
 import sys
 
 import tensorflow as tf
-import tensorflow_text  # noqa: F401  (registers the SentencepieceOp kernels)
+import tensorflow_text  # noqa: F401  (registers the sentencepiece, WordPiece and regex_split kernels)
 from scann.scann_ops.py import scann_ops  # noqa: F401  (loads ScaNN's TF op library)
 
 
@@ -36,15 +37,18 @@ def run_in_session(savedmodel_dir: str, request: dict) -> dict:
 
 
 def main(savedmodel_dir: str, requests_path: str) -> None:
-    model = tf.saved_model.load(savedmodel_dir)
+    models = {}
     with open(requests_path) as f:
         requests = json.load(f)
     out = []
     for request in requests:
+        directory = request.get("savedmodel", savedmodel_dir)
         if request.get("session"):
-            out.append(run_in_session(savedmodel_dir, request))
+            out.append(run_in_session(directory, request))
             continue
-        fn = model.signatures[request["signature"]]
+        if directory not in models:
+            models[directory] = tf.saved_model.load(directory)
+        fn = models[directory].signatures[request["signature"]]
         kwargs = {"query": tf.constant(request["query"], tf.string), "task": tf.constant(request["task"], tf.string)}
         if "k" in request:
             kwargs["k"] = tf.constant(request["k"], tf.int32)

@@ -95,11 +95,14 @@ class _CharClasses:
     punctuation: re.Pattern[str]  # -> " p "
 
 
-@functools.cache
-def _char_classes(astral: bool) -> _CharClasses:
-    """The classes over all code points (`astral`), or over the Basic Multilingual Plane only: a plain
-    bitmap class, 3-7x faster to search, for the usual text without astral characters."""
-    sets: dict[str, list[int]] = {name: [] for name in ("dropped", "space", "cjk", "accents", "punctuation")}
+CHAR_CLASSES = ("dropped", "space", "cjk", "accents", "punctuation")  # `_CharClasses`' fields, in order
+
+
+def code_point_sets(astral: bool) -> dict[str, tuple[int, ...]]:
+    """The sorted code points of each class of basic tokenisation (CHAR_CLASSES), over all code points
+    (`astral`) or over the Basic Multilingual Plane only. The SavedModel export builds its TF regular
+    expressions from the same sets (`export/wordpiece_tf.py`)."""
+    sets: dict[str, list[int]] = {name: [] for name in CHAR_CLASSES}
     cjk = {cp for a, b in CJK_RANGES for cp in range(a, b + 1)}
     for cp in range((sys.maxunicode if astral else 0xFFFF) + 1):
         ch = chr(cp)
@@ -113,7 +116,14 @@ def _char_classes(astral: bool) -> _CharClasses:
             sets["accents"].append(cp)
         if _is_punctuation(ch):
             sets["punctuation"].append(cp)
-    return _CharClasses(**{name: _char_class(cps) for name, cps in sets.items()})
+    return {name: tuple(cps) for name, cps in sets.items()}
+
+
+@functools.cache
+def _char_classes(astral: bool) -> _CharClasses:
+    """The classes over all code points (`astral`), or over the Basic Multilingual Plane only: a plain
+    bitmap class, 3-7x faster to search, for the usual text without astral characters."""
+    return _CharClasses(**{name: _char_class(list(cps)) for name, cps in code_point_sets(astral).items()})
 
 
 def _classes_for(text: str) -> _CharClasses:
