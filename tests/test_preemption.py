@@ -14,6 +14,7 @@ import glob
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,12 +116,26 @@ def final_checkpoint(model_dir: str) -> tuple[dict, dict]:
     return jax.tree.map(np.asarray, state), data
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted run of a variant, started by the first test that asks for it (the killed
+    runs' reference; naive_sum's is also the run whose last checkpoint a copy of is truncated)."""
+    runs: dict[str, tuple[str, subprocess.Popen]] = {}
+
+    def run(variant: str) -> tuple[str, subprocess.Popen]:
+        if variant not in runs or runs[variant][1].poll() not in (None, 0):  # or killed after a failed test
+            model_dir = str(tmp_path_factory.mktemp(f"uninterrupted_{variant}") / "model")
+            runs[variant] = model_dir, start(model_dir, variant)
+        return runs[variant]
+
+    return run
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_run_killed_mid_step_and_mid_checkpoint_resumes_bit_identical(tmp_path, variant):
-    reference_dir, resumed_dir = str(tmp_path / "reference" / "model"), str(tmp_path / "resumed" / "model")
-    os.makedirs(os.path.dirname(reference_dir))
+def test_run_killed_mid_step_and_mid_checkpoint_resumes_bit_identical(tmp_path, variant, uninterrupted):
+    resumed_dir = str(tmp_path / "resumed" / "model")
     os.makedirs(os.path.dirname(resumed_dir))
-    reference = start(reference_dir, variant)
+    reference_dir, reference = uninterrupted(variant)
 
     # 1. Killed a random moment after the step-6 checkpoint: inside a later step (or between).
     proc = start(resumed_dir, variant)
@@ -171,10 +186,11 @@ def test_run_killed_mid_step_and_mid_checkpoint_resumes_bit_identical(tmp_path, 
             "the TACO state should be part of the checkpoint"
 
 
-def test_truncated_latest_checkpoint_is_reported_and_the_previous_one_used(tmp_path):
+def test_truncated_latest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, uninterrupted):
+    finished_dir, finished = uninterrupted("naive_sum")  # a finished `t5r train` of naive_sum, copied
+    finish(finished)
     model_dir = str(tmp_path / "model")
-    os.makedirs(model_dir)
-    finish(start(model_dir, "naive_sum"))
+    shutil.copytree(finished_dir, model_dir)
     expected, _ = final_checkpoint(model_dir)
     assert completed_steps(model_dir) == [20, 22, 24], completed_steps(model_dir)
 
