@@ -364,21 +364,29 @@ def test_mixture_rates_are_the_mixtures_own_numbers_functions_and_temperatures()
                 seqio.MixtureRegistry.remove(name)
 
 
-def test_the_documented_user_module_registers_its_task_and_mixture():
+def test_the_documented_user_modules_register_their_tasks_and_mixture():
+    """docs/tasks.md's two modules, run as written: my_tasks.py (a rewriting Task over KILT fever and a
+    Mixture) and my_faq.py (a Task over a function source)."""
     import seqio
 
     from t5_retrieval.data.tasks.retrieval_tasks import describe, resolve
 
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data.md")) as f:
-        section = f.read().split("### Your own Tasks and Mixtures", 1)[1]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "tasks.md")) as f:
+        blocks = re.findall(r"```python\n(# (\w+)\.py\n.*?)```", f.read(), flags=re.S)
+    assert [name for _, name in blocks] == ["my_tasks", "my_faq"], "docs/tasks.md shows my_tasks.py, then my_faq.py"
     try:
-        exec(compile(code, "docs/data.md:my_tasks.py", "exec"), {"__name__": "my_tasks"})
+        for code, name in blocks:
+            exec(compile(code, f"docs/tasks.md:{name}.py", "exec"), {"__name__": name})
         got = resolve("my_mix")
-        assert [(t.name, r) for t, r in got] == [("my_faq", 3.0), ("kilt_nq", 1.0)]
-        assert describe(got[0][0]).dataset == "my_faq" and describe(got[1][0]).prefix == "NQ"
+        assert [(t.name, r) for t, r in got] == [("my_fever_lc", 3.0), ("mini_kilt_trex", 1.0)]
+        fever = describe(got[0][0])
+        assert (fever.dataset, fever.prefix, fever.query_len) == ("fever", "FEVER", 32)
+        assert fever.negatives_name == "my_fever_lc", "a Task rewriting its text has a negatives file of its own"
+        faq = describe(seqio.TaskRegistry.get("my_faq"))
+        assert (faq.dataset, faq.negatives_name, faq.prefix) == ("my_faq", "my_faq", None)
     finally:
-        for registry, name in ((seqio.MixtureRegistry, "my_mix"), (seqio.TaskRegistry, "my_faq")):
+        for registry, name in ((seqio.MixtureRegistry, "my_mix"), (seqio.TaskRegistry, "my_fever_lc"),
+                               (seqio.TaskRegistry, "my_faq")):
             if name in registry.names():
                 registry.remove(name)
 

@@ -1,4 +1,4 @@
-"""The helpers for adding your own retrieval Tasks (docs/data.md, "Your own Tasks").
+"""The helpers for adding your own retrieval Tasks (docs/tasks.md).
 
 The project's own Tasks and Mixtures (`t5_retrieval/data/tasks/shipped.py`) are registered the first
 time a name is looked up; importing this module registers them too, as a seqio Tasks module named by

@@ -452,7 +452,7 @@ def _check_vocabulary(task: Any, vocab: Vocabulary) -> None:
     if "query" not in task.output_features:
         raise DataError(f"seqio Task {task.name!r} has no \"query\" output feature (it has "
                         f"{sorted(task.output_features)}); a retrieval Task tokenises its queries into \"query\" "
-                        "(docs/data.md, or register it with t5_retrieval.tasks.add_retrieval_task)")
+                        "(docs/tasks.md, or register it with t5_retrieval.tasks.add_retrieval_task)")
     theirs, ours = vocabulary_identity(task.output_features["query"].vocabulary), vocabulary_identity(vocab)
     if theirs != ours:
         raise DataError(f"seqio Task {task.name!r} tokenises with a vocabulary of digest {theirs}, the model with "

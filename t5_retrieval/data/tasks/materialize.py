@@ -169,7 +169,7 @@ def _read(task: Any, split: str, query_len: int | None, batch_size: int = 1024) 
     if missing:
         raise DataError(f"seqio Task {task.name!r} ({split}): its examples lack {missing} (they have "
                         f"{sorted(ds.element_spec)}); a retrieval Task produces \"id\", \"query\" (token ids) and "
-                        "\"positive\" (docs/data.md)")
+                        "\"positive\" (docs/tasks.md)")
     query_spec = ds.element_spec["query"]
     if query_spec.shape.rank != 1 or not query_spec.dtype.is_integer:
         raise DataError(f"seqio Task {task.name!r} ({split}): \"query\" must be token ids (int[n]), got "

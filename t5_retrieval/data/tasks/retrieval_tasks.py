@@ -477,7 +477,7 @@ def text_examples(task: Any, split: str) -> list[Any]:
     spec = ds.element_spec.get("query") if isinstance(ds.element_spec, dict) else None
     if spec is None or spec.dtype != tf.string or spec.shape.rank != 0:
         raise DataError(f"seqio Task {task.name!r}: its \"query\" before tokenisation is {spec}, not one text per "
-                        "example; its preprocessors must leave the query text in \"query\" (docs/data.md)")
+                        "example; its preprocessors must leave the query text in \"query\" (docs/tasks.md)")
 
     def text(value: Any) -> str:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
