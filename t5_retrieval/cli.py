@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "vocab train": ("t5_retrieval.commands.data:vocab_main", "Train a sentencepiece vocabulary on a KB."),
     "analyze": ("t5_retrieval.commands.analyze:main", "TACO task-specialisation figures and numbers."),
     "encode": ("t5_retrieval.commands.encode:main", "Embed the KB with a checkpoint into shards."),
-    "index": ("t5_retrieval.commands.index:main", "Build a ScaNN index from embedding shards."),
+    "index": ("t5_retrieval.commands.index:main", "Build an index: ScaNN or exact from embeddings, BM25 from a KB."),
     "eval": ("t5_retrieval.commands.evaluate:main", "Retrieve and score with the KILT metrics."),
     "mine": ("t5_retrieval.commands.mine:main", "Mine hard negatives with the current model."),
     "fuse": ("t5_retrieval.commands.fuse:main", "DPR-MUF: fuse single-task experts by model uncertainty."),
