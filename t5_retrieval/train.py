@@ -104,6 +104,22 @@ def hold_model_dir(model_dir: str) -> Iterator[None]:
 
 
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "t5_retrieval", "xla")
+# Bindings that describe the machine a run used, not the model: left out of the model's config.gin.
+MACHINE_LOCAL_BINDINGS = ("train.compilation_cache_dir",)
+
+
+def portable_config(operative_config: str) -> str:
+    """gin's operative config (`gin.operative_config_str()`) without `MACHINE_LOCAL_BINDINGS`: a
+    binding's line and its indented continuation lines (gin wraps a long value) are dropped."""
+    kept: list[str] = []
+    dropping = False
+    for line in operative_config.splitlines(keepends=True):
+        if dropping and line.startswith(" "):
+            continue
+        dropping = line.split(" = ", 1)[0] in MACHINE_LOCAL_BINDINGS
+        if not dropping:
+            kept.append(line)
+    return "".join(kept)
 
 
 def use_compilation_cache(directory: str | None) -> None:
@@ -306,7 +322,7 @@ def train(model_dir: str,
         raise UserError(f"--gin.{unread[0]}: this run never uses {unread[0].rpartition('.')[0]}, so the value "
                         "would be ignored; check the name or the gin files")
     if jax.process_index() == 0:
-        write_text_atomic(os.path.join(model_dir, OPERATIVE_CONFIG), gin.operative_config_str())
+        write_text_atomic(os.path.join(model_dir, OPERATIVE_CONFIG), portable_config(gin.operative_config_str()))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         first = next(data)
         log_query_passes(model, first, task_names, per_task=multitask is not None)

@@ -49,5 +49,6 @@ def parse_topology(name: str) -> tuple[Chip, int]:
     if generation not in CHIPS or not sizes or not all(s.isdigit() and int(s) > 0 for s in sizes):
         forms = ", ".join(f"{g}:{'2x2x1' if g in ('v4', 'v5p') else '2x2'}" for g in CHIPS)
         raise ConfigError(f"--topology={name!r}: expected <generation>:<AxB[xC]> with a generation of "
-                          f"{sorted(CHIPS)}, e.g. {forms}")
+                          f"{sorted(CHIPS)}, e.g. {forms}; or a GPU slice <gpu>:<GPUs per host>[x<hosts>] "
+                          "of a100, h100 or h200, e.g. h100:8")
     return CHIPS[generation], math.prod(int(s) for s in sizes)

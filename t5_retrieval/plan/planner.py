@@ -35,7 +35,7 @@ from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.models.attention import PALLAS_KERNEL_MATMULS
 from t5_retrieval.models.build import build_model
 from t5_retrieval.models.families import family_of
-from t5_retrieval.plan import hlo, peak
+from t5_retrieval.plan import gpu, hlo, peak
 from t5_retrieval.plan.chips import Chip, parse_topology
 from t5_retrieval.plan.steps import (
     LoweredStep,
@@ -110,6 +110,8 @@ def describe_topology(name: str, num_slices: int, per_tensorcore: bool = False) 
     """The devices of `num_slices` slices of topology `name` ('v5e:4x4'), described by libtpu: one
     per chip, as JAX runs them (a v4 chip in libtpu's megacore configuration), or with
     `per_tensorcore` (v4 only) one per TensorCore, as libtpu's default configuration describes v4."""
+    if gpu.is_gpu_topology(name):  # a GPU slice, described by jax's CUDA plugin
+        return Target(*gpu.describe(name, num_slices, per_tensorcore))
     chip, chips_per_slice = parse_topology(name)
     if num_slices < 1:
         raise ConfigError(f"--num_slices={num_slices}: must be >= 1")
@@ -276,8 +278,11 @@ def fits(compiled: jax.stages.Compiled | None, memory: dict[str, int]) -> bool:
 
 
 def cost_analysis(compiled: jax.stages.Compiled | None) -> dict[str, Any]:
-    """The compiler's cost analysis of a compiled program (empty for none)."""
+    """The compiler's cost analysis of a compiled program (empty for none); XLA:GPU gives none,
+    and a GPU program gets a roofline of its own FLOPs and bytes instead (`gpu.roofline`)."""
     analysis = (compiled.cost_analysis() if compiled is not None else None) or {}
+    if not analysis and compiled is not None:
+        analysis = gpu.cost_analysis(compiled) or {}
     return analysis[0] if isinstance(analysis, list) else analysis
 
 
@@ -696,8 +701,8 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     if per_task and not settings.gather_params_once and params_b < bytes_per_device(train.state.params, whole):
         read = jax.eval_shape(lambda p: family_of(config).as_read(config, p), train.state.params)
         report["gathered_copy_bytes"] = bytes_per_device(read, whole)
-    report["compiler"] = compiler_versions()
-    report["problems"] = problems(report)
+    report["compiler"] = gpu.compiler_versions() if gpu.is_gpu_topology(topology) else compiler_versions()
+    report["problems"] = problems(report) + (gpu.problems(report) if gpu.is_gpu_report(report) else [])
     if not train_report["fits"]:
         report["advice"] = fit_advice(model, config, settings, mesh, layout, train_report, len(tasks))
     report["host_peak_bytes"] = host_peak_bytes()  # after the advice's compiles: T5-XXL's needed the most
@@ -782,6 +787,7 @@ def format_text(report: dict[str, Any]) -> str:
              f"({chip['devices_per_chip']:g} per chip, chip configuration {chip['chip_config']}), mesh "
              f"{report['mesh']}, layout {report['layout']}; per device {_mib(chip['hbm_bytes_per_device'])} HBM, "
              f"{chip['peak_bf16_flops_per_device'] / 1e12:,.1f} TFLOP/s bf16 peak ({chip['source']})",
+             gpu.compiler_line(report["compiler"]) if gpu.is_gpu_report(report) else
              "compiled by libtpu {libtpu} for jax {jax}; every time below is an estimate of its cost model".format(
                  **report["compiler"]),
              "tasks (per-device rows x query length): " + ", ".join(
@@ -844,4 +850,4 @@ def format_text(report: dict[str, Any]) -> str:
     if "advice" in report:
         lines.append(f"advice: {report['advice']}")
     lines += [f"problem: {line}" for line in report["problems"]]
-    return "\n".join(lines)
+    return "\n".join(gpu.relabel(lines) if gpu.is_gpu_report(report) else lines)
