@@ -27,7 +27,8 @@ _OS_ERROR = re.compile(r"\[Errno \d+\] (?P<what>[^:]+): '(?P<path>.*)'")
 # name -> ("module:function", one-line help). Two-word commands ("data kb") are written with a space.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("t5_retrieval.commands.train:main", "Train a dual encoder (gin-configured)."),
-    "plan": ("t5_retrieval.commands.plan:main", "Compile the train and encode steps for a TPU slice; memory, time, collectives."),
+    "plan": ("t5_retrieval.commands.plan:main",
+             "Compile the train and encode steps for a TPU or GPU slice; memory, time, collectives."),
     "data kb": ("t5_retrieval.commands.data:kb_main", "Chunk a KILT knowledge source into passages."),
     "data tasks": ("t5_retrieval.commands.data:tasks_main", "Turn KILT task files into examples."),
     "data negatives": ("t5_retrieval.commands.data:negatives_main", "Mine BM25 hard negatives."),

@@ -1,11 +1,13 @@
-"""`t5r plan`: compile the real train and KB encode steps for a TPU slice on this (CPU) host.
+"""`t5r plan`: compile the real train and KB encode steps for a TPU or GPU slice on this (CPU) host.
 
 Takes what `t5r train` takes (model, run and sharding gin files, `--gin.` bindings) plus the
 topology, builds the train step `t5r train` jits (with the run's multi-task method) and the KB
 encode step of `t5r encode` from abstract parameters, compiles both with the TPU compiler
-(libtpu, a development dependency) and reports per device: parameters, optimiser and multi-task
-state, activations against HBM, the compiler's step-time estimate, collectives and parameters left
-replicated. Exits 2 when the train step does not fit, saying what would.
+(libtpu, a development dependency) or, for a GPU slice (h100:8, two hosts of them h100:8x2), XLA's
+GPU compiler (jax's CUDA plugin), and reports per device: parameters, optimiser and multi-task
+state, activations against HBM, the step-time estimate (libtpu's cost model; a roofline for GPUs),
+collectives and parameters left replicated. Exits 2 when the train step does not fit, saying what
+would.
 
     t5r plan --topology=v5e:4x4 --gin_file=models/t5_base.gin --gin_file=runs/taco.gin \
         --gin_file=sharding/fsdp.gin
@@ -65,7 +67,8 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="t5r plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:4x4, v4:2x2x1, v5p:4x4x4")
+    parser.add_argument("--topology", required=True, help="TPU slice (v5e:4x4, v4:2x2x1, v5p:4x4x4) or GPU slice "
+                        "<gpu>:<GPUs per host>[x<hosts>] (h100:8, h200:8x2, a100:8)")
     parser.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN (the data axis spans them)")
     parser.add_argument("--per_tensorcore", action="store_true",
                         help="v4 only: one device per TensorCore (2 per chip, 16 GiB each) instead of one megacore "
