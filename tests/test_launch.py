@@ -100,3 +100,32 @@ def test_shell_scripts_print_the_commands_built_in_python(script, extra):
     else:
         expected = [commands.slurm_command(T5R_ARGS, "$FIRST_NODE:12355", repo_dir=REPO)]
     assert printed == expected, f"{script} printed {printed}, the builder gives {expected}"
+
+
+def test_the_slurm_script_joins_its_tasks_into_one_jax_job(tmp_path):
+    """launch/slurm_gpu.sbatch run for real as far as a CPU host allows: SLURM's `scontrol` and `srun`
+    are stand-ins (srun starts SLURM_NTASKS copies of its command, each with its own SLURM_PROCID),
+    everything after them is the script's: the coordinator from the first node, each task's id from
+    its environment, `jax.distributed` joining both tasks, then the t5r command in each."""
+    from process_harness import free_port
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && printf "localhost\\nnode-2\\n"\n')
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+        'for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i "$@" > "$LOGS/task$i.log" 2>&1 & done\n'
+        "status=0; for job in $(jobs -p); do wait $job || status=1; done; exit $status\n")
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="node-[1-2]", SLURM_NTASKS="2",
+               SLURM_SUBMIT_DIR=REPO, PYTHON=sys.executable, PORT=str(free_port()), LOGS=str(tmp_path),
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run(["bash", os.path.join(REPO, "launch", "slurm_gpu.sbatch"), "--python", sys.executable,
+                           "--", "--help"], capture_output=True, text=True, env=env, timeout=600)
+    logs = {i: (tmp_path / f"task{i}.log").read_text() for i in range(2)}
+    assert proc.returncode == 0, f"{proc.stderr}\n{logs}"
+    # jax.distributed.initialize returns in a task only once both have joined (else it fails the task)
+    for i, log in logs.items():
+        assert "usage: t5r" in log, f"task {i} did not run the t5r command after joining: {log}"
