@@ -36,7 +36,8 @@ REPORT_KEYS = {"topology", "num_slices", "devices", "mesh", "layout", "chip", "t
 STEP_KEYS = {"lower_seconds", "compile_seconds", "hlo_bytes", "memory_per_device", "peak_breakdown", "fits",
              "compiler_refused",
              "compiler_flops_per_device", "model_matmul_flops", "peak_bf16_flops", "estimated_step_seconds",
-             "compiler_optimal_seconds", "compiler_seconds", "estimate_source", "loop_free_estimate",
+             "compiler_optimal_seconds", "compiler_seconds", "custom_kernels", "kernel_seconds", "estimate_source",
+             "loop_free_estimate",
              "hlo_unreadable", "collectives", "items_per_step"}
 MEMORY_KEYS = {"params", "optimizer", "multitask", "batch", "arguments", "outputs_not_donated", "temporaries",
                "code", "peak", "hbm", "margin"}
@@ -402,6 +403,95 @@ ENTRY %main {
     assert hlo.collectives(fused) == {**hlo.collectives(text), "reduce-scatter": {"count": 1, "bytes": 32 * 32 * 4}}
 
 
+def kernel_line(name: str, results: list[str], operands: list[str], cost_estimate: str = "") -> str:
+    """A custom TPU kernel as libtpu 0.0.42.1 writes it in a compiled program (its body cut short)."""
+    shapes = [f"{shape}{{3,2,1,0:T(8,128)(2,1)S(1)}}" for shape in results]
+    result = shapes[0] if len(shapes) == 1 else f"({', '.join(shapes)})"
+    estimate = f',"cost_estimate":{{"flops":"{cost_estimate}"}}' if cost_estimate else ""
+    return (f"  %{name} = {result} custom-call(%bitcast.14, %pad_bitcast_fusion.1), "
+            f'custom_call_target="tpu_custom_call", operand_layout_constraints={{'
+            + ", ".join(f"{shape}{{3,2,1,0}}" for shape in operands)
+            + f'}}, frontend_attributes={{kernel_metadata={{}}}}, backend_config={{"custom_call_config":'
+              f'{{"body":"TUzvUgFN"{estimate}}}}}')
+
+
+def flash_kernels_hlo(b: int, h: int, q: int, k: int, d: int, bias: bool, block: int) -> str:
+    """Pallas flash attention's forward (with its residuals) and backward kernels as compiled for a v5e
+    (jax 0.10.2): q [b, h, q, d], k and v [b, h, k, d], a float32 bias [b, h, q, k] or none, softmax
+    statistics 128 wide (as wide as a key block in the dq kernel's), blocks of `block`."""
+    qs, ks, ab = f"bf16[{b},{h},{q},{d}]", f"bf16[{b},{h},{k},{d}]", [f"f32[{b},{h},{q},{k}]"] * bias
+    stats, wide = f"f32[{b},{h},{q},128]", f"f32[{b},{h},{q},{block}]"
+    backward = [qs, ks, ks, *ab, stats, stats, qs]
+    return "\n".join([
+        kernel_line("jvp_jit_flash_attention__.1", [qs, stats, stats], [qs, ks, ks, *ab], cost_estimate="1006632960"),
+        kernel_line(f"flash_mha_bwd_dq_block_q_major_{block}_block_k_major_{block}_block_k_{block}.1", [qs, *ab],
+                    [*backward, wide]),
+        kernel_line(f"flash_mha_bwd_dkv_block_q_major_{block}_block_q_{block}_block_k_major_{block}_block_k_{block}.1",
+                    [ks, ks],
+                    [*backward, stats]),
+        '  %custom-call.1 = bf16[8,160,12,64]{1,3,2,0:T(8,128)(2,1)S(1)} custom-call(%slice-done.4), '
+        'custom_call_target="ConcatBitcast"'])
+
+
+# a T5 shape (8 rows, 12 heads, 160 queries, keys padded to 256, head dimension 64) and another kernel
+KERNELS_HLO = "\n".join([flash_kernels_hlo(8, 12, 160, 256, 64, bias=True, block=256),
+                         kernel_line("my_kernel.3", ["f32[64,128]"], ["f32[64,128]"])])
+# without a bias, over 2048 positions, 8 heads of 128: compute-bound
+LONG_KERNELS_HLO = flash_kernels_hlo(1, 8, 2048, 2048, 128, bias=False, block=128)
+
+
+def test_custom_kernels_are_read_with_their_flops_and_bytes_and_priced_where_the_cost_model_does_not():
+    """libtpu's cost model prices a kernel from the cost estimate it carries (flash attention's
+    forward) and one without (the backward kernels) by its bytes alone: each of those adds its
+    roofline (FLOPs at peak or bytes at HBM bandwidth, the larger) less its bytes' time."""
+    from t5_retrieval.models import attention
+    from t5_retrieval.plan import hlo, planner
+    from t5_retrieval.plan.chips import parse_topology
+
+    kernels = hlo.tpu_kernels(KERNELS_HLO)
+    assert [(k["kind"], k["cost_estimate"]) for k in kernels] == [
+        ("flash_forward", True), ("flash_dq", False), ("flash_dkv", False), ("other", False)]
+    assert kernels[0]["q"] == [8, 12, 160, 64] and kernels[0]["k"] == [8, 12, 256, 64]
+    q, kv, bias, stats = (8 * 12 * n for n in (160 * 64 * 2, 256 * 64 * 2, 160 * 256 * 4, 160 * 128 * 4))
+    assert kernels[0]["bytes"] == q + 2 * kv + bias + q + 2 * stats  # operands, then the result and its residuals
+    assert kernels[1]["bytes"] == q + 2 * kv + bias + 2 * stats + q + bias + q + bias  # di as wide as the keys
+    assert kernels[3]["bytes"] == 2 * 64 * 128 * 4
+
+    chip = parse_topology("v5e:2x2")[0]
+    target = planner.Target(chip, devices=[None] * 4, chips=4)
+    peak, bandwidth = chip.peak_bf16_flops, 819e9
+    costs = planner.kernel_costs(KERNELS_HLO, target)
+    kinds = costs["kinds"]
+    matmul = 2 * 8 * 12 * 160 * 256 * 64
+    # the same FLOPs as attention.flash_cost's forward and backward at this shape
+    assert kinds["flash_forward"]["flops"] == attention.flash_cost(8, 12, 160, 160, 64, 2, True)["flops"] == 2 * matmul
+    assert kinds["flash_dkv"]["flops"] + kinds["flash_dq"]["flops"] == attention.flash_cost(
+        8, 12, 160, 160, 64, 2, True, backward=True)["flops"]
+    assert kinds["other"] == {"count": 1, "flops": None, "bytes": 2 * 64 * 128 * 4,
+                              "roofline_seconds": pytest.approx(2 * 64 * 128 * 4 / bandwidth), "with_cost_estimate": 0}
+    for kind in ("flash_forward", "flash_dq", "flash_dkv"):
+        k = kinds[kind]
+        assert k["roofline_seconds"] == pytest.approx(max(k["flops"] / peak, k["bytes"] / bandwidth)), kind
+    # T5's float32 bias makes every kernel memory-bound at this shape: nothing is left unpriced
+    assert costs["unpriced_seconds"] == 0.0
+    # without a bias over long sequences the backward kernels are compute-bound: what their FLOPs take
+    # beyond their bytes is added. (Compiled alone for one v5e device, this gradient's cost-model time
+    # is 224.6 us: its forward's FLOPs at peak, 87.5 us, and the backward kernels' bytes, 117.8 us,
+    # with the rest of the program; their 60 GFLOP, 305 us at peak, are missing.)
+    light = LONG_KERNELS_HLO
+    costs = planner.kernel_costs(light, target)
+    assert costs["kinds"]["flash_dkv"]["flops"] + costs["kinds"]["flash_dq"]["flops"] == 7 * 2 * 8 * 2048 ** 2 * 128
+    unpriced = [k["flops"] / peak - k["bytes"] / bandwidth for name, k in costs["kinds"].items()
+                if name in ("flash_dq", "flash_dkv")]
+    assert min(unpriced) > 0 and costs["unpriced_seconds"] == pytest.approx(sum(unpriced))
+    assert costs["unpriced_seconds"] == pytest.approx(305e-6 - 117.8e-6, rel=0.01)
+    # a device that is half a chip (v4 per TensorCore) has half the peak and half the bandwidth
+    v4 = parse_topology("v4:2x2x1")[0]
+    halves = planner.kernel_costs(light, planner.Target(v4, devices=[None] * 8, chips=4, chip_config="per_tensorcore"))
+    whole = planner.kernel_costs(light, planner.Target(v4, devices=[None] * 4, chips=4, chip_config="megacore"))
+    assert halves["unpriced_seconds"] == pytest.approx(2 * whole["unpriced_seconds"])
+
+
 def test_a_compiler_estimate_that_is_no_time_is_reported_as_none():
     from t5_retrieval.plan.planner import usable_estimate
 
@@ -567,14 +657,44 @@ def test_the_plan_names_the_pinned_libtpu_that_requirements_dev_installs():
     assert pins == [planner.PINNED_LIBTPU]
 
 
-def test_a_scanned_step_is_timed_by_its_unrolled_programs():
-    """The plan of a step with scanned layers takes its time from the 1- and 2-layer unrolled programs."""
-    report = plan_json("v5e:2x2", "data_parallel", "--gin.NUM_LAYERS=3", "--gin.T5Config.scan_layers=True")
+def test_a_scanned_rematerialised_step_with_pallas_attention_compiles_and_is_timed_by_its_unrolled_programs():
+    """The T5 files' stack (scanned layers, each recomputed in the backward pass) with Pallas flash
+    attention compiles for the TPU: the kernels run inside the scan's body, once per device shard.
+    The step's time comes from the 1- and 2-layer unrolled programs, the kernels' unpriced FLOPs
+    (`kernel_costs`) extrapolated with it."""
+    from t5_retrieval.models import attention
+    from t5_retrieval.plan import planner
+
+    report = plan_json("v5e:2x2", "data_parallel", "--gin.NUM_LAYERS=3", "--gin.T5Config.scan_layers=True",
+                       "--gin.T5Config.remat=True", "--gin.ATTENTION_IMPL='pallas_tpu'")
     for name in ("train", "encode"):
         step = report["steps"][name]
+        assert step["fits"], report["problems"]
         points = step["loop_free_estimate"]["seconds"]
         assert step["estimate_source"] == "extrapolated to 3 layers", step["loop_free_estimate"]
         assert step["estimated_step_seconds"] == pytest.approx(2 * points["2 layers"] - points["1 layer"])
+        assert step["kernel_seconds"] == step["loop_free_estimate"]["kernel_seconds"] >= 0
+    train, encode = (report["steps"][name]["custom_kernels"] for name in ("train", "encode"))
+    # the scanned program as written: the encoder's layer body holds the forward kernel (the one
+    # decoder step stays on XLA); training adds the backward kernels and, with remat, the forward again
+    assert set(encode) == {"flash_forward"} and encode["flash_forward"]["with_cost_estimate"] >= 1, encode
+    assert set(train) == {"flash_forward", "flash_dkv", "flash_dq"}, train
+    assert train["flash_dkv"]["count"] == train["flash_dq"]["count"] >= 1
+    assert train["flash_forward"]["count"] > train["flash_dkv"]["count"], "remat recomputes the forward kernel"
+    assert train["flash_dkv"]["with_cost_estimate"] == train["flash_dq"]["with_cost_estimate"] == 0
+    # on each device's shard: 64 passages per data shard at 4 heads, 32 positions (keys padded to 128),
+    # head dimension 16, float32 compute; the kernel once in the scanned body
+    rows = 64
+    assert encode["flash_forward"]["count"] == 1
+    assert encode["flash_forward"]["flops"] == attention.flash_cost(rows, 4, 32, 32, 16, 4, True)["flops"], encode
+    # the text report lists them, and labels the parts of an estimate that has kernel FLOPs added
+    step = report["steps"]["train"]
+    seconds = step["estimated_step_seconds"]
+    text = planner.format_text({**report, "steps": {"train": {**step, "kernel_seconds": seconds / 4}}})
+    assert "custom kernels (each priced by the cost model from the cost estimate it carries, else by its bytes " \
+           "alone; a kernel in a loop body counted once): flash_forward x" in text, text
+    assert (f"extrapolated to 3 layers: {seconds * 1e3:,.3f} ms per step ({seconds * 0.75e3:,.3f} ms the cost "
+            f"model's + {seconds * 0.25e3:,.3f} ms of kernel FLOPs it leaves unpriced)") in text, text
 
 
 def test_a_per_task_step_is_timed_as_the_sum_of_its_task_passes_and_update():
