@@ -34,7 +34,7 @@ def _run_client(savedmodel: str, requests: list[dict], tmp_dir: str) -> list[dic
         json.dump(requests, f)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of ours on the path
     proc = subprocess.run([sys.executable, CLIENT, savedmodel, path], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=tmp_dir)
+                          timeout=900, cwd=tmp_dir)
     assert proc.returncode == 0, f"client failed:\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -181,7 +181,7 @@ def test_the_export_is_readable_by_others_and_names_no_path_of_this_machine(expo
     with open(os.path.join(savedmodel, "assets", "model_config.json")) as f:
         config = json.load(f)
     with open(os.path.join(savedmodel, "assets", "t5r_export.json")) as f:
-        shipped = json.load(f)["vocabulary_file"]
+        shipped = json.load(f)["tokenizer"]["files"][0]
     assert config["features"]["vocabulary"] == f"assets/{shipped}", config["features"]
     assert os.path.exists(os.path.join(savedmodel, config["features"]["vocabulary"]))
     paths = [v for v in json.dumps(config).split('"') if os.path.isabs(v)]
