@@ -1,5 +1,5 @@
 """A user's own seqio Task over `kilt_examples_source` whose preprocessor rewrites the query text,
-registered in `my_tasks.py` in the working directory, taken through the CLI as docs/data.md shows it:
+registered in `my_tasks.py` in the working directory, taken through the CLI as docs/tasks.md shows it:
 BM25 negatives of the rewritten text, training, eval and mining with `--data_dir` alone, every
 per-task file named by one rule; then `t5r data slice`, a moved query-side model resumed, and
 `t5r checksum` of an export.
@@ -111,7 +111,7 @@ def work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(work):
     """`t5r data negatives` for my_fever_lc, then a tiny model `t5r train` trains on my_mix, its
-    embeddings and index: the commands of docs/data.md, from the working directory."""
+    embeddings and index: the commands of docs/tasks.md, from the working directory."""
     with pytest.MonkeyPatch.context() as patch, Logged() as logged:
         patch.chdir(work)
         assert t5r("data", "negatives", "--data_dir=data", "--tasks=my_fever_lc", "--task_module=my_tasks",
