@@ -52,6 +52,7 @@ def _evaluate_bm25(args: argparse.Namespace) -> EvalResult:
     """A BM25 index's rankings of the query texts of `--tasks` (datasets: examples files), scored as
     a model's are; refuses a model flag, since BM25 has none."""
     from t5_retrieval import checksums
+    from t5_retrieval.commands.gin_flags import without_flags
     from t5_retrieval.data import layout
     from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.tasks.examples import dataset_examples
@@ -62,12 +63,7 @@ def _evaluate_bm25(args: argparse.Namespace) -> EvalResult:
                    if getattr(args, flag) is not None]
     if model_flags:
         flags = {f"--{flag}" for flag in model_flags}
-        words, given = [], iter(args.command_line)
-        for word in given:
-            if word in flags:
-                next(given, None)  # `--flag value`: the value goes too
-            elif word.partition("=")[0] not in flags:
-                words.append(word)
+        words = without_flags(args.command_line, flags)
         raise UserError(f"{os.path.join(args.index_dir, INDEX_JSON)}: a BM25 index searches the query texts and takes "
                         f"no model ({', '.join(sorted(flags))} given); run `{shell_command(words)}`")
     with checksums.verification(args.verify):

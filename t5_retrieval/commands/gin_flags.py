@@ -63,11 +63,16 @@ def rerun(args: argparse.Namespace, **flags: str) -> str:
     """The command `args` came from with these flags set (`tasks="fever"` -> `--tasks=fever`,
     replacing any value given before), as one line to paste into a shell: an error's suggestion is
     a command that works."""
-    names = {f"--{name}" for name in flags}
-    kept, words = [], iter(args.command_line)
+    kept = without_flags(args.command_line, {f"--{name}" for name in flags})
+    return shell_command([*kept, *(f"--{name}={value}" for name, value in flags.items())])
+
+
+def without_flags(command_line: list[str], names: set[str]) -> list[str]:
+    """`command_line` with the flags `names` (`--flag=value` or `--flag value`) left out."""
+    kept, words = [], iter(command_line)
     for word in words:
         if word in names:
             next(words, None)  # `--flag value`: the value goes too
         elif word.partition("=")[0] not in names:
             kept.append(word)
-    return shell_command([*kept, *(f"--{name}={value}" for name, value in flags.items())])
+    return kept
