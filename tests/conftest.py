@@ -13,10 +13,16 @@ import t5_retrieval.tasks  # noqa: E402,F401  (tests that ask seqio itself for a
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "mini_kilt")
-# The tests that read it skip where it is absent, except in CI (`CI` set, as CI runners do), where
-# `../shared` stands beside the clone: there a missing copy fails the test instead of hiding it.
-needs_shared_data = pytest.mark.skipif(not os.path.isdir(SHARED_DATA) and not os.environ.get("CI"),
-                                       reason=f"mini-KILT data not found at {SHARED_DATA}")
+
+
+def mini_kilt(*parts: str) -> str:
+    """A path in the mini-KILT data, which stands beside the repository (`../shared/data/mini_kilt`,
+    as CI checks it out). Missing, the test fails rather than skips: a skip would hide the tests
+    that compare with the data's own references."""
+    if not os.path.isdir(SHARED_DATA):
+        pytest.fail(f"mini-KILT data not found at {SHARED_DATA}: the tests that read it expect ../shared/data/mini_kilt "
+                    "beside the repository", pytrace=False)
+    return os.path.join(SHARED_DATA, *parts)
 
 
 @pytest.fixture

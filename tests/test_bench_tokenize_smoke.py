@@ -4,18 +4,16 @@ that ours produced exactly the rows of the former paths."""
 
 import os
 
-import pytest
 import seqio
-from conftest import SHARED_DATA
+from conftest import mini_kilt
 from test_benchmarks_smoke import assert_positive_timing, run_benchmark
 
 SPM = os.path.join(os.path.dirname(seqio.__file__), "test_data", "sentencepiece", "sentencepiece.model")
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="mini-KILT data (../shared/data) not present")
 def test_tokenize_benchmark_times_every_candidate_and_ours_equals_the_former_paths(tmp_path):
     result, summary = run_benchmark("tokenize", ["--passages", "16", "--length", "32", "--repeats", "2",
-                                                 "--spm_model", SPM, "--kb", os.path.join(SHARED_DATA, "kb", "passages.jsonl")],
+                                                 "--spm_model", SPM, "--kb", mini_kilt("kb", "passages.jsonl")],
                                     str(tmp_path / "tokenize.json"))
     assert result["passages"] == 16 and result["length"] == 32, result
     families = {"bert": ("ours", "hf_fast", "python_reference"), "t5": ("ours", "hf_fast", "seqio_per_string")}

@@ -1,9 +1,8 @@
 """Real data: the commands run on mini-KILT, and our BM25 matches its reference R-precision."""
 
 import json
-import os
 
-from conftest import SHARED_DATA, needs_shared_data
+from conftest import mini_kilt
 
 from t5_retrieval.data import layout
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_tasks
@@ -13,7 +12,6 @@ from t5_retrieval.retrieval import search
 from t5_retrieval.retrieval.index import build_bm25_index
 
 TASKS = ["fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking"]
-pytestmark = needs_shared_data
 
 
 def r_precision(gold_sets, predicted_pages):
@@ -24,11 +22,11 @@ def r_precision(gold_sets, predicted_pages):
 def test_bm25_dev_r_precision_matches_the_mini_kilt_reference(tmp_path):
     data_dir = str(tmp_path)
     # The reference indexes mini-KILT's one-passage-per-paragraph file, so we build the KB from it.
-    prepare_kb(os.path.join(SHARED_DATA, "kb", "passages.jsonl"), data_dir)
+    prepare_kb(mini_kilt("kb", "passages.jsonl"), data_dir)
     store = PassageStore.open(layout.kb_dir(data_dir))
     searcher = search.bm25_searcher(build_bm25_index(store))
-    prepare_tasks(SHARED_DATA, data_dir, TASKS, ("dev",), strict=True)
-    with open(os.path.join(SHARED_DATA, "bm25_reference_dev.json")) as f:
+    prepare_tasks(mini_kilt(), data_dir, TASKS, ("dev",), strict=True)
+    with open(mini_kilt("bm25_reference_dev.json")) as f:
         reference = json.load(f)
     ours = {}
     for task in TASKS:

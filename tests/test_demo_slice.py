@@ -5,17 +5,15 @@ demo's first row runs on it and lands in the demo's table with its wall time."""
 import os
 
 import pytest
-from conftest import SHARED_DATA
+from conftest import mini_kilt
 
 from t5_retrieval.commands import data as data_command
 from t5_retrieval.data.kilt import demo_slice as kilt_slice
 
 
 def test_rebuilding_the_slice_from_mini_kilt_gives_the_committed_bytes(tmp_path):
-    if not os.path.isdir(SHARED_DATA):
-        pytest.skip(f"mini-KILT not found at {SHARED_DATA}")
     rebuilt = tmp_path / "slice.tar.gz"
-    assert data_command.slice_main(["--mini_kilt", SHARED_DATA, "--out", str(rebuilt)]) == 0
+    assert data_command.slice_main(["--mini_kilt", mini_kilt(), "--out", str(rebuilt)]) == 0
     with open(kilt_slice.SHIPPED, "rb") as f:
         committed = f.read()
     assert rebuilt.read_bytes() == committed, "the slice builder no longer reproduces the committed slice"

@@ -7,7 +7,6 @@ normalisation (what sentence-transformers computes for this model).
 
 import dataclasses
 import json
-import os
 
 import gin
 import jax
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import SHARED_DATA
+from conftest import mini_kilt
 
 import t5_retrieval.train  # noqa: F401  (registers the configurables models/minilm_l6.gin binds, as `t5r` does)
 from t5_retrieval import checkpoint, gin_utils, sharding
@@ -106,7 +105,7 @@ def test_load_encoder_rebuilds_a_bert_and_matches_sentence_transformers(encoder)
 
 def _gold_and_random_passages(per_task: int, seed: int = 0):
     by_page: dict[str, Passage] = {}
-    with open(os.path.join(SHARED_DATA, "kb", "passages.jsonl")) as f:
+    with open(mini_kilt("kb", "passages.jsonl")) as f:
         for line in f:
             row = json.loads(line)
             by_page.setdefault(row["wikipedia_id"], Passage(row["id"], row["wikipedia_id"], row["title"], row["text"]))
@@ -114,7 +113,7 @@ def _gold_and_random_passages(per_task: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     triples = []
     for task in GOLD_VS_RANDOM_TASKS:
-        with open(os.path.join(SHARED_DATA, f"{task}-dev-kilt.jsonl")) as f:
+        with open(mini_kilt(f"{task}-dev-kilt.jsonl")) as f:
             rows = [json.loads(line) for _, line in zip(range(per_task), f)]
         for row in rows:
             gold = {p["wikipedia_id"] for out in row["output"] for p in out.get("provenance", [])}
@@ -125,7 +124,6 @@ def _gold_and_random_passages(per_task: int, seed: int = 0):
     return triples
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="mini-KILT data (../shared/data) not present")
 def test_gold_page_passage_outranks_a_random_page_on_mini_kilt_dev(encoder):
     triples = _gold_and_random_passages(per_task=10)
     queries = encoder.encode_queries([q for q, _, _ in triples], "fever")

@@ -7,7 +7,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SHARED_DATA
+from conftest import mini_kilt
 from tiny_model import build_tiny_run
 
 from t5_retrieval import query_side
@@ -55,12 +55,11 @@ def test_reading_qa_open_keeps_answers_and_the_match_kind(tmp_path):
         read_qa_task(str(tmp_path), "toy", "train")
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_DATA, "qa_open")), reason="needs ../shared mini-KILT")
 def test_real_qa_open_answer_passages_are_the_ones_the_matcher_finds():
     """The dataset's own answer_passage_ids (made with DPR's has_answer) agree with our matcher."""
-    qa_dir = os.path.join(SHARED_DATA, "qa_open")
+    qa_dir = mini_kilt("qa_open")
     passages = {}
-    with open(os.path.join(SHARED_DATA, "kb", "passages.jsonl")) as f:
+    with open(mini_kilt("kb", "passages.jsonl")) as f:
         for line in f:
             row = json.loads(line)
             passages[row["id"]] = f"{row['title']} {row['text']}"

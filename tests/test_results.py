@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import SHARED_DATA
+from conftest import mini_kilt
 
 from t5_retrieval import cli
 from t5_retrieval.results.analysis import analysis_table
@@ -18,14 +18,12 @@ from t5_retrieval.results.rows import TITLES
 from t5_retrieval.results.significance import differences_table, paired_bootstrap, seed_differences
 from t5_retrieval.results.tables import markdown_table
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="needs ../shared mini-KILT")
-
 
 @pytest.fixture(scope="module")
 def bm25_run(tmp_path_factory) -> str:
     """`t5r results --rows bm25` on mini-KILT (prepares the data directory too)."""
     work_dir = str(tmp_path_factory.mktemp("results"))
-    assert cli.main(["results", "--data", SHARED_DATA, "--work_dir", work_dir, "--rows", "bm25",
+    assert cli.main(["results", "--data", mini_kilt(), "--work_dir", work_dir, "--rows", "bm25",
                      "--markdown", os.path.join(work_dir, "table.md")]) == 0
     return work_dir
 
@@ -34,7 +32,7 @@ def test_bm25_row_matches_the_reference_and_a_rerun_resumes(bm25_run, capsys):
     work_dir = bm25_run
     with open(os.path.join(work_dir, "bm25", "eval", "results.json")) as f:
         tables = json.load(f)
-    with open(os.path.join(SHARED_DATA, "bm25_reference_dev.json")) as f:
+    with open(mini_kilt("bm25_reference_dev.json")) as f:
         reference = json.load(f)
     for task in TASKS:
         ours, theirs = tables[task]["Rprec"], reference[f"{task}/dev"]["r_prec"]
@@ -47,13 +45,13 @@ def test_bm25_row_matches_the_reference_and_a_rerun_resumes(bm25_run, capsys):
     done = os.path.join(work_dir, "bm25", "eval", "DONE")
     stamp = os.path.getmtime(done)
     capsys.readouterr()
-    assert cli.main(["results", "--data", SHARED_DATA, "--work_dir", work_dir, "--rows", "bm25"]) == 0
+    assert cli.main(["results", "--data", mini_kilt(), "--work_dir", work_dir, "--rows", "bm25"]) == 0
     assert os.path.getmtime(done) == stamp, "a finished row must not run again"
     assert "| BM25 | " in capsys.readouterr().out
 
 
 def test_unknown_row_is_refused_with_the_known_ones(tmp_path, capsys):
-    assert cli.main(["results", "--data", SHARED_DATA, "--work_dir", str(tmp_path), "--rows", "bm25,nope"]) == 2
+    assert cli.main(["results", "--data", mini_kilt(), "--work_dir", str(tmp_path), "--rows", "bm25,nope"]) == 2
     err = capsys.readouterr().err
     assert "nope" in err and "minilm_zeroshot" in err, err
 
@@ -104,7 +102,7 @@ def test_the_training_state_analysis_uses_the_tau_each_run_trained_with(tmp_path
 def test_bm25_answer_recall_on_qa_open_matches_the_datas_reference(bm25_run):
     data_dir = os.path.join(bm25_run, "data")
     qa_dir = qa_open_dir(data_dir)
-    assert os.path.samefile(qa_dir, os.path.join(SHARED_DATA, "qa_open"))
+    assert os.path.samefile(qa_dir, mini_kilt("qa_open"))
     ours = bm25_answer_recall(data_dir, qa_dir, ("webq", "curatedtrec"))["dev"]
     with open(os.path.join(qa_dir, "bm25_answer_recall_dev.json")) as f:
         reference = json.load(f)
@@ -258,7 +256,7 @@ def test_paired_bootstrap_interval_matches_the_normal_approximation():
 
 
 def test_seeds_are_validated(tmp_path, capsys):
-    assert cli.main(["results", "--data", SHARED_DATA, "--work_dir", str(tmp_path), "--seeds", "0,x"]) == 2
+    assert cli.main(["results", "--data", mini_kilt(), "--work_dir", str(tmp_path), "--seeds", "0,x"]) == 2
     assert "--seeds must be comma-separated integers, got '0,x'" in capsys.readouterr().err
 
 

@@ -6,7 +6,7 @@ import os
 import gin
 import numpy as np
 import pytest
-from conftest import SHARED_DATA, needs_shared_data
+from conftest import mini_kilt
 
 from t5_retrieval import cli
 from t5_retrieval.commands import encode as encode_command
@@ -114,12 +114,12 @@ def test_answer_bearing_passages_can_be_excluded_from_negatives(tiny):
 def _mini_kilt_data(tmp_path, n_queries: int) -> str:
     """A data dir in the project layout: the real mini-KILT KB and a slice of real FEVER dev queries."""
     data_dir = str(tmp_path / "data")
-    rows = (row for _, row in read_jsonl(os.path.join(SHARED_DATA, "kb", "passages.jsonl")))
+    rows = (row for _, row in read_jsonl(mini_kilt("kb", "passages.jsonl")))
     write_passage_store(((Passage(r["id"], r["wikipedia_id"], r["title"], r["text"]), None) for r in rows),
                         layout.kb_dir(data_dir))
     os.makedirs(os.path.dirname(layout.examples_path(data_dir, "fever", "dev")))
     with open(layout.examples_path(data_dir, "fever", "dev"), "w") as f:
-        for i, (_, row) in enumerate(read_jsonl(os.path.join(SHARED_DATA, "fever-dev-kilt.jsonl"))):
+        for i, (_, row) in enumerate(read_jsonl(mini_kilt("fever-dev-kilt.jsonl"))):
             if i == n_queries:
                 break
             gold = tuple(tuple(dict.fromkeys(p["wikipedia_id"] for p in o["provenance"])) for o in row["output"])
@@ -128,7 +128,6 @@ def _mini_kilt_data(tmp_path, n_queries: int) -> str:
 
 
 @pytest.mark.slow
-@needs_shared_data
 def test_cli_pipeline_on_real_mini_kilt(tmp_path, capsys):
     data_dir = _mini_kilt_data(tmp_path, n_queries=100)
     kb_dir, emb, idx_dir, out = layout.kb_dir(data_dir), str(tmp_path / "emb"), str(tmp_path / "idx"), str(tmp_path / "ev")

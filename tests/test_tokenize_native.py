@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 import seqio
-from conftest import SHARED_DATA
+from conftest import mini_kilt
 from wordpiece_reference import encoder
 
 from t5_retrieval.data.text import PASSAGE_TEMPLATES, T5_EOS_TEXT, format_passage, format_query
@@ -86,7 +86,7 @@ def _sample(texts: list[str], first: int, picked: int) -> list[str]:
 
 def mini_kilt_passages() -> list[str]:
     """Every KB passage, in both passage templates alternately (as T5 and MiniLM see them)."""
-    with open(os.path.join(SHARED_DATA, "kb", "passages.jsonl"), encoding="utf-8") as f:
+    with open(mini_kilt("kb", "passages.jsonl"), encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
     return [format_passage(r["title"], r["text"], PASSAGE_TEMPLATES[i % 2]) for i, r in enumerate(records)]
 
@@ -94,18 +94,16 @@ def mini_kilt_passages() -> list[str]:
 def mini_kilt_queries() -> dict[str, list[str]]:
     """Per task file, its formatted queries (dev files with the TACO prefix, train files without)."""
     out = {}
-    for name in sorted(os.listdir(SHARED_DATA)):
+    for name in sorted(os.listdir(mini_kilt())):
         if name.endswith("-kilt.jsonl"):
             prefix = name.split("-")[0].upper() if "-dev-" in name else None
-            with open(os.path.join(SHARED_DATA, name), encoding="utf-8") as f:
+            with open(mini_kilt(name), encoding="utf-8") as f:
                 out[name] = [format_query(json.loads(line)["input"], prefix) for line in f]
     return out
 
 
 @pytest.fixture(scope="module")
 def mini_kilt_sample() -> list[str]:
-    if not os.path.isdir(SHARED_DATA):
-        pytest.skip("mini-KILT data (../shared/data) not present")
     texts = _sample(mini_kilt_passages(), first=100, picked=20)
     for queries in mini_kilt_queries().values():
         texts += _sample(queries, first=10, picked=3)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 import seqio
-from conftest import SHARED_DATA
+from conftest import mini_kilt
 
 from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.text import format_query
@@ -95,14 +95,13 @@ def test_seqio_task_with_wordpiece_tokenizes_queries_like_the_batcher(vocab, tmp
 
 def _mini_kilt_queries(per_task: int) -> list[str]:
     texts = []
-    for name in sorted(os.listdir(SHARED_DATA)):
+    for name in sorted(os.listdir(mini_kilt())):
         if name.endswith("-dev-kilt.jsonl"):
-            with open(os.path.join(SHARED_DATA, name)) as f:
+            with open(mini_kilt(name)) as f:
                 texts += [json.loads(line)["input"] for _, line in zip(range(per_task), f)]
     return texts
 
 
-@pytest.mark.skipif(not os.path.isdir(SHARED_DATA), reason="mini-KILT data (../shared/data) not present")
 def test_minilm_vocabulary_matches_transformers_on_mini_kilt_queries():
     from transformers import AutoTokenizer
 
