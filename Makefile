@@ -31,9 +31,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check t5_retrieval tests benchmarks
 	$(PY) -m mypy
 
-# --durations=20: the log ends with the slowest tests (the suite's budget is ~20 minutes on a quiet 2-core machine).
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 demo: $(STAMP)
 	$(VENV)/bin/t5r demo --data=$(DATA) --out=$(OUT)
