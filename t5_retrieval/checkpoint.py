@@ -1,4 +1,7 @@
-"""Orbax checkpoints of the whole training state plus the data iterator position.
+"""A model directory on disk, written and read back verified: Orbax checkpoints of the whole
+training state plus the data iterator position, the model's config and vocabulary, and a query-side
+model's record of its base. Everything that opens a model directory reads it through here
+(`inference.load_encoder` then builds the network from it).
 
 One checkpoint = {state: params, optimiser state (incl. TACO), step, RNG} saved as sharded arrays,
 and {data: the batch iterator's JSON state}, so a resumed run continues bit-for-bit. The model's
@@ -163,9 +166,7 @@ def verify_checksums(step_dir: epath.Path, model_files: bool = True) -> tuple[in
                               f"writing it, or an older t5-retrieval wrote the checkpoint); {accept}")
     local = _local(step_dir)  # a local step's files are opened as regular files inside it only
     try:
-        doc = _read_step_record(step_dir, accept)
-        files = checksums.parse_record(doc, str(manifest), accept)
-        listed = _listed_model_files(doc, manifest, accept)
+        files, listed = _step_record(step_dir, accept)
         checksums.check_listing(str(step_dir), files, _files(step_dir), damaged)
         for name, expected in files.items():
             checksums.check_file(os.path.join(local, name) if local else step_dir / name, expected, str(manifest),
@@ -193,13 +194,16 @@ def _local(step_dir: epath.Path) -> str | None:
     return None if "://" in path else path
 
 
-def _read_step_record(step_dir: epath.Path, fix: str) -> Any:
-    """A step's parsed record: a local one as a regular file of the step, bounded, of bounded depth."""
-    local = _local(step_dir)
+def _step_record(step_dir: epath.Path, fix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A step's record, parsed and checked: (its files' entries, its entries for files of the model
+    directory). A local record is read as a regular file of the step, bounded, of bounded depth."""
+    manifest, local = step_dir / checksums.CHECKSUMS_FILE, _local(step_dir)
     if local is None:
-        return json.loads((step_dir / checksums.CHECKSUMS_FILE).read_text())
-    return artefact_io.load_json(os.path.join(local, checksums.CHECKSUMS_FILE), local, checksums.RECORD_BYTES,
-                                 checksums.ChecksumError, fix)
+        doc = json.loads(manifest.read_text())
+    else:
+        doc = artefact_io.load_json(os.path.join(local, checksums.CHECKSUMS_FILE), local, checksums.RECORD_BYTES,
+                                    checksums.ChecksumError, fix)
+    return checksums.parse_record(doc, str(manifest), fix), _listed_model_files(doc, manifest, fix)
 
 
 def _listed_model_files(doc: Any, manifest: epath.Path, fix: str) -> dict[str, Any]:
@@ -350,7 +354,7 @@ def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
 def vocabulary_file(directory: str, features: dict[str, Any]) -> str | None:
     """The path of the vocabulary of the model in `directory` (None if it records none): its copy
     there. A version-1 directory records the absolute path it was read from, which is not read: its
-    copy at the version-2 place is (the fix `inference.check_vocabulary` names when it is missing).
+    copy at the version-2 place is (the fix `check_vocabulary` names when it is missing).
     A path that leads out of the directory (`../`, or a link) is refused: a model directory
     reads, and `t5r export-hf` ships, no file outside it."""
     recorded = features.get("vocabulary")
@@ -371,11 +375,94 @@ def vocabulary_file(directory: str, features: dict[str, Any]) -> str | None:
 
 
 def located_config(directory: str, config: dict[str, Any]) -> dict[str, Any]:
-    """`config` of the model in `directory` with its vocabulary named by a path that opens from the
-    working directory (what code that reads the vocabulary, or copies it on, needs)."""
+    """`config` of the model in `directory` (as stored, its values checked) with its vocabulary named
+    by a path that opens from the working directory (what code that reads the vocabulary, or copies
+    it on, needs), after `check_vocabulary` found that file the one the model was trained with."""
+    check_vocabulary(config.get("features", {}), directory)
     if not (config.get("features") or {}).get("vocabulary"):
         return config
     return {**config, "features": {**config["features"], "vocabulary": vocabulary_file(directory, config["features"])}}
+
+
+def check_vocabulary(stored: dict[str, Any], checkpoint_dir: str) -> None:
+    """Refuses a vocabulary that is missing, or whose content differs from the one the model was
+    trained with (its digest, recorded with the features; models trained before it was recorded
+    carry none and are not checked). `stored`: the features as recorded."""
+    path, recorded = vocabulary_file(checkpoint_dir, stored), stored.get("vocabulary_digest")
+    if not path:
+        return
+    if not os.path.exists(path):
+        if os.path.isabs(stored["vocabulary"]):  # an older model directory, recording where it was read from
+            place = os.path.join(checkpoint_dir, VOCABULARY_DIR)
+            source = stored["vocabulary"]
+            copy = (f"copy it in: mkdir -p {place} && cp {source} {path}" if os.path.isfile(source) else
+                    f"copy that vocabulary (digest {recorded or 'not recorded'}) to {place}/"
+                    f"{SENTENCEPIECE_FILE}, or a WordPiece one to {place}/{WORDPIECE_FILE} "
+                    "with its tokenizer_config.json")
+            raise CheckpointError(
+                f"{checkpoint_dir}: the model's vocabulary {source} (features.vocabulary, recorded by an older "
+                f"version) is outside the model directory, which is read from its own copy {path} only, and "
+                f"that does not exist; {copy}")
+        raise CheckpointError(f"{checkpoint_dir}: the model's vocabulary {path} (features.vocabulary) "
+                              "does not exist; copy the whole model directory, vocabulary/ with it")
+    current = vocabulary_digest(path)
+    if recorded and current != recorded:
+        raise CheckpointError(
+            f"{checkpoint_dir}: the vocabulary {path} has content digest {current}, but the model was trained "
+            f"with digest {recorded}: the file changed since training, and the model's token ids with it")
+
+
+QUERY_SIDE_FILE = "query_side.json"  # in a query-side model directory: its base model and fingerprint
+
+
+def write_base_record(model_dir: str, base_dir: str, base_fingerprint: str, **info: Any) -> None:
+    """Marks `model_dir` as a query-side model: its passages are encoded by `base_dir`'s model
+    (fingerprint `base_fingerprint`), and its indexes are the base's. The base is recorded relative
+    to `model_dir`, so the two move together (the fingerprint, not the path, says it is the same).
+    Both are taken where they really are (symbolic links resolved), as `base_dir_of` reads it."""
+    record = {"base_checkpoint": os.path.relpath(os.path.realpath(base_dir), os.path.realpath(model_dir)),
+              "base_fingerprint": base_fingerprint, **info}
+    write_json_atomic(os.path.join(model_dir, QUERY_SIDE_FILE), record)
+
+
+def read_base_record(model_dir: str) -> dict[str, Any]:
+    """A query-side model's `query_side.json`: a regular file of the directory, bounded, an object
+    whose `base_checkpoint` is a path and `base_fingerprint` a string."""
+    path = os.path.join(model_dir, QUERY_SIDE_FILE)
+    record = artefact_io.load_json_object(path, model_dir, 1 << 20, CheckpointError)
+    for field in ("base_checkpoint", "base_fingerprint"):
+        if not isinstance(record.get(field), str) or not record[field]:
+            raise CheckpointError(f"{path}: field {field!r} is {json.dumps(record.get(field))[:60]}, "
+                                  "expected a non-empty string")
+    return record
+
+
+def base_dir_of(model_dir: str) -> str:
+    """A query-side model's base model directory: recorded relative to it (absolute by older versions).
+
+    Relative to where `model_dir` really is: a model reached through a symbolic link (a stage shared
+    by two results rows) finds its base as the file system's `..` does, not by cutting path text."""
+    return _base_dir(model_dir, read_base_record(model_dir))
+
+
+def _base_dir(model_dir: str, record: dict[str, Any]) -> str:
+    return os.path.normpath(os.path.join(os.path.realpath(model_dir), record["base_checkpoint"]))
+
+
+def query_side_base(model_dir: str) -> tuple[dict[str, Any], str]:
+    """A query-side model's record and its base model directory, refused unless that directory is a
+    model directory (the base was not copied or moved along)."""
+    record = read_base_record(model_dir)
+    base_dir = _base_dir(model_dir, record)
+    if not os.path.exists(os.path.join(base_dir, CONFIG_FILE)):
+        raise CheckpointError(
+            f"{model_dir}/{QUERY_SIDE_FILE}: its base model {base_dir} (base_checkpoint {record['base_checkpoint']!r}, "
+            "relative to this directory) is not a t5r model directory; copy or move the base model along with it")
+    return record, base_dir
+
+
+def is_query_side_dir(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, QUERY_SIDE_FILE))
 
 
 def _copy_vocabulary(source: str, directory: str) -> None:
@@ -454,9 +541,7 @@ def _verified_config_size(directory: str) -> int | None:
             continue
         accept = f"if you trust it, record its checksums as it is now: t5r checksum --accept {step_dir}"
         try:
-            doc = _read_step_record(epath.Path(step_dir), accept)
-            checksums.parse_record(doc, record, accept)
-            listed = _listed_model_files(doc, epath.Path(record), accept)
+            _, listed = _step_record(epath.Path(step_dir), accept)
             if CONFIG_FILE not in listed:
                 raise checksums.ChecksumError(f"{path}: not covered by {record} (recorded by an older "
                                               f"t5-retrieval); {accept}")

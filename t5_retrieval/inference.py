@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5_retrieval import artefact_io, checkpoint, sharding
-from t5_retrieval.data.records import Passage, write_json_atomic
+from t5_retrieval import checkpoint, sharding
+from t5_retrieval.data.records import Passage
 from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
 from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens
@@ -166,34 +166,6 @@ def bucketed_width(lengths: np.ndarray, max_width: int) -> int:
     return min(max_width, -(-int(lengths.max()) // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
-def check_vocabulary(stored: dict[str, Any], checkpoint_dir: str) -> None:
-    """Refuses a vocabulary that is missing, or whose content differs from the one the model was
-    trained with (its digest, recorded with the features; models trained before it was recorded
-    carry none and are not checked). `stored`: the features as recorded."""
-    path, recorded = checkpoint.vocabulary_file(checkpoint_dir, stored), stored.get("vocabulary_digest")
-    if not path:
-        return
-    if not os.path.exists(path):
-        if os.path.isabs(stored["vocabulary"]):  # an older model directory, recording where it was read from
-            place = os.path.join(checkpoint_dir, checkpoint.VOCABULARY_DIR)
-            source = stored["vocabulary"]
-            copy = (f"copy it in: mkdir -p {place} && cp {source} {path}" if os.path.isfile(source) else
-                    f"copy that vocabulary (digest {recorded or 'not recorded'}) to {place}/"
-                    f"{checkpoint.SENTENCEPIECE_FILE}, or a WordPiece one to {place}/{checkpoint.WORDPIECE_FILE} "
-                    "with its tokenizer_config.json")
-            raise checkpoint.CheckpointError(
-                f"{checkpoint_dir}: the model's vocabulary {source} (features.vocabulary, recorded by an older "
-                f"version) is outside the model directory, which is read from its own copy {path} only, and "
-                f"that does not exist; {copy}")
-        raise checkpoint.CheckpointError(f"{checkpoint_dir}: the model's vocabulary {path} (features.vocabulary) "
-                                         "does not exist; copy the whole model directory, vocabulary/ with it")
-    current = vocabulary_digest(path)
-    if recorded and current != recorded:
-        raise checkpoint.CheckpointError(
-            f"{checkpoint_dir}: the vocabulary {path} has content digest {current}, but the model was trained "
-            f"with digest {recorded}: the file changed since training, and the model's token ids with it")
-
-
 def load_encoder(model_dir: str, step: int | None = None, batch_size: int | None = None
                  ) -> DualEncoderInference | QuerySideEncoder:
     """The one way to open a model directory the project writes, as a retrieval `Encoder`.
@@ -202,18 +174,14 @@ def load_encoder(model_dir: str, step: int | None = None, batch_size: int | None
     parameters restored; a query-side model (`t5r query-side`, or `t5r train` over stored passage
     embeddings) encodes queries with its own weights and passages with its base model's.
     """
-    if not is_query_side_dir(model_dir):
+    if not checkpoint.is_query_side_dir(model_dir):
         return load_dual_encoder(model_dir, step, batch_size)
     if step is not None:
         raise ConfigError(f"step={step}: {model_dir} is a query-side model; it is used at its latest step")
-    record, base_dir = read_base_record(model_dir), base_dir_of(model_dir)
-    if not os.path.exists(os.path.join(base_dir, checkpoint.CONFIG_FILE)):
-        raise checkpoint.CheckpointError(
-            f"{model_dir}/{QUERY_SIDE_FILE}: its base model {base_dir} (base_checkpoint {record['base_checkpoint']!r}, "
-            "relative to this directory) is not a t5r model directory; copy or move the base model along with it")
+    record, base_dir = checkpoint.query_side_base(model_dir)
     base = load_encoder(base_dir, batch_size=batch_size)
     if base.fingerprint != record["base_fingerprint"]:
-        raise IndexMismatchError(f"{model_dir}/{QUERY_SIDE_FILE}: base checkpoint {base_dir} now "
+        raise IndexMismatchError(f"{model_dir}/{checkpoint.QUERY_SIDE_FILE}: base checkpoint {base_dir} now "
                                  f"has fingerprint {base.fingerprint!r}, fine-tuned against {record['base_fingerprint']!r}")
     return QuerySideEncoder(load_dual_encoder(model_dir, batch_size=batch_size), base)
 
@@ -222,10 +190,9 @@ def load_dual_encoder(model_dir: str, step: int | None = None, batch_size: int |
                       ) -> DualEncoderInference:
     """A model directory's own network and parameters (what training, export and analysis need);
     retrieval uses `load_encoder`, which also resolves a query-side model's passage encoder."""
-    stored = checkpoint.read_config(model_dir)
+    stored = checkpoint.read_config(model_dir)  # verified against the newest checkpoint's record
     check_stored_config(stored, os.path.join(model_dir, checkpoint.CONFIG_FILE))
-    check_vocabulary(stored.get("features", {}), model_dir)
-    config = checkpoint.located_config(model_dir, stored)  # its vocabulary by a path that opens from here
+    config = checkpoint.located_config(model_dir, stored)  # its vocabulary checked, by a path that opens from here
     model = build_model(config)
     # This process's devices only: in a multi-process job each process encodes its own texts (its
     # shards of the KB, its queries), different ones and different numbers of them, so an encode
@@ -280,42 +247,4 @@ class QuerySideEncoder:
         return self.passage_encoder.encode_passages(passages)
 
 
-QUERY_SIDE_FILE = "query_side.json"  # in a query-side model directory: its base model and fingerprint
-
-
-def write_base_record(model_dir: str, base_dir: str, base_fingerprint: str, **info: Any) -> None:
-    """Marks `model_dir` as a query-side model: its passages are encoded by `base_dir`'s model
-    (fingerprint `base_fingerprint`), and its indexes are the base's. The base is recorded relative
-    to `model_dir`, so the two move together (the fingerprint, not the path, says it is the same).
-    Both are taken where they really are (symbolic links resolved), as `base_dir_of` reads it."""
-    record = {"base_checkpoint": os.path.relpath(os.path.realpath(base_dir), os.path.realpath(model_dir)),
-              "base_fingerprint": base_fingerprint, **info}
-    write_json_atomic(os.path.join(model_dir, QUERY_SIDE_FILE), record)
-
-
-def read_base_record(model_dir: str) -> dict[str, Any]:
-    """A query-side model's `query_side.json`: a regular file of the directory, bounded, an object
-    whose `base_checkpoint` is a path and `base_fingerprint` a string."""
-    path = os.path.join(model_dir, QUERY_SIDE_FILE)
-    record = artefact_io.load_json_object(path, model_dir, 1 << 20, checkpoint.CheckpointError)
-    for field in ("base_checkpoint", "base_fingerprint"):
-        if not isinstance(record.get(field), str) or not record[field]:
-            raise checkpoint.CheckpointError(f"{path}: field {field!r} is {json.dumps(record.get(field))[:60]}, "
-                                             "expected a non-empty string")
-    return record
-
-
-def base_dir_of(model_dir: str) -> str:
-    """A query-side model's base model directory: recorded relative to it (absolute by older versions).
-
-    Relative to where `model_dir` really is: a model reached through a symbolic link (a stage shared
-    by two results rows) finds its base as the file system's `..` does, not by cutting path text."""
-    return os.path.normpath(os.path.join(os.path.realpath(model_dir), read_base_record(model_dir)["base_checkpoint"]))
-
-
-def is_query_side_dir(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, QUERY_SIDE_FILE))
-
-
-__all__ = ["DualEncoderInference", "QuerySideEncoder", "base_dir_of", "load_encoder", "load_dual_encoder",
-           "fingerprint_of"]
+__all__ = ["DualEncoderInference", "QuerySideEncoder", "load_encoder", "load_dual_encoder", "fingerprint_of"]

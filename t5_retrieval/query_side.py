@@ -41,6 +41,7 @@ import optax
 from tqdm import tqdm
 
 from t5_retrieval import checkpoint
+from t5_retrieval.checkpoint import write_base_record
 from t5_retrieval.data.kilt.answers import AnswerTexts, recall_at_ks
 from t5_retrieval.data.kilt.qa_open import QATask, read_qa_task
 from t5_retrieval.data.records import DataError, write_json_atomic
@@ -48,13 +49,7 @@ from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore
 from t5_retrieval.data.tokenizers.query_inputs import query_tokens
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.inference import (
-    DualEncoderInference,
-    bucketed_width,
-    load_dual_encoder,
-    token_lengths,
-    write_base_record,
-)
+from t5_retrieval.inference import DualEncoderInference, bucketed_width, load_dual_encoder, token_lengths
 from t5_retrieval.retrieval.index import Index, IndexMismatchError, load_index
 
 log = logging.getLogger(__name__)

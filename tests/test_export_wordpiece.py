@@ -16,13 +16,14 @@ import pytest
 import tensorflow as tf
 
 from t5_retrieval import cli
+from t5_retrieval.checkpoint import write_base_record
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import read_examples
 from t5_retrieval.data.tokenizers.query_inputs import KEEP_BEGINNING, MENTION_WINDOW, QueryInput, query_tokens
 from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary
 from t5_retrieval.export import preprocess
 from t5_retrieval.export.wordpiece_tf import WordPieceTokenizer
-from t5_retrieval.inference import QuerySideEncoder, load_encoder, write_base_record
+from t5_retrieval.inference import QuerySideEncoder, load_encoder
 from t5_retrieval.models.pretrained import minilm_l6_dir
 from tests.test_export import TRICKY, _run_client, assert_names_no_path_of_this_machine
 from tests.tiny_model import TASKS, build_tiny_run, write_model_dir

@@ -252,7 +252,7 @@ def test_a_command_still_rewrites_or_resumes_its_own_kind(prepared, tmp_path, ca
 
 
 def test_the_markers_are_the_writers_own_file_names():
-    from t5_retrieval import checkpoint, inference
+    from t5_retrieval import checkpoint
     from t5_retrieval.commands import outputs
     from t5_retrieval.data.stores import embedding_store, kb
     from t5_retrieval.export import hf, savedmodel
@@ -262,7 +262,7 @@ def test_the_markers_are_the_writers_own_file_names():
     assert outputs.INDEX_JSON == stored_index.INDEX_JSON
     assert outputs.MANIFEST == kb.MANIFEST == embedding_store.MANIFEST
     assert (outputs.PAGE_MAP, outputs.IDS_FILE) == (kb.PAGE_MAP, embedding_store.IDS_FILE)
-    assert (outputs.MODEL_CONFIG, outputs.QUERY_SIDE) == (checkpoint.CONFIG_FILE, inference.QUERY_SIDE_FILE)
+    assert (outputs.MODEL_CONFIG, outputs.QUERY_SIDE) == (checkpoint.CONFIG_FILE, checkpoint.QUERY_SIDE_FILE)
     assert (outputs.EXPORT_JSON, outputs.RETRIEVAL_JSON) == (savedmodel.EXPORT_JSON, hf.RETRIEVAL_JSON)
     assert outputs.ENSEMBLE_JSON == muf.ENSEMBLE_JSON
 

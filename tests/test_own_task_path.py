@@ -208,6 +208,30 @@ def test_eval_and_mine_of_an_own_task_need_data_dir_alone_and_name_files_by_task
                     f"task demo_nq: hard negatives from {work}/data/negatives/ance-1/nq-train.jsonl"], read
 
 
+def test_a_bm25_eval_of_an_own_task_imports_its_module_and_searches_its_query_text(work, monkeypatch):
+    from t5_retrieval.data.stores.kb import PassageStore
+    from t5_retrieval.retrieval.bm25_index import build_bm25_index
+
+    monkeypatch.chdir(work)
+    forget_my_tasks()
+    assert t5r("index", "--backend=bm25", "--kb_dir=data/kb", "--output_dir=bm25") == 0
+    assert t5r("eval", "--index_dir=bm25", "--data_dir=data", "--tasks=my_fever_lc,nq", "--task_module=my_tasks",
+               "--output_dir=eval_bm25") == 0
+    assert sorted(os.listdir("eval_bm25/predictions")) == ["my_fever_lc.jsonl", "my_fever_lc.trec", "nq.jsonl",
+                                                           "nq.trec"]
+    with open("eval_bm25/predictions/my_fever_lc.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    dev = read_examples(layout.examples_path("data", "fever", "dev"))
+    assert {row["id"]: row["input"] for row in rows} == {e.id: rewritten(e.query) for e in dev}, \
+        "BM25 searches the Task's text"
+    index = build_bm25_index(PassageStore.open("data/kb"))
+    ranks, _ = index.search([rewritten(e.query) for e in dev], 5)
+    with open("eval_bm25/predictions/my_fever_lc.trec") as f:
+        run = [line.split() for line in f]
+    assert [(qid, pid) for qid, _, pid, rank, *_ in run if int(rank) <= 5] == \
+        [(e.id, index.passage_ids[r]) for e, rows in zip(dev, ranks) for r in rows], run[:5]
+
+
 def readme_slice_commands() -> list[str]:
     """README's data stages on the shipped slice (the bash block after "On the real-data slice")."""
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
@@ -246,7 +270,7 @@ def tiny(tmp_path_factory):
 def test_a_moved_query_side_model_resumes_keeping_its_relative_base(tiny, tmp_path, monkeypatch):
     """A query-side model trained over its base's stored passage embeddings, copied with its base
     to another directory and resumed there: its query_side.json keeps naming the base beside it."""
-    from t5_retrieval.inference import base_dir_of, read_base_record
+    from t5_retrieval.checkpoint import base_dir_of, read_base_record
 
     root = os.path.dirname(tiny.model_dirs[0])
     first, moved = tmp_path / "first", tmp_path / "moved"

@@ -20,7 +20,7 @@ from tests.tiny_model import build_tiny_run
 def tiny(tmp_path_factory):
     """A tiny model (vocabulary at `<root>/data/spm.model`), its KB embeddings and index, and a
     query-side model over it, all under one root."""
-    from t5_retrieval.inference import write_base_record
+    from t5_retrieval.checkpoint import write_base_record
 
     root = str(tmp_path_factory.mktemp("written"))
     run = build_tiny_run(root)
@@ -83,7 +83,8 @@ def test_a_copied_model_index_and_embeddings_work_with_their_original_place_gone
 def test_a_query_side_model_reached_through_a_symbolic_link_finds_its_base(tiny, tmp_path):
     """As a results row links a stage it shares with another row: `<row>/ance/episode_1 -> ../../shared/...`
     puts the model's path text one level off from where its base really is."""
-    from t5_retrieval.inference import base_dir_of, load_encoder
+    from t5_retrieval.checkpoint import base_dir_of
+    from t5_retrieval.inference import load_encoder
 
     root = os.path.dirname(tiny.data_dir)
     row = tmp_path / "row" / "ance"

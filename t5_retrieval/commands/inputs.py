@@ -99,7 +99,7 @@ def import_task_modules(args: argparse.Namespace) -> None:
     A model directory is data someone handed over: a module it records is imported only when
     `--task_module` names it (as transformers' `trust_remote_code`); otherwise a UserError says
     which flag to pass."""
-    from t5_retrieval.inference import base_dir_of, is_query_side_dir
+    from t5_retrieval.checkpoint import base_dir_of, is_query_side_dir
 
     if args.checkpoint_dir is None or gin_utils.macro_is_set("MIXTURE_OR_TASK_MODULE"):
         return

@@ -58,13 +58,7 @@ from t5_retrieval.export.sentence_transformers_files import (
     write_sentence_transformers,
     write_transformer_config,
 )
-from t5_retrieval.inference import (
-    DualEncoderInference,
-    QuerySideEncoder,
-    is_query_side_dir,
-    load_dual_encoder,
-    load_encoder,
-)
+from t5_retrieval.inference import DualEncoderInference, QuerySideEncoder, load_dual_encoder, load_encoder
 from t5_retrieval.models import hf_bert_import, hf_import
 from t5_retrieval.models.bert import BertConfig
 from t5_retrieval.models.build import check_stored_config
@@ -195,11 +189,11 @@ class Networks:
 def load_networks(checkpoint_dir: str, step: int | None) -> Networks:
     """A model directory's networks; a query-side one (`t5r query-side`, or `t5r train` over stored
     passage embeddings) embeds passages with its base model's passage tower."""
-    if not is_query_side_dir(checkpoint_dir):
+    if not checkpoint.is_query_side_dir(checkpoint_dir):
         model = load_dual_encoder(checkpoint_dir, step, batch_size=1)
         return Networks(model, model, model, query_side=False)
     encoder = load_encoder(checkpoint_dir, step, batch_size=1)  # checks the base's fingerprint
-    assert isinstance(encoder, QuerySideEncoder)  # is_query_side_dir
+    assert isinstance(encoder, QuerySideEncoder)  # checkpoint.is_query_side_dir
     passage = encoder.passage_encoder
     while isinstance(passage, QuerySideEncoder):  # the base of a query-side base
         passage = passage.passage_encoder
