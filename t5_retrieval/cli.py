@@ -106,7 +106,7 @@ ACCELERATOR_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]
 def run_on_cpu_without_accelerators() -> None:
     """On a host without accelerators, JAX runs on the CPU without first trying to start a TPU.
 
-    With libtpu installed (requirements-dev.txt pins it for `t5r plan`), JAX starts its TPU backend
+    With libtpu installed (the `tpu` extra, and requirements-dev.txt for `t5r plan`), JAX starts its TPU backend
     in every process that uses it: on a host without TPUs that loads libtpu and has it print its
     complaints ("could not determine TPU accelerator type", "unexpected worker hostname ... from env
     var TPU_WORKER_HOSTNAMES") before JAX falls back to the CPU, which users take for an error.

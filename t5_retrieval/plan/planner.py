@@ -55,9 +55,10 @@ from t5_retrieval.sharding import param_path
 from t5_retrieval.train_step import task_groups
 
 MIB = 1024 ** 2
-# The libtpu that requirements-dev.txt pins (the one jax's `jax[tpu]` extra pins); newer ones may
-# compile programs this jax cannot read back.
-PINNED_LIBTPU = "0.0.42.1"
+# The libtpu that the `tpu` extra and requirements-dev.txt pin: of the releases tried, the one that
+# compiles every shipped step (0.0.42.1 crashes on T5-base's per-task passes) and works with this
+# jax (from 0.0.45 on, libtpu crashes its profiler).
+PINNED_LIBTPU = "0.0.43.2"
 # The layout that replicates parameters by design; under any other a large replicated one is a problem.
 REPLICATING_LAYOUT = "data_parallel"
 # The most batches `fit_advice` compiles (the line's guess, then halfway to one query per task each time)
@@ -119,8 +120,8 @@ def describe_topology(name: str, num_slices: int, per_tensorcore: bool = False) 
         raise ConfigError(f"--per_tensorcore: only v4 chips can be planned per TensorCore (libtpu describes a "
                           f"{chip.name} chip as one device); drop the flag for --topology={name}")
     if importlib.util.find_spec("libtpu") is None:
-        raise UserError("libtpu is not installed, and only it compiles for TPUs: "
-                        "pip install -r requirements-dev.txt (it pins libtpu)")
+        raise UserError(f"libtpu is not installed, and only it compiles for TPUs: pip install libtpu=={PINNED_LIBTPU} "
+                        "(the version this project's `tpu` extra pins)")
     # Several processes may describe topologies at once (libtpu otherwise takes an exclusive lock
     # on /tmp/libtpu_lockfile). On a host without TPUs libtpu's start-up looks for this host's own
     # TPU and workers and prints warnings when it finds none; naming them keeps them quiet, and the
@@ -743,7 +744,7 @@ def problems(report: dict[str, Any]) -> list[str]:
         if step["hlo_unreadable"]:
             versions = report["compiler"]
             hint = ("" if versions["libtpu"] == PINNED_LIBTPU else
-                    f"; libtpu {PINNED_LIBTPU}, which requirements-dev.txt pins for this jax, reads back its own "
+                    f"; libtpu {PINNED_LIBTPU}, which this project pins for this jax, reads back its own "
                     f"programs: pip install libtpu=={PINNED_LIBTPU} (with no other libtpu ahead of it on PYTHONPATH)")
             lines.append(f"{name} step: jax {versions['jax']} cannot read back what libtpu {versions['libtpu']} "
                          f"compiled ({step['hlo_unreadable']}), so its collectives and unpriced custom calls are "
