@@ -90,3 +90,22 @@ def prepare_small_demo(root, tasks) -> str:
     prepare_tasks(str(root / "raw"), out, list(tasks), ("train",))
     prepare_negatives(out, list(tasks), top_k=5, index=build_bm25_index_for_kb(layout.kb_dir(out)))
     return out
+
+
+def run_plan(*argv: str) -> tuple[int, str, str]:
+    """`t5r plan` as a user runs it, exit 2 included: (code, stdout, stderr), gin cleared before and after."""
+    import contextlib
+    import io
+
+    import gin
+
+    from t5_retrieval import cli
+
+    gin.clear_config()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["plan", *argv])
+    finally:
+        gin.clear_config()
+    return code, out.getvalue(), err.getvalue()

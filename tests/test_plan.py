@@ -6,9 +6,7 @@ against a count made here from the parameters' logical axes and the layout's rul
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import json
 import os
 import re
@@ -16,8 +14,7 @@ import re
 import jax
 import numpy as np
 import pytest
-
-from t5_retrieval import cli
+from conftest import run_plan
 
 libtpu = pytest.importorskip("libtpu", reason="t5r plan compiles with libtpu (pip install -r requirements-dev.txt)")
 
@@ -70,19 +67,6 @@ def compile_each_program_once():
 def libtpu_version() -> str:
     import importlib.metadata
     return importlib.metadata.version("libtpu")
-
-
-def run_plan(*argv: str) -> tuple[int, str, str]:
-    """`t5r plan` as a user runs it, exit 2 included: (code, stdout, stderr)."""
-    import gin
-    gin.clear_config()
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(["plan", *argv])
-    finally:
-        gin.clear_config()
-    return code, out.getvalue(), err.getvalue()
 
 
 @functools.cache

@@ -8,8 +8,6 @@ itself runs in a subprocess of an environment that has the plugin (`GPU_PLAN_PYT
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -17,8 +15,8 @@ import subprocess
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import run_plan
 
-from t5_retrieval import cli
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.plan import chips, gpu, planner
 
@@ -60,18 +58,6 @@ def test_the_target_description_states_the_chip_to_xla():
     assert "cuda_compute_capability { major: 9 minor: 0 }" in h100
     assert "cuda_compute_capability { major: 8 minor: 0 }" in gpu.target_config(gpu.GPUS["a100"])
     assert h100.count("{") == h100.count("}")
-
-
-def run_plan(*argv: str) -> tuple[int, str, str]:
-    import gin
-    gin.clear_config()
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(["plan", *argv])
-    finally:
-        gin.clear_config()
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.skipif(gpu.has_cuda_plugin(),
