@@ -1,6 +1,7 @@
 """A run record keeps what ran: every model's operative gin config, TACO's medians at each logged step
 and the specialisation of its final state, as recomputed from the model directory it came from."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -14,6 +15,7 @@ from process_harness import XLA_CACHE
 from t5_retrieval.multitask.analysis import load_state_npz, state_file, summarize
 from t5_retrieval.multitask.taco import taco
 from t5_retrieval.results.common import train_model
+from t5_retrieval.results.curve import curve_count, curve_table
 from t5_retrieval.results.provenance import training_record
 from t5_retrieval.results.records import RunRecord, read_records
 from t5_retrieval.results.specialisation import ran_as_defined, run_specialisation, specialisation_table
@@ -131,5 +133,23 @@ def test_committed_taco_records_ran_as_defined_at_every_logged_step():
             assert np.isclose(sum(t["task_specific_fraction"] for t in tasks.values()),
                               spec.summary["task_specific_fraction"]), run.file_name
             assert np.isclose(sum(t["mean_weight"] for t in tasks.values()), 1.0), run.file_name
-    if checked == 0:
-        pytest.skip("no committed record holds TACO's statistics yet")
+    assert checked, "no committed record holds TACO's statistics (the warm-up curve's records do)"
+
+
+def test_the_curve_prints_taco_minus_naive_with_its_interval_and_both_sides_specialisation():
+    """A warm-up point from the committed 1-epoch TACO record, against a naive run that scored 0 on
+    every query: the difference is TACO's own mean, its interval excludes 0, and both sides print
+    their specialisation; a point without its naive run prints TACO's side alone."""
+    (taco_run,) = read_records(RECORDS)["taco_recipe_frozen_warmup_1ep"]
+    zeros = {task: {key: np.zeros_like(values) for key, values in metrics.items()}
+             for task, metrics in taco_run.per_query.items()}
+    naive_run = dataclasses.replace(taco_run, row="naive_recipe_frozen_warmup_1ep", per_query=zeros)
+    records = {"taco_recipe_frozen_warmup_1ep": [taco_run], "naive_recipe_frozen_warmup_1ep": [naive_run]}
+    assert curve_count(records) == 1
+    (line,) = curve_table(records, m=1).splitlines()[2:]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:2] == ["1 (273 steps)", "1 / 1"], cells
+    assert cells[4].startswith(f"{taco_run.mean('Rprec'):+.3f} [") and cells[4].endswith(" *"), cells
+    assert cells[6] == "yes" and cells[7] == cells[8] and cells[7].endswith("%, 1.713"), cells
+    alone = curve_table({"taco_recipe_frozen_warmup_1ep": [taco_run]}, m=0).splitlines()[2]
+    assert "| 1 / 0 |" in alone and "| — | — | — |" in alone, alone

@@ -10,7 +10,8 @@ as paths relative to the page:
 Kinds: `main` (the per-task table), `differences` (each method against its control), `overlap` (the
 means without the dev queries that are training queries), `change` (each row against the same
 rows under other inputs: `change NEW OLD`), `specialisation` (each multi-task run's medians and
-Fig. 2 numbers, `specialisation`) and `bonferroni` (no directory: one sentence giving the
+Fig. 2 numbers, `specialisation`), `curve` (TACO against naive after each warm-up of the frozen
+recipe, with both sides' specialisation) and `bonferroni` (no directory: one sentence giving the
 number m of intervals the page's tables print, which every table's Bonferroni column is corrected
 for). Refreshing rewrites every marked table from its records,
 so adding a record and refreshing is all a new run needs; the prose around the tables is the
@@ -26,6 +27,7 @@ import re
 from collections.abc import Callable
 
 from t5_retrieval.data.records import DataError, write_text_atomic
+from t5_retrieval.results.curve import curve_count, curve_table
 from t5_retrieval.results.overlap import overlap_table, read_overlap
 from t5_retrieval.results.records import read_records
 from t5_retrieval.results.rows import CONTROLS, TITLES
@@ -75,6 +77,7 @@ KINDS: dict[str, Kind] = {
                    lambda new, old: inputs_count(_records(new), _records(old), TITLES)),
     "bonferroni": Kind(0, lambda m: bonferroni_sentence(m)),
     "specialisation": Kind(1, lambda m, d: specialisation_table(_records(d))),
+    "curve": Kind(1, lambda m, d: curve_table(_records(d), m), lambda d: curve_count(_records(d))),
 }
 
 

@@ -47,12 +47,12 @@ PerQuery = dict[str, dict[str, np.ndarray]]  # task -> metric -> one value per d
 def seed_mean(runs: Sequence[RunRecord]) -> PerQuery:
     """Each query's score averaged over runs (seeds) of one method; the runs must score the same queries."""
     for run in runs[1:]:
-        _check_same_queries(run, runs[0])
+        check_same_queries(run, runs[0])
     return {task: {key: np.mean([run.per_query[task][key] for run in runs], axis=0) for key, _ in METRICS}
             for task in TASKS}
 
 
-def _check_same_queries(a: RunRecord, b: RunRecord) -> None:
+def check_same_queries(a: RunRecord, b: RunRecord) -> None:
     for task in TASKS:
         if a.query_ids[task] != b.query_ids[task]:
             raise DataError(f"{a.file_name} and {b.file_name} score different {task} dev queries "
@@ -196,7 +196,7 @@ def differences_table(records: Mapping[str, Sequence[RunRecord]], titles: Mappin
              "|---|---|---|---|" + "---|" * (len(METRICS) + 2)]
     columns = []
     for row, control in pairs:
-        _check_same_queries(records[row][0], records[control][0])
+        check_same_queries(records[row][0], records[control][0])
         method, base = seed_mean(records[row]), seed_mean(records[control])
         columns += [{task: method[task][key] - base[task][key] for task in TASKS} for key, _ in METRICS]
     found = iter(intervals(_stacked(columns), [ALPHA, bonferroni_alpha(m)]))
@@ -249,7 +249,7 @@ def inputs_table(new: Mapping[str, Sequence[RunRecord]], old: Mapping[str, Seque
              "|---|---|---|" + "---|" * (len(TASKS) + 3)]
     before, after = {}, {}
     for row in rows:
-        _check_same_queries(new[row][0], old[row][0])
+        check_same_queries(new[row][0], old[row][0])
         before[row], after[row] = seed_mean(old[row]), seed_mean(new[row])
     columns = [{t: after[row][t][key] - before[row][t][key] for t in TASKS} for row in rows]
     for row, (at_95, corrected) in zip(rows, intervals(_stacked(columns), [ALPHA, bonferroni_alpha(m)])):
