@@ -4,7 +4,8 @@
 writes results.json, results.txt, predictions/{task}.jsonl (official KILT format) and
 predictions/{task}.trec (TREC run), each keyed and named by the model's name of the task
 (`demo_fever`, whether --tasks names it so, by its dataset or by a Mixture). An index built by
-`t5r index --backend=bm25` takes no model: it searches the query texts of the examples files.
+`t5r index --backend=bm25` takes no model: it searches the query texts of the examples files, or of
+the registered Tasks `--tasks` names (a user's Task module named by `--task_module`).
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ def _is_bm25_index(args: argparse.Namespace) -> bool:
 
 
 def _evaluate_bm25(args: argparse.Namespace) -> EvalResult:
-    """A BM25 index's rankings of the query texts of `--tasks` (datasets: examples files), scored as
-    a model's are; refuses a model flag, since BM25 has none."""
-    from t5_retrieval import checksums
-    from t5_retrieval.commands.gin_flags import without_flags
+    """A BM25 index's rankings of the query texts of `--tasks` (datasets: examples files as written;
+    registered Tasks, a user's from `--task_module` too: their own query text), scored as a model's
+    are; refuses a model flag, since BM25 has none."""
+    from t5_retrieval import checksums, gin_utils
+    from t5_retrieval.commands.gin_flags import rerun, without_flags
     from t5_retrieval.data import layout
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.data.tasks.examples import dataset_examples
+    from t5_retrieval.data.tasks.examples import dataset_examples, task_examples
+    from t5_retrieval.data.tasks.task_names import TaskSet
     from t5_retrieval.errors import UserError, shell_command
     from t5_retrieval.retrieval.index import INDEX_JSON, load_index
 
@@ -70,5 +73,11 @@ def _evaluate_bm25(args: argparse.Namespace) -> EvalResult:
         store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
         index = load_index(args.index_dir)
     index.check(passage_ids=store.ids())
-    examples = dataset_examples(args.data_dir, args.split, [t for t in args.tasks.split(",") if t])
+    gin_utils.import_modules(args.task_module)  # no model records them: --task_module names them itself
+    names = [t for t in args.tasks.split(",") if t]
+    if not names:
+        return evaluate(None, index, dataset_examples(args.data_dir, args.split), store)
+    # A registered Task (a user's, from --task_module) is searched with its own query text; any other name is a dataset
+    examples = task_examples(TaskSet.registered(names), args.data_dir, args.split, names,
+                             lambda **flags: rerun(args, **flags))
     return evaluate(None, index, examples, store)
