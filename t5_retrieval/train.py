@@ -274,6 +274,7 @@ def train(model_dir: str,
         num_steps = max(1, int(round(num_epochs * data.steps_per_epoch)))
     assert num_steps is not None  # exactly one of the two is set (checked above)
     config = {**model_config(), "features": data.features}
+    check_vocabulary_fits(config)
     towers = config["dual_encoder"]["query_towers"]
     if towers and towers != len(task_names):
         raise ConfigError(f"DualEncoderConfig.query_towers={towers} but the mixture has {len(task_names)} tasks "
@@ -335,6 +336,25 @@ def train(model_dir: str,
              int(state.skipped_steps))
     export_multitask_state(state.opt_state, task_names, model_dir)
     return state
+
+
+def check_vocabulary_fits(config: dict[str, Any]) -> None:
+    """Every token id of the run's vocabulary (sentencepiece pieces plus T5's 100 sentinel ids, or
+    WordPiece tokens) must have a row in the model's embedding table: an id past it gives every step a
+    non-finite loss. Raises ConfigError naming VOCAB_SIZE and a size that fits (a multiple of 128)."""
+    from t5_retrieval.data.tokenizers.tokenize import load_vocabulary
+
+    path = config["features"].get("vocabulary")
+    family = family_of(config)
+    size = config[family.name]["vocab_size"]
+    if not path:
+        return
+    vocab = load_vocabulary(path)
+    if vocab.vocab_size > size:
+        extra = vocab.extra_ids
+        raise ConfigError(f"VOCAB_SIZE={size} ({family.network.__name__}.vocab_size) is below the {vocab.vocab_size} "
+                          f"token ids of the vocabulary {path} ({vocab.vocab_size - extra} pieces + {extra} sentinels): "
+                          f"pass --gin.VOCAB_SIZE={-(-vocab.vocab_size // 128) * 128}")
 
 
 def log_query_passes(model: nn.Module, batch: dict[str, dict[str, np.ndarray]], task_names: list[str],
