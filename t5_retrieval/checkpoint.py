@@ -465,6 +465,15 @@ def is_query_side_dir(directory: str) -> bool:
     return os.path.exists(os.path.join(directory, QUERY_SIDE_FILE))
 
 
+def trained_config_gin(model_dir: str) -> str:
+    """The path of the config.gin the model in `model_dir` was trained with (it names the Task
+    modules that registered its Tasks): its own, or, for a query-side model that has none
+    (`t5r query-side`), its base model's."""
+    if is_query_side_dir(model_dir) and not os.path.exists(os.path.join(model_dir, OPERATIVE_CONFIG)):
+        model_dir = base_dir_of(model_dir)
+    return os.path.join(model_dir, OPERATIVE_CONFIG)
+
+
 def _copy_vocabulary(source: str, directory: str) -> None:
     """Copies the vocabulary files at `source` into `directory`'s VOCABULARY_DIR (each file whole or
     not at all), unless `source` is that copy already."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from typing import Any
 
 from t5_retrieval import checksums, gin_utils
@@ -99,14 +98,11 @@ def import_task_modules(args: argparse.Namespace) -> None:
     A model directory is data someone handed over: a module it records is imported only when
     `--task_module` names it (as transformers' `trust_remote_code`); otherwise a UserError says
     which flag to pass."""
-    from t5_retrieval.checkpoint import base_dir_of, is_query_side_dir
+    from t5_retrieval.checkpoint import trained_config_gin
 
     if args.checkpoint_dir is None or gin_utils.macro_is_set("MIXTURE_OR_TASK_MODULE"):
         return
-    model_dir = args.checkpoint_dir
-    if is_query_side_dir(model_dir) and not os.path.exists(os.path.join(model_dir, gin_utils.OPERATIVE_CONFIG)):
-        model_dir = base_dir_of(model_dir)
-    config = os.path.join(model_dir, gin_utils.OPERATIVE_CONFIG)
+    config = trained_config_gin(args.checkpoint_dir)
     modules, path = gin_utils.recorded_task_modules(config)
     unnamed = [m for m in modules if m not in args.task_module]
     if unnamed:
