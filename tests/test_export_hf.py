@@ -309,6 +309,21 @@ def test_prefixed_bert_embeds_as_t5r_with_its_prompts_and_one_token_markers(bert
     check_sentence_transformers(out, load_encoder(model_dir), synthetic_task_queries(slice_dir), passages_of(data_dir))
 
 
+def test_each_exported_task_is_its_task_spec_record_with_its_prefix_text():
+    """One source for a task's fields: the export's entry is `TaskSpec.to_record()`, plus the prefix
+    as the text put before a query in the vocabulary's own tokens."""
+    from t5_retrieval.data.tasks.task_names import TaskSet
+    from t5_retrieval.data.tasks.task_spec import TaskSpec
+
+    tasks = TaskSet([TaskSpec("demo_fever", "fever", "FEVER", 24), TaskSpec("demo_aidayago2", "aidayago2", "AIDA", 40,
+                                                                             "mention"),
+                     TaskSpec("my_fever_lc", "fever", None, 16, text_preprocessors=("my_tasks.without_subject",))])
+    for family, sentinel in (("bert", "[unused1]"), ("t5", "<extra_id_1>")):
+        prefix_text = {"demo_fever": f"FEVER {sentinel} ", "demo_aidayago2": f"AIDA {sentinel} ", "my_fever_lc": ""}
+        assert hf.task_specs(tasks, family) == {name: {**tasks.spec(name).to_record(), "query_prefix": text}
+                                                for name, text in prefix_text.items()}, family
+
+
 def test_query_side_model_exports_its_query_encoder_and_its_bases_passage_encoder_as_a_router(
         bert_runs, slice_dir, data_dir):
     (base_dir, _), (model_dir, out) = bert_runs

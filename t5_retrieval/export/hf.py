@@ -212,14 +212,16 @@ def check_same_embedding(networks: Networks) -> None:
 
 
 def task_specs(tasks: TaskSet, family: str) -> dict[str, dict[str, Any]]:
-    """Each task's prefix (as the text to put before a query), query length and truncation, from its
-    `TaskSpec`, as the export records them."""
+    """Each task as the export records it: its `TaskSpec` record (`to_record`: dataset, prefix, query
+    length, truncation), and its prefix as the text to put before a query (`query_prefix`, with the
+    vocabulary's own sentinel token)."""
     sentinel = BERT_SENTINEL if family == "bert" else EXTRA_ID_1
-    queries = {name: tasks.query_input(name) for name in sorted(tasks)}
-    return {name: {"prefix": q.prefix,
-                   "query_prefix": query_prefix(q.prefix).replace(EXTRA_ID_1, sentinel) + " " if q.prefix else "",
-                   "query_len": q.length, "truncation": q.truncation}
-            for name, q in queries.items()}
+    specs = {name: tasks.spec(name) for name in sorted(tasks)}
+    for spec in specs.values():
+        spec.query_input()  # a task the export cannot tokenise (no query length) is refused here
+    return {name: {**spec.to_record(),
+                   "query_prefix": query_prefix(spec.prefix).replace(EXTRA_ID_1, sentinel) + " " if spec.prefix else ""}
+            for name, spec in specs.items()}
 
 
 def retrieval_record(networks: Networks) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import re
 
 import tensorflow as tf
 
-from t5_retrieval.data.text import END_ENT, EXTRA_ID_1, KILT_SEP, START_ENT, T5_EOS_TEXT
+from t5_retrieval.data.text import END_ENT, KILT_SEP, START_ENT, T5_EOS_TEXT, query_prefix
 from t5_retrieval.data.tokenizers.conventions import PAD_ID, T5_CONVENTIONS, TokenConventions
 
 
@@ -53,7 +53,7 @@ def normalize_queries(texts: tf.Tensor) -> tf.Tensor:
 
 def prefix_strings(prefix_names: list[str | None]) -> list[str]:
     """Per task, the text placed before the query ("" for a task trained without a prefix)."""
-    return [f"{name} {EXTRA_ID_1} " if name else "" for name in prefix_names]
+    return [f"{query_prefix(name)} " if name else "" for name in prefix_names]
 
 
 def encode(tokenizer, texts: tf.Tensor, separator_id: int) -> tf.RaggedTensor:
