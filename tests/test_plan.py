@@ -485,7 +485,8 @@ def test_a_compiler_estimate_that_is_no_time_is_reported_as_none():
     assert usable_estimate(float("nan")) is None
 
 
-def _t5_base_mesh_and_config(*bindings: str) -> tuple[object, dict]:
+def _t5_base_mesh_and_config(*bindings: str, base: bool = False) -> tuple[object, dict]:
+    """T5-base's gin file (`base`) on v4's TensorCores, or the tiny T5's on v5e:2x2, with `bindings`."""
     import gin
     from jax.sharding import Mesh
 
@@ -495,12 +496,12 @@ def _t5_base_mesh_and_config(*bindings: str) -> tuple[object, dict]:
 
     gin.clear_config()
     try:
-        gin_utils.parse_gin(["models/t5_tiny.gin"] if bindings else ["models/t5_base.gin"], list(bindings))
+        gin_utils.parse_gin(["models/t5_base.gin" if base else "models/t5_tiny.gin"], list(bindings))
         config = model_config()
     finally:
         gin.clear_config()
     # T5-base on v4's TensorCores: the programs these tests' figures were read from
-    target = planner.describe_topology("v4:2x2x1", 1, per_tensorcore=True) if not bindings else \
+    target = planner.describe_topology("v4:2x2x1", 1, per_tensorcore=True) if base else \
         planner.describe_topology("v5e:2x2", 1)
     devices = target.devices
     return Mesh(np.array(devices).reshape(len(devices), 1), ("data", "model")), config
@@ -565,10 +566,13 @@ def test_a_task_pass_is_timed_unrolled_at_full_depth():
 
 def test_unpriced_custom_calls_are_counted_free_not_minus_one_second():
     """libtpu prices each ConcatBitcast custom call at -1 s: T5-base's encode step at 160 tokens reads
-    negative from 2 layers on. Counted free, the estimates grow by about one layer's time per layer."""
+    negative from 2 layers on. Counted free, the estimates grow by about one layer's time per layer.
+    The custom calls come from T5-base's attention (12 heads of 64 over 160 tokens), which is kept;
+    its vocabulary, width and feed-forward are cut to a tiny model's (ConcatBitcast calls still, at
+    half the compile's CPU time)."""
     from t5_retrieval.plan import planner
 
-    mesh, config = _t5_base_mesh_and_config()
+    mesh, config = _t5_base_mesh_and_config("VOCAB_SIZE = 512", "D_MODEL = 64", "D_FF = 128", base=True)
     lower = _encode_lowering(mesh, 160)
     raw, corrected = [], []
     for layers in (1, 2, 3):
@@ -577,7 +581,7 @@ def test_unpriced_custom_calls_are_counted_free_not_minus_one_second():
         corrected.append(planner.compiler_seconds(compiled))
     assert min(raw) < 0, f"libtpu priced every program: {raw} (the correction may be obsolete)"
     assert all(0 < t < 1 for t in corrected), corrected
-    # affine in depth (to within how the compiler schedules each program: 2.6% at 3 layers here)
+    # affine in depth (to within how the compiler schedules each program: 3.3% at 3 layers here)
     np.testing.assert_allclose(2 * corrected[1] - corrected[0], corrected[2], rtol=0.05)
 
 
