@@ -144,3 +144,20 @@ def test_a_family_row_makes_each_variants_spec():
     assert row.spec("kilt", "") == TaskSpec("kilt_aidayago2", "aidayago2", "AIDA", 128, MENTION_WINDOW)
     assert row.spec("kilt", "_noprefix") == TaskSpec("kilt_aidayago2_noprefix", "aidayago2", None, 128, MENTION_WINDOW)
     assert row.spec("kilt", "_typed") == TaskSpec("kilt_aidayago2_typed", "aidayago2", "EL", 128, MENTION_WINDOW)
+
+
+def test_the_planners_task_shapes_are_the_mixtures_task_specs_at_the_lengths_training_records():
+    """`t5r plan` sizes each task from its TaskSpec (no shape of its own): the spec `describe` gives,
+    at the query length the step reads it at (a `QUERY_LEN` mapping's, else the Task's own)."""
+    import dataclasses
+
+    from t5_retrieval.data.tasks.retrieval_tasks import describe, registered_task
+    from t5_retrieval.plan.steps import TrainSettings, task_shapes
+
+    settings = TrainSettings(mixture=["demo_fever", "demo_aidayago2"], query_len={"demo_fever": 24}, passage_len=32,
+                             num_negatives=1, per_device_batch=4, multitask=None, num_steps=1)
+    fever, aida = (describe(registered_task(name)) for name in ("demo_fever", "demo_aidayago2"))
+    shapes = task_shapes(settings)
+    assert [shape.spec for shape in shapes] == [dataclasses.replace(fever, query_len=24), aida], shapes
+    assert [(shape.name, shape.query_len, shape.rows) for shape in shapes] == [
+        ("demo_fever", 24, 2), ("demo_aidayago2", aida.query_len, 2)], shapes

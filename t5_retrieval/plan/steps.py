@@ -21,6 +21,7 @@ from t5_retrieval import gin_utils, sharding
 from t5_retrieval.data.batching.batches import task_query_lens
 from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.tasks.mixing import sizes_from_rates
+from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.inference import ACCELERATOR_ENCODE_BATCH_PER_SHARD, DualEncoderInference
 from t5_retrieval.multitask import multitask_metrics
 from t5_retrieval.optim import make_optimizer
@@ -47,10 +48,19 @@ class TrainSettings:
 
 @dataclasses.dataclass(frozen=True)
 class TaskShape:
-    name: str
+    """A task of the planned step: its `TaskSpec` at the query length the step reads it at (as
+    training records it), its per-device rows and the training examples its source declares."""
+    spec: TaskSpec
     rows: int       # per data shard (the per-device sub-batch)
-    query_len: int
     train_examples: int | None  # what its source declares (None: not declared)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def query_len(self) -> int:
+        return self.spec.query_input().length
 
 
 def task_shapes(settings: TrainSettings) -> list[TaskShape]:
@@ -61,7 +71,7 @@ def task_shapes(settings: TrainSettings) -> list[TaskShape]:
     sizes = sizes_from_rates([rate for _, rate in tasks_and_rates], settings.per_device_batch)
     lengths = task_query_lens(infos, settings.query_len)
     declared = [task.num_input_examples("train") for task, _ in tasks_and_rates]
-    return [TaskShape(info.name, size, length, examples)
+    return [TaskShape(dataclasses.replace(info, query_len=length), size, examples)
             for info, size, length, examples in zip(infos, sizes, lengths, declared)]
 
 
