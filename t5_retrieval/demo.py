@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 
 from t5_retrieval import gin_utils
 
@@ -31,23 +32,31 @@ def real_data_demo(data: str, out: str) -> str:
     from t5_retrieval.data.kilt.demo_slice import SHIPPED, extract
     from t5_retrieval.models.pretrained import minilm_l6_dir
     from t5_retrieval.results.common import prepare_data
-    from t5_retrieval.results.minilm_rows import TACO_BINDINGS, bm25_row, minilm_zeroshot_row, trained_row
     from t5_retrieval.results.records import record_run
     from t5_retrieval.results.tables import markdown_table
 
     minilm_l6_dir()  # the MiniLM rows need the installed weights: say so before BM25, not after it
-    steps = f"TRAIN_STEPS = {DEMO_STEPS}"
-    rows = {"bm25": bm25_row, "minilm_zeroshot": minilm_zeroshot_row,  # named as `t5r results` names them
-            "naive_noprefix": trained_row("naive_multitask.gin", "mini_kilt_noprefix", steps),
-            # runs/taco.gin on MiniLM takes the median over nonzero sensitivities (models/bert_base.gin)
-            "taco_nonzero_median": trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS,
-                                               "multitask.taco.median_over = 'nonzero'", steps)}
+    rows = demo_rows()
     raw_dir = extract(SHIPPED, out) if data == "slice" else os.path.abspath(data)
     data_dir = os.path.join(out, "data")
     prepare_data(raw_dir, data_dir)
     for name, row in rows.items():
         row(os.path.join(out, name), data_dir)
     return markdown_table({name: [record_run(os.path.join(out, name), data_dir, name, 0)] for name in rows})
+
+
+def demo_rows(steps: int = DEMO_STEPS) -> dict[str, Callable[[str, str], None]]:
+    """The demo's rows, named as `t5r results` names them: each `row(row_dir, data_dir)` runs (or
+    resumes) into `row_dir`; the trained rows train `steps` steps (the zero-shot row's directory is
+    their sibling `minilm_zeroshot`)."""
+    from t5_retrieval.results.minilm_rows import TACO_BINDINGS, bm25_row, minilm_zeroshot_row, trained_row
+
+    train_steps = f"TRAIN_STEPS = {steps}"
+    return {"bm25": bm25_row, "minilm_zeroshot": minilm_zeroshot_row,
+            "naive_noprefix": trained_row("naive_multitask.gin", "mini_kilt_noprefix", train_steps),
+            # runs/taco.gin on MiniLM takes the median over nonzero sensitivities (models/bert_base.gin)
+            "taco_nonzero_median": trained_row("taco.gin", "mini_kilt", *TACO_BINDINGS,
+                                               "multitask.taco.median_over = 'nonzero'", train_steps)}
 
 
 def summary(tables: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:

@@ -15,6 +15,7 @@ No t5_retrieval import: only TensorFlow plus the custom-op libraries a model ser
 import json
 import sys
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_text  # noqa: F401  (registers the sentencepiece, WordPiece and regex_split kernels)
 from scann.scann_ops.py import scann_ops  # noqa: F401  (loads ScaNN's TF op library)
@@ -22,7 +23,10 @@ from scann.scann_ops.py import scann_ops  # noqa: F401  (loads ScaNN's TF op lib
 
 def _tolist(value):
     value = value.numpy() if hasattr(value, "numpy") else value
-    return (value.astype(str) if value.dtype.kind in "SO" else value).tolist()
+    if value.dtype.kind in "SO":  # UTF-8 bytes (titles, ids): numpy's astype(str) would decode them as ASCII
+        return np.vectorize(lambda b: b.decode("utf-8") if isinstance(b, bytes) else str(b), otypes=[object])(
+            value).tolist()
+    return value.tolist()
 
 
 def run_in_session(savedmodel_dir: str, request: dict) -> dict:
