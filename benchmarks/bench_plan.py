@@ -13,7 +13,7 @@ file alone.
 
     .venv/bin/python benchmarks/bench_plan.py [--sizes small base] [--topologies v5e:4x4 v4:2x2x1]
         [--layouts fsdp data_parallel] [--methods naive taco single] [--timeout 1800] [--gin NAME=value ...]
-        [--out results.json] [--table docs/pods_table.md] [--no_compile]
+        [--out docs/pods_table.json] [--table docs/pods_table.md] [--no_compile]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {"naive": ["--gin_file=runs/naive_multitask.gin"], "taco": ["--gin_file=runs/taco.gin"],
         "single": ["--gin_file=runs/single_task.gin", "--gin.MIXTURE_OR_TASK_NAME='kilt_nq_noprefix'"]}
 MIB = 1024 ** 2
+# Every planned cell's `t5r plan --json` report, from which docs/pods_table.md is written.
+TABLE_CELLS = os.path.join(REPO, "docs", "pods_table.json")
 
 
 def plan_cell(size: str, topology: str, layout: str, method: str, timeout: float, gin: list[str],
@@ -88,19 +90,24 @@ def table_row(cell: dict[str, Any]) -> str:
     return (head + f" {'yes' if train['fits'] else 'NO'} ({mem['peak'] / MIB:,.0f} / {mem['hbm'] / MIB:,.0f} MiB) |"
             f" {state:,.0f} MiB | {mem['temporaries'] / MIB:,.0f} MiB | {rate} |"
             f" {f'{epoch / 3600:,.1f} h' if epoch else 'none'} | {kb} |"
-            f" {compile_s:.0f} s / {encode['compile_seconds']:.0f} s |")
+            f" {compile_s:.0f} s / {encode['compile_seconds']:.0f} s{_host_memory(report)} |")
+
+
+def _host_memory(report: dict[str, Any]) -> str:
+    """The planning host's peak memory, which decides the host a plan needs (older reports lack it)."""
+    return f", {report['host_peak_bytes'] / 1024 ** 3:,.1f} GiB host" if "host_peak_bytes" in report else ""
 
 
 TABLE_HEAD = ("| T5 | slice | layout | method | train step fits (peak / HBM per device) | params + optimiser + "
               "multi-task state | temporaries | est. train step (queries/s, MFU) | est. epoch | est. encode "
-              "(36M passages) | compile train / encode |\n|---|---|---|---|---|---|---|---|---|---|---|")
+              "(36M passages) | compile train / encode, host memory |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 # The page `--table` writes: what the command was and how to read its columns, then the table.
 PAGE_HEAD = """# The planning table
 
 Written by `.venv/bin/python benchmarks/bench_plan.py ... --table docs/pods_table.md` (the grid's
-cells, each one `t5r plan --json` process, kept in `benchmarks/results/plan.json`); how to read a
+cells, each one `t5r plan --json` process, kept in `docs/pods_table.json`); how to read a
 plan and what its estimates are and are not: [pods.md](pods.md). Per device: the train step's peak
 memory against the HBM (a refused step's peak is the total the compiler's message names, its
 arguments included), the parameters, optimiser and multi-task state, the temporaries; then the
@@ -129,11 +136,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--methods", nargs="+", default=["naive", "taco"], choices=sorted(RUNS))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per cell")
     parser.add_argument("--gin", nargs="*", default=["PASSAGE_LEN=160"], help="--gin. bindings for every cell")
-    parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/plan.json)")
+    parser.add_argument("--out", default=TABLE_CELLS, help="the cells' JSON, committed beside the table so a later "
+                        "run resumes and adds to it")
     parser.add_argument("--table", default=None, help="also write the table of every cell as a markdown page here")
     parser.add_argument("--no_compile", action="store_true", help="plan no cell: only write --table from --out")
     args = parser.parse_args(argv)
-    out = args.out or os.path.join(common.RESULTS_DIR, "plan.json")
+    out = args.out
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     # Cells already in the results file (same size, slice, layout, method and bindings) are kept, so
     # an interrupted run resumes and several runs add up to one table.
