@@ -16,7 +16,7 @@ a KB, so `search.bm25_searcher` and `search.dense_searcher` are the same kind of
 eval`, fusion's hybrid, the results table's BM25 row, its qa_open recall and `t5r data negatives`
 all rank through this class. What differs, because there is no model: it is built from a KB
 (`build_bm25_index`, `t5r index --backend=bm25 --kb_dir=...`), not from an embedding store; `dim`
-is 0 and `fingerprint` names the parameters ("bm25-k1=0.9-b=0.4"); `check` refuses any query
+is 0 and `fingerprint` names the parameters ("bm25-k1=0.9-b=0.4"), so `check` refuses any query
 encoder; `search` takes a list of query texts (equal scores in row order).
 
 `save` writes bm25s's arrays and vocabulary under `bm25s/`.
@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from t5_retrieval.data.stores.passages import PassageLookup
-from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.stored_index import IndexMismatchError, StoredIndex, bm25_rebuild_command
 
 RETRIEVER_DIR = "bm25s"
@@ -63,14 +62,6 @@ class BM25Index(StoredIndex):
             raise ValueError(f"k must be >= 1, got {k}")
         found = [bm25.top_k(self.retriever, query, k) for query in queries]
         return [rows.astype(np.int64) for rows, _ in found], [scores.astype(np.float32) for _, scores in found]
-
-    def check(self, encoder: Encoder | None = None, passage_ids: Sequence[str] | None = None) -> None:
-        """Refuses a KB with other passage ids, and any query encoder: BM25 reads the query text itself."""
-        if encoder is not None:
-            raise IndexMismatchError(f"{self.source or 'index'}: a BM25 index searches query text and takes no "
-                                     f"model (got {encoder.fingerprint!r}); search it without one, or give an index "
-                                     "built with `t5r index --embeddings_dir=...`")
-        super().check(passage_ids=passage_ids)
 
     def _write_assets(self, directory: str) -> None:
         from t5_retrieval.data.stores import bm25

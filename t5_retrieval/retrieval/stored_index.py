@@ -132,8 +132,13 @@ class StoredIndex(abc.ABC):
         return queries
 
     def check(self, encoder: Encoder | None = None, passage_ids: Sequence[str] | None = None) -> None:
-        """Raises IndexMismatchError unless the index matches the query encoder and the KB's ids."""
+        """Raises IndexMismatchError unless the index matches the query encoder and the KB's ids. An
+        index of dim 0 (BM25) searches query text: it refuses any query encoder."""
         where = self.source or "index"
+        if encoder is not None and self.dim == 0:
+            raise IndexMismatchError(f"{where}: a {self.backend.upper()} index searches query text and takes no "
+                                     f"model (got {encoder.fingerprint!r}); search it without one, or give an index "
+                                     "built with `t5r index --embeddings_dir=...`")
         if encoder is not None:
             if encoder.fingerprint != self.fingerprint:
                 raise IndexMismatchError(
