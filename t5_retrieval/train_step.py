@@ -124,7 +124,7 @@ def task_loss_fn(model: nn.Module, logit_scale: float, stop_passage_gradient: bo
         (queries,), passages = query_and_passage_embeddings(
             model, params, (task_batch["query_tokens"],), task_batch, rng, query_tower(model, task_index),
             stop_passage_gradient)
-        return in_batch_softmax_loss(queries, passages, logit_scale)
+        return in_batch_softmax_loss(queries, passages, logit_scale, task_batch.get("query_groups"))
 
     return loss_fn
 
@@ -232,7 +232,8 @@ def summed_task_losses(model: nn.Module, logit_scale: float, batch: Batch, task_
         for name in task_names:
             q_rows, p_rows = batch[name]["query_tokens"].shape[0], batch[name][key].shape[0]
             loss, aux = in_batch_softmax_loss(query_emb[q_start:q_start + q_rows],
-                                              passage_emb[p_start:p_start + p_rows], logit_scale)
+                                              passage_emb[p_start:p_start + p_rows], logit_scale,
+                                              batch[name].get("query_groups"))
             q_start, p_start = q_start + q_rows, p_start + p_rows
             losses.append(loss)
             metrics[f"loss/{name}"] = loss

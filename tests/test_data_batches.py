@@ -11,12 +11,13 @@ from t5_retrieval.data import layout
 from t5_retrieval.data.batching.batches import choose_negatives, make_train_iterator
 from t5_retrieval.data.kilt.prepare import prepare_kb, prepare_negatives, prepare_tasks
 from t5_retrieval.data.kilt.synthetic import TASKS, write_demo
-from t5_retrieval.data.records import Negatives, read_examples, write_negatives
+from t5_retrieval.data.records import DataError, Negatives, read_examples, read_negatives, write_negatives
 from t5_retrieval.data.stores.kb import PassageStore, passage_text
 from t5_retrieval.data.tasks import retrieval_tasks
 from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.data.text import format_query
 from t5_retrieval.data.tokenizers.tokenize import encode_with_eos_markers, to_fixed_length, tokenize
+from t5_retrieval.errors import UserError
 from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
 SPM = os.path.join(os.path.dirname(seqio.__file__), "test_data", "sentencepiece", "sentencepiece.model")
@@ -151,8 +152,6 @@ def test_mixtures_and_unknown_names(data_dir, vocab):
 
 
 def test_each_task_reads_its_own_query_length_unless_query_len_sets_it(data_dir, vocab):
-    from t5_retrieval.errors import UserError
-
     def widths(query_len):
         it = _iterator(data_dir, vocab, names=("demo_trex", "demo_wow"), query_len=query_len)
         batch = next(it)
@@ -261,3 +260,65 @@ def test_cycled_positives_train_on_each_gold_page_in_turn_one_per_pass(data_dir,
     assert len(both) == (len(two_pages) if positive_passages == "cycle" else 0), (len(both), len(two_pages))
     with pytest.raises(ValueError, match="positive_passages must be one of"):
         _iterator(data_dir, vocab, names=("demo_hotpotqa",), positive_passages="all")
+
+
+def test_each_gold_page_trains_once_per_pass_with_its_own_passage_as_the_positive(data_dir, vocab):
+    """positive_passages={'hotpotqa': 'each'}: every (question, positive passage) pair of HotpotQA is one
+    row, trained once in a pass over the task, with that passage as its positive and the question's
+    query; a row's "query_groups" names its question. The other task keeps one row per question
+    (its first positive) and no "query_groups"."""
+    store = PassageStore.open(os.path.join(data_dir, "kb"))
+    examples = read_examples(layout.examples_path(data_dir, "hotpotqa", "train"))
+    pairs = sorted((q, p) for q, e in enumerate(examples) for p in e.positive_passages)
+    assert len(pairs) > len(examples), "the demo's HotpotQA has questions with two gold pages"
+    it = _iterator(data_dir, vocab, names=("demo_trex", "demo_hotpotqa"), local_data_devices=1,
+                   positive_passages={"hotpotqa": "each"})
+    first = _iterator(data_dir, vocab, names=("demo_trex", "demo_hotpotqa"), local_data_devices=1)
+    size = it.subbatch_sizes[1]
+    trained, queries = [], {}
+    for step in range(-(-len(pairs) // size)):
+        batch, plain = next(it), next(first)
+        assert "query_groups" not in batch["demo_trex"]
+        np.testing.assert_array_equal(batch["demo_trex"]["passage_tokens"], plain["demo_trex"]["passage_tokens"])
+        sub = batch["demo_hotpotqa"]
+        for i, question in enumerate(sub["query_groups"]):
+            if step * size + i >= len(pairs):
+                break
+            positive = sub["passage_tokens"][i * (1 + NNEG)]
+            (passage,) = [p for p in examples[question].positive_passages
+                          if np.array_equal(positive, to_fixed_length(encode_with_eos_markers(
+                              vocab, passage_text(store.get(p))), PLEN))]
+            trained.append((int(question), passage))
+            queries.setdefault(int(question), []).append(sub["query_tokens"][i])
+    assert sorted(trained) == pairs, "each gold page's passage is one row of its question, once per pass"
+    for question, rows in queries.items():
+        assert all(np.array_equal(r, rows[0]) for r in rows), f"question {question}: its rows read one query"
+    with pytest.raises(UserError, match="positive_passages names \\['nq'\\]"):
+        _iterator(data_dir, vocab, names=("demo_hotpotqa",), positive_passages={"nq": "each"})
+
+
+def test_task_negatives_give_the_named_task_negatives_from_their_own_directory(data_dir, vocab, tmp_path):
+    """task_negatives={'wow': <dir>}: WoW trains on the negatives of <dir> (the recipe's warm-up on
+    negatives its zero-shot model mined), the other tasks on the default directory's (BM25)."""
+    store = PassageStore.open(os.path.join(data_dir, "kb"))
+    examples = read_examples(layout.examples_path(data_dir, "wow", "train"))
+    bm25 = read_negatives(layout.negatives_path(layout.negatives_dir(data_dir, "bm25"), "wow", "train"))
+    # "mined": each example's BM25 list from its far end, so the top 2 differ from BM25's
+    mined = {e.id: tuple(reversed(bm25[e.id])) for e in examples}
+    assert any(mined[i][:NNEG] != bm25[i][:NNEG] for i in mined)
+    write_negatives(layout.negatives_path(str(tmp_path), "wow", "train"),
+                    [Negatives(i, ids) for i, ids in mined.items()])
+    own = _iterator(data_dir, vocab, names=("demo_trex", "demo_wow"), local_data_devices=1,
+                    task_negatives={"wow": str(tmp_path)})
+    default = _iterator(data_dir, vocab, names=("demo_trex", "demo_wow"), local_data_devices=1)
+    a, b = next(own), next(default)
+    np.testing.assert_array_equal(a["demo_trex"]["passage_tokens"], b["demo_trex"]["passage_tokens"])
+    rows = own._rows(1, 0)[0]
+    for i, row in enumerate(rows):
+        for k in range(NNEG):
+            want = to_fixed_length(encode_with_eos_markers(
+                vocab, passage_text(store.get(mined[examples[row].id][k]))), PLEN)
+            np.testing.assert_array_equal(a["demo_wow"]["passage_tokens"][i * (1 + NNEG) + 1 + k], want)
+    with pytest.raises(DataError, match="task_negatives: .* has no negatives file for task demo_trex"):
+        _iterator(data_dir, vocab, names=("demo_trex",), task_negatives={"trex": str(tmp_path)})
+

@@ -48,7 +48,7 @@ Batch: TypeAlias = "Mapping[str, Mapping[str, np.ndarray | jax.Array]]"
 _FILL_STREAM = 7919  # separates the random-negative RNG stream from the permutation streams
 _SAMPLE_STREAM = 104729  # and the stream that samples hard negatives from an example's list
 HARD_NEGATIVES = ("first", "sampled")
-POSITIVE_PASSAGES = ("first", "cycle")
+POSITIVE_PASSAGES = ("first", "cycle", "each")
 FEW_SHOT_SEED = 128  # fixes the few-shot subset, independent of the run seed and the host
 
 
@@ -63,6 +63,10 @@ class _TaskData:
     size: int                     # host-local sub-batch size
     skipped: int                  # examples without any positive passage in the KB
     missing_negatives: int        # negative slots that will be filled at random
+    positive_passages: str = "first"  # which positive a row trains on (POSITIVE_PASSAGES)
+    # int64[n]: the question each row is, where a question has several rows ("each"), so that the
+    # loss does not take one row's positive as a negative of the same question's other rows.
+    questions: np.ndarray | None = None
 
 
 class TrainIterator:
@@ -74,10 +78,8 @@ class TrainIterator:
 
     def __init__(self, tasks: list[_TaskData], store: PassageStore, vocab: Vocabulary, passage_len: int,
                  num_negatives: int, seed: int, host_index: int, host_count: int,
-                 features: dict[str, Any] | None = None, passage_table: np.ndarray | None = None,
-                 positive_passages: str = "first"):
+                 features: dict[str, Any] | None = None, passage_table: np.ndarray | None = None):
         self._tasks = tasks
-        self._positive_passages = positive_passages
         # How queries and passages become model inputs; recorded with checkpoints for inference.
         self.features = features or {}
         self._store = store
@@ -146,8 +148,9 @@ class TrainIterator:
         return (np.array([self._permutation(task_index, int(p // n))[p % n] for p in positions]), positions // n)
 
     def _positive(self, task: _TaskData, row: int, cycle: int) -> int:
-        """The row's positive passage: its first, or (``"cycle"``) its positives in turn, one per pass."""
-        if self._positive_passages == "first":
+        """The row's positive passage: its first (a row of its own per positive with ``"each"``), or
+        (``"cycle"``) its positives in turn, one per pass."""
+        if task.positive_passages != "cycle":
             return int(task.positives[row])
         row_positives = task.all_positives[row][task.all_positives[row] >= 0]
         return int(row_positives[cycle % len(row_positives)])
@@ -167,8 +170,9 @@ class TrainIterator:
             passages = {"passage_embeddings": self._passage_table[passage_ids]}
         else:
             passages = {"passage_tokens": np.stack([self._passage_tokens(i) for i in passage_ids])}
+        questions = {} if task.questions is None else {"query_groups": task.questions[rows].astype(np.int32)}
         return {"query_tokens": task.query_tokens[rows], **passages,
-                "task_ids": np.full(len(rows), task_index, np.int32)}
+                "task_ids": np.full(len(rows), task_index, np.int32), **questions}
 
     def _random_negatives(self, rng: np.random.Generator, gold: frozenset[str], positive: int,
                           taken: list[int], count: int) -> list[int]:
@@ -264,6 +268,19 @@ def _task_data(info: TaskSpec, examples: TaskExamples, negatives: dict[str, tupl
         size=size, skipped=len(examples) - len(usable), missing_negatives=missing)
 
 
+def one_row_per_positive(data: _TaskData, host_index: int, host_count: int) -> _TaskData:
+    """`data` with each example repeated once per positive passage (one per gold page), each copy
+    trained on its own positive and sharing the example's query and hard negatives; `questions`
+    numbers the examples across hosts (host-local row r of host h is question r * host_count + h)."""
+    counts = (data.all_positives >= 0).sum(axis=1)
+    source = np.repeat(np.arange(len(counts)), counts)
+    return dataclasses.replace(
+        data, query_tokens=data.query_tokens[source], positives=data.all_positives[data.all_positives >= 0],
+        all_positives=data.all_positives[source], negatives=data.negatives[source],
+        gold_pages=[data.gold_pages[i] for i in source], positive_passages="each",
+        questions=source.astype(np.int64) * host_count + host_index)
+
+
 def _subset(examples: TaskExamples, keep: Sequence[int] | np.ndarray) -> TaskExamples:
     return TaskExamples([examples.ids[i] for i in keep], [examples.queries[i] for i in keep],
                         [examples.positives[i] for i in keep],
@@ -280,7 +297,8 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                         passage_embeddings: str | None = None, cache_dir: str | None = None,
                         task_module: str | Sequence[str] | None = None,
                         task_module_path: Sequence[str] = (), hard_negatives: str = "first",
-                        positive_passages: str = "first") -> TrainIterator:
+                        positive_passages: str | Mapping[str, str] = "first",
+                        task_negatives: Mapping[str, str] | None = None) -> TrainIterator:
     """Builds the per-task training iterator over a registered seqio Mixture or Task.
 
     Names resolve through seqio (`retrieval_tasks.resolve`); per-device sub-batch sizes come from the
@@ -306,10 +324,20 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     random KB passages outside its gold pages, drawn deterministically from (seed, task, host, step).
     Examples without a positive passage in the KB are skipped and counted (logged).
 
-    Positives: an example with several positive passages (HotpotQA's two gold pages) trains on its
-    first (``positive_passages="first"``, as the TACO and DPR scripts do) or on each in turn, the
-    next one on every pass over its task (``"cycle"``: a pure function of the step, so resume is
-    exact).
+    `task_negatives` ({task or dataset: directory}) gives the named Tasks negatives from another
+    directory than `negatives` (the TACO recipe's WoW warm-up on negatives its zero-shot model mined,
+    the other tasks on BM25's).
+
+    Positives: an example with several positive passages (HotpotQA's two gold pages, one passage per
+    page) trains on its first (``positive_passages="first"``, as the TACO and DPR scripts do), on
+    each in turn, the next one on every pass over its task (``"cycle"``: a pure function of the
+    step, so resume is exact), or once per positive in every pass (``"each"``: the example becomes
+    one row per positive, each with that passage as its positive and the example's query and hard
+    negatives; the task's sub-batch size stays its mixture rate's, so a pass over it takes that many
+    more steps). Two rows of one question in a sub-batch do not take each other's positive as a
+    negative (the sub-batch's "query_groups", `losses.in_batch_softmax_loss`). A mapping
+    `{task or dataset: mode}` sets the named Tasks' mode and leaves the others "first"
+    (`make_train_iterator.positive_passages = {'hotpotqa': 'each'}`).
     Each host reads examples i with i % host_count == host_index (seqio.ShardInfo style).
     `passage_template` is how a passage becomes text (`text.PASSAGE_TEMPLATES`; recorded in the
     features). `max_examples_per_task` keeps a fixed random subset of each task (MT-DPR's few-shot
@@ -326,9 +354,11 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     gin_utils.import_modules(task_module, task_module_path)
     if hard_negatives not in HARD_NEGATIVES:
         raise ConfigError(f"make_train_iterator.hard_negatives must be one of {HARD_NEGATIVES}, got {hard_negatives!r}")
-    if positive_passages not in POSITIVE_PASSAGES:
-        raise ConfigError(f"make_train_iterator.positive_passages must be one of {POSITIVE_PASSAGES}, "
-                          f"got {positive_passages!r}")
+    modes = positive_passages.values() if isinstance(positive_passages, Mapping) else [positive_passages]
+    bad = [m for m in modes if m not in POSITIVE_PASSAGES]
+    if bad:
+        raise ConfigError(f"make_train_iterator.positive_passages must be one of {POSITIVE_PASSAGES} (or a mapping "
+                          f"of task or dataset to one), got {bad[0]!r}")
     if not 0 <= host_index < host_count:
         raise ValueError(f"host_index {host_index} not in [0, {host_count})")
     vocab = _load_vocabulary(vocabulary)
@@ -340,11 +370,14 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     log.info("sub-batch per device and step (of %d; mixing rate): %s", per_device_batch,
              ", ".join(f"{info.name} {size} ({rate:g})" for info, size, (_, rate) in zip(infos, sizes, tasks_and_rates)))
     lengths = task_query_lens(infos, query_len)
+    positive_modes = by_task(infos, positive_passages, "first", "make_train_iterator.positive_passages")
+    own_negatives = by_task(infos, task_negatives or {}, None, "make_train_iterator.task_negatives")
     store = PassageStore.open(layout.kb_dir(data_dir))
     negatives_dir = negatives or layout.negatives_dir(data_dir, "bm25")
     cache = os.path.join(data_dir, "cache", "tasks") if cache_dir is None else cache_dir
     task_data = []
-    for (task, _), info, size, length in zip(tasks_and_rates, infos, sizes, lengths):
+    for (task, _), info, size, length, positive_mode, own_dir in zip(tasks_and_rates, infos, sizes, lengths,
+                                                                     positive_modes, own_negatives):
         _check_vocabulary(task, vocab)
         _check_query_input(info, length, vocab)
         examples = materialize(task, split, cache or None, length)
@@ -352,11 +385,14 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
             keep = np.random.default_rng(FEW_SHOT_SEED).choice(len(examples), max_examples_per_task, replace=False)
             examples = _subset(examples, np.sort(keep))
         examples = _subset(examples, range(host_index, len(examples), host_count))
-        negatives_file = task_negatives_file(negatives_dir, info, split)
+        negatives_file = task_negatives_file(own_dir or negatives_dir, info, split)
+        if own_dir is not None and negatives_file is None:
+            raise DataError(f"make_train_iterator.task_negatives: {own_dir} has no negatives file for task {info.name} "
+                            f"({layout.negatives_path(own_dir, info.negatives_name, split)})")
         if negatives_file is not None:
-            task_negatives, source = read_negatives(negatives_file), negatives_file
+            negatives_of, source = read_negatives(negatives_file), negatives_file
         elif examples.negatives is not None:
-            task_negatives, source = None, f"seqio Task {info.name}"
+            negatives_of, source = None, f"seqio Task {info.name}"
         else:
             raise DataError(f"{layout.negatives_path(negatives_dir, info.negatives_name, split)}: missing, and seqio "
                             f"Task {info.name} has no \"negatives\" feature; "
@@ -369,8 +405,12 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
                         ", ".join(info.text_preprocessors), negatives_file, info.dataset,
                         layout.negatives_path(negatives_dir, info.name, split),
                         _negatives_hint(data_dir, negatives_dir, info, split, task_module, task_module_path))
-        data = _task_data(info, examples, task_negatives, store, conventions_of(vocab), length,
+        data = _task_data(info, examples, negatives_of, store, conventions_of(vocab), length,
                           num_negatives, size * local_data_devices, source, hard_negatives, seed)
+        if positive_mode == "each":
+            data = one_row_per_positive(data, host_index, host_count)
+        elif positive_mode == "cycle":
+            data = dataclasses.replace(data, positive_passages="cycle")
         if data.skipped or data.missing_negatives:
             logging.warning("task %s: skipped %d examples without a positive in the KB; %d negative slots "
                             "will be filled with random passages", info.name, data.skipped, data.missing_negatives)
@@ -388,7 +428,7 @@ def make_train_iterator(mixture_or_task_names: str | Sequence[str], data_dir: st
     if passage_embeddings is not None:
         table, features["passage_embeddings"] = passage_table(passage_embeddings, store)
     return TrainIterator(task_data, store, vocab, passage_len, num_negatives, seed, host_index, host_count,
-                         features, table, positive_passages)
+                         features, table)
 
 
 def task_negatives_file(negatives_dir: str, info: TaskSpec, split: str) -> str | None:
@@ -425,15 +465,22 @@ def _negatives_hint(data_dir: str, negatives_dir: str, info: TaskSpec, split: st
 def task_query_lens(infos: Sequence[TaskSpec], query_len: int | Mapping[str, int] | None) -> list[int]:
     """Each Task's query length: its own, or what `query_len` (gin QUERY_LEN) sets for it (see
     `make_train_iterator`). A mapping key that names none of the Tasks is an error."""
-    if isinstance(query_len, Mapping):
-        known = {name for info in infos for name in (info.name, info.dataset)}
-        unknown = sorted(set(query_len) - known)
-        if unknown:
-            raise UserError(f"QUERY_LEN names {unknown}, which are not among this run's tasks "
-                            f"({', '.join(info.name for info in infos)}); key it by task name or dataset")
-        return [int(query_len.get(info.name, query_len.get(info.dataset, info.query_len or DEFAULT_QUERY_LEN)))
-                for info in infos]
-    return [int(query_len) if query_len is not None else info.query_len or DEFAULT_QUERY_LEN for info in infos]
+    lengths = by_task(infos, query_len, None, "QUERY_LEN")
+    return [int(n) if n is not None else info.query_len or DEFAULT_QUERY_LEN for info, n in zip(infos, lengths)]
+
+
+def by_task(infos: Sequence[TaskSpec], setting: Any, default: Any, name: str) -> list[Any]:
+    """Each Task's value of a per-task setting: `setting` itself, or for a mapping `{task or dataset:
+    value}` the named Tasks' values (a Task's name before its dataset) and `default` for the others.
+    A mapping key that names none of the Tasks is an error."""
+    if not isinstance(setting, Mapping):
+        return [setting for _ in infos]
+    known = {n for info in infos for n in (info.name, info.dataset)}
+    unknown = sorted(set(setting) - known)
+    if unknown:
+        raise UserError(f"{name} names {unknown}, which are not among this run's tasks "
+                        f"({', '.join(info.name for info in infos)}); key it by task name or dataset")
+    return [setting.get(info.name, setting.get(info.dataset, default)) for info in infos]
 
 
 def _check_query_input(info: TaskSpec, length: int, vocab: Vocabulary) -> None:
