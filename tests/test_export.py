@@ -39,6 +39,23 @@ def _run_client(savedmodel: str, requests: list[dict], tmp_dir: str) -> list[dic
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def eval_runs(model_dir: str, index_dir: str, data_dir: str, out: str) -> dict[str, dict[str, list[tuple[str, float]]]]:
+    """`t5r eval` on the dev queries: per TREC run (named by the model's task name), query id -> its
+    ranked (passage id, score)."""
+    assert cli.main(["eval", "--checkpoint_dir", model_dir, "--index_dir", index_dir, "--data_dir", data_dir,
+                     "--split", "dev", "--output_dir", out]) == 0
+    runs: dict[str, dict[str, list[tuple[str, float]]]] = {}
+    predictions = os.path.join(out, "predictions")
+    for name in sorted(os.listdir(predictions)):
+        if name.endswith(".trec"):
+            ranked = runs.setdefault(name[:-len(".trec")], {})
+            with open(os.path.join(predictions, name)) as f:
+                for line in f:
+                    qid, _, pid, _, score, _ = line.split()
+                    ranked.setdefault(qid, []).append((pid, float(score)))
+    return runs
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """One tiny run, one export of model 0 (its tasks at lengths of their own), one client process.

@@ -21,7 +21,7 @@ from t5_retrieval.data.kilt import demo_slice
 from t5_retrieval.data.records import read_examples
 from t5_retrieval.demo import demo_rows
 from t5_retrieval.results.common import TASKS, dataset_name, prepare_data
-from tests.test_export import _run_client, assert_names_no_path_of_this_machine
+from tests.test_export import _run_client, assert_names_no_path_of_this_machine, eval_runs
 
 K = 10
 STEPS = 2
@@ -56,22 +56,6 @@ def _cut_slice(raw_dir: str, out_dir: str) -> str:
     return out_dir
 
 
-def _eval_runs(model_dir: str, index_dir: str, data_dir: str, out: str) -> dict[str, dict[str, list[tuple[str, float]]]]:
-    """`t5r eval` on the dev queries: per task name, query id -> its ranked (passage id, score)."""
-    assert cli.main(["eval", "--checkpoint_dir", model_dir, "--index_dir", index_dir, "--data_dir", data_dir,
-                     "--split", "dev", "--output_dir", out]) == 0
-    runs: dict[str, dict[str, list[tuple[str, float]]]] = {}
-    predictions = os.path.join(out, "predictions")
-    for name in sorted(os.listdir(predictions)):
-        if name.endswith(".trec"):
-            ranked = runs.setdefault(name[:-len(".trec")], {})
-            with open(os.path.join(predictions, name)) as f:
-                for line in f:
-                    qid, _, pid, _, score, _ = line.split()
-                    ranked.setdefault(qid, []).append((pid, float(score)))
-    return runs
-
-
 @pytest.fixture(scope="module")
 def demo_exports(tmp_path_factory):
     """The demo's naive and TACO rows trained on the cut slice, each exported, `t5r eval`uated, and
@@ -90,7 +74,7 @@ def demo_exports(tmp_path_factory):
         exports[name] = str(root / "serving" / name / "1")
         assert cli.main(["export", "--checkpoint_dir", model_dir, "--index_dir", base_index,
                          "--kb_dir", layout.kb_dir(data_dir), "--output_dir", exports[name]]) == 0
-        evals[name] = _eval_runs(model_dir, base_index, data_dir, str(root / "eval" / name))
+        evals[name] = eval_runs(model_dir, base_index, data_dir, str(root / "eval" / name))
         requests.append({"savedmodel": exports[name], "signature": "search", "k": K,
                          "query": [e.query for examples in dev.values() for e in examples],
                          "task": [task for task, examples in dev.items() for _ in examples]})

@@ -25,7 +25,7 @@ from t5_retrieval.export import preprocess
 from t5_retrieval.export.wordpiece_tf import WordPieceTokenizer
 from t5_retrieval.inference import QuerySideEncoder, load_encoder
 from t5_retrieval.models.pretrained import minilm_l6_dir
-from tests.test_export import TRICKY, _run_client, assert_names_no_path_of_this_machine
+from tests.test_export import TRICKY, _run_client, assert_names_no_path_of_this_machine, eval_runs
 from tests.tiny_model import TASKS, build_tiny_run, write_model_dir
 
 K = 10
@@ -78,20 +78,6 @@ def test_query_preprocessing_with_bert_conventions_is_query_tokens(minilm_vocabu
         np.testing.assert_array_equal(got[i], want, err_msg=f"{prefix} {length} {truncation}: {text[:60]!r}")
 
 
-def _eval_top(model_dir: str, index_dir: str, data_dir: str, out: str) -> dict[str, dict[str, list[tuple[str, float]]]]:
-    """`t5r eval` on the dev queries: per task, query id -> its ranked (passage id, score) (the TREC run)."""
-    assert cli.main(["eval", "--checkpoint_dir", model_dir, "--index_dir", index_dir, "--data_dir", data_dir,
-                     "--split", "dev", "--output_dir", out]) == 0
-    runs: dict[str, dict[str, list[tuple[str, float]]]] = {}
-    for task in (f"demo_{t}" for t in TASKS):
-        ranked = runs.setdefault(task, {})
-        with open(os.path.join(out, "predictions", f"{task}.trec")) as f:
-            for line in f:
-                qid, _, pid, _, score, _ = line.split()
-                ranked.setdefault(qid, []).append((pid, float(score)))
-    return runs
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """The BERT and the query-side model over it, each exported, `t5r eval`uated and asked by one client."""
@@ -107,7 +93,7 @@ def exported(tmp_path_factory):
         exports[name] = str(root / "serving" / name / "1")
         assert cli.main(["export", "--checkpoint_dir", model_dir, "--index_dir", index_dir, "--kb_dir", kb_dir,
                          "--output_dir", exports[name]]) == 0
-        evals[name] = _eval_top(model_dir, index_dir, run.data_dir, str(root / "eval" / name))
+        evals[name] = eval_runs(model_dir, index_dir, run.data_dir, str(root / "eval" / name))
     dev = {f"demo_{t}": read_examples(layout.examples_path(run.data_dir, t, "dev")) for t in TASKS}
     queries = [e.query for examples in dev.values() for e in examples]
     tasks = [task for task, examples in dev.items() for _ in examples]
