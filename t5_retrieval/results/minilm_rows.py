@@ -75,7 +75,7 @@ def zero_shot_tasks() -> dict[str, dict[str, Any]]:
     truncation of its mini-KILT Task, so that this row and every trained row read the same inputs."""
     from t5_retrieval.data.tasks.shipped import MINI_KILT
 
-    rows = {d.dataset: d for d in MINI_KILT}
+    rows = {d.task.dataset: d for d in MINI_KILT}
     return {t: {**dataclasses.replace(rows[t].spec("mini_kilt", "_noprefix"), name=t).to_record(), "index": i}
             for i, t in enumerate(TASKS)}
 
@@ -162,19 +162,31 @@ def trained_row(run_file: str, mixture: str, *bindings: str, both_towers: bool =
 ANSWER_CHECKABLE = ("hotpotqa", "trex", "entityquestions")
 
 
+def zero_shot_negatives_dir(base_dir: str) -> str:
+    """Where `zero_shot_negatives` writes the zero-shot row's (in `base_dir`) mined negatives."""
+    return os.path.join(base_dir, "confounder_negatives")
+
+
+def zero_shot_negatives(base_dir: str, data_dir: str) -> str:
+    """The directory of the negatives MiniLM (the zero-shot row in `base_dir`) mines for every training
+    query: its top-110 minus gold pages and, for ANSWER_CHECKABLE tasks, minus answer-holding passages.
+    Mined once (a stage) into the zero-shot row and shared by every row, seed and variant that reads it."""
+    from t5_retrieval.stages import mine_stage
+
+    negatives_dir = zero_shot_negatives_dir(base_dir)
+    mine_stage(negatives_dir, os.path.join(base_dir, "model"), os.path.join(base_dir, "index"), data_dir, 110,
+               ANSWER_CHECKABLE)
+    return negatives_dir
+
+
 def confounders_row(*bindings: str) -> Callable[..., None]:
-    """MT-DPR's adversarial confounders: negatives mined by MiniLM (its top-110 minus gold pages and,
-    for ANSWER_CHECKABLE tasks, minus answer-holding passages; mined once into the zero-shot row and
-    shared by every seed and variant), then naive multi-task without prefix (plus `bindings`)."""
+    """MT-DPR's adversarial confounders: negatives mined by MiniLM (`zero_shot_negatives`), then naive
+    multi-task without prefix (plus `bindings`)."""
 
     def row(row_dir: str, data_dir: str, seed: int = 0) -> None:
-        from t5_retrieval.stages import mine_stage
-
         base_dir = os.path.join(os.path.dirname(row_dir), "minilm_zeroshot")
         minilm_zeroshot_row(base_dir, data_dir)
-        negatives_dir = os.path.join(base_dir, "confounder_negatives")
-        mine_stage(negatives_dir, os.path.join(base_dir, "model"), os.path.join(base_dir, "index"), data_dir, 110,
-                   ANSWER_CHECKABLE)
+        negatives_dir = zero_shot_negatives(base_dir, data_dir)
         trained_row("mt_dpr.gin", "mini_kilt_noprefix", f"NEGATIVES = '{negatives_dir}'", *bindings)(
             row_dir, data_dir, seed)
 
@@ -285,32 +297,65 @@ NAIVE_TRACKING_TACO = (*TACO_LAST_EPISODE, *TRACK_TACO_EMA)
 # sensitive tasks (tau -2 against 2), which discourages specialisation instead of promoting it.
 NEGATIVE_TAU_LAST_EPISODE = (*TACO_LAST_EPISODE, "multitask.taco.tau = -2.0")
 
+# The recipe's inputs per task, from the diagnoses of the two tasks that stayed below zero-shot (docs/
+# data.md, "Per-task training inputs"): WoW's BM25 negatives are often a page its dialogue
+# names, so its warm-up trains on the top 2 of the negatives the zero-shot model mined
+# (`zero_shot_negatives`, as the MT-DPR confounders row; the episodes mine their own as before);
+# HotpotQA's questions have two gold pages and training on the first alone pushes the second down, so
+# every stage trains each question once per gold page. The other tasks read what they read before.
+def wow_mined_warmup(negatives_dir: str) -> str:
+    """The binding that warms WoW up on the negatives in `negatives_dir` (the other tasks on BM25's)."""
+    return f"warmup/make_train_iterator.task_negatives = {{'wow': '{negatives_dir}'}}"
+
+
+HOTPOTQA_BOTH_GOLD_PAGES = "make_train_iterator.positive_passages = {'hotpotqa': 'each'}"
+
+
 # Warm-up lengths, in epochs, of the curve that asks when TACO starts to differ from naive (the paper
 # warms up for 20; `taco_recipe_frozen` for 0.7).
 WARMUP_CURVE_EPOCHS = (1, 3, 10, 20)
 
 
-def recipe_pair_row(last_episode: Sequence[str], warmup_epochs: int | None = None) -> Callable[..., None]:
+@dataclasses.dataclass(frozen=True)
+class RecipePairRow:
     """TACO's recipe (`RECIPE_FROZEN`): the warm-up and the episodes before the last are the same for
     TACO and its naive control, so the rows of one warm-up share them (`<work>/recipe_frozen_shared`,
     or `recipe_frozen_warmup_<E>ep_shared` for a warm-up of `warmup_epochs` epochs instead of
     RECIPE_STEPS steps, linked into each row's `ance/`) and differ in the last episode alone, which
     `last_episode` configures: TACO (`TACO_LAST_EPISODE`), the sum with TACO's EMA tracked
-    (`NAIVE_TRACKING_TACO`), or TACO at a negative temperature (`NEGATIVE_TAU_LAST_EPISODE`)."""
-    warmup = () if warmup_epochs is None else (f"warmup/train.num_steps = {epochs_in_steps(warmup_epochs)}",)
-    shared_name = "recipe_frozen_shared" if warmup_epochs is None else f"recipe_frozen_warmup_{warmup_epochs}ep_shared"
+    (`NAIVE_TRACKING_TACO`), or TACO at a negative temperature (`NEGATIVE_TAU_LAST_EPISODE`).
+    `task_inputs`: the recipe's inputs per task in every stage (`wow_mined_warmup`,
+    `HOTPOTQA_BOTH_GOLD_PAGES`; shared stages under `recipe_frozen_task_inputs..._shared`)."""
 
-    def row(row_dir: str, data_dir: str, seed: int = 0) -> None:
+    last_episode: Sequence[str]
+    warmup_epochs: int | None = None
+    task_inputs: bool = False
+
+    @property
+    def shared_name(self) -> str:
+        return ("recipe_frozen" + ("_task_inputs" if self.task_inputs else "")
+                + ("" if self.warmup_epochs is None else f"_warmup_{self.warmup_epochs}ep") + "_shared")
+
+    def bindings(self, data_dir: str, base_dir: str, seed: int, num_episodes: int) -> list[str]:
+        """The gin bindings of a run of `num_episodes` episodes (the shared stages: RECIPE_EPISODES - 1;
+        the row's own last episode: RECIPE_EPISODES, with `last_episode`)."""
+        warmup = [] if self.warmup_epochs is None else [f"warmup/train.num_steps = {epochs_in_steps(self.warmup_epochs)}"]
+        inputs = [wow_mined_warmup(zero_shot_negatives_dir(base_dir)), HOTPOTQA_BOTH_GOLD_PAGES] if self.task_inputs else []
+        last = list(self.last_episode) if num_episodes == RECIPE_EPISODES else []
+        return [*recipe_bindings(data_dir, base_dir, seed, num_episodes), *RECIPE_FROZEN, *warmup, *inputs, *last]
+
+    def __call__(self, row_dir: str, data_dir: str, seed: int = 0) -> None:
         from t5_retrieval.ance import ance
         from t5_retrieval.results.records import seed_dir
 
         work_dir = os.path.dirname(row_dir)
         base_dir = os.path.join(work_dir, "minilm_zeroshot")
         minilm_zeroshot_row(base_dir, data_dir)
-        shared = seed_dir(work_dir, shared_name, seed)
+        if self.task_inputs:
+            zero_shot_negatives(base_dir, data_dir)
+        shared = seed_dir(work_dir, self.shared_name, seed)
         configured(["models/minilm_l6.gin", "runs/no_adaptive.gin"],
-                   [*recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES - 1), *RECIPE_FROZEN, *warmup],
-                   lambda: ance(shared))
+                   self.bindings(data_dir, base_dir, seed, RECIPE_EPISODES - 1), lambda: ance(shared))
         ance_dir = os.path.join(row_dir, "ance")
         os.makedirs(ance_dir, exist_ok=True)
         for name in ["warmup", *[f"episode_{e}" for e in range(1, RECIPE_EPISODES)]]:
@@ -318,12 +363,8 @@ def recipe_pair_row(last_episode: Sequence[str], warmup_epochs: int | None = Non
             if not os.path.lexists(link):
                 os.symlink(os.path.relpath(os.path.join(shared, name), ance_dir), link)
         configured(["models/minilm_l6.gin", "runs/no_adaptive.gin"],
-                   [*recipe_bindings(data_dir, base_dir, seed, RECIPE_EPISODES), *RECIPE_FROZEN, *warmup,
-                    *last_episode],
-                   lambda: ance(ance_dir))
+                   self.bindings(data_dir, base_dir, seed, RECIPE_EPISODES), lambda: ance(ance_dir))
         publish_last_episode(row_dir, ance_dir)
-
-    return row
 
 
 def recipe_row(taco_last: bool) -> Callable[..., None]:

@@ -1,21 +1,26 @@
 """HotpotQA: does training toward the first gold page only cost the second (recall@20)?
 
 Two task-specific HotpotQA models from MiniLM, trained as `t5r results`' task-specific row trains its
-HotpotQA model (query side over the zero-shot embeddings, 100 steps, seed 0), differing only in the
-training file: `first` lists each question once with its first gold page's passage first (what every
-trained row reads), `both` once per gold page with that page's passage first (ids suffixed, the same
-BM25 negatives). Then, per dev question, the ranks of its first and second gold page under zero-shot,
-`first` and `both`, and paired bootstrap intervals. docs/RESULTS.md reports its output (output.txt).
+HotpotQA model (query side over the zero-shot embeddings, 100 steps, seed 0), differing only in which
+positives training reads: `first`, each question once with its first gold page's passage (what every
+trained row reads by default), and `both`, once per gold page with that page's passage
+(`make_train_iterator.positive_passages = {'hotpotqa': 'each'}`, the same BM25 negatives; a
+question's two rows do not take each other's positive as a negative). Then, per dev question, the
+ranks of its first and second gold page under zero-shot, `first` and `both`, and paired bootstrap
+intervals. docs/RESULTS.md reports its output (output.txt).
 
     python docs/run_records/hotpotqa_gold_pages/experiment.py <work_dir of t5r results> <out_dir>
 
 `<work_dir>` must hold a finished `minilm_zeroshot` row and the prepared `data/`.
+
+output.txt is from this script's first version (`git show 38e4c04:docs/run_records/hotpotqa_gold_pages/
+experiment.py`), which rewrote the training file to one row per gold page instead of using the switch:
+the same rows, but a question's two rows could be each other's in-batch negative. Rerun to refresh it.
 """
 
 import glob
 import json
 import os
-import shutil
 import sys
 
 import numpy as np
@@ -27,36 +32,7 @@ from t5_retrieval.results.minilm_rows import TASK_SPECIFIC_STEPS, trained_row
 from t5_retrieval.results.significance import paired_bootstrap
 from t5_retrieval.retrieval import metrics
 
-TRAIN = "hotpotqa-train"
-
-
-def data_copy(source: str, out: str, each_gold_page: bool) -> str:
-    """`source` with HotpotQA's training examples (and their negatives) rewritten; the rest linked."""
-    d = os.path.join(out, "data")
-    if os.path.exists(os.path.join(d, "DONE")):
-        return d
-    shutil.rmtree(d, ignore_errors=True)
-    for sub in ("examples", os.path.join("negatives", "bm25")):
-        os.makedirs(os.path.join(d, sub))
-        for f in os.listdir(os.path.join(source, sub)):
-            if not f.startswith(TRAIN):
-                os.symlink(os.path.join(source, sub, f), os.path.join(d, sub, f))
-    os.symlink(os.path.join(source, "kb"), os.path.join(d, "kb"))
-    with open(os.path.join(source, "negatives", "bm25", f"{TRAIN}.jsonl")) as f:
-        negatives = {row["id"]: row for row in map(json.loads, f)}
-    with open(os.path.join(source, "examples", f"{TRAIN}.jsonl")) as f, \
-            open(os.path.join(d, "examples", f"{TRAIN}.jsonl"), "w") as examples_out, \
-            open(os.path.join(d, "negatives", "bm25", f"{TRAIN}.jsonl"), "w") as negatives_out:
-        for example in map(json.loads, f):
-            positives = example["positive_passages"]
-            rotations = range(len(positives)) if each_gold_page else [0]
-            for i in rotations:
-                new_id = f"{example['id']}#{i}" if each_gold_page else example["id"]
-                examples_out.write(json.dumps({**example, "id": new_id,
-                                               "positive_passages": positives[i:] + positives[:i]}) + "\n")
-                negatives_out.write(json.dumps({**negatives[example["id"]], "id": new_id}) + "\n")
-    open(os.path.join(d, "DONE"), "w").close()
-    return d
+EACH_GOLD_PAGE = "make_train_iterator.positive_passages = {'hotpotqa': 'each'}"
 
 
 def hotpotqa_predictions(row_dir: str) -> dict[str, list[str]]:
@@ -68,10 +44,9 @@ def hotpotqa_predictions(row_dir: str) -> dict[str, list[str]]:
 def main(work_dir: str, out: str) -> None:
     source, base = os.path.join(work_dir, "data"), os.path.join(work_dir, "minilm_zeroshot")
     task = dataset_name(["mini_kilt_noprefix"], "hotpotqa")
-    for name in ("first", "both"):
-        data_dir = data_copy(source, os.path.join(out, name), each_gold_page=name == "both")
-        trained_row("single_task.gin", task, f"TRAIN_STEPS = {TASK_SPECIFIC_STEPS}")(
-            os.path.join(out, name, "row"), data_dir, 0, base)
+    for name, positives in (("first", ()), ("both", (EACH_GOLD_PAGE,))):
+        trained_row("single_task.gin", task, f"TRAIN_STEPS = {TASK_SPECIFIC_STEPS}", *positives)(
+            os.path.join(out, name, "row"), source, 0, base)
     store = PassageStore.open(os.path.join(source, "kb"))
     dev = read_examples(os.path.join(source, "examples", "hotpotqa-dev.jsonl"))
     runs = {"zero-shot": base, "first gold page only": os.path.join(out, "first", "row"),
