@@ -68,14 +68,15 @@ def main() -> None:
     print("|---|---|" + "---|---|---|---|" * len(vocabs))
     for d in DATASETS:
         paper = PAPER_QUERY_LEN[d.task_type]
-        texts = [format_query(e.query, d.prefix) for e in read_examples(layout.examples_path(data_dir, d.dataset, "train"))]
+        path = layout.examples_path(data_dir, d.task.dataset, "train")
+        texts = [format_query(e.query, d.task.prefix) for e in read_examples(path)]
         counts = {name: token_counts(vocab, texts) for name, vocab in vocabs.items()}
         cells = []
         for n in counts.values():
             ratio = n.sum() / counts["T5 proxy (32k)"].sum()
             length = task_length(n, paper * ratio)
             cells.append(f"{int(np.median(n))} / {covering_95(n)} / {n.max()} | {ratio:.2f} | {paper * ratio:.0f} | {length}")
-        print(f"| {d.dataset} | {paper} | " + " | ".join(cells) + " |")
+        print(f"| {d.task.dataset} | {paper} | " + " | ".join(cells) + " |")
     for name, vocab in vocabs.items():
         print(f"{name}: {START_ENT} and {END_ENT} are {[len(ids) for ids in encode_batch(vocab, [START_ENT, END_ENT])]} tokens")
 

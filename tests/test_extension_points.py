@@ -167,7 +167,7 @@ def test_a_new_index_backend_touches_only_the_files_the_page_names(tiny, library
 
 
 TOY_FAMILY = """\
-TOY = [Dataset("fever", "FEVER", "FC", 8, 4, 12), Dataset("trex", "TREX", "SF", 8, 4, 10)]
+TOY = [Dataset(dataset_task("fever", "FEVER", 12), "FC", 8, 4), Dataset(dataset_task("trex", "TREX", 10), "SF", 8, 4)]
 
 """
 

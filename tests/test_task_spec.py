@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import pytest
@@ -138,9 +139,11 @@ def test_a_task_registered_from_its_spec_carries_it_with_its_text_preprocessors(
 
 
 def test_a_family_row_makes_each_variants_spec():
-    from t5_retrieval.data.tasks.shipped import Dataset
+    from t5_retrieval.data.tasks.shipped import Dataset, dataset_task
 
-    row = Dataset("aidayago2", "AIDA", "EL", 10, 5, 128, MENTION_WINDOW)
+    row = Dataset(dataset_task("aidayago2", "AIDA", 128, MENTION_WINDOW), "EL", 10, 5)
+    assert not set(Dataset._fields) & {f.name for f in dataclasses.fields(TaskSpec)}, \
+        "a registration row holds its Tasks' TaskSpec, not copies of its fields"
     assert row.spec("kilt", "") == TaskSpec("kilt_aidayago2", "aidayago2", "AIDA", 128, MENTION_WINDOW)
     assert row.spec("kilt", "_noprefix") == TaskSpec("kilt_aidayago2_noprefix", "aidayago2", None, 128, MENTION_WINDOW)
     assert row.spec("kilt", "_typed") == TaskSpec("kilt_aidayago2_typed", "aidayago2", "EL", 128, MENTION_WINDOW)

@@ -328,10 +328,10 @@ def register_shipped() -> None:
             for d in rows:
                 spec = d.spec(family, variant)
                 if spec.name not in tasks:
-                    register_retrieval_task(spec, kilt_examples_source(d.dataset, d.num_train, d.num_dev))
+                    register_retrieval_task(spec, kilt_examples_source(d.task.dataset, d.num_train, d.num_dev))
                 names.append(spec.name)
             for name, members in [(f"{family}{variant}", names),
-                                  *((f"{family}{variant}_without_{d.dataset}", [n for n in names if n != held_out])
+                                  *((f"{family}{variant}_without_{d.task.dataset}", [n for n in names if n != held_out])
                                     for d, held_out in zip(rows, names))]:
                 if name not in mixtures:
                     add_temperature_mixture(name, members)

@@ -14,6 +14,7 @@ same length, cut the same way. A new dataset is one row; a new family is its tab
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -26,40 +27,44 @@ PAPER_QUERY_LEN = {"QA": 32, "SF": 32, "FC": 64, "EL": 128, "DIAL": 256}
 LEN = PAPER_QUERY_LEN
 
 
+def dataset_task(dataset: str, prefix: str, query_len: int, truncation: str = KEEP_BEGINNING) -> TaskSpec:
+    """The spec a dataset's Tasks share, named by the dataset: its examples files, its TACO prefix
+    name, its queries' length in token ids (special tokens included) and how a longer one is cut
+    ("mention" for entity linking, query_inputs.py). `Dataset.spec` names each variant's Task."""
+    return TaskSpec(dataset, dataset, prefix, query_len, truncation)
+
+
 class Dataset(NamedTuple):
-    """One dataset of a family: its Tasks' `TaskSpec` fields (`spec`), and what registering them adds:
+    """One dataset of a family: its Tasks' spec (`dataset_task`), and what registering them adds:
     the task type (the `_typed` variant's prefix) and the declared split sizes (the Mixtures' rates)."""
 
-    dataset: str     # file stem of the processed examples
-    prefix: str      # TACO prefix name
+    task: TaskSpec
     task_type: str   # one of TASK_TYPES
     num_train: int
     num_dev: int
-    query_len: int   # token ids per query, special tokens included
-    truncation: str = KEEP_BEGINNING  # "mention" for entity linking (query_inputs.py)
 
     def spec(self, family: str, variant: str) -> TaskSpec:
         """The spec of this dataset's Task `{family}_{dataset}{variant}`: its prefix the variant's
         (the dataset's, none, or its task type), its query length and truncation the dataset's."""
-        return TaskSpec(f"{family}_{self.dataset}{variant}", self.dataset, VARIANTS[variant](self), self.query_len,
-                        self.truncation)
+        return dataclasses.replace(self.task, name=f"{family}_{self.task.dataset}{variant}",
+                                   prefix=VARIANTS[variant](self))
 
 
 # Each query-prefix variant: its Tasks' name suffix -> the prefix it gives a dataset's queries.
 VARIANTS: dict[str, Callable[[Dataset], str | None]] = {
-    "": lambda d: d.prefix, "_noprefix": lambda d: None, "_typed": lambda d: d.task_type}
+    "": lambda d: d.task.prefix, "_noprefix": lambda d: None, "_typed": lambda d: d.task_type}
 
 # The 8 KILT datasets of TACO. Sizes: KILT train/dev files (Petroni et al. 2021, Table 1). Query
 # lengths: TACO's Table 5, in T5 tokens (the family is trained with T5, as in the paper).
 KILT = [
-    Dataset("fever", "FEVER", "FC", 104_966, 10_444, LEN["FC"]),
-    Dataset("aidayago2", "AIDA", "EL", 18_395, 4_784, LEN["EL"], "mention"),
-    Dataset("trex", "TREX", "SF", 2_284_168, 5_000, LEN["SF"]),
-    Dataset("structured_zeroshot", "ZSRE", "SF", 147_909, 3_724, LEN["SF"]),
-    Dataset("nq", "NQ", "QA", 87_372, 2_837, LEN["QA"]),
-    Dataset("hotpotqa", "HOPO", "QA", 88_869, 5_600, LEN["QA"]),
-    Dataset("triviaqa", "TQA", "QA", 61_844, 5_359, LEN["QA"]),
-    Dataset("wow", "WOW", "DIAL", 63_734, 3_054, LEN["DIAL"]),
+    Dataset(dataset_task("fever", "FEVER", LEN["FC"]), "FC", 104_966, 10_444),
+    Dataset(dataset_task("aidayago2", "AIDA", LEN["EL"], "mention"), "EL", 18_395, 4_784),
+    Dataset(dataset_task("trex", "TREX", LEN["SF"]), "SF", 2_284_168, 5_000),
+    Dataset(dataset_task("structured_zeroshot", "ZSRE", LEN["SF"]), "SF", 147_909, 3_724),
+    Dataset(dataset_task("nq", "NQ", LEN["QA"]), "QA", 87_372, 2_837),
+    Dataset(dataset_task("hotpotqa", "HOPO", LEN["QA"]), "QA", 88_869, 5_600),
+    Dataset(dataset_task("triviaqa", "TQA", LEN["QA"]), "QA", 61_844, 5_359),
+    Dataset(dataset_task("wow", "WOW", LEN["DIAL"]), "DIAL", 63_734, 3_054),
 ]
 
 # mini-KILT: 6 real KILT-style tasks over a 14.8k-page Wikipedia KB (sizes from its stats.json).
@@ -67,12 +72,12 @@ KILT = [
 # task's measured WordPiece/T5 token ratio, or the longest training query (with its prefix) where
 # every query needs less (docs/data.md, "Query lengths"; `benchmarks/measure_query_lengths.py`).
 MINI_KILT = [
-    Dataset("fever", "FEVER", "FC", 1_045, 288, 32),
-    Dataset("wow", "WOW", "DIAL", 647, 256, 237),
-    Dataset("hotpotqa", "HOPO", "QA", 239, 74, 34),
-    Dataset("trex", "TREX", "SF", 493, 184, 22),
-    Dataset("entityquestions", "ZSRE", "SF", 3_279, 396, 25),
-    Dataset("entity_linking", "AIDA", "EL", 3_021, 843, 109, "mention"),
+    Dataset(dataset_task("fever", "FEVER", 32), "FC", 1_045, 288),
+    Dataset(dataset_task("wow", "WOW", 237), "DIAL", 647, 256),
+    Dataset(dataset_task("hotpotqa", "HOPO", 34), "QA", 239, 74),
+    Dataset(dataset_task("trex", "TREX", 22), "SF", 493, 184),
+    Dataset(dataset_task("entityquestions", "ZSRE", 25), "SF", 3_279, 396),
+    Dataset(dataset_task("entity_linking", "AIDA", 109, "mention"), "EL", 3_021, 843),
 ]
 
 # The built-in SYNTHETIC demo (`t5r data demo`): KILT-shaped tasks, 160 train / 40 dev each, with
@@ -91,4 +96,4 @@ def task_names() -> frozenset[str]:
 def mixture_names() -> frozenset[str]:
     """The name of every Mixture the families make, computed without seqio."""
     return frozenset(name for family, rows in FAMILIES.items() for variant in VARIANTS
-                     for name in [f"{family}{variant}", *(f"{family}{variant}_without_{d.dataset}" for d in rows)])
+                     for name in [f"{family}{variant}", *(f"{family}{variant}_without_{d.task.dataset}" for d in rows)])
