@@ -123,17 +123,6 @@ def _wait_for_writer_threads(mngr: ocp.CheckpointManager, seconds: float = 2.0) 
     time.sleep(0.2)
 
 
-def _files(directory: epath.Path, prefix: str = "") -> list[str]:
-    """Paths of all files under `directory`, relative to it, sorted (but the checksum record and stamp)."""
-    found = []
-    for child in directory.iterdir():
-        if child.is_dir():
-            found += _files(child, f"{prefix}{child.name}/")
-        elif prefix or child.name not in checksums.OWN_FILES:
-            found.append(prefix + child.name)
-    return sorted(found)
-
-
 def is_step_dir(path: str) -> bool:
     """A checkpoint step directory (named by its step, holding the saved state), not another artefact."""
     return os.path.basename(os.path.abspath(path)).isdigit() and os.path.isdir(os.path.join(path, "state"))
@@ -143,7 +132,7 @@ def write_checksums(step_dir: epath.Path) -> None:
     """Records size and sha256 of every file of a finished step, and of the model directory's
     config.gin (the bindings it was trained with, which name the code `t5r eval` imports); written
     whole or not at all."""
-    doc = checksums.record_doc({name: checksums.entry(step_dir / name) for name in _files(step_dir)})
+    doc = checksums.record_doc({name: checksums.entry(step_dir / name) for name in checksums.files_under(step_dir)})
     model_files = {name: checksums.entry(step_dir.parent / name) for name in MODEL_DIR_FILES
                    if (step_dir.parent / name).exists()}
     if model_files:
@@ -167,7 +156,7 @@ def verify_checksums(step_dir: epath.Path, model_files: bool = True) -> tuple[in
     local = _local(step_dir)  # a local step's files are opened as regular files inside it only
     try:
         files, listed = _step_record(step_dir, accept)
-        checksums.check_listing(str(step_dir), files, _files(step_dir), damaged)
+        checksums.check_listing(str(step_dir), files, checksums.files_under(step_dir), damaged)
         for name, expected in files.items():
             checksums.check_file(os.path.join(local, name) if local else step_dir / name, expected, str(manifest),
                                  damaged, local)

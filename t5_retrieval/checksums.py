@@ -120,6 +120,20 @@ def artefact_files(directory: str) -> list[str]:
     return sorted(found)
 
 
+def files_under(directory: Path, prefix: str = "") -> list[str]:
+    """Every file under `directory` (an `etils.epath.Path`: a checkpoint step, local or on an object
+    store), relative, sorted, but its checksum record, stamp and pending marker: what a checkpoint
+    step's record lists. (`artefact_files` lists a local artefact, leaving out sidecars, the files
+    that carry one and the stage marker too.)"""
+    found = []
+    for child in directory.iterdir():
+        if child.is_dir():
+            found += files_under(child, f"{prefix}{child.name}/")
+        elif prefix or child.name not in OWN_FILES:
+            found.append(prefix + child.name)
+    return sorted(found)
+
+
 def _write_json(path: str, doc: dict[str, Any]) -> None:
     with open_replaced_on_success(path) as f:
         json.dump(doc, f, indent=1, sort_keys=True)
