@@ -63,6 +63,7 @@ def negatives_main(argv: list[str]) -> int:
     from t5_retrieval.data import layout
     from t5_retrieval.data.kilt.prepare import prepare_negatives
     from t5_retrieval.data.tasks import retrieval_tasks
+    from t5_retrieval.data.tasks.examples import split_examples
     from t5_retrieval.retrieval.index import build_bm25_index_for_kb
 
     p = argparse.ArgumentParser("t5r data negatives", description="BM25 hard negatives -> <data_dir>/negatives/bm25.")
@@ -87,8 +88,7 @@ def negatives_main(argv: list[str]) -> int:
         sources.setdefault(spec.negatives_name, (spec.dataset, spec.name))
     _report(prepare_negatives(a.data_dir, list(sources), a.splits, top_k=a.top_k,
                               index=build_bm25_index_for_kb(layout.kb_dir(a.data_dir)),
-                              read=lambda name, split: retrieval_tasks.split_examples(a.data_dir, *sources[name],
-                                                                                      split)))
+                              read=lambda name, split: split_examples(a.data_dir, *sources[name], split)))
     return 0
 
 

@@ -2,11 +2,13 @@
 the stage runner's evaluate and mine stages and DPR-MUF fusion.
 
 Each task's examples are its KILT file `<data_dir>/examples/{dataset}-{split}.jsonl`, with the query
-text its registered seqio Task's preprocessors make, else that Task's split (`split_examples`).
+text its registered seqio Task's preprocessors make, else that Task's split (`split_examples`, which
+`t5r data negatives` reads too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -14,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import DataError, Example, read_examples
-from t5_retrieval.data.tasks.retrieval_tasks import has_split, registered_task, set_data_dir, split_examples
+from t5_retrieval.data.tasks.retrieval_tasks import registered_task, set_data_dir, text_examples, text_preprocessors
 from t5_retrieval.data.tasks.task_names import TaskSet
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,46 @@ def dataset_examples(data_dir: str, split: str, datasets: Sequence[str] = ()) ->
             raise DataError(f"{path}: no examples for task {dataset!r}, split {split!r}")
         out[dataset] = read_examples(path)
     return out
+
+
+def has_split(data_dir: str, dataset: str, task_name: str, split: str) -> bool:
+    """`split_examples` has something to read: a KILT file, or a registered seqio Task with `split`."""
+    if os.path.exists(layout.examples_path(data_dir, dataset, split)):
+        return True
+    task = registered_task(task_name)
+    return task is not None and split in task.splits
+
+
+def split_examples(data_dir: str, dataset: str, task_name: str, split: str) -> list[Example]:
+    """The model's task `task_name` (reading `dataset`) on `split`, for evaluation and mining.
+
+    The KILT file `<data_dir>/examples/{dataset}-{split}.jsonl` when it exists (KILT's evidence
+    sets), with each query's text the registered seqio Task's when the Task's preprocessors rewrite
+    it (joined by id: the model trained on their output, not on the file's text; a warning names
+    them when the Task has no such split); else the registered seqio Task's split (`text_examples`)."""
+    path = layout.examples_path(data_dir, dataset, split)
+    task = registered_task(task_name)
+    if os.path.exists(path):
+        examples = [dataclasses.replace(e, task=task_name) for e in read_examples(path)]
+        rewriting = text_preprocessors(task) if task is not None else []
+        if task is None or not rewriting:
+            return examples
+        if split not in task.splits:
+            log.warning("task %s: %s is scored as written, but the model trained on the query text seqio Task %s's "
+                        "preprocessors (%s) rewrite, and the Task has no split %s to rewrite it", task_name, path,
+                        task_name, ", ".join(rewriting), split)
+            return examples
+        texts = {e.id: e.query for e in text_examples(task, split)}
+        missing = [e.id for e in examples if e.id not in texts]
+        if missing:
+            raise DataError(f"{path}: examples {missing[:3]} ({len(missing)} in all) are not among seqio Task "
+                            f"{task_name!r}'s {split} examples, whose preprocessed query text the model reads; "
+                            "the file and the Task must hold the same examples")
+        return [dataclasses.replace(e, query=texts[e.id]) for e in examples]
+    if task is not None:
+        return text_examples(task, split)
+    raise DataError(f"{path}: no examples for task {task_name!r} (dataset {dataset!r}), split {split!r}, and no "
+                    f"registered seqio Task {task_name!r} to read instead (--gin.MIXTURE_OR_TASK_MODULE)")
 
 
 def _missing_examples(tasks: TaskSet, data_dir: str, split: str, names: Sequence[str], missing: Sequence[str],

@@ -499,55 +499,9 @@ def registered_task(name: str) -> Any | None:
     return seqio.TaskRegistry.get(name) if seqio is not None and name in seqio.TaskRegistry.names() else None
 
 
-def has_split(data_dir: str, dataset: str, task_name: str, split: str) -> bool:
-    """`split_examples` has something to read: a KILT file, or a registered seqio Task with `split`."""
-    if os.path.exists(layout.examples_path(data_dir, dataset, split)):
-        return True
-    task = registered_task(task_name)
-    return task is not None and split in task.splits
-
-
 def file_or_task(name: str) -> TaskSpec:
     """What a name given to `t5r data negatives` stands for: the registered seqio Task `name`, else
     the dataset whose examples files `<data_dir>/examples/{name}-{split}.jsonl` are, as a spec of its
-    own (`split_examples` names what is missing)."""
+    own (`examples.split_examples` names what is missing)."""
     task = registered_task(name)
     return describe(task) if task is not None else TaskSpec(name, name, None)
-
-
-def has_examples_files(data_dir: str, name: str, splits: Sequence[str]) -> bool:
-    return all(os.path.exists(layout.examples_path(data_dir, name, s)) for s in splits)
-
-
-def split_examples(data_dir: str, dataset: str, task_name: str, split: str) -> list[Any]:
-    """The model's task `task_name` (reading `dataset`) on `split`, for evaluation and mining.
-
-    The KILT file `<data_dir>/examples/{dataset}-{split}.jsonl` when it exists (KILT's evidence
-    sets), with each query's text the registered seqio Task's when the Task's preprocessors rewrite
-    it (joined by id: the model trained on their output, not on the file's text; a warning names
-    them when the Task has no such split); else the registered seqio Task's split (`text_examples`)."""
-    from t5_retrieval.data.records import DataError
-
-    path = layout.examples_path(data_dir, dataset, split)
-    task = registered_task(task_name)
-    if os.path.exists(path):
-        examples = [dataclasses.replace(e, task=task_name) for e in read_examples(path)]
-        rewriting = text_preprocessors(task) if task is not None else []
-        if task is None or not rewriting:
-            return examples
-        if split not in task.splits:
-            log.warning("task %s: %s is scored as written, but the model trained on the query text seqio Task %s's "
-                        "preprocessors (%s) rewrite, and the Task has no split %s to rewrite it", task_name, path,
-                        task_name, ", ".join(rewriting), split)
-            return examples
-        texts = {e.id: e.query for e in text_examples(task, split)}
-        missing = [e.id for e in examples if e.id not in texts]
-        if missing:
-            raise DataError(f"{path}: examples {missing[:3]} ({len(missing)} in all) are not among seqio Task "
-                            f"{task_name!r}'s {split} examples, whose preprocessed query text the model reads; "
-                            "the file and the Task must hold the same examples")
-        return [dataclasses.replace(e, query=texts[e.id]) for e in examples]
-    if task is not None:
-        return text_examples(task, split)
-    raise DataError(f"{path}: no examples for task {task_name!r} (dataset {dataset!r}), split {split!r}, and no "
-                    f"registered seqio Task {task_name!r} to read instead (--gin.MIXTURE_OR_TASK_MODULE)")
