@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from t5_retrieval import artefact_io
-from t5_retrieval.errors import UserError, open_replaced_on_success
+from t5_retrieval.errors import DiskFullError, UserError, open_replaced_on_success
 
 CHECKSUMS_FILE = "t5r_checksums.json"
 STAMP_FILE = "t5r_verified.json"
@@ -367,10 +367,11 @@ def _read_stamp(directory: str) -> dict[str, Any]:
 
 def _write_stamp(directory: str, keys: dict[str, list[Any]]) -> None:
     """{file: [size, mtime_ns, ctime_ns, inode, sha256 it matched]}. Best effort: where the artefact
-    is read-only the old stamp stays, and files whose stat changed since are hashed on every open."""
+    is read-only or its disk full the old stamp stays, and files whose stat changed since are hashed
+    on every open: a read (`t5r eval`) never fails for want of writing it."""
     try:
         _write_json(os.path.join(directory, STAMP_FILE), keys)
-    except OSError:
+    except (OSError, DiskFullError):
         pass
 
 

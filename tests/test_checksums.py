@@ -50,6 +50,20 @@ def test_the_stamp_skips_rehashing_unchanged_files_but_not_a_rewritten_one(artef
         checksums.verify_all(artefact)
 
 
+def test_a_full_disk_does_not_fail_a_verification_that_cannot_write_its_stamp(artefact, monkeypatch):
+    """The stamp is a cache: on a full disk (simulated: none can be made here) verifying still passes."""
+    from t5_retrieval import errors
+
+    def full(path, doc):
+        raise errors.disk_full(path)
+
+    stamp = os.path.join(artefact, checksums.STAMP_FILE)
+    before = open(stamp).read() if os.path.exists(stamp) else None
+    monkeypatch.setattr(checksums, "_write_json", full)
+    checksums.verify(artefact, "test artefact", "rebuild it")
+    assert (open(stamp).read() if os.path.exists(stamp) else None) == before
+
+
 def test_an_artefact_without_a_record_is_refused_and_the_hinted_command_accepts_it(artefact, capsys):
     os.remove(os.path.join(artefact, checksums.CHECKSUMS_FILE))
     with pytest.raises(checksums.ChecksumError, match="has no t5r_checksums.json") as raised:
