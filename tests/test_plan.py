@@ -708,6 +708,54 @@ def test_a_per_task_step_is_timed_as_the_sum_of_its_task_passes_and_update():
     assert report["gathered_copy_bytes"] is None and report["problems"] == [], report["problems"]
 
 
+def test_memory_from_parts_is_the_larger_of_the_last_task_pass_and_the_update():
+    from t5_retrieval.plan.parts import memory_from_parts
+
+    arguments = {"params": 100, "optimizer": 200, "multitask": 300, "batch": 10}
+    task_pass = {"arguments": 120, "outputs_not_donated": 100, "temporaries": 1_000, "code": 5}
+    update = {"arguments": 900, "outputs_not_donated": 0, "temporaries": 400, "code": 7}
+    # the last of 3 passes: state 600 + batch 10 + 2 earlier gradients 200 + its temporaries and gradient 1,100
+    memory = memory_from_parts(arguments, 100, 3, [task_pass], update, 0, hbm=5_000)
+    assert memory == {**arguments, "arguments": 610, "outputs_not_donated": 0, "temporaries": 1_300, "code": 12,
+                      "peak": 1_922, "hbm": 5_000, "margin": 3_078}
+    # a pass reading the parameters gathered whole holds them too; a large update wins
+    assert memory_from_parts(arguments, 100, 3, [task_pass], update, 50, hbm=5_000)["peak"] == 1_972
+    update = {**update, "temporaries": 2_000}
+    assert memory_from_parts(arguments, 100, 3, [task_pass], update, 0, hbm=2_000)["peak"] == 10 + 900 + 2_000 + 12
+
+
+def test_from_parts_plans_a_per_task_step_without_compiling_it_whole():
+    """`--from_parts`: TACO's step is not compiled whole (the compile that outgrew a 23 GiB host for
+    T5-base); its memory comes from its task passes and update compiled alone, its time, as always,
+    from their loop-free programs: the same time as the plan that also compiles the whole step."""
+    config = (*TACO, "--gin.QUERY_LEN={'demo_fever': 16, 'demo_trex': 8}", "--gin.T5Config.scan_layers=True",
+              "--gin.train.gather_params_once=True")
+    from t5_retrieval.plan import planner
+
+    whole = plan_json("v5e:2x2", "fsdp", *config)["steps"]["train"]
+    report = plan_json("v5e:2x2", "fsdp", *config, "--from_parts")
+    text = planner.format_text(report)
+    assert "not compiled whole (--from_parts)" in text and "collectives: not counted" in text, text
+    train = report["steps"]["train"]
+    assert whole["memory_source"] == "program" and train["memory_source"] == "parts"
+    assert train["compile_seconds"] == 0 and train["parts_memory"]["compile_seconds"] > 0
+    assert len(train["parts_memory"]["passes"]) == 2, train["parts_memory"]  # two query lengths: two passes
+    assert train["estimate_source"] == whole["estimate_source"]
+    assert train["estimated_step_seconds"] == pytest.approx(whole["estimated_step_seconds"], rel=1e-6)
+    memory = train["memory_per_device"]
+    for what in ("params", "optimizer", "multitask", "batch"):
+        assert memory[what] == whole["memory_per_device"][what], what
+    # state, batch, the other task's gradient and the gathered copy at least, and every part's code
+    assert memory["peak"] >= memory["params"] * 2 + memory["optimizer"] + memory["multitask"] + memory["batch"]
+    assert memory["code"] > 0 and memory["peak"] + memory["margin"] == memory["hbm"]
+
+
+def test_from_parts_is_refused_for_a_step_that_is_one_program():
+    code, _, err = run_plan("--topology", "v5e:2x2", *TINY, "--gin_file=sharding/fsdp.gin", "--from_parts")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "plan it without --from_parts" in err, err
+
+
 def test_the_parameter_gather_is_of_the_copy_the_network_reads():
     """With `gather_params_once` and bfloat16 compute the gathered copy is the bfloat16 one the
     network reads (all but its norm scales and position biases): about half the float32 bytes, in

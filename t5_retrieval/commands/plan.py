@@ -75,13 +75,18 @@ def main(argv: list[str]) -> int:
                              "device per chip (32 GiB), which is how JAX runs v4 by default")
     parser.add_argument("--replicated_mib", type=float, default=1.0,
                         help="report parameters at least this large that a sharding layout leaves replicated")
+    parser.add_argument("--from_parts", action="store_true",
+                        help="per-task steps (TACO) only: do not compile the whole train step, estimate its memory "
+                             "from its task passes and update compiled alone (for a host without the memory: T5-base "
+                             "TACO with remat needs more than 23 GiB whole)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (for tools)")
     args = parse_args(parser, [*(f"--gin.{b.replace(' = ', '=')}" for b in UNREAD_MACROS), *argv], reads=TASK_MODULE)
     logs.setup()
     rules = sharding.logical_axis_rules()
     layout = next(name for name, r in sharding.LAYOUTS.items() if r == rules)
     report = planner.plan(args.topology, args.num_slices, layout, rules, model_config(), train_settings(),
-                          int(args.replicated_mib * planner.MIB), per_tensorcore=args.per_tensorcore)
+                          int(args.replicated_mib * planner.MIB), per_tensorcore=args.per_tensorcore,
+                          from_parts=args.from_parts)
     print(json.dumps(report, indent=1) if args.json else planner.format_text(report))
     train_step = report["steps"]["train"]
     if not train_step["fits"]:

@@ -37,6 +37,7 @@ from t5_retrieval.models.build import build_model
 from t5_retrieval.models.families import family_of
 from t5_retrieval.plan import gpu, hlo, peak
 from t5_retrieval.plan.chips import Chip, parse_topology
+from t5_retrieval.plan.parts import memory_from_parts
 from t5_retrieval.plan.steps import (
     LoweredStep,
     TaskShape,
@@ -494,6 +495,7 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "lower_seconds": round(lower_s, 2), "compile_seconds": round(compile_s, 2),
         "hlo_bytes": len(step.lowered.as_text()),
         "memory_per_device": memory,
+        "memory_source": "program",  # or "parts": `with_memory_from_parts`
         "peak_breakdown": peak_breakdown,
         "fits": fits(compiled, memory),
         "compiler_refused": refusal,
@@ -540,6 +542,47 @@ def release_host_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except OSError:  # a libc without malloc_trim (musl): nothing to return
             pass
+
+
+def per_task_memory(model: Any, config: dict[str, Any], settings: TrainSettings, batch: Any,
+                    task_names: Sequence[str], groups: Sequence[Sequence[int]], mesh: Mesh, rules: sharding.Rules,
+                    train: LoweredStep, arguments: dict[str, int], hbm: int) -> dict[str, Any]:
+    """A per-task step's memory per device from its parts, each compiled alone as the step runs it
+    (layers scanned, dropout on): one task pass per group of same-shaped tasks and the update
+    (`memory_from_parts`), with the step's `arguments` by what they are (`train_state_bytes`). Also
+    the seconds the compiles took and each part's temporaries."""
+    spent = 0.0
+    passes = []
+    for group in groups:
+        k = group[0]
+        part = compile_timed(lower_task_gradient(model, config, settings, batch[task_names[k]], k, mesh, rules))
+        passes.append(compiled_memory(part.compiled, part.refusal, {}))
+        spent += part.seconds
+    part = compile_timed(lower_gradient_update(model, settings, len(task_names), mesh, rules))
+    update = compiled_memory(part.compiled, part.refusal, {})
+    spent += part.seconds
+    gathered = 0
+    if settings.gather_params_once:
+        read = jax.eval_shape(lambda p: family_of(config).as_read(config, p), train.state.params)
+        gathered = bytes_per_device(read, jax.tree.map(lambda _: sharding.replicated(mesh), train.state.params))
+    gradient = bytes_per_device(train.state.params, train.state_shardings.params)
+    memory = memory_from_parts(arguments, gradient, len(task_names), passes, update, gathered, hbm)
+    return {"memory": memory, "compile_seconds": round(spent, 2),
+            "passes": [p["temporaries"] for p in passes], "update": update["temporaries"]}
+
+
+# What to try when a step's memory from its parts does not fit: no compile checks it (that would
+# compile the whole step, which --from_parts is there to avoid).
+PARTS_ADVICE = ("its memory from its parts is an estimate, so no smaller batch was compiled to check: try "
+                "--gin.PER_DEVICE_BATCH={batch}, more or larger chips, or plan the whole step without --from_parts "
+                "on a host with the memory")
+
+
+def with_memory_from_parts(report: dict[str, Any], from_parts: dict[str, Any]) -> dict[str, Any]:
+    """The train step's `report` with the memory of its parts in place of the whole program's."""
+    memory = from_parts["memory"]
+    return {**report, "memory_per_device": memory, "fits": memory["margin"] >= 0,
+            "memory_source": "parts", "parts_memory": {k: v for k, v in from_parts.items() if k != "memory"}}
 
 
 def train_step_memory(model: Any, config: dict[str, Any], settings: TrainSettings, mesh: Mesh,
@@ -621,9 +664,10 @@ def steps_per_epoch(tasks: Sequence[TaskShape], data_shards: int) -> int | None:
 
 def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, config: dict[str, Any],
          settings: TrainSettings, replicated_threshold_bytes: int, make_mesh: Any = sharding.make_mesh,
-         per_tensorcore: bool = False) -> dict[str, Any]:
+         per_tensorcore: bool = False, from_parts: bool = False) -> dict[str, Any]:
     """Compiles the train and KB encode steps for the topology (`describe_topology`); returns the
-    JSON-able report."""
+    JSON-able report. `from_parts`: a per-task step is not compiled whole; its memory per device is
+    estimated from its parts (`parts.memory_from_parts`), as its time always is."""
     target = describe_topology(topology, num_slices, per_tensorcore)
     mesh = make_mesh(devices=target.devices)
     data_shards = mesh.shape["data"]
@@ -631,24 +675,31 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     tasks = task_shapes(settings)
     task_names = [t.name for t in tasks]
     batch = abstract_batch(tasks, settings, data_shards, model.embedding_dim)
+    # per-task gradient passes, same-shaped tasks in one `lax.scan` (task_groups reads only shapes
+    # and dtypes, which the abstract batch has)
+    per_task = settings.multitask is not None and not model.config.query_generation
+    if from_parts and not per_task:
+        raise UserError("--from_parts plans a per-task step (train.multitask, as runs/taco.gin binds it) from its "
+                        "parts; this run's train step is one program: plan it without --from_parts")
+    groups = task_groups(model, cast(Any, batch), task_names) if per_task else []
 
     start = time.perf_counter()
     train, multitask_state = lower_train_step(model, config, settings, task_names, batch, mesh, rules)
     lower_s = time.perf_counter() - start
-    compiled, compile_s, refusal, train_peak = compile_timed(train.lowered, peak_breakdown=True)
     parts = train_state_bytes(train, multitask_state)
+    train_compile = Compile(None, 0.0, None, []) if from_parts else compile_timed(train.lowered, peak_breakdown=True)
+    compiled, compile_s, refusal, train_peak = train_compile
     params_b = parts["params"]
     queries = sum(t.rows for t in tasks) * data_shards
     train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, target,
                                train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries},
                                train_peak)
     compiled = None  # reported: the timing programs below compile without it held
+    if from_parts:
+        train_report = with_memory_from_parts(train_report, per_task_memory(
+            model, config, settings, batch, task_names, groups, mesh, rules, train, parts, target.hbm_per_device))
     depth = scanned_depth(config)
-    # per-task gradient passes, same-shaped tasks in one `lax.scan` (task_groups reads only shapes
-    # and dtypes, which the abstract batch has)
-    per_task = settings.multitask is not None and not model.config.query_generation
-    groups = task_groups(model, cast(Any, batch), task_names) if per_task else []
-    if refusal is None and per_task and (depth or any(len(g) > 1 for g in groups)):
+    if refusal is None and per_task and (from_parts or depth or any(len(g) > 1 for g in groups)):
         passes = [(task_names[g[0]] if len(g) == 1 else f"{task_names[g[0]]} and {len(g) - 1} alike", len(g),
                    lambda c, k=g[0]: lower_task_gradient(build_model(c), c, settings, batch[task_names[k]], k,
                                                          mesh, rules))
@@ -705,7 +756,8 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     report["compiler"] = gpu.compiler_versions() if gpu.is_gpu_topology(topology) else compiler_versions()
     report["problems"] = problems(report) + (gpu.problems(report) if gpu.is_gpu_report(report) else [])
     if not train_report["fits"]:
-        report["advice"] = fit_advice(model, config, settings, mesh, layout, train_report, len(tasks))
+        report["advice"] = (PARTS_ADVICE.format(batch=max(settings.per_device_batch // 2, len(tasks))) if from_parts
+                            else fit_advice(model, config, settings, mesh, layout, train_report, len(tasks)))
     report["host_peak_bytes"] = host_peak_bytes()  # after the advice's compiles: T5-XXL's needed the most
     return report
 
@@ -735,7 +787,8 @@ def problems(report: dict[str, Any]) -> list[str]:
             against = (f"{device} has {mem['hbm'] / MIB:,.1f} MiB" if mem["margin"] < 0 else
                        f"within {device}'s {mem['hbm'] / MIB:,.1f} MiB, but the compiler, which keeps part of it "
                        "for itself, refused it")
-            lines.append(f"{name} step: needs {mem['peak'] / MIB:,.1f} MiB per device, {against} "
+            needs = "needs an estimated" if step.get("memory_source") == "parts" else "needs"
+            lines.append(f"{name} step: {needs} {mem['peak'] / MIB:,.1f} MiB per device, {against} "
                          f"(layout {report['layout']}, PER_DEVICE_BATCH={report['per_device_batch']})")
     for p in report["replicated_params"]:
         lines.append(f"parameter {p['param']} {p['shape']} ({p['bytes'] / MIB:,.2f} MiB) is replicated on every "
@@ -801,6 +854,10 @@ def format_text(report: dict[str, Any]) -> str:
                      f"compiled in {step['compile_seconds']:.1f} s "
                      f"({step['hlo_bytes'] / 1e6:.2f} MB StableHLO"
                      + "".join(f", {n:,} {what}" for what, n in step["program"].items()) + " compiled)")
+        if step["memory_source"] == "parts":
+            spent = step["parts_memory"]["compile_seconds"]
+            lines.append(f"  not compiled whole (--from_parts): its memory is estimated from its task passes and "
+                         f"update, each compiled alone in {spent:.1f} s; its time from its parts' loop-free programs")
         lines.append(f"  per device: params {_mib(mem['params'])}, optimiser {_mib(mem['optimizer'])}, multi-task "
                      f"{_mib(mem['multitask'])}, batch {_mib(mem['batch'])}, temporaries {_mib(mem['temporaries'])}, "
                      f"outputs {_mib(mem['outputs_not_donated'])}, code {_mib(mem['code'])}")
@@ -839,6 +896,8 @@ def format_text(report: dict[str, Any]) -> str:
                              _kernel_line(kind, k) for kind, k in step["custom_kernels"].items()))
         collectives = step["collectives"]
         lines.append("  collectives: " + ("unknown (the program cannot be read back)" if step["hlo_unreadable"] else
+                                           "not counted (the step was not compiled whole)"
+                                           if step["memory_source"] == "parts" else
                                            ", ".join(f"{op} x{c['count']} ({_mib(c['bytes'])})"
                                                      for op, c in sorted(collectives.items())) or "none"))
     if report["steps_per_epoch"]:
