@@ -35,6 +35,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # method -> its run file and bindings: the KILT mixture naive and with TACO, and one task alone
 # (the papers' task-specific rows; one query shape, so the smallest program).
 RUNS = {"naive": ["--gin_file=runs/naive_multitask.gin"], "taco": ["--gin_file=runs/taco.gin"],
+        # TACO not compiled whole (`t5r plan --from_parts`): T5-base's whole step outgrows a 23 GiB host
+        "taco_parts": ["--gin_file=runs/taco.gin", "--from_parts"],
         "single": ["--gin_file=runs/single_task.gin", "--gin.MIXTURE_OR_TASK_NAME='kilt_nq_noprefix'"]}
 MIB = 1024 ** 2
 # Every planned cell's `t5r plan --json` report, from which docs/pods_table.md is written.
@@ -87,7 +89,9 @@ def table_row(cell: dict[str, Any]) -> str:
     passages = encode["estimated_per_second"]["passages"] if encode["estimated_step_seconds"] else None
     kb = f"{passages:,.0f} p/s, {KILT_PASSAGES / passages / 3600:,.1f} h" if passages else "none"
     compile_s = train["compile_seconds"] + (train["loop_free_estimate"] or {}).get("compile_seconds", 0)
-    return (head + f" {'yes' if train['fits'] else 'NO'} ({mem['peak'] / MIB:,.0f} / {mem['hbm'] / MIB:,.0f} MiB) |"
+    estimated = ", estimated from its parts" if train.get("memory_source") == "parts" else ""
+    return (head + f" {'yes' if train['fits'] else 'NO'} ({mem['peak'] / MIB:,.0f} / {mem['hbm'] / MIB:,.0f} MiB"
+            f"{estimated}) |"
             f" {state:,.0f} MiB | {mem['temporaries'] / MIB:,.0f} MiB | {rate} |"
             f" {f'{epoch / 3600:,.1f} h' if epoch else 'none'} | {kb} |"
             f" {compile_s:.0f} s / {encode['compile_seconds']:.0f} s{_host_memory(report)} |")
@@ -115,7 +119,8 @@ compiler's estimates. **Every time, rate, MFU and epoch here is an estimate of l
 (`*`: from programs with their layers unrolled, at 1 and 2 layers and extrapolated), not a
 measurement: read it as a lower bound on the step time.** An encode rate marked "% of peak"
 implies the model's matmuls at that share of the chips' peak FLOP/s: above 100% the cost model
-under-prices the program. The libtpu that compiled a row is named in it.
+under-prices the program. The libtpu that compiled a row is named in it. Method `taco_parts`: TACO
+planned with `t5r plan --from_parts`, its memory estimated from its task passes and update.
 """
 
 
