@@ -667,7 +667,7 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
          per_tensorcore: bool = False, from_parts: bool = False) -> dict[str, Any]:
     """Compiles the train and KB encode steps for the topology (`describe_topology`); returns the
     JSON-able report. `from_parts`: a per-task step is not compiled whole; its memory per device is
-    estimated from its parts (`parts.memory_from_parts`), as its time always is."""
+    estimated from its parts (`memory_from_parts`), as its time always is."""
     target = describe_topology(topology, num_slices, per_tensorcore)
     mesh = make_mesh(devices=target.devices)
     data_shards = mesh.shape["data"]
