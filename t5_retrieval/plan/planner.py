@@ -544,6 +544,13 @@ def release_host_memory() -> None:
             pass
 
 
+def gathered_copy_bytes(config: dict[str, Any], params: Any, mesh: Mesh) -> int:
+    """Per-device bytes of the parameters gathered whole as the network reads them (bfloat16 where
+    it computes in it): the copy `train.gather_params_once` holds through a step's task passes."""
+    read = jax.eval_shape(lambda p: family_of(config).as_read(config, p), params)
+    return bytes_per_device(read, jax.tree.map(lambda _: sharding.replicated(mesh), params))
+
+
 def per_task_memory(model: Any, config: dict[str, Any], settings: TrainSettings, batch: Any,
                     task_names: Sequence[str], groups: Sequence[Sequence[int]], mesh: Mesh, rules: sharding.Rules,
                     train: LoweredStep, arguments: dict[str, int], hbm: int) -> dict[str, Any]:
@@ -561,10 +568,7 @@ def per_task_memory(model: Any, config: dict[str, Any], settings: TrainSettings,
     part = compile_timed(lower_gradient_update(model, settings, len(task_names), mesh, rules))
     update = compiled_memory(part.compiled, part.refusal, {})
     spent += part.seconds
-    gathered = 0
-    if settings.gather_params_once:
-        read = jax.eval_shape(lambda p: family_of(config).as_read(config, p), train.state.params)
-        gathered = bytes_per_device(read, jax.tree.map(lambda _: sharding.replicated(mesh), train.state.params))
+    gathered = gathered_copy_bytes(config, train.state.params, mesh) if settings.gather_params_once else 0
     gradient = bytes_per_device(train.state.params, train.state_shardings.params)
     memory = memory_from_parts(arguments, gradient, len(task_names), passes, update, gathered, hbm)
     return {"memory": memory, "compile_seconds": round(spent, 2),
@@ -751,8 +755,7 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     report["gathered_copy_bytes"] = None  # the copy `train.gather_params_once` would add, where it helps
     whole = jax.tree.map(lambda _: sharding.replicated(mesh), train.state.params)
     if per_task and not settings.gather_params_once and params_b < bytes_per_device(train.state.params, whole):
-        read = jax.eval_shape(lambda p: family_of(config).as_read(config, p), train.state.params)
-        report["gathered_copy_bytes"] = bytes_per_device(read, whole)
+        report["gathered_copy_bytes"] = gathered_copy_bytes(config, train.state.params, mesh)
     report["compiler"] = gpu.compiler_versions() if gpu.is_gpu_topology(topology) else compiler_versions()
     report["problems"] = problems(report) + (gpu.problems(report) if gpu.is_gpu_report(report) else [])
     if not train_report["fits"]:
