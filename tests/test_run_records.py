@@ -59,11 +59,23 @@ def test_results_page_shows_the_tables_its_records_print():
     with open(page_path, encoding="utf-8") as f:
         page = f.read()
     specs = [m["spec"] for m in MARKED.finditer(page)]
-    for kind in ("main", "differences", "overlap", "change"):
+    for kind in ("main", "differences", "overlap", "change", "rows"):
         assert any(spec.startswith(kind) for spec in specs), f"docs/RESULTS.md shows no {kind!r} table: {specs}"
     assert any(RECORDS_NAME in spec.split()[1:] for spec in specs), "the old inputs' records are shown too"
     assert refreshed(page, page_path) == page, \
-        "docs/RESULTS.md shows other numbers than its records: t5r results --work_dir=/tmp/t --rows= --page=docs/RESULTS.md"
+        "docs/RESULTS.md shows other numbers or rows than its records and the row catalogue: " \
+        "t5r results --work_dir=/tmp/t --rows= --page=docs/RESULTS.md"
+
+
+def test_results_page_lists_a_row_added_to_the_catalogue(monkeypatch):
+    """The page's list of `--rows` names is the catalogue's: a new row leaves the page stale until refreshed."""
+    page_path = os.path.join(DOCS, "RESULTS.md")
+    with open(page_path, encoding="utf-8") as f:
+        page = f.read()
+    monkeypatch.setitem(ROWS, "a_new_row", ("a new row", lambda row_dir, data_dir: None))
+    new = refreshed(page, page_path)
+    assert new != page, "a row added to the catalogue must make docs/RESULTS.md stale"
+    assert "`gdmtl`, `a_new_row`." in new, "the refreshed list names the new row last, as the catalogue orders it"
 
 
 def test_t5r_results_page_prints_a_marked_table_again_and_names_a_bad_marker(tmp_path, capsys):

@@ -13,7 +13,8 @@ rows under other inputs: `change NEW OLD`), `specialisation` (each multi-task ru
 Fig. 2 numbers, `specialisation`), `curve` (TACO against naive after each warm-up of the frozen
 recipe, with both sides' specialisation) and `bonferroni` (no directory: one sentence giving the
 number m of intervals the page's tables print, which every table's Bonferroni column is corrected
-for). Refreshing rewrites every marked table from its records,
+for) and `rows` (no directory: the names `t5r results --rows` takes, from the row catalogue
+`t5_retrieval/results/rows.py`). Refreshing rewrites every marked table from its records,
 so adding a record and refreshing is all a new run needs; the prose around the tables is the
 author's. A page equal to its refresh shows exactly what its records print (tests hold it so).
 """
@@ -24,13 +25,14 @@ import dataclasses
 import functools
 import os
 import re
+import textwrap
 from collections.abc import Callable
 
 from t5_retrieval.data.records import DataError, write_text_atomic
 from t5_retrieval.results.curve import curve_count, curve_table
 from t5_retrieval.results.overlap import overlap_table, read_overlap
 from t5_retrieval.results.records import read_records
-from t5_retrieval.results.rows import CONTROLS, TITLES
+from t5_retrieval.results.rows import CONTROLS, ROWS, TITLES
 from t5_retrieval.results.significance import (
     bonferroni_sentence,
     differences_count,
@@ -58,6 +60,13 @@ def _overlap(m: int, records_dir: str) -> str:
     return overlap_table(_records(records_dir), TITLES, overlap)
 
 
+def row_names() -> str:
+    """The catalogue's row names as one paragraph, in the catalogue's order."""
+    names = ", ".join(f"`{name}`" for name in ROWS)
+    return textwrap.fill(f"Rows for `--rows`: {names}.", width=110, break_long_words=False,
+                         break_on_hyphens=False) + "\n"
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """A table kind: how many records directories it names, its table given the page's interval
@@ -78,6 +87,7 @@ KINDS: dict[str, Kind] = {
     "bonferroni": Kind(0, lambda m: bonferroni_sentence(m)),
     "specialisation": Kind(1, lambda m, d: specialisation_table(_records(d))),
     "curve": Kind(1, lambda m, d: curve_table(_records(d), m), lambda d: curve_count(_records(d))),
+    "rows": Kind(0, lambda m: row_names()),
 }
 
 
