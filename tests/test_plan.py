@@ -347,17 +347,18 @@ def test_a_step_within_the_hbm_that_the_compiler_refused_is_not_said_to_need_mor
     """XLA keeps part of the HBM for itself (v5e: 15.75 of 16 GiB usable), so a refused step can
     need less than the chip has: its problem line says so instead of "needs 16,196 of 16,384"."""
     from t5_retrieval.plan import planner
+    from t5_retrieval.plan import text as plan_text
 
     step = {"fits": False, "hlo_unreadable": None, "compiler_refused": "RESOURCE_EXHAUSTED: ...",
             "memory_per_device": {"peak": 16_196 * planner.MIB, "hbm": 16_384 * planner.MIB,
                                   "margin": 188 * planner.MIB}}
     report = {"steps": {"train": step}, "chip": {"name": "v5e"}, "layout": "fsdp", "per_device_batch": 3072,
               "replicated_params": [], "gathered_copy_bytes": None}
-    assert planner.problems(report) == [
+    assert plan_text.problems(report) == [
         "train step: needs 16,196.0 MiB per device, within the v5e device's 16,384.0 MiB, but the compiler, which "
         "keeps part of it for itself, refused it (layout fsdp, PER_DEVICE_BATCH=3072)"]
     step["memory_per_device"].update(peak=20_000 * planner.MIB, margin=-3_616 * planner.MIB)
-    assert planner.problems(report)[0].startswith("train step: needs 20,000.0 MiB per device, the v5e device has "
+    assert plan_text.problems(report)[0].startswith("train step: needs 20,000.0 MiB per device, the v5e device has "
                                                   "16,384.0 MiB (layout fsdp")
 
 
@@ -607,6 +608,7 @@ def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
     from t5_retrieval import sharding
     from t5_retrieval.models.build import build_model
     from t5_retrieval.plan import planner
+    from t5_retrieval.plan import text as plan_text
     from t5_retrieval.plan.steps import lower_encode_step
 
     mesh, config = _t5_base_mesh_and_config("VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 1")
@@ -623,7 +625,7 @@ def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
     assert planner.compiler_seconds(_TextUnreadable(compiled)) == 0.0
     report = {"steps": {"encode": unreadable}, "replicated_params": [], "gathered_copy_bytes": None,
               "compiler": {"jax": jax.__version__, "libtpu": "0.0.52"}}
-    (line,) = planner.problems(report)
+    (line,) = plan_text.problems(report)
     assert line.startswith(f"encode step: jax {jax.__version__} cannot read back what libtpu 0.0.52 compiled "
                            "(INTERNAL: RET_CHECK"), line
     assert "and it has no time estimate" in line
@@ -631,7 +633,7 @@ def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
     assert line.endswith(f"pip install libtpu=={planner.PINNED_LIBTPU} (with no other libtpu ahead of it on "
                          "PYTHONPATH)"), line
     report["compiler"]["libtpu"] = planner.PINNED_LIBTPU
-    (line,) = planner.problems(report)
+    (line,) = plan_text.problems(report)
     assert line.endswith("and it has no time estimate"), line
 
 
@@ -651,7 +653,7 @@ def test_a_scanned_rematerialised_step_with_pallas_attention_compiles_and_is_tim
     The step's time comes from the 1- and 2-layer unrolled programs, the kernels' unpriced FLOPs
     (`kernel_costs`) extrapolated with it."""
     from t5_retrieval.models import attention
-    from t5_retrieval.plan import planner
+    from t5_retrieval.plan import text as plan_text
 
     report = plan_json("v5e:2x2", "data_parallel", "--gin.NUM_LAYERS=3", "--gin.T5Config.scan_layers=True",
                        "--gin.T5Config.remat=True", "--gin.ATTENTION_IMPL='pallas_tpu'")
@@ -678,7 +680,7 @@ def test_a_scanned_rematerialised_step_with_pallas_attention_compiles_and_is_tim
     # the text report lists them, and labels the parts of an estimate that has kernel FLOPs added
     step = report["steps"]["train"]
     seconds = step["estimated_step_seconds"]
-    text = planner.format_text({**report, "steps": {"train": {**step, "kernel_seconds": seconds / 4}}})
+    text = plan_text.render({**report, "steps": {"train": {**step, "kernel_seconds": seconds / 4}}})
     assert "custom kernels (each priced by the cost model from the cost estimate it carries, else by its bytes " \
            "alone; a kernel in a loop body counted once): flash_forward x" in text, text
     assert (f"extrapolated to 3 layers: {seconds * 1e3:,.3f} ms per step ({seconds * 0.75e3:,.3f} ms the cost "
@@ -730,11 +732,11 @@ def test_from_parts_plans_a_per_task_step_without_compiling_it_whole():
     from their loop-free programs: the same time as the plan that also compiles the whole step."""
     config = (*TACO, "--gin.QUERY_LEN={'demo_fever': 16, 'demo_trex': 8}", "--gin.T5Config.scan_layers=True",
               "--gin.train.gather_params_once=True")
-    from t5_retrieval.plan import planner
+    from t5_retrieval.plan import text as plan_text
 
     whole = plan_json("v5e:2x2", "fsdp", *config)["steps"]["train"]
     report = plan_json("v5e:2x2", "fsdp", *config, "--from_parts")
-    text = planner.format_text(report)
+    text = plan_text.render(report)
     assert "not compiled whole (--from_parts)" in text and "collectives: not counted" in text, text
     train = report["steps"]["train"]
     assert whole["memory_source"] == "program" and train["memory_source"] == "parts"

@@ -63,7 +63,8 @@ def main(argv: list[str]) -> int:
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.errors import UserError
     from t5_retrieval.models.build import model_config
-    from t5_retrieval.plan import planner
+    from t5_retrieval.plan import planner, text
+    from t5_retrieval.plan.chips import MIB
 
     parser = argparse.ArgumentParser(prog="t5r plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,10 +86,8 @@ def main(argv: list[str]) -> int:
     rules = sharding.logical_axis_rules()
     layout = next(name for name, r in sharding.LAYOUTS.items() if r == rules)
     report = planner.plan(args.topology, args.num_slices, layout, rules, model_config(), train_settings(),
-                          int(args.replicated_mib * planner.MIB), per_tensorcore=args.per_tensorcore,
-                          from_parts=args.from_parts)
-    print(json.dumps(report, indent=1) if args.json else planner.format_text(report))
-    train_step = report["steps"]["train"]
-    if not train_step["fits"]:
+                          int(args.replicated_mib * MIB), per_tensorcore=args.per_tensorcore, from_parts=args.from_parts)
+    print(json.dumps(report, indent=1) if args.json else text.render(report))
+    if not report["steps"]["train"]["fits"]:
         raise UserError(f"{report['problems'][0]}; {report['advice']}")
     return 0

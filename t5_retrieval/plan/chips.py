@@ -1,4 +1,5 @@
-"""Published per-chip constants of the TPU generations `t5r plan` compiles for, in one table.
+"""Published per-chip constants of the TPU generations `t5r plan` compiles for, in one table, and
+the libtpu release it compiles with.
 
 A JAX device is a chip, or a TensorCore where a chip shows two (v4 planned with
 `--per_tensorcore`), so per-device figures divide the chip's by the devices per chip `planner`
@@ -12,7 +13,12 @@ import math
 
 from t5_retrieval.errors import ConfigError
 
+MIB = 1024 ** 2
 GIB = 1024 ** 3
+# The libtpu that the `tpu` extra and requirements-dev.txt pin: of the releases tried, the one that
+# compiles every shipped step (0.0.42.1 crashes on T5-base's per-task passes) and works with this
+# jax (from 0.0.45 on, libtpu crashes its profiler).
+PINNED_LIBTPU = "0.0.43.2"
 
 
 @dataclasses.dataclass(frozen=True)
