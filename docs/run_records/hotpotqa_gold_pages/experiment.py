@@ -11,11 +11,8 @@ intervals. docs/RESULTS.md reports its output (output.txt).
 
     python docs/run_records/hotpotqa_gold_pages/experiment.py <work_dir of t5r results> <out_dir>
 
-`<work_dir>` must hold a finished `minilm_zeroshot` row and the prepared `data/`.
-
-output.txt is from this script's first version (`git show 38e4c04:docs/run_records/hotpotqa_gold_pages/
-experiment.py`), which rewrote the training file to one row per gold page instead of using the switch:
-the same rows, but a question's two rows could be each other's in-batch negative. Rerun to refresh it.
+`<work_dir>` must hold a finished `minilm_zeroshot` row and the prepared `data/`. output.txt is this
+script's output (run on 2026-11-29 with a copy of the work directory of the committed records).
 """
 
 import glob
