@@ -44,14 +44,16 @@ TABLE_CELLS = os.path.join(REPO, "docs", "pods_table.json")
 
 
 def plan_cell(size: str, topology: str, layout: str, method: str, timeout: float, gin: list[str],
-              done: set[tuple[Any, ...]]) -> dict[str, Any] | None:
-    """One `t5r plan --json` run; its report, or why there is none (None: already in the results)."""
+              done: set[tuple[Any, ...]], cache_dir: str | None = None) -> dict[str, Any] | None:
+    """One `t5r plan --json` run; its report, or why there is none (None: already in the results).
+    `cache_dir`: the plan's `--cache_dir`, so a cell stopped part way resumes its compiles."""
     cell = {"size": size, "topology": topology, "layout": layout, "method": method, "gin": list(gin)}
     if cell_key(cell) in done:
         return None
     command = [sys.executable, "-m", "t5_retrieval.cli", "plan", f"--topology={topology}", "--json",
                f"--gin_file=models/t5_{size}.gin", *RUNS[method],
-               f"--gin_file=sharding/{layout}.gin", *[f"--gin.{b}" for b in gin]]
+               f"--gin_file=sharding/{layout}.gin", *[f"--gin.{b}" for b in gin],
+               *([f"--cache_dir={cache_dir}"] if cache_dir else [])]
     start = time.perf_counter()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -72,14 +74,19 @@ def _estimate(step: dict[str, Any]) -> str:
     return f"{step['estimated_step_seconds'] * 1e3:,.3g} ms{mark}"
 
 
+def _compiler(versions: dict[str, str]) -> str:
+    """What compiled a row: the libtpu (its cost model and memory figures change between releases),
+    or XLA's GPU compiler, whose times are the plan's roofline (`t5r plan` for GPU slices)."""
+    return f"libtpu {versions['libtpu']}" if "libtpu" in versions else f"XLA:GPU {versions['jax']}, roofline"
+
+
 def table_row(cell: dict[str, Any]) -> str:
     """A markdown row: per-device memory, the estimates and what they imply, compile times."""
     head = f"| {cell['size']} | {cell['topology']} | {cell['layout']} | {cell['method']}"
     if "report" not in cell:
         return head + f" | {cell['status']} |" + " |" * 6
     report = cell["report"]
-    # the libtpu that compiled it: its cost model and memory figures change between releases
-    head += f" (libtpu {report['compiler']['libtpu']}) |" if "compiler" in report else " |"
+    head += f" ({_compiler(report['compiler'])}) |" if "compiler" in report else " |"
     train, encode = report["steps"]["train"], report["steps"]["encode"]
     mem = train["memory_per_device"]
     state = (mem["params"] + mem["optimizer"] + mem["multitask"]) / MIB
@@ -140,6 +147,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layouts", nargs="+", default=["fsdp", "data_parallel"])
     parser.add_argument("--methods", nargs="+", default=["naive", "taco"], choices=sorted(RUNS))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per cell")
+    parser.add_argument("--cache_dir", default=None, help="t5r plan --cache_dir for every cell: what a cell stopped "
+                        "part way (its timeout, a stopped machine) compiled is read back when it is run again")
     parser.add_argument("--gin", nargs="*", default=["PASSAGE_LEN=160"], help="--gin. bindings for every cell")
     parser.add_argument("--out", default=TABLE_CELLS, help="the cells' JSON, committed beside the table so a later "
                         "run resumes and adds to it")
@@ -155,7 +164,7 @@ def main(argv: list[str]) -> int:
     result = {"machine": common.machine_info(blas_env=ORIGINAL_BLAS_ENV), "cells": cells}
     grid = [] if args.no_compile else itertools.product(args.sizes, args.topologies, args.layouts, args.methods)
     for size, topology, layout, method in grid:
-        cell = plan_cell(size, topology, layout, method, args.timeout, args.gin, done)
+        cell = plan_cell(size, topology, layout, method, args.timeout, args.gin, done, args.cache_dir)
         if cell is None:
             continue
         cells[:] = [c for c in cells if cell_key(c) != cell_key(cell)] + [cell]

@@ -82,11 +82,12 @@ def whole_step_memory(plan: Planned) -> dict[str, Any]:
     batch = steps.abstract_batch(plan.tasks, plan.settings, plan.mesh.shape["data"], model.embedding_dim)
     train, multitask_state = steps.lower_train_step(model, plan.config, plan.settings, [t.name for t in plan.tasks],
                                                     batch, plan.mesh, plan.rules)
-    compiled, compile_s, refusal, _ = planner.compile_timed(train.lowered)
-    memory = planner.memory_per_device(compiled, refusal, planner.train_state_bytes(train, multitask_state),
+    result = planner.compile_timed(train.lowered)
+    compile_s, refusal = result.seconds, result.refusal
+    memory = planner.memory_per_device(result.program, refusal, planner.train_state_bytes(train, multitask_state),
                                        plan.target.hbm_per_device)
     return {"seconds": None, "compile_seconds": round(compile_s, 1), "refused": refusal,
-            "memory_per_device": memory, "fits": planner.fits(compiled, memory)}
+            "memory_per_device": memory, "fits": planner.fits(result.program, memory)}
 
 
 def part_estimate(plan: Planned, part: str) -> dict[str, Any]:
@@ -122,10 +123,9 @@ def part_estimate(plan: Planned, part: str) -> dict[str, Any]:
         lowered = steps.lower_param_gather(build_model(plan.config), plan.config, plan.mesh, plan.rules)
     else:
         raise ValueError(f"unknown part {part!r}")
-    compiled, compile_s, refusal, _ = planner.compile_timed(lowered)
-    seconds = planner.usable_estimate(planner.compiler_seconds(compiled, plan.target))
-    return {"seconds": seconds, "compile_seconds": round(compile_s, 1),
-            "refused": refusal}
+    result = planner.compile_timed(lowered)
+    seconds = planner.usable_estimate(planner.compiler_seconds(result.program, plan.target)[0])
+    return {"seconds": seconds, "compile_seconds": round(result.seconds, 1), "refused": result.refusal}
 
 
 def run_part(script_argv: list[str], part: str, timeout: float) -> dict[str, Any]:

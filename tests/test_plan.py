@@ -6,6 +6,7 @@ against a count made here from the parameters' logical axes and the layout's rul
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -57,7 +58,7 @@ def compile_each_program_once():
         key = (lowered.as_text(), tuple(f"{d.device_kind} {d!r}" for d in devices))
         if key not in compiled:
             compiled[key] = compile_timed(lowered, peak_breakdown=True)
-        return compiled[key] if peak_breakdown else compiled[key]._replace(peak=[])
+        return compiled[key] if peak_breakdown else dataclasses.replace(compiled[key], peak=[])
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(planner, "compile_timed", once)
@@ -527,8 +528,8 @@ def test_depth_extrapolation_matches_the_compiler_on_the_unrolled_step():
     lower = _encode_lowering(mesh, 32)
     estimate = planner.loop_free_estimate(lower, config, 4)
     assert estimate["seconds"]["2 layers"] > estimate["seconds"]["1 layer"] > 0, estimate
-    compiled = planner.compile_timed(lower(planner.timing_config(config, 4))).compiled
-    direct = planner.usable_estimate(planner.compiler_seconds(compiled))
+    program = planner.compile_timed(lower(planner.timing_config(config, 4))).program
+    direct = planner.usable_estimate(planner.compiler_seconds(program)[0])
     assert direct is not None
     np.testing.assert_allclose(estimate["estimated_step_seconds"], direct, rtol=0.01)
 
@@ -557,8 +558,8 @@ def test_a_task_pass_is_timed_unrolled_at_full_depth():
     lower = _encode_lowering(mesh, 32)
     part = planner.loop_free_estimate(lower, config, 3, full_depth=True)
     assert part["method"] == "unrolled at 3 layers" and list(part["seconds"]) == ["3 layers"], part
-    compiled = planner.compile_timed(lower(planner.timing_config(config, 3))).compiled
-    assert part["estimated_step_seconds"] == pytest.approx(planner.compiler_seconds(compiled), rel=1e-6)
+    program = planner.compile_timed(lower(planner.timing_config(config, 3))).program
+    assert part["estimated_step_seconds"] == pytest.approx(planner.compiler_seconds(program)[0], rel=1e-6)
     step = planner.per_task_estimate([("a", 2, lower), ("b", 1, lower)], [("update", lower)], config, 3)
     assert step["method"] == "sum of 3 task passes, each unrolled at 3 layers, and the update", step
     parts = step["seconds"]
@@ -577,9 +578,9 @@ def test_unpriced_custom_calls_are_counted_free_not_minus_one_second():
     lower = _encode_lowering(mesh, 160)
     raw, corrected = [], []
     for layers in (1, 2, 3):
-        compiled = planner.compile_timed(lower(planner.timing_config(config, layers))).compiled
-        raw.append(planner.cost_analysis(compiled)["optimal_seconds"])
-        corrected.append(planner.compiler_seconds(compiled))
+        program = planner.compile_timed(lower(planner.timing_config(config, layers))).program
+        raw.append(program.cost["optimal_seconds"])
+        corrected.append(planner.compiler_seconds(program)[0])
     assert min(raw) < 0, f"libtpu priced every program: {raw} (the correction may be obsolete)"
     assert all(0 < t < 1 for t in corrected), corrected
     # affine in depth (to within how the compiler schedules each program: 3.3% at 3 layers here)
@@ -602,27 +603,36 @@ class _TextUnreadable:
                                          "1 operands but sees 3")
 
 
-def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
-    """The plan goes on without the program's text: memory from the buffer assignment as before, no
-    collectives and no time (its unpriced custom calls could not be counted), and one problem line."""
+def _lowered_encode_step():
+    """A tiny T5's encode step lowered for `v5e:2x2` under fsdp: a program that compiles in seconds."""
     from t5_retrieval import sharding
     from t5_retrieval.models.build import build_model
-    from t5_retrieval.plan import planner
-    from t5_retrieval.plan import text as plan_text
     from t5_retrieval.plan.steps import lower_encode_step
 
     mesh, config = _t5_base_mesh_and_config("VOCAB_SIZE = 512", "D_MODEL = 32", "D_FF = 64", "NUM_LAYERS = 1")
-    step = lower_encode_step(build_model(config), config, 32, mesh, sharding.LAYOUTS["fsdp"])
-    compiled, compile_s, _, at_peak = planner.compile_timed(step.lowered, peak_breakdown=True)
+    return lower_encode_step(build_model(config), config, 32, mesh, sharding.LAYOUTS["fsdp"])
+
+
+def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
+    """The plan goes on without the program's text: memory from the buffer assignment as before, no
+    collectives and no time (its unpriced custom calls could not be counted), and one problem line."""
+    from t5_retrieval.plan import planner, programs
+    from t5_retrieval.plan import text as plan_text
+
+    step = _lowered_encode_step()
+    with planner._not_cached():  # a TPU program kept out of the suite's persistent cache, as the planner keeps it
+        compiled = step.lowered.compile()
+    read, text_unreadable = programs.Compiled.read(compiled), programs.Compiled.read(_TextUnreadable(compiled))
+    assert text_unreadable.text is None and text_unreadable.memory == read.memory and text_unreadable.cost == read.cost
     parts = {"params": 0, "optimizer": 0, "multitask": 0, "batch": 0}
-    args = (None, 0.0, compile_s, parts, planner.describe_topology("v5e:2x2", 1), 1e9, {"passages": 8}, at_peak)
-    readable = planner.step_report(step, compiled, *args)
-    unreadable = planner.step_report(step, _TextUnreadable(compiled), *args)
+    args = (None, 0.0, 1.0, parts, planner.describe_topology("v5e:2x2", 1), 1e9, {"passages": 8}, [])
+    readable = planner.step_report(step, read, *args)
+    unreadable = planner.step_report(step, text_unreadable, *args)
     assert readable["hlo_unreadable"] is None and readable["estimated_step_seconds"] and readable["program"]
     assert "async-update instruction" in unreadable["hlo_unreadable"]
     assert unreadable["memory_per_device"] == readable["memory_per_device"] and unreadable["fits"]
     assert unreadable["estimated_step_seconds"] is None and unreadable["collectives"] == {} == unreadable["program"]
-    assert planner.compiler_seconds(_TextUnreadable(compiled)) == 0.0
+    assert planner.compiler_seconds(text_unreadable) == (0.0, 0.0)
     report = {"steps": {"encode": unreadable}, "replicated_params": [], "gathered_copy_bytes": None,
               "compiler": {"jax": jax.__version__, "libtpu": "0.0.52"}}
     (line,) = plan_text.problems(report)
@@ -805,7 +815,7 @@ cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
 before = set(os.listdir(cache))
 assert before, "the CPU programs should have been cached"
 compiled = planner.compile_timed(step.lowered)
-assert compiled.compiled is not None
+assert compiled.program is not None
 print(sorted(set(os.listdir(cache)) - before))
 """
     # every compile is cached, however fast (the suite's threshold is 0.5 s)

@@ -80,13 +80,18 @@ def main(argv: list[str]) -> int:
                         help="per-task steps (TACO) only: do not compile the whole train step, estimate its memory "
                              "from its task passes and update compiled alone (for a host without the memory: T5-base "
                              "TACO with remat needs more than 23 GiB whole)")
+    parser.add_argument("--cache_dir", metavar="DIR",
+                        help="keep what each compile gives (memory, cost, program text) in DIR and read it back: a "
+                             "plan stopped part way, or run again, compiles only what it has not compiled (keyed by "
+                             "the program, its devices and the compiler)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (for tools)")
     args = parse_args(parser, [*(f"--gin.{b.replace(' = ', '=')}" for b in UNREAD_MACROS), *argv], reads=TASK_MODULE)
     logs.setup()
     rules = sharding.logical_axis_rules()
     layout = next(name for name, r in sharding.LAYOUTS.items() if r == rules)
     report = planner.plan(args.topology, args.num_slices, layout, rules, model_config(), train_settings(),
-                          int(args.replicated_mib * MIB), per_tensorcore=args.per_tensorcore, from_parts=args.from_parts)
+                          int(args.replicated_mib * MIB), per_tensorcore=args.per_tensorcore, from_parts=args.from_parts,
+                          cache_dir=args.cache_dir)
     print(json.dumps(report, indent=1) if args.json else text.render(report))
     if not report["steps"]["train"]["fits"]:
         raise UserError(f"{report['problems'][0]}; {report['advice']}")

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -38,6 +38,7 @@ from t5_retrieval.models.families import family_of
 from t5_retrieval.plan import gpu, hlo, peak
 from t5_retrieval.plan.chips import MIB, PINNED_LIBTPU, Chip, parse_topology
 from t5_retrieval.plan.parts import memory_from_parts
+from t5_retrieval.plan.programs import Compiled, Result, compiled_once, kept_in
 from t5_retrieval.plan.steps import (
     LoweredStep,
     TaskShape,
@@ -182,24 +183,19 @@ _OUT_OF_HBM = (re.compile(r"memory required for HLO temporaries \((?P<need>[0-9.
                re.compile(r"Ran out of memory in memory space hbm\. Used (?P<need>[0-9.]+)(?P<unit>[KMGT]) of "))
 
 
-class Compile(NamedTuple):
-    """One compile of a step: the program (None when refused), its time, the compiler's
-    out-of-HBM message (or None) and, when asked for, what held the memory at the program's peak
-    (`peak.read`; else [])."""
-
-    compiled: jax.stages.Compiled | None
-    seconds: float
-    refusal: str | None
-    peak: list[dict[str, Any]]
-
-
-def compile_timed(lowered: jax.stages.Lowered, *, peak_breakdown: bool = False) -> Compile:
-    """Compiles `lowered` for its devices. First returns what earlier compiles left in the
-    allocator (`release_host_memory`): a caller drops a program it has read before compiling the next.
+def compile_timed(lowered: jax.stages.Lowered, *, peak_breakdown: bool = False) -> Result:
+    """Compiles `lowered` for its devices and reads what the plan needs of it (`programs.Compiled`),
+    or reads that back from the store `t5r plan --cache_dir` names (`programs.kept_in`).
 
     `peak_breakdown` has the compiler dump the program to read its peak from; only the steps a plan
     reports ask, since the dump is large and written inside the timing (T5-XXL: 210 MB of program
     text and buffer assignment)."""
+    return compiled_once(lowered, peak_breakdown, _compile)
+
+
+def _compile(lowered: jax.stages.Lowered, peak_breakdown: bool) -> Result:
+    """The compile itself. First returns what earlier compiles left in the allocator
+    (`release_host_memory`); the compiled program is dropped once read."""
     release_host_memory()
     dump = tempfile.TemporaryDirectory(prefix="t5r-plan-") if peak_breakdown else contextlib.nullcontext("")
     with dump as dump_dir, _not_cached():
@@ -212,7 +208,8 @@ def compile_timed(lowered: jax.stages.Lowered, *, peak_breakdown: bool = False) 
                 raise
             compiled, refusal = None, " ".join(str(e).split())
         seconds = time.perf_counter() - start
-        return Compile(compiled, seconds, refusal, peak.read(dump_dir) if peak_breakdown else [])
+        program = None if compiled is None else Compiled.read(compiled)
+        return Result(program, seconds, refusal, peak.read(dump_dir) if peak_breakdown else [])
 
 
 @contextlib.contextmanager
@@ -245,62 +242,36 @@ def refused_total(message: str) -> int:
     return 0
 
 
-def compiled_memory(compiled: jax.stages.Compiled | None, refusal: str | None, parts: dict[str, int]
-                    ) -> dict[str, int]:
+def compiled_memory(program: Compiled | None, refusal: str | None, parts: dict[str, int]) -> dict[str, int]:
     """Per-device buffers of the compiled program; for one the compiler refused, the arguments
     counted from their shardings and the rest of the total its message named as temporaries."""
-    if compiled is None:
+    if program is None:
         arguments = sum(parts.values())
         total = refused_total(refusal or "")
         return {"arguments": arguments, "outputs_not_donated": 0, "temporaries": max(total - arguments, 0), "code": 0}
-    memory = compiled.memory_analysis()
-    if memory is None:
-        raise RuntimeError("the TPU compiler gave no memory analysis of the compiled program")
-    return {"arguments": memory.argument_size_in_bytes,
-            "outputs_not_donated": memory.output_size_in_bytes - memory.alias_size_in_bytes,
-            "temporaries": memory.temp_size_in_bytes, "code": memory.generated_code_size_in_bytes}
+    memory = program.memory
+    return {"arguments": memory["arguments"], "outputs_not_donated": memory["outputs"] - memory["aliased"],
+            "temporaries": memory["temporaries"], "code": memory["code"]}
 
 
-def memory_per_device(compiled: jax.stages.Compiled | None, refusal: str | None, parts: dict[str, int], hbm: int
+def memory_per_device(program: Compiled | None, refusal: str | None, parts: dict[str, int], hbm: int
                       ) -> dict[str, int]:
     """`parts` (the arguments by what they are) and the compiled program's buffers, their sum (`peak`)
     against the device's `hbm` and the margin left."""
-    buffers = compiled_memory(compiled, refusal, parts)
+    buffers = compiled_memory(program, refusal, parts)
     peak = sum(buffers.values())
     return {**parts, **buffers, "peak": peak, "hbm": hbm, "margin": hbm - peak}
 
 
-def fits(compiled: jax.stages.Compiled | None, memory: dict[str, int]) -> bool:
+def fits(program: Compiled | None, memory: dict[str, int]) -> bool:
     """A step fits when the compiler took it and its peak (`memory_per_device`) is within the HBM."""
-    return compiled is not None and memory["margin"] >= 0
-
-
-def cost_analysis(compiled: jax.stages.Compiled | None) -> dict[str, Any]:
-    """The compiler's cost analysis of a compiled program (empty for none); XLA:GPU gives none,
-    and a GPU program gets a roofline of its own FLOPs and bytes instead (`gpu.roofline`)."""
-    analysis = (compiled.cost_analysis() if compiled is not None else None) or {}
-    if not analysis and compiled is not None:
-        analysis = gpu.cost_analysis(compiled) or {}
-    return analysis[0] if isinstance(analysis, list) else analysis
+    return program is not None and memory["margin"] >= 0
 
 
 # A TPU custom call libtpu's cost model does not price: each one adds -1 s to `optimal_seconds`
 # (a sentinel, not a time). Seen on T5-base: an encode step of -1.998 s with 2 of them, of -13.999 s
 # with 14; the count added back gives estimates affine in depth, as identical layers must be.
 UNPRICED_CUSTOM_CALL = 'custom_call_target="ConcatBitcast"'
-
-
-def compiled_text(compiled: jax.stages.Compiled | None) -> tuple[str | None, str | None]:
-    """(the compiled program's HLO text, None) or (None, why it cannot be read). libtpu 0.0.52
-    compiles some v5p programs that jax 0.10.2 then fails to read back ("RET_CHECK failure ...
-    async-update instruction should have 1 operands but sees 3"): the program and its memory and
-    cost analyses exist, its text does not."""
-    if compiled is None:
-        return "", None
-    try:
-        return compiled.as_text() or "", None
-    except jax.errors.JaxRuntimeError as e:
-        return None, " ".join(str(e).split())[:300]
 
 
 def _priced_seconds(analysis: dict[str, Any], hlo_text: str | None) -> float:
@@ -349,24 +320,23 @@ def kernel_costs(hlo_text: str | None, target: Target) -> dict[str, Any]:
     return {"kinds": kinds, "unpriced_seconds": unpriced}
 
 
-def compiler_seconds(compiled: jax.stages.Compiled | None, target: Target | None = None) -> float:
-    """The compiler's cost-model step time of `compiled` (`_priced_seconds`; 0 when it gives none)
-    and, given the `target` it was compiled for, the time its custom kernels' FLOPs add where that
-    model leaves them unpriced (`kernel_costs`)."""
-    text = compiled_text(compiled)[0]
-    own = _priced_seconds(cost_analysis(compiled), text)
-    return own + (kernel_costs(text, target)["unpriced_seconds"] if target is not None and own > 0 else 0.0)
+def compiler_seconds(program: Compiled | None, target: Target | None = None) -> tuple[float, float]:
+    """(the compiler's cost-model step time of `program` (`_priced_seconds`; 0 when it gives none) and,
+    given the `target` it was compiled for, the time its custom kernels' FLOPs add where that model
+    leaves them unpriced (`kernel_costs`), which the first includes; (0, 0) for no program."""
+    if program is None:
+        return 0.0, 0.0
+    own = _priced_seconds(program.cost, program.text)
+    added = kernel_costs(program.text, target)["unpriced_seconds"] if target is not None and own > 0 else 0.0
+    return own + added, added
 
 
 def timed_program(lowered: jax.stages.Lowered, target: Target | None = None) -> tuple[float | None, float, float]:
     """(the usable step-time estimate of `lowered`, compile seconds, the part of the estimate that is
-    its kernels' unpriced FLOPs, `kernel_costs`, given the `target`); the program itself is not kept,
-    so the next compile does not run beside it."""
-    compiled, compile_s, _, _ = compile_timed(lowered)
-    text = compiled_text(compiled)[0]
-    own = _priced_seconds(cost_analysis(compiled), text)
-    added = kernel_costs(text, target)["unpriced_seconds"] if target is not None and own > 0 else 0.0
-    return usable_estimate(own + added), compile_s, added
+    its kernels' unpriced FLOPs, `kernel_costs`, given the `target`)."""
+    result = compile_timed(lowered)
+    seconds, added = compiler_seconds(result.program, target)
+    return usable_estimate(seconds), result.seconds, added
 
 
 def usable_estimate(seconds: float) -> float | None:
@@ -475,15 +445,15 @@ def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], once: Sequence[t
             "estimated_step_seconds": usable_estimate(total or 0.0), "kernel_seconds": kernel_s}
 
 
-def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal: str | None, lower_s: float,
+def step_report(step: LoweredStep, program: Compiled | None, refusal: str | None, lower_s: float,
                 compile_s: float, parts: dict[str, int], target: Target, model_flops: float,
                 items: dict[str, int], peak_breakdown: list[dict[str, Any]]) -> dict[str, Any]:
     """Memory, time estimate and collectives of one compiled step, per device. The time is the
     compiler's estimate for this program; `with_loop_free` replaces it for a program with loops of ours.
     `peak_breakdown` is what held the memory at the peak (`Compile.peak`), refused programs included."""
-    memory = memory_per_device(compiled, refusal, parts, target.hbm_per_device)
-    analysis = cost_analysis(compiled)
-    text, unreadable = compiled_text(compiled)
+    memory = memory_per_device(program, refusal, parts, target.hbm_per_device)
+    analysis = {} if program is None else program.cost
+    text, unreadable = ("", None) if program is None else (program.text, program.unreadable)
     own_seconds = _priced_seconds(analysis, text)
     kernels = kernel_costs(text, target)
     added = kernels["unpriced_seconds"] if own_seconds > 0 else 0.0
@@ -493,7 +463,7 @@ def step_report(step: LoweredStep, compiled: jax.stages.Compiled | None, refusal
         "memory_per_device": memory,
         "memory_source": "program",  # or "parts": `with_memory_from_parts`
         "peak_breakdown": peak_breakdown,
-        "fits": fits(compiled, memory),
+        "fits": fits(program, memory),
         "compiler_refused": refusal,
         "compiler_flops_per_device": float(analysis.get("flops", 0.0)),
         "model_matmul_flops": model_flops,
@@ -559,10 +529,10 @@ def per_task_memory(model: Any, config: dict[str, Any], settings: TrainSettings,
     for group in groups:
         k = group[0]
         part = compile_timed(lower_task_gradient(model, config, settings, batch[task_names[k]], k, mesh, rules))
-        passes.append(compiled_memory(part.compiled, part.refusal, {}))
+        passes.append(compiled_memory(part.program, part.refusal, {}))
         spent += part.seconds
     part = compile_timed(lower_gradient_update(model, settings, len(task_names), mesh, rules))
-    update = compiled_memory(part.compiled, part.refusal, {})
+    update = compiled_memory(part.program, part.refusal, {})
     spent += part.seconds
     gathered = gathered_copy_bytes(config, train.state.params, mesh) if settings.gather_params_once else 0
     gradient = bytes_per_device(train.state.params, train.state_shardings.params)
@@ -591,9 +561,9 @@ def train_step_memory(model: Any, config: dict[str, Any], settings: TrainSetting
     tasks = task_shapes(settings)
     batch = abstract_batch(tasks, settings, mesh.shape["data"], model.embedding_dim)
     train, multitask_state = lower_train_step(model, config, settings, [t.name for t in tasks], batch, mesh, rules)
-    compiled, _, refusal, _ = compile_timed(train.lowered)
-    memory = memory_per_device(compiled, refusal, train_state_bytes(train, multitask_state), hbm)
-    return fits(compiled, memory), memory
+    result = compile_timed(train.lowered)
+    memory = memory_per_device(result.program, result.refusal, train_state_bytes(train, multitask_state), hbm)
+    return fits(result.program, memory), memory
 
 
 def fit_advice(model: Any, config: dict[str, Any], settings: TrainSettings, mesh: Mesh, layout: str,
@@ -664,11 +634,25 @@ def steps_per_epoch(tasks: Sequence[TaskShape], data_shards: int) -> int | None:
 
 def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, config: dict[str, Any],
          settings: TrainSettings, replicated_threshold_bytes: int, make_mesh: Any = sharding.make_mesh,
-         per_tensorcore: bool = False, from_parts: bool = False) -> dict[str, Any]:
+         per_tensorcore: bool = False, from_parts: bool = False, cache_dir: str | None = None) -> dict[str, Any]:
     """Compiles the train and KB encode steps for the topology (`describe_topology`); returns the
     JSON-able report. `from_parts`: a per-task step is not compiled whole; its memory per device is
-    estimated from its parts (`memory_from_parts`), as its time always is."""
+    estimated from its parts (`memory_from_parts`), as its time always is. `cache_dir`: each
+    compile's result is kept there and read back by a later plan (`programs.kept_in`)."""
     target = describe_topology(topology, num_slices, per_tensorcore)
+    versions = gpu.compiler_versions() if gpu.is_gpu_topology(topology) else compiler_versions()
+    with kept_in(cache_dir, versions) as store:
+        report = _plan(target, versions, topology, num_slices, layout, rules, config, settings,
+                       replicated_threshold_bytes, make_mesh, from_parts)
+    if store is not None:
+        report["programs"] = {"cache_dir": cache_dir, **store.counts}
+    report["host_peak_bytes"] = host_peak_bytes()  # after the advice's compiles: T5-XXL's needed the most
+    return report
+
+
+def _plan(target: Target, versions: dict[str, str], topology: str, num_slices: int, layout: str,
+          rules: sharding.Rules, config: dict[str, Any], settings: TrainSettings, replicated_threshold_bytes: int,
+          make_mesh: Any, from_parts: bool) -> dict[str, Any]:
     mesh = make_mesh(devices=target.devices)
     data_shards = mesh.shape["data"]
     model = build_model(config)
@@ -687,14 +671,14 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     train, multitask_state = lower_train_step(model, config, settings, task_names, batch, mesh, rules)
     lower_s = time.perf_counter() - start
     parts = train_state_bytes(train, multitask_state)
-    train_compile = Compile(None, 0.0, None, []) if from_parts else compile_timed(train.lowered, peak_breakdown=True)
-    compiled, compile_s, refusal, train_peak = train_compile
+    train_compile = Result(None, 0.0, None, []) if from_parts else compile_timed(train.lowered, peak_breakdown=True)
+    program, compile_s, refusal, train_peak = (train_compile.program, train_compile.seconds, train_compile.refusal,
+                                               train_compile.peak)
     params_b = parts["params"]
     queries = sum(t.rows for t in tasks) * data_shards
-    train_report = step_report(train, compiled, refusal, lower_s, compile_s, parts, target,
+    train_report = step_report(train, program, refusal, lower_s, compile_s, parts, target,
                                train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries},
                                train_peak)
-    compiled = None  # reported: the timing programs below compile without it held
     if from_parts:
         train_report = with_memory_from_parts(train_report, per_task_memory(
             model, config, settings, batch, task_names, groups, mesh, rules, train, parts, target.hbm_per_device))
@@ -716,14 +700,15 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     start = time.perf_counter()
     encode = lower_encode_step(model, config, settings.passage_len, mesh, rules)
     lower_s = time.perf_counter() - start
-    compiled, compile_s, refusal, encode_peak = compile_timed(encode.lowered, peak_breakdown=True)
+    encode_compile = compile_timed(encode.lowered, peak_breakdown=True)
+    program, compile_s, refusal, encode_peak = (encode_compile.program, encode_compile.seconds,
+                                                encode_compile.refusal, encode_compile.peak)
     rows = encode_batch_rows(data_shards)
     encode_parts = {"params": bytes_per_device(encode.state, encode.state_shardings), "optimizer": 0, "multitask": 0,
                     "batch": bytes_per_device(encode.batch, encode.batch_shardings)}
-    encode_report = step_report(encode, compiled, refusal, lower_s, compile_s, encode_parts, target,
+    encode_report = step_report(encode, program, refusal, lower_s, compile_s, encode_parts, target,
                                 forward_matmul_flops(config, rows, settings.passage_len), {"passages": rows},
                                 encode_peak)
-    compiled = None
     if refusal is None and depth:
         encode_report = with_loop_free(encode_report, loop_free_estimate(
             lambda c: lower_encode_step(build_model(c), c, settings.passage_len, mesh, rules).lowered, config, depth,
@@ -752,12 +737,11 @@ def plan(topology: str, num_slices: int, layout: str, rules: sharding.Rules, con
     whole = jax.tree.map(lambda _: sharding.replicated(mesh), train.state.params)
     if per_task and not settings.gather_params_once and params_b < bytes_per_device(train.state.params, whole):
         report["gathered_copy_bytes"] = gathered_copy_bytes(config, train.state.params, mesh)
-    report["compiler"] = gpu.compiler_versions() if gpu.is_gpu_topology(topology) else compiler_versions()
+    report["compiler"] = versions
     report["problems"] = problems(report) + (gpu.problems(report) if gpu.is_gpu_report(report) else [])
     if not train_report["fits"]:
         report["advice"] = (PARTS_ADVICE.format(batch=max(settings.per_device_batch // 2, len(tasks))) if from_parts
                             else fit_advice(model, config, settings, mesh, layout, train_report, len(tasks)))
-    report["host_peak_bytes"] = host_peak_bytes()  # after the advice's compiles: T5-XXL's needed the most
     return report
 
 

@@ -142,6 +142,10 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"epoch (one pass over {largest['name']}, {largest['train_examples']:,} examples): "
                      f"{report['steps_per_epoch']:,} steps"
                      + (f", estimated {_duration(epoch)}" if epoch else ""))
+    if "programs" in report:
+        kept = report["programs"]
+        lines.append(f"programs: {kept['compiled']:,} compiled, {kept['reused']:,} read back from {kept['cache_dir']} "
+                     "(a compile time above is that of the program's first compile)")
     lines.append(f"host memory: {report['host_peak_bytes'] / 1024 ** 3:,.1f} GiB at its peak (this plan's compiles)")
     if "advice" in report:
         lines.append(f"advice: {report['advice']}")
