@@ -123,11 +123,13 @@ plan and what its estimates are and are not: [pods.md](pods.md). Per device: the
 memory against the HBM (a refused step's peak is the total the compiler's message names, its
 arguments included), the parameters, optimiser and multi-task state, the temporaries; then the
 compiler's estimates. **Every time, rate, MFU and epoch here is an estimate of libtpu's cost model
-(`*`: from programs with their layers unrolled, at 1 and 2 layers and extrapolated), not a
-measurement: read it as a lower bound on the step time.** An encode rate marked "% of peak"
-implies the model's matmuls at that share of the chips' peak FLOP/s: above 100% the cost model
-under-prices the program. The libtpu that compiled a row is named in it. Method `taco_parts`: TACO
-planned with `t5r plan --from_parts`, its memory estimated from its task passes and update.
+(`*`: from programs with their layers unrolled, at 1 and 2 layers and extrapolated), or on a GPU
+slice (rows marked "XLA:GPU, roofline") the program's FLOPs at peak or its bytes at HBM bandwidth,
+collectives unpriced; not a measurement: read it as a lower bound on the step time.** An encode
+rate marked "% of peak" implies the model's matmuls at that share of the chips' peak FLOP/s: above
+100% the cost model under-prices the program. The compiler of a row is named in it. Method
+`taco_parts`: TACO planned with `t5r plan --from_parts`, its memory estimated from its task passes
+and update.
 """
 
 
