@@ -622,12 +622,12 @@ def test_a_program_whose_text_cannot_be_read_keeps_its_memory_and_has_no_time():
     step = _lowered_encode_step()
     with planner._not_cached():  # a TPU program kept out of the suite's persistent cache, as the planner keeps it
         compiled = step.lowered.compile()
-    read, text_unreadable = programs.Compiled.read(compiled), programs.Compiled.read(_TextUnreadable(compiled))
+    read, text_unreadable = programs.CompiledProgram.read(compiled), programs.CompiledProgram.read(_TextUnreadable(compiled))
     assert text_unreadable.text is None and text_unreadable.memory == read.memory and text_unreadable.cost == read.cost
     parts = {"params": 0, "optimizer": 0, "multitask": 0, "batch": 0}
-    args = (None, 0.0, 1.0, parts, planner.describe_topology("v5e:2x2", 1), 1e9, {"passages": 8}, [])
-    readable = planner.step_report(step, read, *args)
-    unreadable = planner.step_report(step, text_unreadable, *args)
+    args = (0.0, parts, planner.describe_topology("v5e:2x2", 1), 1e9, {"passages": 8})
+    readable = planner.step_report(step, programs.Result(read, 1.0, None, []), *args)
+    unreadable = planner.step_report(step, programs.Result(text_unreadable, 1.0, None, []), *args)
     assert readable["hlo_unreadable"] is None and readable["estimated_step_seconds"] and readable["program"]
     assert "async-update instruction" in unreadable["hlo_unreadable"]
     assert unreadable["memory_per_device"] == readable["memory_per_device"] and unreadable["fits"]

@@ -82,7 +82,7 @@ def test_the_roofline_is_the_programs_flops_at_peak_or_its_bytes_at_bandwidth():
     assert roofline["optimal_seconds"] == pytest.approx(costs["bytes accessed"] / 3.35e12)  # 64 FLOP/byte < 295
     assert roofline["roofline_bound"] == "memory"
     assert gpu.cost_analysis(compiled) is None, "a CPU program is no GPU's"
-    assert programs.Compiled.read(compiled).cost == (compiled.cost_analysis() or {}), "the CPU's own analysis stays"
+    assert programs.CompiledProgram.read(compiled).cost == (compiled.cost_analysis() or {}), "the CPU's own analysis stays"
 
 
 def test_cudnn_attention_kernels_are_priced_by_their_matmuls():

@@ -38,7 +38,7 @@ from t5_retrieval.models.families import family_of
 from t5_retrieval.plan import gpu, hlo, peak
 from t5_retrieval.plan.chips import MIB, PINNED_LIBTPU, Chip, parse_topology
 from t5_retrieval.plan.parts import memory_from_parts
-from t5_retrieval.plan.programs import Compiled, Result, compiled_once, kept_in
+from t5_retrieval.plan.programs import CompiledProgram, Result, compiled_once, kept_in
 from t5_retrieval.plan.steps import (
     LoweredStep,
     TaskShape,
@@ -184,7 +184,7 @@ _OUT_OF_HBM = (re.compile(r"memory required for HLO temporaries \((?P<need>[0-9.
 
 
 def compile_timed(lowered: jax.stages.Lowered, *, peak_breakdown: bool = False) -> Result:
-    """Compiles `lowered` for its devices and reads what the plan needs of it (`programs.Compiled`),
+    """Compiles `lowered` for its devices and reads what the plan needs of it (`programs.CompiledProgram`),
     or reads that back from the store `t5r plan --cache_dir` names (`programs.kept_in`).
 
     `peak_breakdown` has the compiler dump the program to read its peak from; only the steps a plan
@@ -208,7 +208,7 @@ def _compile(lowered: jax.stages.Lowered, peak_breakdown: bool) -> Result:
                 raise
             compiled, refusal = None, " ".join(str(e).split())
         seconds = time.perf_counter() - start
-        program = None if compiled is None else Compiled.read(compiled)
+        program = None if compiled is None else CompiledProgram.read(compiled)
         return Result(program, seconds, refusal, peak.read(dump_dir) if peak_breakdown else [])
 
 
@@ -242,7 +242,7 @@ def refused_total(message: str) -> int:
     return 0
 
 
-def compiled_memory(program: Compiled | None, refusal: str | None, parts: dict[str, int]) -> dict[str, int]:
+def compiled_memory(program: CompiledProgram | None, refusal: str | None, parts: dict[str, int]) -> dict[str, int]:
     """Per-device buffers of the compiled program; for one the compiler refused, the arguments
     counted from their shardings and the rest of the total its message named as temporaries."""
     if program is None:
@@ -254,7 +254,7 @@ def compiled_memory(program: Compiled | None, refusal: str | None, parts: dict[s
             "temporaries": memory["temporaries"], "code": memory["code"]}
 
 
-def memory_per_device(program: Compiled | None, refusal: str | None, parts: dict[str, int], hbm: int
+def memory_per_device(program: CompiledProgram | None, refusal: str | None, parts: dict[str, int], hbm: int
                       ) -> dict[str, int]:
     """`parts` (the arguments by what they are) and the compiled program's buffers, their sum (`peak`)
     against the device's `hbm` and the margin left."""
@@ -263,7 +263,7 @@ def memory_per_device(program: Compiled | None, refusal: str | None, parts: dict
     return {**parts, **buffers, "peak": peak, "hbm": hbm, "margin": hbm - peak}
 
 
-def fits(program: Compiled | None, memory: dict[str, int]) -> bool:
+def fits(program: CompiledProgram | None, memory: dict[str, int]) -> bool:
     """A step fits when the compiler took it and its peak (`memory_per_device`) is within the HBM."""
     return program is not None and memory["margin"] >= 0
 
@@ -320,7 +320,7 @@ def kernel_costs(hlo_text: str | None, target: Target) -> dict[str, Any]:
     return {"kinds": kinds, "unpriced_seconds": unpriced}
 
 
-def compiler_seconds(program: Compiled | None, target: Target | None = None) -> tuple[float, float]:
+def compiler_seconds(program: CompiledProgram | None, target: Target | None = None) -> tuple[float, float]:
     """(the compiler's cost-model step time of `program` (`_priced_seconds`; 0 when it gives none) and,
     given the `target` it was compiled for, the time its custom kernels' FLOPs add where that model
     leaves them unpriced (`kernel_costs`), which the first includes; (0, 0) for no program."""
@@ -445,12 +445,12 @@ def per_task_estimate(passes: Sequence[tuple[str, int, Lower]], once: Sequence[t
             "estimated_step_seconds": usable_estimate(total or 0.0), "kernel_seconds": kernel_s}
 
 
-def step_report(step: LoweredStep, program: Compiled | None, refusal: str | None, lower_s: float,
-                compile_s: float, parts: dict[str, int], target: Target, model_flops: float,
-                items: dict[str, int], peak_breakdown: list[dict[str, Any]]) -> dict[str, Any]:
-    """Memory, time estimate and collectives of one compiled step, per device. The time is the
-    compiler's estimate for this program; `with_loop_free` replaces it for a program with loops of ours.
-    `peak_breakdown` is what held the memory at the peak (`Compile.peak`), refused programs included."""
+def step_report(step: LoweredStep, compiled: Result, lower_s: float, parts: dict[str, int], target: Target,
+                model_flops: float, items: dict[str, int]) -> dict[str, Any]:
+    """Memory, time estimate and collectives of one compiled step, per device, from its compile's
+    `Result` (its peak breakdown included, refused programs too). The time is the compiler's
+    estimate for this program; `with_loop_free` replaces it for a program with loops of ours."""
+    program, refusal = compiled.program, compiled.refusal
     memory = memory_per_device(program, refusal, parts, target.hbm_per_device)
     analysis = {} if program is None else program.cost
     text, unreadable = ("", None) if program is None else (program.text, program.unreadable)
@@ -458,11 +458,11 @@ def step_report(step: LoweredStep, program: Compiled | None, refusal: str | None
     kernels = kernel_costs(text, target)
     added = kernels["unpriced_seconds"] if own_seconds > 0 else 0.0
     report: dict[str, Any] = {
-        "lower_seconds": round(lower_s, 2), "compile_seconds": round(compile_s, 2),
+        "lower_seconds": round(lower_s, 2), "compile_seconds": round(compiled.seconds, 2),
         "hlo_bytes": len(step.lowered.as_text()),
         "memory_per_device": memory,
         "memory_source": "program",  # or "parts": `with_memory_from_parts`
-        "peak_breakdown": peak_breakdown,
+        "peak_breakdown": compiled.peak,
         "fits": fits(program, memory),
         "compiler_refused": refusal,
         "compiler_flops_per_device": float(analysis.get("flops", 0.0)),
@@ -672,13 +672,11 @@ def _plan(target: Target, versions: dict[str, str], topology: str, num_slices: i
     lower_s = time.perf_counter() - start
     parts = train_state_bytes(train, multitask_state)
     train_compile = Result(None, 0.0, None, []) if from_parts else compile_timed(train.lowered, peak_breakdown=True)
-    program, compile_s, refusal, train_peak = (train_compile.program, train_compile.seconds, train_compile.refusal,
-                                               train_compile.peak)
+    refusal = train_compile.refusal
     params_b = parts["params"]
     queries = sum(t.rows for t in tasks) * data_shards
-    train_report = step_report(train, program, refusal, lower_s, compile_s, parts, target,
-                               train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries},
-                               train_peak)
+    train_report = step_report(train, train_compile, lower_s, parts, target,
+                               train_matmul_flops(config, settings, tasks, data_shards), {"queries": queries})
     if from_parts:
         train_report = with_memory_from_parts(train_report, per_task_memory(
             model, config, settings, batch, task_names, groups, mesh, rules, train, parts, target.hbm_per_device))
@@ -701,15 +699,12 @@ def _plan(target: Target, versions: dict[str, str], topology: str, num_slices: i
     encode = lower_encode_step(model, config, settings.passage_len, mesh, rules)
     lower_s = time.perf_counter() - start
     encode_compile = compile_timed(encode.lowered, peak_breakdown=True)
-    program, compile_s, refusal, encode_peak = (encode_compile.program, encode_compile.seconds,
-                                                encode_compile.refusal, encode_compile.peak)
     rows = encode_batch_rows(data_shards)
     encode_parts = {"params": bytes_per_device(encode.state, encode.state_shardings), "optimizer": 0, "multitask": 0,
                     "batch": bytes_per_device(encode.batch, encode.batch_shardings)}
-    encode_report = step_report(encode, program, refusal, lower_s, compile_s, encode_parts, target,
-                                forward_matmul_flops(config, rows, settings.passage_len), {"passages": rows},
-                                encode_peak)
-    if refusal is None and depth:
+    encode_report = step_report(encode, encode_compile, lower_s, encode_parts, target,
+                                forward_matmul_flops(config, rows, settings.passage_len), {"passages": rows})
+    if encode_compile.refusal is None and depth:
         encode_report = with_loop_free(encode_report, loop_free_estimate(
             lambda c: lower_encode_step(build_model(c), c, settings.passage_len, mesh, rules).lowered, config, depth,
             target=target))

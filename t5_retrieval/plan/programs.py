@@ -2,7 +2,7 @@
 
 The planner reads three things of a compiled program: its buffer assignment (memory per device),
 the compiler's cost analysis (time) and its optimised HLO text (collectives, custom kernels, custom
-calls the cost model does not price). `Compiled` holds exactly those, so the program itself (up to
+calls the cost model does not price). `CompiledProgram` holds exactly those, so the program itself (up to
 gigabytes of host memory for T5-XXL) is dropped as soon as it is read.
 
 With a store directory (`t5r plan --cache_dir`), each compile's result is written there, keyed by
@@ -38,7 +38,7 @@ COMPILER_FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 
 
 @dataclasses.dataclass(frozen=True)
-class Compiled:
+class CompiledProgram:
     """A compiled program as the planner reads it: `memory`, the buffer assignment's bytes per device
     (`arguments`, `outputs`, `aliased`, `temporaries`, `code`); `cost`, the compiler's cost analysis
     (a GPU program's roofline, `gpu.cost_analysis`); `text`, the optimised HLO text, or None with
@@ -50,7 +50,7 @@ class Compiled:
     unreadable: str | None = None
 
     @classmethod
-    def read(cls, compiled: jax.stages.Compiled) -> Compiled:
+    def read(cls, compiled: jax.stages.Compiled) -> CompiledProgram:
         memory = compiled.memory_analysis()
         if memory is None:
             raise RuntimeError("the compiler gave no memory analysis of the compiled program")
@@ -71,7 +71,7 @@ class Result:
     the compiler's out-of-HBM message (or None), what held the memory at the program's peak when
     asked for (`peak.read`; else []), and whether it was read back from the store (`reused`)."""
 
-    program: Compiled | None
+    program: CompiledProgram | None
     seconds: float
     refusal: str | None
     peak: list[dict[str, Any]]
@@ -106,7 +106,7 @@ class Store:
         try:
             with gzip.open(path, "rt") as f:
                 stored = json.load(f)
-            program = None if stored["program"] is None else Compiled(**stored["program"])
+            program = None if stored["program"] is None else CompiledProgram(**stored["program"])
             result = Result(program, float(stored["seconds"]), stored["refusal"], stored["peak"], reused=True)
         except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
             log.warning("%s: unreadable (%s); compiling the program again", path, e)
