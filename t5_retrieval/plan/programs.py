@@ -68,14 +68,13 @@ class CompiledProgram:
 @dataclasses.dataclass(frozen=True)
 class Result:
     """One compile: the program as read (None when the compiler refused it), the seconds it took,
-    the compiler's out-of-HBM message (or None), what held the memory at the program's peak when
-    asked for (`peak.read`; else []), and whether it was read back from the store (`reused`)."""
+    the compiler's out-of-HBM message (or None) and what held the memory at the program's peak when
+    asked for (`peak.read`; else []). One read back from the store is counted there (`Store.counts`)."""
 
     program: CompiledProgram | None
     seconds: float
     refusal: str | None
     peak: list[dict[str, Any]]
-    reused: bool = False
 
 
 class Store:
@@ -107,7 +106,7 @@ class Store:
             with gzip.open(path, "rt") as f:
                 stored = json.load(f)
             program = None if stored["program"] is None else CompiledProgram(**stored["program"])
-            result = Result(program, float(stored["seconds"]), stored["refusal"], stored["peak"], reused=True)
+            result = Result(program, float(stored["seconds"]), stored["refusal"], stored["peak"])
         except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
             log.warning("%s: unreadable (%s); compiling the program again", path, e)
             return None
