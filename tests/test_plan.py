@@ -49,13 +49,12 @@ def compile_each_program_once():
     compile returned is returned again, its time included. Every program is compiled with its peak
     breakdown, which a caller that did not ask for it does not get: the advice's compile of a batch
     then serves the plan rerun at that batch, whose train step asks for it."""
-    from t5_retrieval.plan import planner
+    from t5_retrieval.plan import planner, programs
 
     compile_timed, compiled = planner.compile_timed, {}
 
     def once(lowered: jax.stages.Lowered, *, peak_breakdown: bool = False):
-        devices = lowered._lowering._device_list  # the program's text names no device kind
-        key = (lowered.as_text(), tuple(f"{d.device_kind} {d!r}" for d in devices))
+        key = (lowered.as_text(), tuple(programs.program_devices(lowered)))
         if key not in compiled:
             compiled[key] = compile_timed(lowered, peak_breakdown=True)
         return compiled[key] if peak_breakdown else dataclasses.replace(compiled[key], peak=[])

@@ -77,6 +77,12 @@ class Result:
     peak: list[dict[str, Any]]
 
 
+def program_devices(lowered: jax.stages.Lowered) -> list[str]:
+    """The devices a program was lowered for, kind and id (jax keeps them on the lowering, unexposed):
+    its text names none, so two programs of one text for other chips differ only here."""
+    return [f"{d.device_kind} {d!r}" for d in getattr(lowered._lowering, "_device_list", None) or ()]
+
+
 class Store:
     """Compile results on disk, one gzipped JSON file per program, and this plan's count of reads and compiles."""
 
@@ -87,9 +93,9 @@ class Store:
         os.makedirs(directory, exist_ok=True)
 
     def key(self, lowered: jax.stages.Lowered, peak_breakdown: bool) -> str:
-        """The program's text names no device kind, so the devices (jax keeps them on the lowering,
-        unexposed) are part of the key, as are the compiler's versions and flags."""
-        devices = [f"{d.device_kind} {d!r}" for d in getattr(lowered._lowering, "_device_list", None) or ()]
+        """The program's text names no device kind, so its devices are part of the key, as are the
+        compiler's versions and flags."""
+        devices = program_devices(lowered)
         flags = {name: os.environ.get(name, "") for name in COMPILER_FLAG_VARIABLES}
         header = json.dumps({"devices": devices, "compiler": self.compiler, "flags": flags, "peak": peak_breakdown},
                             sort_keys=True)
