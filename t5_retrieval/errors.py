@@ -142,6 +142,24 @@ def shell_command(words: list[str]) -> str:
     return " ".join(out)
 
 
+def command_with(command_line: list[str], **flags: str) -> str:
+    """`command_line` with these flags set (`tasks="fever"` -> `--tasks=fever`, replacing any value
+    given before), as one line to paste into a shell: an error's suggestion is a command that works."""
+    kept = without_flags(command_line, {f"--{name}" for name in flags})
+    return shell_command([*kept, *(f"--{name}={value}" for name, value in flags.items())])
+
+
+def without_flags(command_line: list[str], names: set[str]) -> list[str]:
+    """`command_line` with the flags `names` (`--flag=value` or `--flag value`) left out."""
+    kept, words = [], iter(command_line)
+    for word in words:
+        if word in names:
+            next(words, None)  # `--flag value`: the value goes too
+        elif word.partition("=")[0] not in names:
+            kept.append(word)
+    return kept
+
+
 @contextlib.contextmanager
 def replaced_on_success(path: str | os.PathLike[str], suffix: str = "") -> Iterator[str]:
     """Yields `temp_path(path, suffix)` for the block to write (a file or a directory); when the block

@@ -54,12 +54,11 @@ def _evaluate_bm25(args: argparse.Namespace) -> EvalResult:
     registered Tasks, a user's from `--task_module` too: their own query text), scored as a model's
     are; refuses a model flag, since BM25 has none."""
     from t5_retrieval import checksums, gin_utils
-    from t5_retrieval.commands.gin_flags import rerun, without_flags
     from t5_retrieval.data import layout
     from t5_retrieval.data.stores.kb import PassageStore
     from t5_retrieval.data.tasks.examples import dataset_examples, task_examples
     from t5_retrieval.data.tasks.task_names import TaskSet
-    from t5_retrieval.errors import UserError, shell_command
+    from t5_retrieval.errors import UserError, shell_command, without_flags
     from t5_retrieval.retrieval.index import INDEX_JSON, load_index
 
     model_flags = [flag for flag in ("checkpoint_dir", "step", "lexical_baseline_dim")
@@ -78,6 +77,5 @@ def _evaluate_bm25(args: argparse.Namespace) -> EvalResult:
     if not names:
         return evaluate(None, index, dataset_examples(args.data_dir, args.split), store)
     # A registered Task (a user's, from --task_module) is searched with its own query text; any other name is a dataset
-    examples = task_examples(TaskSet.registered(names), args.data_dir, args.split, names,
-                             lambda **flags: rerun(args, **flags))
+    examples = task_examples(TaskSet.registered(names), args.data_dir, args.split, names, args.command_line)
     return evaluate(None, index, examples, store)

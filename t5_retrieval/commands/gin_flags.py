@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from t5_retrieval import gin_utils
-from t5_retrieval.errors import UserError, shell_command
+from t5_retrieval.errors import UserError
 
 
 def add_gin_flags(parser: argparse.ArgumentParser) -> None:
@@ -53,26 +53,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str], reads: Sequ
     except UserError as e:
         parser.error(str(e))
     args = parser.parse_args(rest)
-    args.command_line = [*parser.prog.split(), *argv]  # for `rerun`
+    args.command_line = [*parser.prog.split(), *argv]  # for an error's suggestions (`errors.command_with`)
     search_paths = [p for arg in args.gin_search_paths for p in arg.split(",") if p]
     gin_utils.apply_command_line(args.gin_file, bindings, search_paths)
     return args
-
-
-def rerun(args: argparse.Namespace, **flags: str) -> str:
-    """The command `args` came from with these flags set (`tasks="fever"` -> `--tasks=fever`,
-    replacing any value given before), as one line to paste into a shell: an error's suggestion is
-    a command that works."""
-    kept = without_flags(args.command_line, {f"--{name}" for name in flags})
-    return shell_command([*kept, *(f"--{name}={value}" for name, value in flags.items())])
-
-
-def without_flags(command_line: list[str], names: set[str]) -> list[str]:
-    """`command_line` with the flags `names` (`--flag=value` or `--flag value`) left out."""
-    kept, words = [], iter(command_line)
-    for word in words:
-        if word in names:
-            next(words, None)  # `--flag value`: the value goes too
-        elif word.partition("=")[0] not in names:
-            kept.append(word)
-    return kept

@@ -9,7 +9,6 @@ from typing import Any
 
 from t5_retrieval import checksums, gin_utils
 from t5_retrieval.commands.checksum import add_verify_flag
-from t5_retrieval.commands.gin_flags import rerun
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import Example
 from t5_retrieval.data.tasks.examples import task_examples
@@ -86,7 +85,7 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
     index.check(encoder, store.ids())
     import_task_modules(args)
     examples = task_examples(encoder.tasks, args.data_dir, args.split, [t for t in args.tasks.split(",") if t],
-                             lambda **flags: rerun(args, **flags))
+                             args.command_line)
     return SearchInputs(store, examples, {task: encoder.tasks.spec(task) for task in examples}, index, encoder)
 
 

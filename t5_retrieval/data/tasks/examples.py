@@ -12,25 +12,26 @@ import dataclasses
 import glob
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import DataError, Example, read_examples
 from t5_retrieval.data.tasks.retrieval_tasks import registered_task, set_data_dir, text_examples, text_preprocessors
 from t5_retrieval.data.tasks.task_names import TaskSet
+from t5_retrieval.errors import command_with
 
 log = logging.getLogger(__name__)
 
 
 def task_examples(tasks: TaskSet, data_dir: str, split: str, names: Sequence[str] = (),
-                  rerun: Callable[..., str] | None = None) -> dict[str, list[Example]]:
+                  command_line: Sequence[str] = ()) -> dict[str, list[Example]]:
     """Examples per task of a model whose tasks are `tasks`, keyed by the model's name of each: the
     tasks `names` name in any form (a Task, its dataset, a Mixture of Tasks), or every task the model
     was trained on. A model that records no tasks (the lexical baseline) reads `dataset_examples`.
 
-    `rerun(**flags)`, when given, is the command line with those flags changed, for the error's
-    suggestions. Raises UnknownTaskError for a name the model does not know, DataError naming every
-    task without examples for `split` (none is left out in silence)."""
+    `command_line`, when given, is the command's words (`t5r eval --tasks=...`): the error suggests
+    it again with `--tasks` and `--split` changed. Raises UnknownTaskError for a name the model does
+    not know, DataError naming every task without examples for `split` (none is left out in silence)."""
     if not tasks:
         return dataset_examples(data_dir, split, names)
     set_data_dir(data_dir)  # a seqio Task over `kilt_examples_source` reads its examples there
@@ -38,7 +39,7 @@ def task_examples(tasks: TaskSet, data_dir: str, split: str, names: Sequence[str
     datasets = {name: tasks.dataset_of(name) for name in names}
     missing = [name for name in names if not has_split(data_dir, datasets[name], name, split)]
     if missing:
-        raise DataError(_missing_examples(tasks, data_dir, split, names, missing, datasets, rerun))
+        raise DataError(_missing_examples(tasks, data_dir, split, names, missing, datasets, command_line))
     examples = {}
     for name in names:
         steps = tasks.spec(name).text_preprocessors
@@ -111,7 +112,7 @@ def split_examples(data_dir: str, dataset: str, task_name: str, split: str) -> l
 
 
 def _missing_examples(tasks: TaskSet, data_dir: str, split: str, names: Sequence[str], missing: Sequence[str],
-                      datasets: dict[str, str], rerun: Callable[..., str] | None) -> str:
+                      datasets: dict[str, str], command_line: Sequence[str]) -> str:
     """Which tasks lack `split` examples and why, then each command that scores what can be scored."""
     reasons: list[str] = []
     on_split: dict[str, list[str]] = {}
@@ -128,11 +129,12 @@ def _missing_examples(tasks: TaskSet, data_dir: str, split: str, names: Sequence
                 on_split.setdefault(other, []).append(name)
         reasons.append(name + (f" (dataset {datasets[name]})" if datasets[name] != name else "") + f": {why}")
     commands = []
-    if rerun is not None:
-        commands = [f"to score {', '.join(group)} on {other}, `{rerun(tasks=','.join(group), split=other)}`"
+    if command_line:
+        words = list(command_line)
+        commands = [f"to score {', '.join(group)} on {other}, `{command_with(words, tasks=','.join(group), split=other)}`"
                     for other, group in on_split.items()]
         scorable = [name for name in names if name not in missing]
         if scorable:
-            commands.append(f"to score the others alone, `{rerun(tasks=','.join(scorable))}`")
+            commands.append(f"to score the others alone, `{command_with(words, tasks=','.join(scorable))}`")
     return (f"no {split} examples for the model's task{'s' if len(missing) > 1 else ''} {'; '.join(reasons)}"
             + (". Run, " + "; or, ".join(commands) if commands else ""))
