@@ -75,7 +75,9 @@ def row_slices(ids: tf.RaggedTensor, begin: tf.Tensor, end: tf.Tensor) -> tf.Rag
     """Row r of `ids` cut to `[begin[r], end[r])` (bounds within the row)."""
     positions = tf.ragged.range(begin, end)
     flat = positions.values + tf.repeat(ids.row_starts(), positions.row_lengths())
-    return tf.RaggedTensor.from_row_lengths(tf.gather(ids.values, flat), positions.row_lengths())
+    # Valid by construction (the lengths are those of `flat`), so without `validate`'s checks: each is
+    # an Assert in a cond, slow to trace into the SavedModel's graph and run on every query.
+    return tf.RaggedTensor.from_row_lengths(tf.gather(ids.values, flat), positions.row_lengths(), validate=False)
 
 
 def _mention_parts(texts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -88,6 +90,13 @@ def _mention_parts(texts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, t
     return has, left, mention, right
 
 
+def _marker_ids(tokenizer, marker: str, separator_id: int) -> tf.Tensor:
+    """int32[1, ids] of an entity marker, tokenized eagerly (`init_scope`) even while a function is
+    traced: it does not depend on the input, so the graph holds its ids rather than a tokenizer's ops."""
+    with tf.init_scope():
+        return encode(tokenizer, tf.constant([marker]), separator_id).to_tensor()
+
+
 def _mention_windows(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, budgets: tf.Tensor, separator_id: int
                      ) -> tf.RaggedTensor:
     """Prefix + `query_inputs.mention_window` of each text (which must hold both markers) in
@@ -95,10 +104,8 @@ def _mention_windows(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, budgets: 
     _, left, mention, right = _mention_parts(texts)
     prefix, left, mention, right = (encode(tokenizer, s, separator_id) for s in (prefixes, left, mention, right))
     batch = tf.shape(texts, out_type=tf.int64)[:1]
-    start_marker, end_marker = (
-        tf.RaggedTensor.from_tensor(tf.tile(encode(tokenizer, tf.constant([m]), separator_id).to_tensor(),
-                                            [batch[0], 1]))
-        for m in (START_ENT, END_ENT))
+    start_marker, end_marker = (tf.RaggedTensor.from_tensor(tf.tile(_marker_ids(tokenizer, m, separator_id), [batch[0], 1]))
+                                for m in (START_ENT, END_ENT))
     markers = start_marker.row_lengths() + end_marker.row_lengths()
     budget = budgets - prefix.row_lengths()
     mention_kept = tf.minimum(mention.row_lengths(), tf.maximum(budget - markers, 0))

@@ -257,6 +257,11 @@ class RetrievalModule(tf.Module):
                                                  self._conventions)
             return tokens, tf.identity(task_ids)
 
+    # One function for both signatures: `tf.saved_model.save` traces each signature, and the query
+    # preprocessing (thousands of graph ops: tokenizer, ragged slicing, their checks) is most of the
+    # tracing time; as a function with an input signature it is traced once and called by both.
+    @tf.function(autograph=False, input_signature=[tf.TensorSpec([None], tf.string, name="query"),
+                                  tf.TensorSpec([None], tf.string, name="task")])
     def _embeddings(self, query: tf.Tensor, task: tf.Tensor) -> tf.Tensor:
         tokens, task_ids = self._tokens(query, task)
         return self._embed(tokens, task_ids)
