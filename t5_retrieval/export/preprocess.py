@@ -90,6 +90,14 @@ def _mention_parts(texts: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, t
     return has, left, mention, right
 
 
+def encode_each(tokenizer, texts: list[tf.Tensor], separator_id: int) -> list[tf.RaggedTensor]:
+    """`encode` of each of several string vectors of one length, by one call of the tokenizer: its
+    ops (for WordPiece, long regular expressions) are built into the graph and run once, not per vector."""
+    rows = tf.size(texts[0], out_type=tf.int64)
+    ids = encode(tokenizer, tf.concat(texts, axis=0), separator_id)
+    return [ids[i * rows:(i + 1) * rows] for i in range(len(texts))]
+
+
 def _marker_ids(tokenizer, marker: str, separator_id: int) -> tf.Tensor:
     """int32[1, ids] of an entity marker, tokenized eagerly (`init_scope`) even while a function is
     traced: it does not depend on the input, so the graph holds its ids rather than a tokenizer's ops."""
@@ -97,19 +105,17 @@ def _marker_ids(tokenizer, marker: str, separator_id: int) -> tf.Tensor:
         return encode(tokenizer, tf.constant([marker]), separator_id).to_tensor()
 
 
-def _mention_windows(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, budgets: tf.Tensor, separator_id: int
+def _mention_windows(prefix: tf.RaggedTensor, left: tf.RaggedTensor, mention: tf.RaggedTensor,
+                     right: tf.RaggedTensor, markers: tuple[tf.Tensor, tf.Tensor], budgets: tf.Tensor
                      ) -> tf.RaggedTensor:
     """Prefix + `query_inputs.mention_window` of each text (which must hold both markers) in
-    `budgets` ids (int64[batch], the prefix included)."""
-    _, left, mention, right = _mention_parts(texts)
-    prefix, left, mention, right = (encode(tokenizer, s, separator_id) for s in (prefixes, left, mention, right))
-    batch = tf.shape(texts, out_type=tf.int64)[:1]
-    start_marker, end_marker = (tf.RaggedTensor.from_tensor(tf.tile(_marker_ids(tokenizer, m, separator_id), [batch[0], 1]))
-                                for m in (START_ENT, END_ENT))
-    markers = start_marker.row_lengths() + end_marker.row_lengths()
+    `budgets` ids (int64[batch], the prefix included), from the ids of its prefix, left context,
+    mention and right context, and the start and end markers' ids (`_marker_ids`)."""
+    start_marker, end_marker = (tf.RaggedTensor.from_tensor(tf.tile(m, [prefix.nrows(), 1])) for m in markers)
+    marker_lengths = start_marker.row_lengths() + end_marker.row_lengths()
     budget = budgets - prefix.row_lengths()
-    mention_kept = tf.minimum(mention.row_lengths(), tf.maximum(budget - markers, 0))
-    rest = tf.maximum(budget - markers - mention_kept, 0)
+    mention_kept = tf.minimum(mention.row_lengths(), tf.maximum(budget - marker_lengths, 0))
+    rest = tf.maximum(budget - marker_lengths - mention_kept, 0)
     left_kept = tf.minimum(left.row_lengths(), tf.maximum(rest // 2, rest - right.row_lengths()))
     right_kept = tf.minimum(right.row_lengths(), rest - left_kept)
     zeros = tf.zeros_like(left_kept)
@@ -123,16 +129,19 @@ def tokenize_queries(tokenizer, prefixes: tf.Tensor, texts: tf.Tensor, lengths: 
     """int32[batch, width]: `data.query_inputs.query_tokens` of each normalised query `texts[r]` with
     its task's prefix text (`prefix_strings`), length `lengths[r]` (<= width) and truncation
     (`mention[r]`: the mention window), in the vocabulary's `conventions`, padded to `width`."""
-    start = list(conventions.start_ids)
+    start, separator = list(conventions.start_ids), conventions.separator_id
     budgets = tf.cast(lengths, tf.int64) - 1 - len(start)
-    whole = encode(tokenizer, tf.strings.join([prefixes, texts]), conventions.separator_id)
+    has_markers, left, mentioned, right = _mention_parts(texts)
+    whole, prefix_ids, left_ids, mention_ids, right_ids = encode_each(
+        tokenizer, [tf.strings.join([prefixes, texts]), prefixes, left, mentioned, right], separator)
     beginning = row_slices(whole, tf.zeros_like(budgets), tf.minimum(whole.row_lengths(), budgets))
-    windowed = _mention_windows(tokenizer, prefixes, texts, budgets, conventions.separator_id)
-    ids = select_rows(tf.logical_and(mention, _mention_parts(texts)[0]), windowed, beginning)
+    markers = (_marker_ids(tokenizer, START_ENT, separator), _marker_ids(tokenizer, END_ENT, separator))
+    windowed = _mention_windows(prefix_ids, left_ids, mention_ids, right_ids, markers, budgets)
+    ids = select_rows(tf.logical_and(mention, has_markers), windowed, beginning)
     starts = tf.tile(tf.constant(start, tf.int32, shape=[1, len(start)]), [ids.nrows(), 1])
     ids = tf.concat([starts, ids, tf.fill([ids.nrows(), 1], conventions.end_id)], axis=1)
     return ids.to_tensor(default_value=PAD_ID, shape=[None, width])
 
 
-__all__ = ["encode", "normalize_queries", "prefix_strings", "row_slices", "select_rows", "tokenize_queries",
+__all__ = ["encode", "encode_each", "normalize_queries", "prefix_strings", "row_slices", "select_rows", "tokenize_queries",
            "whitespace_class"]
