@@ -29,27 +29,67 @@ from t5_retrieval.data.tokenizers.query_inputs import QueryInput, query_tokens
 from t5_retrieval.data.tokenizers.tokenize import load_vocabulary, tokenize, vocabulary_digest
 from t5_retrieval.errors import ConfigError
 from t5_retrieval.models.build import build_model, check_stored_config
-from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.retrieval.encoder import Encoder, is_encoder_of
 from t5_retrieval.retrieval.index import IndexMismatchError
 
 
 def fingerprint_of(config: dict[str, Any], params: Any, step: int, vocabulary: str | None) -> str:
     """Identifies a model: its config as stored, the content of its vocabulary (the file at
-    `vocabulary`), its checkpoint step and a cheap digest of every weight.
+    `vocabulary`), its checkpoint step and an exact digest of every weight (`weights_digest`).
 
     The config names the vocabulary by path only, and other token ids through the same weights
     are another model: an index built before the file changed must not match after. A config of
     this version names the path relative to the model directory, so the model keeps its
-    fingerprint (and its indexes) when the directory moves.
+    fingerprint (and its indexes) when the directory moves; the weights' digest is integer
+    arithmetic, so it keeps it on another machine, backend or compiler too.
     """
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    if vocabulary:
-        digest.update(f"vocabulary={vocabulary_digest(vocabulary)}".encode())
-    digest.update(str(step).encode())
+    digest = _identity_digest(config, step, vocabulary)
+    digests = jax.device_get(_weights_digests(params))
+    for path, value in jax.tree_util.tree_flatten_with_path(digests)[0]:
+        digest.update(f"{jax.tree_util.keystr(path)}#{int(value)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def weights_digest(x: jax.Array) -> jax.Array:
+    """uint32: each element's bits times an odd number from its position, summed modulo 2**32.
+
+    A sum of integers is exact in any order, so every backend, sharding and compiler flag set gives
+    the same digest. A float sum is not: XLA's reduction order moved the last digit of MiniLM's sum
+    of squares between two CPU flag sets, and with it the fingerprint (`legacy_fingerprint_of`).
+    The position makes moved weights another digest."""
+    unsigned = {2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+    if unsigned is None:
+        raise ValueError(f"weights_digest: {x.dtype} parameters are not supported (16- or 32-bit only)")
+    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    position = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape)
+    return jnp.sum(bits * (2 * position + 1), dtype=jnp.uint32)
+
+
+@jax.jit
+def _weights_digests(params: Any) -> Any:
+    """`weights_digest` of every parameter, one program for the tree: each position made where its
+    shard is, never a whole array's."""
+    return jax.tree.map(weights_digest, params)
+
+
+def legacy_fingerprint_of(config: dict[str, Any], params: Any, step: int, vocabulary: str | None) -> str:
+    """The fingerprint t5-retrieval recorded before `fingerprint_of`'s exact digest: the weights'
+    float32 sums of squares to 10 digits, which can differ on another machine or compiler. Only
+    for matching what it recorded (`retrieval.encoder.is_encoder_of`) on the machine that did."""
+    digest = _identity_digest(config, step, vocabulary)
     sums = jax.device_get(jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32) ** 2), params))
     for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]:
         digest.update(f"{jax.tree_util.keystr(path)}={float(value):.9e}".encode())
     return digest.hexdigest()[:16]
+
+
+def _identity_digest(config: dict[str, Any], step: int, vocabulary: str | None) -> hashlib._Hash:
+    """The digest of what names a model besides its weights, which both fingerprints continue."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    if vocabulary:
+        digest.update(f"vocabulary={vocabulary_digest(vocabulary)}".encode())
+    digest.update(str(step).encode())
+    return digest
 
 
 LENGTH_BUCKET = 32  # encode batches are cut to a multiple of this many tokens
@@ -71,7 +111,7 @@ class DualEncoderInference:
 
     def __init__(self, model: nn.Module, params: Any, config: dict[str, Any], fingerprint: str,
                  mesh: jax.sharding.Mesh, batch_size: int | None = None, vocabulary: Any = None,
-                 step: int | None = None):
+                 step: int | None = None, legacy_fingerprint: str | None = None):
         self.model = model
         self.step = step  # the checkpoint step restored (an unreadable newest one falls back to an older)
         self.params = params
@@ -79,6 +119,7 @@ class DualEncoderInference:
         self.features = config.get("features", {})
         self.tasks = TaskSet.from_features(self.features)
         self.fingerprint = fingerprint
+        self.legacy_fingerprint = legacy_fingerprint  # what older versions recorded for this model
         self.dim = model.embedding_dim
         self._mesh = mesh
         data_devices = mesh.shape["data"]
@@ -180,7 +221,7 @@ def load_encoder(model_dir: str, step: int | None = None, batch_size: int | None
         raise ConfigError(f"step={step}: {model_dir} is a query-side model; it is used at its latest step")
     record, base_dir = checkpoint.query_side_base(model_dir)
     base = load_encoder(base_dir, batch_size=batch_size)
-    if base.fingerprint != record["base_fingerprint"]:
+    if not is_encoder_of(base, record["base_fingerprint"]):
         raise IndexMismatchError(f"{model_dir}/{checkpoint.QUERY_SIDE_FILE}: base checkpoint {base_dir} now "
                                  f"has fingerprint {base.fingerprint!r}, fine-tuned against {record['base_fingerprint']!r}")
     return QuerySideEncoder(load_dual_encoder(model_dir, batch_size=batch_size), base)
@@ -204,8 +245,10 @@ def load_dual_encoder(model_dir: str, step: int | None = None, batch_size: int |
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             nn.unbox(boxed), shardings)
     params, restored_step = checkpoint.restore_params(model_dir, abstract, step)
-    fingerprint = fingerprint_of(stored, params, restored_step, config.get("features", {}).get("vocabulary"))
-    return DualEncoderInference(model, params, config, fingerprint, mesh, batch_size, step=restored_step)
+    vocabulary = config.get("features", {}).get("vocabulary")
+    return DualEncoderInference(model, params, config, fingerprint_of(stored, params, restored_step, vocabulary),
+                                mesh, batch_size, step=restored_step,
+                                legacy_fingerprint=legacy_fingerprint_of(stored, params, restored_step, vocabulary))
 
 
 class QuerySideEncoder:
@@ -222,6 +265,10 @@ class QuerySideEncoder:
     @property
     def fingerprint(self) -> str:
         return self.passage_encoder.fingerprint
+
+    @property
+    def legacy_fingerprint(self) -> str | None:
+        return getattr(self.passage_encoder, "legacy_fingerprint", None)
 
     @property
     def dim(self) -> int:

@@ -45,6 +45,7 @@ from t5_retrieval.models.families import family_of
 from t5_retrieval.multitask import exported_state, multitask_metrics, multitask_problems, multitask_statistics
 from t5_retrieval.multitask.analysis import STATE_FILE, save_state_npz
 from t5_retrieval.optim import make_optimizer
+from t5_retrieval.retrieval.encoder import is_encoder_of
 from t5_retrieval.train_step import GatheredPasses, TrainState, make_train_step, query_shape_groups, task_groups
 
 log = logging.getLogger(__name__)
@@ -396,12 +397,12 @@ def record_passage_base(model_dir: str, init_from: str | None, table: dict[str, 
                           f"{table['fingerprint']!r}) needs train.init_from to be the t5r model directory that "
                           f"wrote them (got {init_from!r})")
     base = load_encoder(init_from)
-    if base.fingerprint != table["fingerprint"]:
+    if not is_encoder_of(base, table["fingerprint"]):
         raise ConfigError(f"make_train_iterator.passage_embeddings: written by the model with fingerprint "
                           f"{table['fingerprint']!r}, but train.init_from={init_from!r} has fingerprint "
                           f"{base.fingerprint!r}")
     if jax.process_index() == 0:
-        write_base_record(model_dir, init_from, base.fingerprint, trained_by="t5r train",
+        write_base_record(model_dir, init_from, table["fingerprint"], trained_by="t5r train",
                           passage_embeddings_digest=table["digest"])
     return init_from
 
@@ -415,7 +416,7 @@ def _recorded_base(model_dir: str, fingerprint: str) -> str | None:
     if read_base_record(model_dir)["base_fingerprint"] != fingerprint or \
             not os.path.exists(os.path.join(base_dir, checkpoint.CONFIG_FILE)):
         return None
-    return base_dir if load_encoder(base_dir).fingerprint == fingerprint else None
+    return base_dir if is_encoder_of(load_encoder(base_dir), fingerprint) else None
 
 
 def export_multitask_state(opt_state: Any, task_names: list[str], model_dir: str) -> None:

@@ -62,6 +62,13 @@ class Encoder(Protocol):
     def encode_passages(self, passages: Sequence[Passage]) -> np.ndarray: ...
 
 
+def is_encoder_of(encoder: Encoder, fingerprint: str) -> bool:
+    """Whether `fingerprint`, as an index, stored embeddings or a query-side model recorded it, names
+    `encoder`'s model: its `fingerprint`, or the one older versions recorded for it
+    (`legacy_fingerprint`, where the encoder has one), so what they built still matches."""
+    return fingerprint in (encoder.fingerprint, getattr(encoder, "legacy_fingerprint", None))
+
+
 def warn_if_trained_on_rewritten_text(encoder: Encoder, task: str, but: str) -> None:
     """Warns, naming the task and its preprocessors, when the model trained on `task`'s query text as
     its seqio Task's preprocessors rewrote it (`features.tasks.<task>.text_preprocessors`), where

@@ -27,7 +27,7 @@ from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.passages import ids_digest
 from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full
-from t5_retrieval.retrieval.encoder import Encoder
+from t5_retrieval.retrieval.encoder import Encoder, is_encoder_of
 
 FORMAT = "t5r-index-v2"
 SCANN_V1_FORMAT = "t5r-scann-index-v1"  # ScaNN-only directories, written before the backend field existed
@@ -140,7 +140,7 @@ class StoredIndex(abc.ABC):
                                      f"model (got {encoder.fingerprint!r}); search it without one, or give an index "
                                      "built with `t5r index --embeddings_dir=...`")
         if encoder is not None:
-            if encoder.fingerprint != self.fingerprint:
+            if not is_encoder_of(encoder, self.fingerprint):
                 raise IndexMismatchError(
                     f"{where}: built with model fingerprint {self.fingerprint!r} but the query encoder has "
                     f"{encoder.fingerprint!r}; re-encode the KB with this model (t5r encode) and rebuild (t5r index)")
