@@ -10,10 +10,11 @@ whole corpus.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -111,7 +112,7 @@ class DualEncoderInference:
 
     def __init__(self, model: nn.Module, params: Any, config: dict[str, Any], fingerprint: str,
                  mesh: jax.sharding.Mesh, batch_size: int | None = None, vocabulary: Any = None,
-                 step: int | None = None, legacy_fingerprint: str | None = None):
+                 step: int | None = None, legacy_fingerprint: Callable[[], str] | None = None):
         self.model = model
         self.step = step  # the checkpoint step restored (an unreadable newest one falls back to an older)
         self.params = params
@@ -119,7 +120,7 @@ class DualEncoderInference:
         self.features = config.get("features", {})
         self.tasks = TaskSet.from_features(self.features)
         self.fingerprint = fingerprint
-        self.legacy_fingerprint = legacy_fingerprint  # what older versions recorded for this model
+        self._legacy_fingerprint = legacy_fingerprint
         self.dim = model.embedding_dim
         self._mesh = mesh
         data_devices = mesh.shape["data"]
@@ -128,6 +129,12 @@ class DualEncoderInference:
         self._vocab = vocabulary
         self._embed = jax.jit(lambda params, tokens, tower: model.apply({"params": params}, tokens, tower=tower),
                               in_shardings=(None, sharding.batch_sharding(mesh, 2)), static_argnums=2)
+
+    @functools.cached_property
+    def legacy_fingerprint(self) -> str | None:
+        """What older versions recorded for this model (`legacy_fingerprint_of`): a second pass over the
+        weights, so computed only when a recorded fingerprint is not the current one."""
+        return self._legacy_fingerprint() if self._legacy_fingerprint is not None else None
 
     @property
     def task_names(self) -> list[str]:
@@ -248,7 +255,8 @@ def load_dual_encoder(model_dir: str, step: int | None = None, batch_size: int |
     vocabulary = config.get("features", {}).get("vocabulary")
     return DualEncoderInference(model, params, config, fingerprint_of(stored, params, restored_step, vocabulary),
                                 mesh, batch_size, step=restored_step,
-                                legacy_fingerprint=legacy_fingerprint_of(stored, params, restored_step, vocabulary))
+                                legacy_fingerprint=functools.partial(legacy_fingerprint_of, stored, params, restored_step,
+                                                                     vocabulary))
 
 
 class QuerySideEncoder:

@@ -65,8 +65,9 @@ class Encoder(Protocol):
 def is_encoder_of(encoder: Encoder, fingerprint: str) -> bool:
     """Whether `fingerprint`, as an index, stored embeddings or a query-side model recorded it, names
     `encoder`'s model: its `fingerprint`, or the one older versions recorded for it
-    (`legacy_fingerprint`, where the encoder has one), so what they built still matches."""
-    return fingerprint in (encoder.fingerprint, getattr(encoder, "legacy_fingerprint", None))
+    (`legacy_fingerprint`, where the encoder has one, asked only when the current one differs: it
+    costs a pass over the weights), so what they built still matches."""
+    return fingerprint == encoder.fingerprint or fingerprint == getattr(encoder, "legacy_fingerprint", None)
 
 
 def warn_if_trained_on_rewritten_text(encoder: Encoder, task: str, but: str) -> None:
