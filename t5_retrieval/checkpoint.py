@@ -42,9 +42,10 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from t5_retrieval import artefact_io, checksums
+from t5_retrieval.artefact_io import disk_full, is_disk_full, nearly_full, temp_path
 from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path, vocabulary_digest, vocabulary_files
-from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full, stderr_kept_unless_discarded, temp_path
+from t5_retrieval.errors import UserError, stderr_kept_unless_discarded
 from t5_retrieval.gin_utils import OPERATIVE_CONFIG
 
 CONFIG_FILE = "model_config.json"

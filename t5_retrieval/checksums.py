@@ -30,7 +30,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from t5_retrieval import artefact_io
-from t5_retrieval.errors import DiskFullError, UserError, open_replaced_on_success
+from t5_retrieval.artefact_io import open_replaced_on_success
+from t5_retrieval.errors import DiskFullError, UserError
 
 CHECKSUMS_FILE = "t5r_checksums.json"
 STAMP_FILE = "t5r_verified.json"

@@ -18,7 +18,8 @@ import os
 import re
 import sys
 
-from t5_retrieval.errors import DEBUG_ENV, DiskFullError, UserError, disk_full, is_disk_full
+from t5_retrieval.artefact_io import disk_full, is_disk_full
+from t5_retrieval.errors import DEBUG_ENV, DiskFullError, UserError
 
 # gin appends where a configurable raised ("  In call to configurable ..."); a user error says it all.
 _GIN_CONTEXT = "\n  In call to configurable"

@@ -28,6 +28,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from t5_retrieval import checkpoint, gin_utils, sharding
+from t5_retrieval.artefact_io import directory_lock
 from t5_retrieval.checkpoint import (
     QUERY_SIDE_FILE,
     base_dir_of,
@@ -38,7 +39,7 @@ from t5_retrieval.checkpoint import (
 from t5_retrieval.data.batching import batches as _batches  # noqa: F401  (registers its gin configurables)
 from t5_retrieval.data.batching import random_batches as _random_batches  # noqa: F401  (registers its gin configurables)
 from t5_retrieval.data.records import write_text_atomic
-from t5_retrieval.errors import ConfigError, UserError, directory_lock
+from t5_retrieval.errors import ConfigError, UserError
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.models.build import build_model, init_params, initial_params, model_config, upgraded_config
 from t5_retrieval.models.families import family_of

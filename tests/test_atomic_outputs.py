@@ -9,7 +9,7 @@ import pytest
 from etils import epath
 from test_retrieval_index import clustered, write
 
-from t5_retrieval import checkpoint, checksums, errors
+from t5_retrieval import artefact_io, checkpoint, checksums
 from t5_retrieval.data.kilt import demo_slice, synthetic
 from t5_retrieval.data.records import Passage, write_jsonl_atomic
 from t5_retrieval.data.stores import embedding_store
@@ -159,15 +159,15 @@ def test_the_cleaner_removes_the_temporary_of_a_writer_killed_before_its_rename(
     before = _tree(tmp_path)
     with monkeypatch.context() as killed:
         killed.setattr(os, "replace", _killed_at_first_rename)
-        killed.setattr(errors, "_remove", lambda path: None)  # a dead process cleans up nothing
+        killed.setattr(artefact_io, "_remove", lambda path: None)  # a dead process cleans up nothing
         with pytest.raises(Killed) as rename:
             write()
     temporary = rename.value.args[0]
     assert os.path.exists(temporary)
-    monkeypatch.setattr(errors, "_alive", lambda pid: False)  # the writer's pid no longer runs
+    monkeypatch.setattr(artefact_io, "_alive", lambda pid: False)  # the writer's pid no longer runs
     for directory in sorted({str(tmp_path)} | {p for p in _tree(tmp_path) if os.path.isdir(p)}):
         if os.path.isdir(directory):  # each run cleans the directory it writes in
-            errors.remove_stale_temporaries(directory)
+            artefact_io.remove_stale_temporaries(directory)
     # The pending marker is no temporary: it stays to say that the artefact's writer was killed.
     left = sorted(p for p in _tree(tmp_path) - before if os.path.basename(p) != checksums.PENDING_FILE)
     assert not left, f"left by the killed writer and not removed by the cleaner: {left}"

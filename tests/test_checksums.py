@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import flip_byte
 
-from t5_retrieval import checksums, cli
+from t5_retrieval import artefact_io, checksums, cli
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore, build_kb
@@ -52,10 +52,9 @@ def test_the_stamp_skips_rehashing_unchanged_files_but_not_a_rewritten_one(artef
 
 def test_a_full_disk_does_not_fail_a_verification_that_cannot_write_its_stamp(artefact, monkeypatch):
     """The stamp is a cache: on a full disk (simulated: none can be made here) verifying still passes."""
-    from t5_retrieval import errors
 
     def full(path, doc):
-        raise errors.disk_full(path)
+        raise artefact_io.disk_full(path)
 
     stamp = os.path.join(artefact, checksums.STAMP_FILE)
     if os.path.exists(stamp):

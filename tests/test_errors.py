@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from t5_retrieval import cli, errors
+from t5_retrieval import artefact_io, cli, errors
 from t5_retrieval.data.records import Passage
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import write_passage_store
@@ -141,7 +141,7 @@ def test_the_next_encode_removes_a_crashed_runs_temporary_shards(tmp_path):
                                      shard_size=4, progress=False)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    host = errors.temp_path("x").split(".tmp-")[1].rsplit("-", 1)[0]
+    host = artefact_io.temp_path("x").split(".tmp-")[1].rsplit("-", 1)[0]
     stale = out / f"shard-00001-of-00003.npy.tmp-{host}-{dead}.npy"
     legacy = out / f"shard-00002-of-00003.npy.tmp-{dead}.npy"
     other_host = out / f"shard-00002-of-00003.npy.tmp-otherhost-{dead}.npy"

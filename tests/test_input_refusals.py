@@ -328,7 +328,7 @@ def test_a_multi_process_job_on_a_locked_model_dir_stops_in_every_process_withou
     from process_harness import job_flags
     from process_harness import start as start_process
 
-    from t5_retrieval.errors import directory_lock
+    from t5_retrieval.artefact_io import directory_lock
 
     model_dir = str(tmp_path / "model")
     os.makedirs(model_dir)

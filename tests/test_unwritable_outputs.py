@@ -106,8 +106,8 @@ def test_the_write_probe_of_a_full_output_directory_is_not_left_behind(tmp_path,
     mount = tmp_path / "full"
     mount.mkdir()
     fill = "import os; open(os.path.join(os.environ['DIR'], 'filler'), 'wb').write(b'x' * (1 << 20))\n"
-    check = ("import os; from t5_retrieval import errors\n"
-             "try:\n    errors.check_writable_dir(os.path.join(os.environ['DIR'], 'eval'), '--output_dir')\n"
+    check = ("import os; from t5_retrieval import artefact_io, errors\n"
+             "try:\n    artefact_io.check_writable_dir(os.path.join(os.environ['DIR'], 'eval'), '--output_dir')\n"
              "except errors.UserError as e:\n    print('ERROR', e)\n"
              "print(sorted(os.listdir(os.path.join(os.environ['DIR'], 'eval'))))\n")
     result = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=1m none "$DIR" && mkdir "$DIR/eval" && '
@@ -147,12 +147,12 @@ FULL_DISK_COMMAND = """
 import atexit
 import sys
 
-from t5_retrieval import cli, errors
+from t5_retrieval import artefact_io, cli
 
 
 def main(argv):
     atexit.register(lambda: open(argv[0], "w").write("the interpreter finalized"))
-    raise errors.disk_full(argv[1])
+    raise artefact_io.disk_full(argv[1])
 
 
 cli.COMMANDS["fill"] = ("__main__:main", "")

@@ -22,11 +22,11 @@ def _process() -> tuple[int, int]:
 
 
 def main(argv: list[str]) -> int:
+    from t5_retrieval.artefact_io import writable_output_dir
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.commands.inputs import add_encoder_flags, encoder_from_flags
     from t5_retrieval.commands.outputs import EMBEDDINGS, check_output_dir
     from t5_retrieval.data.stores.kb import PassageStore
-    from t5_retrieval.errors import writable_output_dir
 
     parser = argparse.ArgumentParser(prog="t5r encode", description=__doc__.splitlines()[0])
     add_encoder_flags(parser)

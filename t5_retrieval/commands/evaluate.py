@@ -19,9 +19,9 @@ from t5_retrieval.retrieval.evaluate import EvalResult, evaluate, format_table, 
 
 def main(argv: list[str]) -> int:
     """`t5r eval`: KILT metrics per task for an index and a query encoder."""
+    from t5_retrieval.artefact_io import writable_output_dir
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.commands.outputs import check_output_dir
-    from t5_retrieval.errors import writable_output_dir
 
     parser = argparse.ArgumentParser(prog="t5r eval", description=__doc__.splitlines()[0])
     add_search_flags(parser, default_split="dev")

@@ -7,11 +7,12 @@ import argparse
 import os
 
 from t5_retrieval import checksums, logs
+from t5_retrieval.artefact_io import writable_output_dir
 from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.commands.gin_flags import parse_args
 from t5_retrieval.commands.outputs import INDEX, UNFINISHED, check_output_dir
 from t5_retrieval.data.stores import bm25 as _bm25  # noqa: F401  (gin: index_passages.k1, .b)
-from t5_retrieval.errors import UserError, writable_output_dir
+from t5_retrieval.errors import UserError
 from t5_retrieval.retrieval import index as index_lib
 
 

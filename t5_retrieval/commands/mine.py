@@ -16,11 +16,11 @@ from t5_retrieval.retrieval.mine import mine_negatives
 
 def main(argv: list[str]) -> int:
     """`t5r mine`: hard negatives for every training query with the current model."""
+    from t5_retrieval.artefact_io import writable_output_dir
     from t5_retrieval.commands.gin_flags import TASK_MODULE, parse_args
     from t5_retrieval.commands.outputs import check_output_dir
     from t5_retrieval.data import layout
     from t5_retrieval.data.records import write_negatives
-    from t5_retrieval.errors import writable_output_dir
 
     parser = argparse.ArgumentParser(prog="t5r mine", description=__doc__.splitlines()[0])
     add_search_flags(parser, default_split="train")

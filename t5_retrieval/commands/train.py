@@ -8,9 +8,9 @@ import shutil
 
 from t5_retrieval import checkpoint, logs
 from t5_retrieval import train as trainer
+from t5_retrieval.artefact_io import check_writable_dir
 from t5_retrieval.commands.gin_flags import TRAIN_MACROS, parse_args
 from t5_retrieval.commands.outputs import MODEL, check_output_dir
-from t5_retrieval.errors import check_writable_dir
 
 
 def main(argv: list[str]) -> int:

@@ -12,8 +12,9 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from t5_retrieval.artefact_io import open_replaced_on_success
 from t5_retrieval.data.text import normalize_query
-from t5_retrieval.errors import UserError, open_replaced_on_success
+from t5_retrieval.errors import UserError
 
 
 class DataError(UserError, ValueError):

@@ -34,10 +34,11 @@ from flax import traverse_util
 from safetensors.numpy import save_file
 
 from t5_retrieval import checkpoint
+from t5_retrieval.artefact_io import replaced_on_success
 from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.data.text import EXTRA_ID_1, PASSAGE_TEMPLATE, query_prefix
 from t5_retrieval.data.tokenizers.tokenize import is_wordpiece_path
-from t5_retrieval.errors import UserError, replaced_on_success
+from t5_retrieval.errors import UserError
 from t5_retrieval.export import portable, t5r_query_ids
 from t5_retrieval.export.hf_tokenizers import (
     BERT_VOCAB_FILE,

@@ -52,6 +52,7 @@ import numpy as np
 import tensorflow as tf
 
 from t5_retrieval import checkpoint
+from t5_retrieval.artefact_io import replaced_on_success
 from t5_retrieval.data.records import DataError
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.kb import PassageStore
@@ -60,7 +61,7 @@ from t5_retrieval.data.tokenizers.conventions import TokenConventions, conventio
 from t5_retrieval.data.tokenizers.query_inputs import MENTION_WINDOW
 from t5_retrieval.data.tokenizers.tokenize import vocabulary_files
 from t5_retrieval.data.tokenizers.wordpiece import WordPieceVocabulary
-from t5_retrieval.errors import UserError, replaced_on_success
+from t5_retrieval.errors import UserError
 from t5_retrieval.export import portable, preprocess
 from t5_retrieval.export.scann_tf import ScannSearcher
 from t5_retrieval.inference import DualEncoderInference, QuerySideEncoder

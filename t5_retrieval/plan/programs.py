@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from t5_retrieval.errors import open_replaced_on_success
+from t5_retrieval.artefact_io import open_replaced_on_success
 from t5_retrieval.plan import gpu
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from t5_retrieval.artefact_io import open_replaced_on_success
 from t5_retrieval.data.records import DataError
-from t5_retrieval.errors import open_replaced_on_success
 from t5_retrieval.results.common import TASKS, dataset_name, dataset_table
 from t5_retrieval.results.provenance import training_record
 from t5_retrieval.stages import DONE

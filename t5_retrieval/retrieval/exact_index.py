@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from t5_retrieval.artefact_io import replaced_on_success
 from t5_retrieval.data.stores import embedding_store
-from t5_retrieval.errors import replaced_on_success
 from t5_retrieval.retrieval.stored_index import IndexMismatchError, StoredIndex, read_complete_store
 
 MATRIX_FILE = "embeddings.npy"

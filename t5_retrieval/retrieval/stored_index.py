@@ -23,10 +23,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from t5_retrieval import artefact_io, checksums
+from t5_retrieval.artefact_io import disk_full, is_disk_full, nearly_full
 from t5_retrieval.data.records import write_json_atomic
 from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.data.stores.passages import ids_digest
-from t5_retrieval.errors import UserError, disk_full, is_disk_full, nearly_full
+from t5_retrieval.errors import UserError
 from t5_retrieval.retrieval.encoder import Encoder, is_encoder_of
 
 FORMAT = "t5r-index-v2"

@@ -24,8 +24,8 @@ from collections.abc import Iterable
 
 import t5_retrieval
 from t5_retrieval import checksums
+from t5_retrieval.artefact_io import open_replaced_on_success, replaced_on_success
 from t5_retrieval.data.records import DataError, read_jsonl
-from t5_retrieval.errors import open_replaced_on_success, replaced_on_success
 
 TASKS = ("fever", "wow", "hotpotqa", "trex", "entityquestions", "entity_linking")
 TRAIN_FRACTION = 0.2

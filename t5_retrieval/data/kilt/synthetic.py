@@ -15,7 +15,8 @@ import random
 import shutil
 from typing import Any
 
-from t5_retrieval.errors import ConfigError, replaced_on_success
+from t5_retrieval.artefact_io import replaced_on_success
+from t5_retrieval.errors import ConfigError
 
 SYLLABLES = ["ka", "lo", "mi", "ren", "tu", "vas", "zor", "bel", "qui", "dan", "fey", "gor", "hal", "jin",
              "kor", "lum", "nor", "pel", "ros", "sil", "tam", "ul", "ver", "wyn", "xen", "yar", "zel", "bri"]

@@ -29,9 +29,10 @@ import gin
 import numpy as np
 
 from t5_retrieval import artefact_io, checksums
+from t5_retrieval.artefact_io import disk_full, remove_stale_temporaries, replaced_on_success
 from t5_retrieval.data.records import Passage, write_json_atomic, write_text_atomic
 from t5_retrieval.data.stores.passages import ids_digest
-from t5_retrieval.errors import ConfigError, UserError, disk_full, remove_stale_temporaries, replaced_on_success
+from t5_retrieval.errors import ConfigError, UserError
 
 FORMAT = "t5r-embeddings-v1"
 MANIFEST = "manifest.json"

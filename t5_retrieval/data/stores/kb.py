@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 
 from t5_retrieval import checksums
+from t5_retrieval.artefact_io import remove_stale_temporaries, replaced_on_success
 from t5_retrieval.data.records import DataError, Passage, check_id, id_field, read_jsonl, require, text_field
 from t5_retrieval.data.text import PASSAGE_TEMPLATE, format_passage
-from t5_retrieval.errors import ConfigError, remove_stale_temporaries, replaced_on_success
+from t5_retrieval.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from t5_retrieval.artefact_io import remove_stale_temporaries, replaced_on_success
 from t5_retrieval.data.records import DataError
 from t5_retrieval.data.tasks.retrieval_tasks import vocabulary_identity
-from t5_retrieval.errors import remove_stale_temporaries, replaced_on_success
 
 FORMAT_VERSION = 2  # 2: every positive passage of an example ("positives"), not only the first
 REQUIRED_FEATURES = ("id", "query", "positive")

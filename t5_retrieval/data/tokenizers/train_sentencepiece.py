@@ -11,8 +11,9 @@ from collections.abc import Iterator
 
 import sentencepiece as spm
 
+from t5_retrieval.artefact_io import check_writable_dir
 from t5_retrieval.data.stores.kb import PassageStore, passage_text
-from t5_retrieval.errors import ConfigError, check_writable_dir
+from t5_retrieval.errors import ConfigError
 
 # Query prefixes and task-type markers must be spelled with known pieces (a KB may lack capitals).
 _PREFIX_WORDS = "NQ TQA HOPO WOW TREX FEVER ZSRE AIDA QA FC SF EL DIAL Title: Text:"
