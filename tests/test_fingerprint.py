@@ -12,8 +12,10 @@ import pytest
 from process_harness import FAST_COMPILE_XLA_FLAGS, REPO
 
 from t5_retrieval import checkpoint
+from t5_retrieval.data.records import Passage
+from t5_retrieval.data.stores import embedding_store
 from t5_retrieval.inference import legacy_fingerprint_of, load_dual_encoder, weights_digest
-from t5_retrieval.retrieval.exact_index import ExactIndex
+from t5_retrieval.retrieval.exact_index import ExactIndex, build_exact_index
 from t5_retrieval.retrieval.index import IndexMismatchError
 
 PRINT_FINGERPRINT = ("import sys; from t5_retrieval.inference import load_dual_encoder; "
@@ -70,3 +72,29 @@ def test_an_index_stamped_with_the_older_fingerprint_still_matches_its_model(min
         ExactIndex(np.zeros((2, encoder.dim), np.float32), ids, fingerprint).check(encoder, ids)
     with pytest.raises(IndexMismatchError, match="re-encode the KB"):
         ExactIndex(np.zeros((2, encoder.dim), np.float32), ids, "0123456789abcdef").check(encoder, ids)
+
+
+class OlderVersion:
+    """The model as an older t5-retrieval saw it: the same embeddings, its fingerprint the legacy one."""
+
+    def __init__(self, encoder):
+        self.encoder, self.fingerprint, self.dim = encoder, encoder.legacy_fingerprint, encoder.dim
+
+    def encode_passages(self, passages):
+        return self.encoder.encode_passages(passages)
+
+
+def test_an_encode_an_older_version_started_resumes_with_this_one(minilm_dir, tmp_path):
+    """Its shards and this version's are one store, named by the fingerprint the older run recorded,
+    and the index built from it takes the model."""
+    encoder = load_dual_encoder(minilm_dir)
+    passages = [Passage(f"p{i}", str(i), f"Page {i}", f"passage number {i} about topic {i % 3}") for i in range(6)]
+    ids, out = [p.id for p in passages], str(tmp_path / "emb")
+    settings = {"shard_size": 2, "batch_size": 2, "progress": False}
+    embedding_store.write_embeddings(OlderVersion(encoder), passages, ids, out, process_count=2, **settings)
+    assert not os.path.exists(os.path.join(out, "shard-00002-of-00003.npy")), "the older run stopped part way"
+    embedding_store.write_embeddings(encoder, passages, ids, out, **settings)
+    index = build_exact_index(out)
+    assert index.fingerprint == encoder.legacy_fingerprint and len(index) == 6
+    index.check(encoder, ids)
+    np.testing.assert_allclose(index.search(encoder.encode_passages(passages[:1]), 1)[0][0], [0])

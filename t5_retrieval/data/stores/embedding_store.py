@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import gin
@@ -125,8 +125,12 @@ def read_ids(directory: str) -> list[str]:
     return checksums.read_verified_text(directory, IDS_FILE, files, rebuild).splitlines()
 
 
-def prepare(directory: str, manifest: Manifest, passage_ids: Sequence[str]) -> None:
-    """Writes the manifest and ids, or checks that an existing run in `directory` is the same run.
+def prepare(directory: str, manifest: Manifest, passage_ids: Sequence[str],
+            older_fingerprint: Callable[[], str | None] = lambda: None) -> Manifest:
+    """Writes the manifest and ids, or checks that an existing run in `directory` is the same run;
+    returns the run's manifest. A run an older version started with the same model recorded the
+    fingerprint that version computed (`older_fingerprint()`, the encoder's `legacy_fingerprint`):
+    it resumes under that fingerprint, so its shards and the new ones stay one store.
     Shards a crashed run was writing (`shard-*.tmp-<host>-<pid>.npy` of a finished process) are removed."""
     os.makedirs(directory, exist_ok=True)
     for path in remove_stale_temporaries(directory):
@@ -139,16 +143,19 @@ def prepare(directory: str, manifest: Manifest, passage_ids: Sequence[str]) -> N
             checksums.check_file(os.path.join(directory, name), expected, record, fresh)
     if os.path.exists(path):
         existing = read_manifest(directory)
+        if existing.fingerprint != manifest.fingerprint and existing.fingerprint == older_fingerprint():
+            manifest = dataclasses.replace(manifest, fingerprint=existing.fingerprint)
         for field in ("fingerprint", "dim", "dtype", "num_passages", "shard_size", "ids_sha256"):
             old, new = getattr(existing, field), getattr(manifest, field)
             if old != new:
                 raise EmbeddingsError(
                     f"{path}: field {field!r} is {old!r} but this run has {new!r}; "
                     "refusing to mix embeddings: use a fresh output directory")
-        return
+        return manifest
     write_text_atomic(os.path.join(directory, IDS_FILE), "".join(f"{pid}\n" for pid in passage_ids))
     write_json_atomic(path, manifest.to_json())
     checksums.record(directory, [MANIFEST, IDS_FILE])  # the shards carry their own sidecars
+    return manifest
 
 
 def process_shards(num_shards: int, process_index: int, process_count: int) -> range:
@@ -252,7 +259,7 @@ def write_embeddings(
     manifest = Manifest(fingerprint=encoder.fingerprint, dim=encoder.dim, dtype=dtype,
                         num_passages=len(passage_ids), shard_size=shard_size,
                         ids_sha256=ids_digest(passage_ids), meta=dict(meta or {}))
-    prepare(directory, manifest, passage_ids)
+    manifest = prepare(directory, manifest, passage_ids, lambda: getattr(encoder, "legacy_fingerprint", None))
     mine = process_shards(manifest.num_shards, process_index, process_count)
     todo = [s for s in mine if _to_encode(directory, manifest, s)]
     skipped = tuple(s for s in mine if s not in todo)
