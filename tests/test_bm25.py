@@ -1,5 +1,6 @@
 """The one BM25 class (`retrieval.bm25_index.BM25Index`): the scores it gives, and `t5r index
---backend=bm25` -> `t5r eval` scoring it with no model, on a five-passage KB."""
+--backend=bm25` -> `t5r eval` scoring it and `t5r mine` mining with it, with no model, on a
+five-passage KB."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import pytest
 
 from t5_retrieval import cli
 from t5_retrieval.data import layout
-from t5_retrieval.data.records import Example, Passage
+from t5_retrieval.data.records import Example, Passage, read_negatives
 from t5_retrieval.data.stores import bm25
 from t5_retrieval.data.stores.kb import PassageStore, build_kb
 from t5_retrieval.data.stores.passages import PassageTable
@@ -82,6 +83,16 @@ def test_t5r_index_builds_bm25_from_a_kb_and_t5r_eval_scores_it_without_a_model(
     run = (tmp_path / "ev" / "predictions" / "fever.trec").read_text().splitlines()
     assert [line.split()[2] for line in run] == [PASSAGES[r][0] for rows in expected[0] for r in rows], run
     assert [float(line.split()[4]) for line in run] == pytest.approx(np.concatenate(expected[1]).tolist(), rel=1e-6)
+
+
+def test_t5r_mine_mines_with_a_bm25_index_without_a_model(tmp_path, data_dir, capsys):
+    """The BM25 ranking of each query text, minus its gold page's passages, best first."""
+    assert cli.main(["index", "--backend=bm25", f"--kb_dir={layout.kb_dir(data_dir)}", f"--output_dir={tmp_path}/i"]) == 0
+    assert cli.main(["mine", f"--index_dir={tmp_path}/i", f"--data_dir={data_dir}", "--split=dev", "--source=lex"]) == 0
+    mined = read_negatives(layout.negatives_path(layout.negatives_dir(data_dir, "lex"), "fever", "dev"))
+    ranked = bm25_index.build_bm25_index(kb()).search(["Paris is in France.", "The Seine reaches the sea."], 5)[0]
+    expected = [tuple(PASSAGES[r][0] for r in rows if PASSAGES[r][1] != gold) for rows, gold in zip(ranked, "ac")]
+    assert mined == {"q1": expected[0], "q2": expected[1]} and "a_1" in expected[1], mined
 
 
 def test_a_bm25_index_refuses_a_model_and_says_the_command_without_it(tmp_path, data_dir, capsys):

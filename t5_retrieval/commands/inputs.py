@@ -1,10 +1,12 @@
 """What the retrieval commands share: which encoder (`--checkpoint_dir` or the lexical baseline),
-and for searching commands which KB, examples and index, opened and checked against each other."""
+and for searching commands which KB, examples and index, opened and checked against each other (a
+BM25 index takes no encoder: it searches the query texts)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 from t5_retrieval import checksums, gin_utils
@@ -12,11 +14,12 @@ from t5_retrieval.commands.checksum import add_verify_flag
 from t5_retrieval.data import layout
 from t5_retrieval.data.records import Example
 from t5_retrieval.data.tasks.examples import task_examples
+from t5_retrieval.data.tasks.task_names import TaskSet
 from t5_retrieval.data.tasks.task_spec import TaskSpec
-from t5_retrieval.errors import UserError
+from t5_retrieval.errors import UserError, shell_command, without_flags
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder
-from t5_retrieval.retrieval.index import Index, load_index
+from t5_retrieval.retrieval.index import INDEX_JSON, Index, load_index
 
 
 def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,13 +44,15 @@ class SearchInputs:
 
     `examples` and `specs` are keyed by the model's name of each task (`--tasks` names them in any
     form), the name `t5r eval`'s results and predictions files and each example's `task` carry; a
-    model that records no tasks (the lexical baseline) keys them by the names given, else by dataset."""
+    model that records no tasks (the lexical baseline) keys them by the names given, else by dataset;
+    without a model (`encoder` None: a BM25 index), a registered Task by its name, any other name as a
+    dataset."""
 
     store: Any  # data.kb.PassageStore
     examples: dict[str, list[Example]]
     specs: dict[str, TaskSpec]  # the same keys -> the task (its dataset, and its negatives files' name)
     index: Index
-    encoder: Encoder
+    encoder: Encoder | None
 
 
 def add_task_module_flag(parser: argparse.ArgumentParser) -> None:
@@ -74,19 +79,38 @@ def add_search_flags(parser: argparse.ArgumentParser, default_split: str) -> Non
 def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
     """Opens the KB, examples, index and encoder of `add_search_flags`; refuses a mismatched index.
 
-    Raises DataError or IndexMismatchError naming the file or field at fault.
+    A BM25 index (dim 0) takes no model: it searches the query texts of the examples files, or of
+    the registered Tasks `--tasks` names (a user's from `--task_module`). Raises DataError or
+    IndexMismatchError naming the file or field at fault.
     """
     from t5_retrieval.data.stores.kb import PassageStore
 
     with checksums.verification(args.verify):
         store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
         index = load_index(args.index_dir)
-        encoder = encoder_from_flags(args)
+        encoder = encoder_from_flags(args) if index.dim else None
+    if encoder is None:
+        _refuse_model_flags(args)
     index.check(encoder, store.ids())
-    import_task_modules(args)
-    examples = task_examples(encoder.tasks, args.data_dir, args.split, [t for t in args.tasks.split(",") if t],
-                             args.command_line)
-    return SearchInputs(store, examples, {task: encoder.tasks.spec(task) for task in examples}, index, encoder)
+    names = [t for t in args.tasks.split(",") if t]
+    if encoder is None:
+        gin_utils.import_modules(args.task_module)  # no model records them: --task_module names them itself
+        tasks = TaskSet.registered(names)
+    else:
+        import_task_modules(args)
+        tasks = encoder.tasks
+    examples = task_examples(tasks, args.data_dir, args.split, names, args.command_line)
+    return SearchInputs(store, examples, {task: tasks.spec(task) for task in examples}, index, encoder)
+
+
+def _refuse_model_flags(args: argparse.Namespace) -> None:
+    """A BM25 index takes no model: a model flag is refused with the command without it."""
+    flags = {f"--{flag}" for flag in ("checkpoint_dir", "step", "lexical_baseline_dim")
+             if getattr(args, flag) is not None}
+    if flags:
+        command = shell_command(without_flags(args.command_line, flags))
+        raise UserError(f"{os.path.join(args.index_dir, INDEX_JSON)}: a BM25 index searches the query texts and "
+                        f"takes no model ({', '.join(sorted(flags))} given); run `{command}`")
 
 
 def import_task_modules(args: argparse.Namespace) -> None:

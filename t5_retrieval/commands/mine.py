@@ -4,6 +4,7 @@
 writes `<data_dir>/negatives/<source>/{name}-{split}.jsonl`, named as training reads them: by the
 task's dataset when it reads the dataset's examples as written, by its own name when its
 preprocessors rewrite the query text (`TaskSpec.negatives_name`; docs/data.md, "File names").
+A BM25 index (`t5r index --backend=bm25`) takes no model: it ranks the query texts.
 """
 
 from __future__ import annotations

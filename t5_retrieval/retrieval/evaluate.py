@@ -76,9 +76,7 @@ def evaluate(
         raise ConfigError(f"evaluate.depth must be >= 1, got {depth}")
     scorer = RankingScorer(passages, ks, skip_answer_recall)
     for task, examples in examples_by_task.items():
-        searcher = search.bm25_searcher(index, batch_size) if encoder is None else \
-            search.dense_searcher(encoder, index, task, batch_size)
-        found = searcher.search([e.query for e in examples], depth)
+        found = search.searcher_for(encoder, index, task, batch_size).search([e.query for e in examples], depth)
         scorer.add_task(task, examples, [r.passage_ids for r in found], [r.scores for r in found],
                         dataset=task if encoder is None else encoder.tasks.dataset_of(task))
     return scorer.result()

@@ -17,12 +17,12 @@ from t5_retrieval.data.records import Example, Negatives
 from t5_retrieval.data.stores.passages import PassageLookup
 from t5_retrieval.retrieval.encoder import Encoder
 from t5_retrieval.retrieval.index import Index
-from t5_retrieval.retrieval.search import dense_searcher
+from t5_retrieval.retrieval.search import searcher_for
 
 
 @gin.configurable(denylist=["encoder", "index", "examples", "passages"])
 def mine_negatives(
-    encoder: Encoder,
+    encoder: Encoder | None,
     index: Index,
     examples: Sequence[Example],
     passages: PassageLookup,
@@ -33,14 +33,15 @@ def mine_negatives(
     """For each example (all of one task): top-k passages, in rank order, off every gold page.
 
     Positive passages are excluded as well (they are on gold pages whenever the data is consistent,
-    but a positive must never come back as a negative).
+    but a positive must never come back as a negative). `encoder` None searches a BM25 index with the
+    query texts.
     """
     by_task: dict[str, list[int]] = {}
     for i, example in enumerate(examples):
         by_task.setdefault(example.task, []).append(i)
     out: list[Negatives | None] = [None] * len(examples)
     for task, positions in by_task.items():
-        found = dense_searcher(encoder, index, task, batch_size).search([examples[i].query for i in positions], k)
+        found = searcher_for(encoder, index, task, batch_size).search([examples[i].query for i in positions], k)
         for i, (pids, _) in zip(positions, found):
             example = examples[i]
             gold_pages = {p for s in example.gold_pages for p in s}

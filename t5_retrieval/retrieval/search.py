@@ -105,3 +105,9 @@ def bm25_searcher(index: Index, batch_size: int = 128) -> PassageSearcher:
     from t5_retrieval.data.kilt.negatives import bm25_query  # imports bm25s (and jax): seconds, BM25 users only
 
     return PassageSearcher(index, lambda texts: [bm25_query(t) for t in texts], batch_size)
+
+
+def searcher_for(encoder: Encoder | None, index: Index, task: str, batch_size: int = 128) -> PassageSearcher:
+    """`task`'s searcher of `index`: the query texts over a BM25 index when `encoder` is None (a BM25
+    index takes no model), else `dense_searcher`."""
+    return bm25_searcher(index, batch_size) if encoder is None else dense_searcher(encoder, index, task, batch_size)
