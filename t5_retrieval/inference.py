@@ -234,12 +234,19 @@ def load_encoder(model_dir: str, step: int | None = None, batch_size: int | None
     return QuerySideEncoder(load_dual_encoder(model_dir, batch_size=batch_size), base)
 
 
+def stored_config(model_dir: str) -> dict[str, Any]:
+    """The model config `model_dir` stores, verified against its newest checkpoint's record and
+    checked readable by this version, before any weight is read."""
+    stored = checkpoint.read_config(model_dir)
+    check_stored_config(stored, os.path.join(model_dir, checkpoint.CONFIG_FILE))
+    return stored
+
+
 def load_dual_encoder(model_dir: str, step: int | None = None, batch_size: int | None = None
                       ) -> DualEncoderInference:
     """A model directory's own network and parameters (what training, export and analysis need);
     retrieval uses `load_encoder`, which also resolves a query-side model's passage encoder."""
-    stored = checkpoint.read_config(model_dir)  # verified against the newest checkpoint's record
-    check_stored_config(stored, os.path.join(model_dir, checkpoint.CONFIG_FILE))
+    stored = stored_config(model_dir)
     config = checkpoint.located_config(model_dir, stored)  # its vocabulary checked, by a path that opens from here
     model = build_model(config)
     # This process's devices only: in a multi-process job each process encodes its own texts (its
@@ -302,4 +309,5 @@ class QuerySideEncoder:
         return self.passage_encoder.encode_passages(passages)
 
 
-__all__ = ["DualEncoderInference", "QuerySideEncoder", "load_encoder", "load_dual_encoder", "fingerprint_of"]
+__all__ = ["DualEncoderInference", "QuerySideEncoder", "load_encoder", "load_dual_encoder", "stored_config",
+           "fingerprint_of"]

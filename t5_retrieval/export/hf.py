@@ -59,10 +59,15 @@ from t5_retrieval.export.sentence_transformers_files import (
     write_sentence_transformers,
     write_transformer_config,
 )
-from t5_retrieval.inference import DualEncoderInference, QuerySideEncoder, load_dual_encoder, load_encoder
+from t5_retrieval.inference import (
+    DualEncoderInference,
+    QuerySideEncoder,
+    load_dual_encoder,
+    load_encoder,
+    stored_config,
+)
 from t5_retrieval.models import hf_bert_import, hf_import
 from t5_retrieval.models.bert import BertConfig
-from t5_retrieval.models.build import check_stored_config
 from t5_retrieval.models.families import family_of
 from t5_retrieval.models.t5 import T5Config
 from t5_retrieval.retrieval.encoder import Encoder
@@ -268,9 +273,7 @@ def export_hf(checkpoint_dir: str, output_dir: str, step: int | None = None) -> 
     """
     if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
         raise FileExistsError(f"--output_dir={output_dir} exists and is not empty; choose a new directory")
-    stored = checkpoint.read_config(checkpoint_dir)
-    check_stored_config(stored, os.path.join(checkpoint_dir, checkpoint.CONFIG_FILE))
-    check_exportable(stored)  # before the weights are read
+    check_exportable(stored_config(checkpoint_dir))  # before the weights are read
     networks = load_networks(checkpoint_dir, step)
     check_exportable(networks.passage.config)
     check_same_embedding(networks)
