@@ -272,8 +272,6 @@ def temp_path(path: str, suffix: str = "") -> str:
 
 
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
-
-
 _TEMP_NAME = re.compile(r"\.tmp-(?:(?P<host>[A-Za-z0-9_.]+)-)?(?P<pid>\d+)")
 
 

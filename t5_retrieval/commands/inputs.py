@@ -19,7 +19,7 @@ from t5_retrieval.data.tasks.task_spec import TaskSpec
 from t5_retrieval.errors import UserError, shell_command, without_flags
 from t5_retrieval.inference import load_encoder
 from t5_retrieval.retrieval.encoder import Encoder, HashedBagOfWordsEncoder
-from t5_retrieval.retrieval.index import INDEX_JSON, Index, load_index
+from t5_retrieval.retrieval.index import INDEX_JSON, Index, load_index, read_record
 
 
 def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
@@ -86,11 +86,11 @@ def load_search_inputs(args: argparse.Namespace) -> SearchInputs:
     from t5_retrieval.data.stores.kb import PassageStore
 
     with checksums.verification(args.verify):
+        if not read_record(args.index_dir)["dim"]:  # before the index or the KB is loaded
+            _refuse_model_flags(args)
         store = PassageStore.open(args.kb_dir or layout.kb_dir(args.data_dir))
         index = load_index(args.index_dir)
         encoder = encoder_from_flags(args) if index.dim else None
-    if encoder is None:
-        _refuse_model_flags(args)
     index.check(encoder, store.ids())
     names = [t for t in args.tasks.split(",") if t]
     if encoder is None:
