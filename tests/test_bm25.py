@@ -85,6 +85,21 @@ def test_t5r_index_builds_bm25_from_a_kb_and_t5r_eval_scores_it_without_a_model(
     assert [float(line.split()[4]) for line in run] == pytest.approx(np.concatenate(expected[1]).tolist(), rel=1e-6)
 
 
+def test_a_registered_task_over_bm25_is_scored_as_its_dataset(tmp_path, data_dir):
+    """`--tasks=demo_fever` reads fever's examples and is scored as fever: no answer recall (FEVER's
+    claims have no answer string to find), the same table as `--tasks=fever`."""
+    with open(layout.examples_path(data_dir, "fever", "dev"), "w") as f:
+        f.write(json.dumps(Example(id="q1", task="fever", query="Paris is in France.", gold_pages=(("a",),),
+                                   answers=("SUPPORTS",)).to_json()) + "\n")
+    assert cli.main(["index", "--backend=bm25", f"--kb_dir={layout.kb_dir(data_dir)}", f"--output_dir={tmp_path}/i"]) == 0
+    tables = {}
+    for task in ("fever", "demo_fever"):
+        assert cli.main(["eval", f"--index_dir={tmp_path}/i", f"--data_dir={data_dir}", f"--tasks={task}",
+                         f"--output_dir={tmp_path}/{task}"]) == 0
+        tables[task] = json.loads((tmp_path / task / "results.json").read_text())[task]
+    assert tables["demo_fever"] == tables["fever"] and "n_answers" not in tables["fever"], tables
+
+
 def test_t5r_mine_mines_with_a_bm25_index_without_a_model(tmp_path, data_dir, capsys):
     """The BM25 ranking of each query text, minus its gold page's passages, best first."""
     assert cli.main(["index", "--backend=bm25", f"--kb_dir={layout.kb_dir(data_dir)}", f"--output_dir={tmp_path}/i"]) == 0

@@ -30,7 +30,8 @@ def main(argv: list[str]) -> int:
     check_output_dir(args.output_dir, "--output_dir", "t5r eval")
     with writable_output_dir(args.output_dir, "--output_dir"):  # checked before retrieval, not after it
         inputs = load_search_inputs(args)
-        result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store)
+        result = evaluate(inputs.encoder, inputs.index, inputs.examples, inputs.store,
+                          datasets={task: spec.dataset for task, spec in inputs.specs.items()})
         write_results(result, args.output_dir)
     print(format_table(result.tables), end="")
     return 0

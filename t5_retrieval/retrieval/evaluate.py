@@ -58,7 +58,7 @@ class EvalResult:
     runs: dict[str, list[Ranking]] = dataclasses.field(default_factory=dict)
 
 
-@gin.configurable(denylist=["encoder", "index", "examples_by_task", "passages"])
+@gin.configurable(denylist=["encoder", "index", "examples_by_task", "passages", "datasets"])
 def evaluate(
     encoder: Encoder | None,
     index: Index,
@@ -68,18 +68,28 @@ def evaluate(
     depth: int = 100,
     batch_size: int = 128,
     skip_answer_recall: Sequence[str] = ("fever", "wow"),
+    datasets: Mapping[str, str] | None = None,
 ) -> EvalResult:
     """Scores every task's examples; `depth` passages are retrieved per query before page dedup.
 
-    `encoder` None searches a BM25 index with the query texts (`search.bm25_searcher`)."""
+    `encoder` None searches a BM25 index with the query texts (`search.bm25_searcher`). `datasets`
+    maps each task to its dataset, which decides whether answer recall applies (a registered
+    `demo_fever` is scored as `fever`); by default the model's record of it, or without a model the
+    task's own name."""
     if depth < 1:
         raise ConfigError(f"evaluate.depth must be >= 1, got {depth}")
     scorer = RankingScorer(passages, ks, skip_answer_recall)
     for task, examples in examples_by_task.items():
         found = search.searcher_for(encoder, index, task, batch_size).search([e.query for e in examples], depth)
         scorer.add_task(task, examples, [r.passage_ids for r in found], [r.scores for r in found],
-                        dataset=task if encoder is None else encoder.tasks.dataset_of(task))
+                        dataset=_dataset_of(task, encoder, datasets))
     return scorer.result()
+
+
+def _dataset_of(task: str, encoder: Encoder | None, datasets: Mapping[str, str] | None) -> str:
+    if datasets is not None:
+        return datasets[task]
+    return task if encoder is None else encoder.tasks.dataset_of(task)
 
 
 class RankingScorer:
