@@ -73,3 +73,31 @@ def test_chunked_resampling_draws_the_same_resamples_as_one_chunk():
     expected_alpha_percentile = np.percentile(whole[:, 0], 100 * ALPHA / 2)
     assert paired_bootstrap({t: d[:, 0] for t, d in diffs.items()}, {t: np.zeros(len(d)) for t, d in diffs.items()},
                             5_000, seed=3).low == pytest.approx(expected_alpha_percentile, abs=1e-12)
+
+
+def test_each_task_gets_its_best_recipe_row_against_zero_shot_and_bm25(tmp_path):
+    """The best row is chosen per task on its seed-mean R-precision; its interval to a baseline is
+    the paired bootstrap of that task's queries alone; the page counts two intervals per task."""
+    from t5_retrieval.results.best import best_row, best_table
+
+    def shifted(row: str, seed: int, by_task: dict[str, float]) -> RunRecord:
+        base = record(row, seed, 0.0)
+        per_query = {t: {k: np.clip(v + by_task.get(t, 0.0), 0, 1) for k, v in base.per_query[t].items()} for t in TASKS}
+        table = {t: {k: float(v.mean()) for k, v in per_query[t].items()} for t in TASKS}
+        return RunRecord(row, seed, 1.0, table, base.query_ids, per_query, {})
+
+    records = {"minilm_zeroshot": [record("minilm_zeroshot", 0, 0.0)], "bm25": [record("bm25", 0, -0.1)],
+               "taco_recipe_frozen": [shifted("taco_recipe_frozen", s, {"wow": 0.1, "fever": 0.02}) for s in (0, 1)],
+               "naive_recipe_frozen": [shifted("naive_recipe_frozen", 0, {"fever": 0.05})],
+               "naive_prefix": [shifted("naive_prefix", 0, {t: 0.3 for t in TASKS})]}  # not a recipe row
+    assert best_row(records, "wow") == "taco_recipe_frozen" and best_row(records, "fever") == "naive_recipe_frozen"
+    table = best_table(records, {}, m=12)
+    wow = next(line for line in table.splitlines() if line.startswith("| wow |"))
+    expected = paired_bootstrap({"wow": records["taco_recipe_frozen"][0].per_query["wow"]["Rprec"]},  # seeds agree on wow
+                                {"wow": records["minilm_zeroshot"][0].per_query["wow"]["Rprec"]})
+    assert f"| {expected} |" in wow and "| 2 |" in wow, (wow, expected)
+    for run in (run for runs in records.values() for run in runs):
+        write_record(run, str(tmp_path / "r"))
+    printed = refreshed("<!-- records: bonferroni -->\n<!-- /records -->\n<!-- records: best r -->\n<!-- /records -->\n",
+                        str(tmp_path / "page.md"))
+    assert f"m = {2 * len(TASKS)} bootstrap intervals" in printed and printed.count("| entity_linking |") == 1, printed

@@ -11,7 +11,8 @@ Kinds: `main` (the per-task table), `differences` (each method against its contr
 means without the dev queries that are training queries), `change` (each row against the same
 rows under other inputs: `change NEW OLD`), `specialisation` (each multi-task run's medians and
 Fig. 2 numbers, `specialisation`), `curve` (TACO against naive after each warm-up of the frozen
-recipe, with both sides' specialisation) and `bonferroni` (no directory: one sentence giving the
+recipe, with both sides' specialisation), `best` (each task's best recipe row against zero-shot and
+BM25) and `bonferroni` (no directory: one sentence giving the
 number m of intervals the page's tables print, which every table's Bonferroni column is corrected
 for) and `rows` (no directory: the names `t5r results --rows` takes, from the row catalogue
 `t5_retrieval/results/rows.py`). Refreshing rewrites every marked table from its records,
@@ -29,6 +30,7 @@ import textwrap
 from collections.abc import Callable
 
 from t5_retrieval.data.records import DataError, write_text_atomic
+from t5_retrieval.results.best import best_count, best_table
 from t5_retrieval.results.curve import curve_count, curve_table
 from t5_retrieval.results.overlap import overlap_table, read_overlap
 from t5_retrieval.results.records import read_records
@@ -88,6 +90,7 @@ KINDS: dict[str, Kind] = {
     "specialisation": Kind(1, lambda m, d: specialisation_table(_records(d))),
     "curve": Kind(1, lambda m, d: curve_table(_records(d), m), lambda d: curve_count(_records(d))),
     "rows": Kind(0, lambda m: row_names()),
+    "best": Kind(1, lambda m, d: best_table(_records(d), TITLES, m), lambda d: best_count(_records(d))),
 }
 
 
