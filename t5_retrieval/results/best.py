@@ -18,11 +18,12 @@ from t5_retrieval.results.significance import ALPHA, bonferroni_alpha, check_sam
 from t5_retrieval.results.tables import cell
 
 R_PRECISION = METRICS[0][0]
-BASELINES = ("minilm_zeroshot", "bm25")
+BASELINES = {"minilm_zeroshot": "zero-shot", "bm25": "BM25"}  # row -> its name in the table
 
 
 def recipe_rows(records: Mapping[str, Sequence[RunRecord]]) -> list[str]:
-    """The recorded rows that run the ANCE recipe (warm-up, then mined-negative episodes)."""
+    """The recorded rows that run the ANCE recipe (warm-up, then mined-negative episodes): the
+    catalogue names each of them `*recipe*`."""
     return sorted(row for row, runs in records.items() if "recipe" in row and runs)
 
 
@@ -61,8 +62,7 @@ def best_table(records: Mapping[str, Sequence[RunRecord]], titles: Mapping[str, 
             diff = seed_mean(runs)[task][R_PRECISION] - seed_mean(records[baseline])[task][R_PRECISION]
             found.append(intervals({task: diff.reshape(-1, 1)}, [ALPHA, bonferroni_alpha(m)])[0])
         scores = [cell([run.table[task][R_PRECISION] for run in rs]) for rs in (runs, *(records[b] for b in BASELINES))]
-        decisions = ", ".join(f"{name} {corrected.decision}"
-                              for name, (_, corrected) in zip(("zero-shot", "BM25"), found))
+        decisions = ", ".join(f"{name} {corrected.decision}" for name, (_, corrected) in zip(BASELINES.values(), found))
         lines.append(f"| {task} | {titles.get(row, row)} | {len(runs)} | {' | '.join(scores)} | "
                      f"{found[0][0]} | {found[1][0]} | {decisions} |")
     return "\n".join(lines) + "\n"
