@@ -12,12 +12,12 @@ means without the dev queries that are training queries), `change` (each row aga
 rows under other inputs: `change NEW OLD`), `specialisation` (each multi-task run's medians and
 Fig. 2 numbers, `specialisation`), `curve` (TACO against naive after each warm-up of the frozen
 recipe, with both sides' specialisation), `best` (each task's best recipe row against zero-shot and
-BM25) and `bonferroni` (no directory: one sentence giving the
-number m of intervals the page's tables print, which every table's Bonferroni column is corrected
-for) and `rows` (no directory: the names `t5r results --rows` takes, from the row catalogue
-`t5_retrieval/results/rows.py`). Refreshing rewrites every marked table from its records,
-so adding a record and refreshing is all a new run needs; the prose around the tables is the
-author's. A page equal to its refresh shows exactly what its records print (tests hold it so).
+BM25), `bonferroni` (no directory: one sentence giving the number m of intervals the page's tables
+print, which every table's Bonferroni column is corrected for) and `rows` (no directory: the names
+`t5r results --rows` takes, from the row catalogue `t5_retrieval/results/rows.py`). Refreshing
+rewrites every marked table from its records, so adding a record and refreshing is all a new run
+needs; the prose around the tables is the author's. A page equal to its refresh shows exactly what
+its records print (tests hold it so).
 """
 
 from __future__ import annotations
