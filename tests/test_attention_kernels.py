@@ -111,6 +111,51 @@ def test_pallas_flash_attention_with_bert_padding_as_segment_ids_equals_plain_at
         assert worst(got, want) < GRADIENT_TOL, f"d/d{name}: {worst(got, want)}"
 
 
+def test_short_attention_with_a_shared_per_head_bias_equals_plain_attention_forward_and_gradient():
+    """'pallas_tpu_short': T5's bias per head (or one for every head), shared by the batch, padding as
+    query and key masks (rows with one real query, with no real query among the first 5, with two
+    real keys); gradients reach q, k, v and the shared bias, summed over the batch. Batch 6 runs as
+    three grid steps of 2 rows, so the bias gradient accumulates across steps."""
+    from t5_retrieval.models.short_attention import short_attention
+
+    b = 6
+    keys = jax.random.split(jax.random.PRNGKey(3), 5)
+    q, cotangent = (jax.random.normal(key, (b, N, TQ, H)) for key in keys[:2])
+    k, v = (jax.random.normal(key, (b, N, TK, H)) for key in keys[2:4])
+    query_mask = jnp.arange(TQ)[None] < jnp.array([[20], [TQ], [5], [TQ], [TQ], [1]])
+    key_mask = jnp.arange(TK)[None] < jnp.array([[30], [TK], [3], [TK], [2], [TK]])
+    padding = padding_bias(query_mask, key_mask)  # the models' XLA path: NEG_INF added, [b, 1, q, k]
+    # A padded query's output is never read, so a model gives it no gradient; the XLA path would pass
+    # one through its added NEG_INF, the kernel's mask passes none.
+    cotangent = jnp.where(query_mask[:, None, :, None], cotangent, 0.0)
+    heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+
+    def plain(q, k, v, shared):
+        return heads_major(plain_attention(*map(heads_major, (q, k, v)), shared[None] + padding))
+
+    for heads in (N, 1):
+        shared = jax.random.normal(keys[4], (heads, TQ, TK))
+        with pltpu.force_tpu_interpret_mode(True):
+            out, grads = value_and_grads(lambda q, k, v, s: short_attention(q, k, v, s, query_mask, key_mask),
+                                         q, k, v, shared, cotangent=cotangent)
+        ref_out, ref_grads = value_and_grads(plain, q, k, v, shared, cotangent=cotangent)
+        assert out.shape == (b, N, TQ, H)
+        assert worst(out, ref_out) < FORWARD_TOL, (heads, worst(out, ref_out))
+        for name, got, want in zip(("q", "k", "v", "shared bias"), grads, ref_grads, strict=True):
+            assert worst(got, want) < GRADIENT_TOL, f"{heads} bias heads, d/d{name}: {worst(got, want)}"
+        assert grads[3].shape == (heads, TQ, TK) and float(jnp.max(jnp.abs(ref_grads[3]))) > 0.1
+
+
+def test_short_attention_refuses_a_sequence_longer_than_a_row_on_chip_in_one_line():
+    from t5_retrieval.models.short_attention import MAX_LENGTH, short_attention
+
+    x = jnp.zeros((1, 1, MAX_LENGTH + 1, 8))
+    with pytest.raises(ConfigError, match="at most 1024 positions") as e:
+        short_attention(x, x, x, jnp.zeros((1, MAX_LENGTH + 1, MAX_LENGTH + 1)),
+                        jnp.ones((1, MAX_LENGTH + 1), bool), jnp.ones((1, MAX_LENGTH + 1), bool))
+    assert "\n" not in str(e.value) and str(e.value).endswith("""use --gin.ATTENTION_IMPL="'pallas_tpu'\"""")
+
+
 def test_cudnn_call_layout_bias_and_padding_equal_plain_attention_under_jax_xla_implementation():
     """The exact `jax.nn.dot_product_attention` call 'cudnn' makes ([B, T, N, H], a full bias padded
     to even lengths), run by jax's XLA implementation: odd lengths, T5 bias and padding."""
@@ -152,7 +197,7 @@ def test_an_implementation_is_checked_when_the_config_is_built():
     with pytest.raises(ConfigError) as unknown:
         T5Config(attention="flash")
     assert str(unknown.value).splitlines()[0] == (
-        "T5Config.attention: expected one of ('xla', 'pallas_tpu', 'cudnn'), got 'flash'")
+        "T5Config.attention: expected one of ('xla', 'pallas_tpu', 'pallas_tpu_short', 'cudnn'), got 'flash'")
     with pytest.raises(ConfigError) as float32:
         BertConfig(attention="cudnn")
     assert str(float32.value).splitlines()[0] == (
@@ -166,10 +211,11 @@ TINY_T5 = T5Config(vocab_size=64, d_model=16, num_heads=2, d_kv=8, d_ff=32, num_
 TOKENS = np.array([[5, 6, 7, 8, 9, 3] + [0] * 7, [4] * 12 + [2]], np.int32)  # 13 positions, row 0 padded
 
 
-def test_tiny_t5_dual_encoder_with_pallas_equals_xla():
+@pytest.mark.parametrize("kernel", ["pallas_tpu", "pallas_tpu_short"])
+def test_tiny_t5_dual_encoder_with_pallas_equals_xla(kernel):
     """The model-level switch: ST5-EncDec's embedding (encoder self-attention through the kernel,
     the one decoder step on the XLA path) and the teacher-forced decoder (causal self-attention
-    and cross-attention through the kernel) of a tiny T5, 'pallas_tpu' against 'xla'."""
+    and cross-attention through the kernel) of a tiny T5, each Pallas kernel against 'xla'."""
     head = DualEncoderConfig(query_generation=True)  # with the LM head
     model = DualEncoder(TINY_T5, head)
     params = model.init(jax.random.PRNGKey(0), TOKENS)["params"]
@@ -186,8 +232,8 @@ def test_tiny_t5_dual_encoder_with_pallas_equals_xla():
         return jax.jit(run)(params)
 
     with pltpu.force_tpu_interpret_mode(True):
-        fused = outputs(dataclasses.replace(TINY_T5, attention="pallas_tpu"))
-        jaxpr = str(jax.make_jaxpr(lambda p: DualEncoder(dataclasses.replace(TINY_T5, attention="pallas_tpu")).apply(
+        fused = outputs(dataclasses.replace(TINY_T5, attention=kernel))
+        jaxpr = str(jax.make_jaxpr(lambda p: DualEncoder(dataclasses.replace(TINY_T5, attention=kernel)).apply(
             {"params": p}, TOKENS))(params))
     plain = outputs(TINY_T5)
     assert jaxpr.count("pallas_call") == 1, "the encoder's self-attention alone runs the kernel"
@@ -195,7 +241,8 @@ def test_tiny_t5_dual_encoder_with_pallas_equals_xla():
         assert worst(got, want) < FORWARD_TOL, f"{name}: {worst(got, want)}"
 
 
-def test_tiny_bert_dual_encoder_with_pallas_equals_xla():
+@pytest.mark.parametrize("kernel", ["pallas_tpu", "pallas_tpu_short"])
+def test_tiny_bert_dual_encoder_with_pallas_equals_xla(kernel):
     cfg = BertConfig(vocab_size=64, hidden_size=16, num_heads=2, intermediate_size=32, num_layers=1,
                      max_position_embeddings=32, dropout_rate=0.0)
     params = BertDualEncoder(cfg).init(jax.random.PRNGKey(0), TOKENS)["params"]
@@ -204,7 +251,7 @@ def test_tiny_bert_dual_encoder_with_pallas_equals_xla():
         return jax.jit(lambda p: BertDualEncoder(cfg).apply({"params": p}, TOKENS))(params)
 
     with pltpu.force_tpu_interpret_mode(True):
-        fused = embed(dataclasses.replace(cfg, attention="pallas_tpu"))
+        fused = embed(dataclasses.replace(cfg, attention=kernel))
     assert worst(fused, embed(cfg)) < FORWARD_TOL, worst(fused, embed(cfg))
 
 

@@ -94,6 +94,20 @@ def test_flops_benchmark_counts_what_xla_counts_and_records_cleared_blas_env(tmp
 
 
 
+def test_attention_benchmark_compiles_each_tpu_core_and_counts_the_short_kernels_flops(tmp_path):
+    """One attention block compiled for a v5e device under each TPU implementation; the short
+    kernels carry their cost estimate and the report counts their matmuls (2 forward, 5 backward)."""
+    result, summary = run_benchmark("attention", ["--batch", "8", "--length", "24"], str(tmp_path / "attention.json"))
+    costs = result["implementations"]
+    assert set(costs) == {"xla", "pallas_tpu", "pallas_tpu_short"} and all(c["seconds"] > 0 for c in costs.values())
+    assert set(costs["pallas_tpu"]["kernels"]) == {"flash_forward", "flash_dq", "flash_dkv"}
+    short = costs["pallas_tpu_short"]["kernels"]
+    matmul = 2 * 8 * 12 * 24 * 24 * 64  # one matmul of a row: [24, 64] x [64, 24] per head
+    assert short["short_forward"]["flops"] == 2 * matmul and short["short_backward"]["flops"] == 5 * matmul, short
+    assert all(k["with_cost_estimate"] == k["count"] == 1 for k in short.values()), short
+    assert costs["pallas_tpu_short"]["unpriced_kernel_seconds"] == 0 and "pallas_tpu_short" in summary
+
+
 def test_encode_devices_benchmark_runs_each_device_count_in_its_own_process(tmp_path):
     result, line = run_benchmark("encode_devices", ["--devices", "1,2", "--passages", "16", "--length", "8",
                                                     "--batch", "8", "--repeats", "1"], str(tmp_path / "dev.json"))

@@ -696,6 +696,31 @@ def test_a_scanned_rematerialised_step_with_pallas_attention_compiles_and_is_tim
             f"model's + {seconds * 0.25e3:,.3f} ms of kernel FLOPs it leaves unpriced)") in text, text
 
 
+def test_the_short_attention_kernels_compile_for_the_tpu_and_are_priced_with_their_flops():
+    """'pallas_tpu_short' in the train and encode steps: Mosaic compiles both kernels for v5e, each
+    carries its cost estimate (so the cost model prices it and the plan adds nothing), and the
+    report counts the FLOPs the kernels do on each device's shard: 2 matmuls forward, 5 backward."""
+    from t5_retrieval.inference import ACCELERATOR_ENCODE_BATCH_PER_SHARD
+    from t5_retrieval.models import short_attention
+
+    report = plan_json("v5e:2x2", "data_parallel", "--gin.ATTENTION_IMPL='pallas_tpu_short'")
+    train, encode = (report["steps"][name] for name in ("train", "encode"))
+    assert train["fits"] and encode["fits"], report["problems"]
+    assert train["kernel_seconds"] == encode["kernel_seconds"] == 0, "every kernel carries its cost estimate"
+    kernels = train["custom_kernels"]
+    assert set(kernels) == {"short_forward", "short_backward"}, kernels
+    assert all(k["with_cost_estimate"] == k["count"] for k in kernels.values()), kernels
+    # one layer, unrolled: each group of texts (the queries, the passages) once through the encoder's
+    # self-attention; 2 rows per device at 16-token queries, 4 passages (1 negative each) at 32, 4 heads of 16
+    matmul = {"queries": 2 * 2 * 4 * 16 * 16 * 16, "passages": 2 * 4 * 4 * 32 * 32 * 16}
+    assert kernels["short_forward"]["count"] == kernels["short_backward"]["count"] == 2, kernels
+    assert kernels["short_forward"]["flops"] == short_attention.FORWARD_MATMULS * sum(matmul.values())
+    assert kernels["short_backward"]["flops"] == short_attention.BACKWARD_MATMULS * sum(matmul.values())
+    passages = ACCELERATOR_ENCODE_BATCH_PER_SHARD  # the encode step's rows on each data shard
+    assert encode["custom_kernels"]["short_forward"]["flops"] == \
+        short_attention.FORWARD_MATMULS * 2 * passages * 4 * 32 * 32 * 16
+
+
 def test_a_per_task_step_is_timed_as_the_sum_of_its_task_passes_and_update():
     """TACO's step timed from its parts compiled alone (each task's gradient pass, the update, and
     with `gather_params_once` the parameters' gather) agrees with the compiler's estimate of the

@@ -35,6 +35,15 @@ def test_sharded_train_step_equals_single_device(report, layout):
     assert r["param_sharding_kept"], f"{layout}: the train step changed a parameter's sharding"
 
 
+def test_short_attention_kernels_sharded_over_batch_and_heads_equal_the_single_device_xla_step(report):
+    """'pallas_tpu_short' on 8 devices (batch over 'data', heads over 'model'; the kernels in
+    interpret mode, each on its shard) gives the update of the 1-device step on the XLA path: the
+    relative position bias's gradient is summed over the batch's shards."""
+    r = report["fsdp_tensor_parallel"]  # sharding_check.SHORT_ATTENTION_LAYOUT
+    np.testing.assert_allclose(r["short_attention_losses"], r["ref_losses"], rtol=1e-5)
+    assert r["short_attention_param_max_abs_diff_after_step"] <= 1e-5, r["short_attention_param_max_abs_diff_after_step"]
+
+
 @pytest.mark.parametrize("layout", ["data_parallel", "fsdp_tensor_parallel"])  # sharding_check.PER_TASK_LAYOUTS
 def test_sharded_per_task_step_equals_single_device_naive_step(report, layout):
     r = report[layout]

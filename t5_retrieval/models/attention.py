@@ -12,6 +12,10 @@
   (its backward pass tiles the logits in 128-lane blocks) and query lengths in multiples of 8 up
   to one block (512; beyond, of 128): both are padded up to one, and the padded keys masked (T5:
   bias `PADDED_KEY`; BERT: segment 0, as its padding). A 160-token passage runs at 160 x 256.
+- "pallas_tpu_short": this project's kernel for short sequences (`short_attention`): whole rows per
+  grid step, T5's bias per head shared by the batch (read once per head, its gradient summed in
+  place) and padding as query and key masks, so neither the [b, heads, q, k] bias nor padding to
+  128 is built; q, k and v heads-major, as the models project them for it.
 - "cudnn": cuDNN's fused attention through `jax.nn.dot_product_attention(implementation="cudnn")`
   on NVIDIA GPUs, bfloat16 or float16 only; bias full-shape in the compute dtype, lengths padded
   to even (its backward pass with a bias takes even lengths only).
@@ -26,7 +30,7 @@ projections into the query there, which a kernel taking k and v would undo.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -34,9 +38,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from t5_retrieval.errors import ConfigError
+from t5_retrieval.models.short_attention import BACKWARD_MATMULS, FORWARD_MATMULS, short_attention
 
 Array = jax.Array
-IMPLEMENTATIONS = ("xla", "pallas_tpu", "cudnn")
+IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_tpu_short", "cudnn")
 NEG_INF = -1e10  # masked attention logit; finite so fully-masked rows stay NaN-free
 # A kernel's padded keys: below any masked logit, so that a row whose every key is masked (a padded
 # query of T5) spreads over the real keys, as the XLA path does, and not over the padding too.
@@ -45,10 +50,12 @@ PALLAS_MULTIPLE = 128  # Pallas TPU flash attention: key lengths in multiples of
 PALLAS_QUERY_MULTIPLE = 8  # and query lengths up to PALLAS_MAX_BLOCK in multiples of 8 sublanes
 PALLAS_MAX_BLOCK = 512  # a (padded) length up to this is one block; longer ones blocks of 512/256/128
 CUDNN_MULTIPLE = 2  # cuDNN with a bias, in training: even lengths
-# Matmuls of 2*b*h*q'*k'*d FLOPs each in Pallas flash attention's kernels, by the names
-# `plan.hlo.tpu_kernels` gives them: the forward (q k^T, p v); the backward's dkv kernel (q k^T
-# again, p^T do, do v^T, ds^T q) and dq kernel (q k^T, do v^T, ds k).
-PALLAS_KERNEL_MATMULS = {"flash_forward": 2, "flash_dkv": 4, "flash_dq": 3}
+# Matmuls of 2*b*h*q'*k'*d FLOPs each in the Pallas attention kernels, by the names
+# `plan.hlo.tpu_kernels` gives them: flash attention's forward (q k^T, p v), its backward's dkv
+# kernel (q k^T again, p^T do, do v^T, ds^T q) and dq kernel (q k^T, do v^T, ds k); the short
+# kernels' forward and backward (`short_attention`).
+PALLAS_KERNEL_MATMULS = {"flash_forward": 2, "flash_dkv": 4, "flash_dq": 3,
+                         "short_forward": FORWARD_MATMULS, "short_backward": BACKWARD_MATMULS}
 
 
 def check_implementation(implementation: str, dtype: str, owner: str) -> None:
@@ -180,6 +187,27 @@ def per_shard(fn, q: Array, k: Array, v: Array, bias: Array | None, key_mask: Ar
     specs = (qkv, qkv, qkv, None if bias is None else P(batch, heads, None, None),
              None if key_mask is None else P(batch, None))
     return jax.shard_map(fn, in_specs=specs, out_specs=qkv, check_vma=False)(q, k, v, bias, key_mask)
+
+
+class SharedBias(NamedTuple):
+    """A stack's attention bias as "pallas_tpu_short" takes it, built once per stack."""
+
+    per_head: Array  # [heads or 1, q, k] float32, the same for every row (relative positions, causality)
+    query_mask: Array  # [b, q] bool: real queries
+    key_mask: Array  # [b, k] bool: real keys
+
+
+def short_attention_per_shard(q: Array, k: Array, v: Array, bias: SharedBias) -> Array:
+    """`short_attention` (heads-major q, k, v) on each device's shard of the batch and the heads, as
+    `per_shard`; the bias gradient of each shard is summed over the batch's mesh axes by shard_map."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(mesh.axis_names) - set(mesh.manual_axes):
+        return short_attention(q, k, v, *bias)
+    batch, heads = _mesh_axes(mesh, "batch", q.shape[0]), _mesh_axes(mesh, "heads", q.shape[1])
+    qkv, rows = P(batch, heads, None, None), P(batch, None)
+    per_head = P(heads if bias.per_head.shape[0] > 1 else None, None, None)
+    return jax.shard_map(short_attention, in_specs=(qkv, qkv, qkv, per_head, rows, rows), out_specs=qkv,
+                         check_vma=False)(q, k, v, *bias)
 
 
 def fused_attention(implementation: str, q: Array, k: Array, v: Array, bias: Array | None = None,

@@ -23,7 +23,14 @@ import jax
 import jax.numpy as jnp
 
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.models.attention import check_implementation, fused_attention, kernel_bias, uses_kernel
+from t5_retrieval.models.attention import (
+    SharedBias,
+    check_implementation,
+    fused_attention,
+    kernel_bias,
+    short_attention_per_shard,
+    uses_kernel,
+)
 from t5_retrieval.models.t5 import (
     attend,
     padding_bias,
@@ -150,6 +157,12 @@ class SelfAttention(nn.Module):
         if cfg.attention == "pallas_tpu" and uses_kernel(cfg.attention, x.shape[1]):
             # padding as segment ids: no [b, heads, q, k] bias is built
             context = fused_attention(cfg.attention, q, k, v, key_mask=key_mask)
+        elif cfg.attention == "pallas_tpu_short" and uses_kernel(cfg.attention, x.shape[1]):
+            # no bias but the padding of the keys; the kernel takes heads-major rows
+            length = x.shape[1]
+            shared = SharedBias(jnp.zeros((1, length, length), jnp.float32), jnp.ones_like(key_mask), key_mask)
+            q_rows, k_rows, v_rows = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+            context = jnp.swapaxes(short_attention_per_shard(q_rows, k_rows, v_rows, shared), 1, 2)
         elif uses_kernel(cfg.attention, x.shape[1]):
             context = fused_attention(cfg.attention, q, k, v, kernel_bias(bias, x.shape[0], cfg.num_heads, cfg.attention))
         else:

@@ -26,7 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5_retrieval.errors import ConfigError
-from t5_retrieval.models.attention import NEG_INF, check_implementation, fused_attention, kernel_bias, uses_kernel
+from t5_retrieval.models.attention import (
+    NEG_INF,
+    SharedBias,
+    check_implementation,
+    fused_attention,
+    kernel_bias,
+    short_attention_per_shard,
+    uses_kernel,
+)
 
 Array = jax.Array
 # `jax.checkpoint_policies` a rematerialised layer may use, from keeping nothing (every activation
@@ -61,8 +69,9 @@ class T5Config:
     # t5x and MaxText do by default: T5-base's bf16 train step on v5e is estimated 8% faster, for a
     # softmax rounded to bf16.
     float32_attention_logits: bool = True
-    # The attention core: "xla", "pallas_tpu" (flash attention on TPU) or "cudnn" (fused attention
-    # on NVIDIA GPUs; bf16/fp16), gin macro ATTENTION_IMPL (models/attention.py, docs/attention.md).
+    # The attention core: "xla", "pallas_tpu" (flash attention on TPU), "pallas_tpu_short" (whole
+    # rows per kernel step, the bias per head) or "cudnn" (fused attention on NVIDIA GPUs;
+    # bf16/fp16), gin macro ATTENTION_IMPL (models/attention.py, docs/attention.md).
     # How the chips compute, not what: never stored with a model (`ModelFamily.runtime_keys`), so a
     # model directory loads anywhere with the run's own choice.
     attention: str = "xla"
@@ -169,7 +178,7 @@ class Attention(nn.Module):
         return kernel.astype(self.config.compute_dtype)
 
     @nn.compact
-    def __call__(self, inputs_q: Array, inputs_kv: Array, bias: Array, deterministic: bool) -> Array:
+    def __call__(self, inputs_q: Array, inputs_kv: Array, bias: Array | SharedBias, deterministic: bool) -> Array:
         cfg = self.config
         d, h, dk = cfg.d_model, cfg.num_heads, cfg.d_kv
         in_names, in_shape = ("embed", "heads", "kv"), (d, h, dk)
@@ -177,6 +186,11 @@ class Attention(nn.Module):
         wk = self._kernel("key", in_names, in_shape, d ** -0.5)
         wv = self._kernel("value", in_names, in_shape, d ** -0.5)
         wo = self._kernel("out", ("heads", "kv", "embed"), (h, dk, d), (h * dk) ** -0.5)
+        if isinstance(bias, SharedBias):  # "pallas_tpu_short": projected straight into heads-major
+            q, k, v = (with_constraint(jnp.einsum("bld,dhk->bhlk", x, w), ("batch", "heads", "length", "kv"))
+                       for x, w in ((inputs_q, wq), (inputs_kv, wk), (inputs_kv, wv)))
+            out = short_attention_per_shard(q, k, v, bias)
+            return with_constraint(jnp.einsum("bhqk,hkd->bqd", out, wo), ("batch", "length", "embed"))
         names = ("batch", "length", "heads", "kv")
         q = with_constraint(jnp.einsum("bld,dhk->blhk", inputs_q, wq), names)
         dropout = nn.Dropout(cfg.dropout_rate)
@@ -269,10 +283,25 @@ def padding_bias(query_mask: Array, key_mask: Array) -> Array:
     return jnp.where(allowed, 0.0, NEG_INF).astype(jnp.float32)
 
 
-def stack_bias(cfg: T5Config, bias: Array, batch: int) -> Array:
-    """A stack's attention bias [b or 1, heads or 1, q, k] as its layers take it: unchanged for the
-    XLA path, laid out for the configured kernel otherwise (`attention.kernel_bias`, once per stack)."""
-    if not uses_kernel(cfg.attention, bias.shape[-2]):
+def stack_bias(cfg: T5Config, per_head: Array | None, query_mask: Array, key_mask: Array | None
+               ) -> Array | SharedBias:
+    """A stack's attention bias as its layers take it, once per stack: from the bias every row shares
+    (`per_head` [1, heads, q, k], or None) and the real queries [b, q] and keys [b, k] (None: every
+    key real, no padding term, as a decoder's self-attention).
+
+    The XLA path takes their sum [b or 1, heads or 1, q, k]; "pallas_tpu" and "cudnn" that sum laid
+    out for their kernel (`attention.kernel_bias`); "pallas_tpu_short" the parts (`SharedBias`)."""
+    batch, q_len = query_mask.shape
+    if cfg.attention == "pallas_tpu_short" and uses_kernel(cfg.attention, q_len):
+        k_len = query_mask.shape[1] if key_mask is None else key_mask.shape[1]
+        shared = jnp.zeros((1, q_len, k_len), jnp.float32) if per_head is None else per_head[0].astype(jnp.float32)
+        return SharedBias(shared, query_mask, jnp.ones((batch, k_len), bool) if key_mask is None else key_mask)
+    bias = None if key_mask is None else padding_bias(query_mask, key_mask)
+    if per_head is not None:
+        bias = per_head if bias is None else per_head + bias
+    if bias is None:
+        raise ValueError("stack_bias: neither a per-head bias nor key padding")
+    if not uses_kernel(cfg.attention, q_len):
         return bias
     return kernel_bias(bias, batch, cfg.num_heads, cfg.attention)
 
@@ -300,10 +329,10 @@ def _stack_layers(params: Mapping[str, Any], num_layers: int, matrix_dtype: jnp.
     return jax.tree_util.tree_map(stack, *layers)
 
 
-def _constrain_stacked(layer: nn.Module, stacked: dict, inputs: tuple[Array, ...]) -> dict:
+def _constrain_stacked(layer: nn.Module, stacked: dict, inputs: tuple[Any, ...]) -> dict:
     """Keeps the stacked parameters sharded like the per-layer ones (layer axis replicated), so
     XLA slices each layer's shard inside the loop instead of gathering every layer up front."""
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inputs]
+    specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
     boxed = jax.eval_shape(lambda *a: layer.init(jax.random.PRNGKey(0), *a, True), *specs)["params"]
 
     def constrain(box: object, value: Array) -> Array:
@@ -323,7 +352,7 @@ def token_groups(tokens: Sequence[Array]) -> tuple[Array, ...]:
 
 
 def scan_layers(module: nn.Module, layer: nn.Module, num_layers: int, xs: Sequence[Array],
-                args: Sequence[tuple[Array, ...]], deterministic: bool, remat_policy: str | None
+                args: Sequence[tuple[Array | SharedBias, ...]], deterministic: bool, remat_policy: str | None
                 ) -> tuple[Array, ...]:
     """Runs `module`'s `layers_{i}` children as one `lax.scan` over their stacked parameters.
 
@@ -358,7 +387,7 @@ def scan_layers(module: nn.Module, layer: nn.Module, num_layers: int, xs: Sequen
 
 
 def unrolled_layers(layer_cls: type[nn.Module], config: Any, num_layers: int, xs: Sequence[Array],
-                    args: Sequence[tuple[Array, ...]], deterministic: bool) -> tuple[Array, ...]:
+                    args: Sequence[tuple[Array | SharedBias, ...]], deterministic: bool) -> tuple[Array, ...]:
     """The `layers_{i}` children created in the calling compact method and applied in turn, every
     group through each layer before the next (the unscanned form of `scan_layers`)."""
     out = tuple(xs)
@@ -407,8 +436,7 @@ class Encoder(nn.Module):
             x = with_constraint(self.embedder(group).astype(cfg.compute_dtype), ("batch", "length", "embed"))
             xs.append(dropout(x, deterministic=deterministic))
             mask, length = group != 0, group.shape[1]
-            bias = position_bias(length, length) + padding_bias(mask, mask)
-            biases.append((stack_bias(cfg, bias, group.shape[0]),))
+            biases.append((stack_bias(cfg, position_bias(length, length), mask, mask),))
         if scans_layers(self, cfg.scan_layers):
             out = scan_layers(self, EncoderLayer(cfg, parent=None), cfg.num_encoder_layers, xs, biases,
                               deterministic, remat_policy(cfg))
@@ -436,9 +464,8 @@ class Decoder(nn.Module):
             length = group.shape[1]
             causal = jnp.tril(jnp.ones((length, length), dtype=bool))
             self_bias = position_bias(length, length) + jnp.where(causal, 0.0, NEG_INF)[None, None]
-            cross_bias = padding_bias(jnp.ones(group.shape, dtype=bool), memory_mask)
-            batch = group.shape[0]
-            args.append((memory, stack_bias(cfg, self_bias, batch), stack_bias(cfg, cross_bias, batch)))
+            queries = jnp.ones(group.shape, dtype=bool)
+            args.append((memory, stack_bias(cfg, self_bias, queries, None), stack_bias(cfg, None, queries, memory_mask)))
         if scans_layers(self, cfg.scan_layers):
             out = scan_layers(self, DecoderLayer(cfg, parent=None), cfg.num_decoder_layers, xs, args,
                               deterministic, remat_policy(cfg))

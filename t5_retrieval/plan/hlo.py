@@ -65,9 +65,11 @@ def program_size(hlo_text: str) -> dict[str, int]:
 _TPU_KERNEL = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>\S+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+custom-call\(.*?"
                          r'custom_call_target="tpu_custom_call", '
                          r"operand_layout_constraints=\{(?P<operands>(?:[^{}]|\{[^{}]*\})*)\}")
-# Pallas flash attention's kernels by the names jax gives them ("flash_attention" forward, its
-# residual-saving "jvp" form included; "flash_mha_bwd_dkv_..." and "flash_mha_bwd_dq_..." backward)
-FLASH_KERNELS = (("bwd_dkv", "flash_dkv"), ("bwd_dq", "flash_dq"), ("flash_attention", "flash_forward"))
+# The attention kernels by the names jax gives them: Pallas flash attention's ("flash_attention"
+# forward, its residual-saving "jvp" form included; "flash_mha_bwd_dkv_..." and
+# "flash_mha_bwd_dq_..." backward) and `models.short_attention`'s forward and backward.
+ATTENTION_KERNELS = (("bwd_dkv", "flash_dkv"), ("bwd_dq", "flash_dq"), ("flash_attention", "flash_forward"),
+                     ("short_attention_forward", "short_forward"), ("short_attention_backward", "short_backward"))
 
 
 def _dims(shape: str) -> list[int]:
@@ -77,8 +79,8 @@ def _dims(shape: str) -> list[int]:
 
 def tpu_kernels(hlo_text: str) -> list[dict[str, object]]:
     """Each custom TPU kernel of a compiled program as written (one in a loop body once): its
-    instruction name, kind (`FLASH_KERNELS`, else "other"), the shapes of its first two operands
-    (flash attention's q and k, [b, heads, length, head dim]), operand and result bytes, and whether
+    instruction name, kind (`ATTENTION_KERNELS`, else "other"), the shapes of its first two operands
+    (the attention kernels' q and k, [b, heads, length, head dim]), operand and result bytes, and whether
     it carries a cost estimate."""
     found = []
     for line in hlo_text.splitlines():
@@ -86,7 +88,7 @@ def tpu_kernels(hlo_text: str) -> list[dict[str, object]]:
         if kernel is None:
             continue
         operands = [m.group(0) for m in _ARRAY.finditer(kernel["operands"])]
-        kind = next((k for marker, k in FLASH_KERNELS if marker in kernel["name"]), "other")
+        kind = next((k for marker, k in ATTENTION_KERNELS if marker in kernel["name"]), "other")
         found.append({"name": kernel["name"], "kind": kind,
                       "q": _dims(operands[0]) if operands else [], "k": _dims(operands[1]) if len(operands) > 1 else [],
                       "bytes": sum(shape_bytes(o) for o in operands) + shape_bytes(kernel["shape"]),

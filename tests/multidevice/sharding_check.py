@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+from jax.experimental.pallas import tpu as pltpu
 
 from t5_retrieval import multitask, sharding
 from t5_retrieval.data.batching.random_batches import RandomBatches
@@ -33,6 +34,9 @@ LAYOUTS = {"data_parallel": 1, "fsdp": 1, "tensor_parallel": 2, "fsdp_tensor_par
 # layout and on the one that shards everything; each costs a compile, so not on all four.
 PER_TASK_LAYOUTS = ("data_parallel", "fsdp_tensor_parallel")
 GATHERED_LAYOUT = "fsdp"  # the per-task step with `gathered_passes`, and without for its collectives
+# The 'pallas_tpu_short' kernels (interpret mode) in a shard_map over the batch and the heads: on the
+# layout that splits both, against the 1-device XLA step (its bias gradient summed across shards).
+SHORT_ATTENTION_LAYOUT = "fsdp_tensor_parallel"
 # SGD with lr 1: the step's parameter change is exactly minus the gradient, so comparing parameters
 # after one step compares gradients (Adam's first step would be ~sign(g), hiding differences).
 OPTIMIZER = optax.sgd(1.0, momentum=0.9)
@@ -125,6 +129,13 @@ def run_layout(layout: str, model_parallelism: int, reference: tuple) -> dict:
                         float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
                         for a, b in zip(jax.tree.leaves(bf16_gathered.params), jax.tree.leaves(bf16_plain.params))),
                     "all_gathers": {"per_pass": plain_gathers.get("count", 0), "once": gathers.get("count", 0)}}
+
+    if layout == SHORT_ATTENTION_LAYOUT:
+        with pltpu.force_tpu_interpret_mode(True):
+            short = DualEncoder(dataclasses.replace(CFG, attention="pallas_tpu_short"))
+            _, _, short_state, short_metrics, _ = step_on(mesh, sharding.LAYOUTS[layout], short)
+        per_task["short_attention_losses"] = [float(short_metrics[f"loss/{t}"]) for t in TASKS]
+        per_task["short_attention_param_max_abs_diff_after_step"] = max_diff(short_state.params)
 
     t5 = params["t5"]
     kernel = ("t5", "encoder", "layers_0", "mlp", "wi_0", "kernel")
