@@ -105,8 +105,9 @@ def _cost(q: Array, k: Array, bias: Array, matmuls: int, arrays_of_q: int, array
     tk = k.shape[2]
     itemsize = q.dtype.itemsize
     size = (arrays_of_q * b * h * tq * d + arrays_of_k * b * h * tk * d) * itemsize
+    masks = h * b * (tq + tk) * 4  # int32, read again for every head
     return pl.CostEstimate(flops=matmuls * 2 * b * h * tq * tk * d, transcendentals=b * h * tq * tk,
-                           bytes_accessed=size + bias_copies * bias.size * 4 + b * (tq + tk) * 4)
+                           bytes_accessed=size + bias_copies * bias.size * 4 + masks)
 
 
 def _forward(q, k, v, bias, query_real, key_real):
