@@ -66,26 +66,27 @@ ROWS: dict[str, tuple[str, Callable[[str, str], None]]] = {
     "naive_recipe": ("the same recipe, top-2 mined negatives, naive in the last episode too",
                      recipe_row(taco_last=False)),
     "taco_recipe_frozen": ("TACO's recipe, embedding tables frozen (median over the trained parameters), "
-                           "sampled mined negatives", RecipePairRow(TACO_LAST_EPISODE)),
+                           "sampled mined negatives", RecipePairRow(TACO_LAST_EPISODE, task_inputs=False)),
     "naive_recipe_frozen": ("the same recipe (embedding tables frozen, sampled mined negatives), naive in the last "
-                            "episode too", RecipePairRow(NAIVE_TRACKING_TACO)),
+                            "episode too", RecipePairRow(NAIVE_TRACKING_TACO, task_inputs=False)),
     **{name: row for epochs in WARMUP_CURVE_EPOCHS for name, row in {
         f"taco_recipe_frozen_warmup_{epochs}ep": (
             f"TACO's recipe (frozen tables, sampled mined negatives), {epochs}-epoch warm-up",
-            RecipePairRow(TACO_LAST_EPISODE, epochs)),
+            RecipePairRow(TACO_LAST_EPISODE, epochs, task_inputs=False)),
         f"naive_recipe_frozen_warmup_{epochs}ep": (
             f"the same recipe, {epochs}-epoch warm-up, naive in the last episode too",
-            RecipePairRow(NAIVE_TRACKING_TACO, epochs))}.items()},
+            RecipePairRow(NAIVE_TRACKING_TACO, epochs, task_inputs=False))}.items()},
     "taco_recipe_frozen_warmup_20ep_negative_tau": (
         "TACO's recipe, 20-epoch warm-up, TACO at tau -2 (discouraging specialisation)",
-        RecipePairRow(NEGATIVE_TAU_LAST_EPISODE, 20)),
-    # The recipe with its inputs per task (`recipe_task_inputs`); the rows above keep the inputs they ran with.
+        RecipePairRow(NEGATIVE_TAU_LAST_EPISODE, 20, task_inputs=False)),
+    # The recipe with its default inputs per task (`RecipePairRow.task_inputs`); the rows above keep the
+    # inputs they ran with.
     "taco_recipe_frozen_wow_mined_both_pages": (
         "TACO's recipe (frozen tables, sampled mined negatives), WoW warmed up on MiniLM-mined negatives, "
-        "HotpotQA on both gold pages", RecipePairRow(TACO_LAST_EPISODE, task_inputs=True)),
+        "HotpotQA on both gold pages", RecipePairRow(TACO_LAST_EPISODE)),
     "naive_recipe_frozen_wow_mined_both_pages": (
         "the same recipe (WoW warmed up on MiniLM-mined negatives, HotpotQA on both gold pages), naive in the last "
-        "episode too", RecipePairRow(NAIVE_TRACKING_TACO, task_inputs=True)),
+        "episode too", RecipePairRow(NAIVE_TRACKING_TACO)),
     "dpr_muf": ("DPR-MUF (fusion of the task-specific models)", dpr_muf_row),
     "query_side": ("query-side fine-tuning on qa_open (thesis)", query_side_row),
     "t5_scratch_naive": ("T5 from scratch, naive multi-task (GDMTL's control)",
