@@ -80,9 +80,13 @@ def _compiler(versions: dict[str, str]) -> str:
     return f"libtpu {versions['libtpu']}" if "libtpu" in versions else f"XLA:GPU {versions['jax']}, roofline"
 
 
+DEFAULT_GIN = ("PASSAGE_LEN=160",)  # the paper's passages; a row names the bindings its cell adds
+
+
 def table_row(cell: dict[str, Any]) -> str:
     """A markdown row: per-device memory, the estimates and what they imply, compile times."""
-    head = f"| {cell['size']} | {cell['topology']} | {cell['layout']} | {cell['method']}"
+    bindings = "".join(f", `{b}`" for b in cell.get("gin", ()) if b not in DEFAULT_GIN)
+    head = f"| {cell['size']} | {cell['topology']} | {cell['layout']} | {cell['method']}{bindings}"
     if "report" not in cell:
         return head + f" | {cell['status']} |" + " |" * 6
     report = cell["report"]
@@ -151,7 +155,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per cell")
     parser.add_argument("--cache_dir", default=None, help="t5r plan --cache_dir for every cell: what a cell stopped "
                         "part way (its timeout, a stopped machine) compiled is read back when it is run again")
-    parser.add_argument("--gin", nargs="*", default=["PASSAGE_LEN=160"], help="--gin. bindings for every cell")
+    parser.add_argument("--gin", nargs="*", default=list(DEFAULT_GIN), help="--gin. bindings for every cell")
     parser.add_argument("--out", default=TABLE_CELLS, help="the cells' JSON, committed beside the table so a later "
                         "run resumes and adds to it")
     parser.add_argument("--table", default=None, help="also write the table of every cell as a markdown page here")
